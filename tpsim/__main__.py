@@ -1,0 +1,7 @@
+"""``python -m tpsim`` is the ``tpsim`` command."""
+
+import sys
+
+from tpsim.cli import main
+
+sys.exit(main())
