@@ -12,13 +12,15 @@ from dataclasses import dataclass, field
 __all__ = ["CollectiveCall", "Trace"]
 
 
-@dataclass(frozen=True)
+@dataclass(eq=True)
 class CollectiveCall:
     """One collective as issued by one rank.
 
     ``call_index`` is 1-based and counts this rank's collective calls on ``group``
     (``all_reduce #3 on group tp`` is the third call on that group). ``shapes`` and
     ``dtypes`` describe the tensors the rank contributed (inputs), in call order.
+    (Not frozen: a frozen dataclass's ``__init__`` costs several microseconds, and one is
+    made per collective on the in-process hot path. Treat it as read-only.)
     """
 
     rank: int

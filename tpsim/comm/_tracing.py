@@ -1,0 +1,776 @@
+"""A tracing wrapper around a real process group (gloo, nccl), shared by the worker pool and torchrun mode.
+
+Every collective a rank issues on a ``torch.distributed`` group reaches one of the forwarding
+methods of :class:`TracingProcessGroup`, which
+
+1. records a :class:`~tpsim.comm.trace.CollectiveCall` in the active :class:`RankSession`
+   (op name, group, 1-based call index on that group, input shapes/dtypes, reduce op, peer);
+2. hands the call to :meth:`TracingProcessGroup.intercept` — the single per-call hook point
+   (the fault layer of issue 6 overrides it to drop, crash, delay, corrupt or mismatch);
+3. runs the real backend op on contiguous stand-ins where the caller passed non-contiguous
+   tensors (gloo writes e.g. ``scatter`` outputs in storage order, pytorch #192920), copying
+   the results back before anyone can read them;
+4. returns a :class:`TracedWork` whose ``wait`` turns a backend failure (peer gone, timeout)
+   into a :class:`tpsim.CollectiveError` naming the collective and its call index.
+
+How it is installed: :func:`register_backends` registers the custom backends ``tpsim_gloo`` and
+``tpsim_nccl`` with ``dist.Backend.register_backend``; their creator builds the real
+``ProcessGroupGloo``/``ProcessGroupNCCL`` and wraps it. Because the wrapper is itself a
+``dist.ProcessGroup``, ``dist.new_group`` groups and the functional collectives (which find
+groups by ``group_name`` and call the wrapper's methods from C++) go through it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tpsim.comm.trace import CollectiveCall
+from tpsim.errors import CollectiveError
+
+__all__ = [
+    "BACKEND_NAMES",
+    "RankSession",
+    "StatusSlot",
+    "TracedWork",
+    "TracingProcessGroup",
+    "activate",
+    "current_session",
+    "register_backends",
+]
+
+#: tpsim backend name -> the name of the tracing c10d backend registered for it.
+BACKEND_NAMES = {"gloo": "tpsim_gloo", "nccl": "tpsim_nccl"}
+
+#: Label used in traces and messages for the default (whole-world) group.
+WORLD_GROUP = "world"
+
+
+class StatusSlot:
+    """A few bytes of memory shared with the parent, saying what this rank is doing right now.
+
+    The parent reads it when it must decide, without waiting for a timeout, whether a rank
+    that has not reported is blocked in a collective (then it can never report on its own)
+    and to say in error messages what each rank was doing. Text form:
+    ``state|op|call_index|group`` with state ``idle``, ``running`` or ``collective``.
+    """
+
+    def __init__(self, buffer: Any | None) -> None:
+        self._buffer = buffer  # a multiprocessing RawArray of c_char, or None (torchrun mode)
+
+    def set(self, state: str, call: CollectiveCall | None = None) -> None:
+        """Publish ``state`` and the collective ``call`` this rank is in or issued last."""
+        if self._buffer is None:
+            return
+        if call is None:
+            text = f"{state}|||"
+        else:
+            text = f"{state}|{call.op}|{call.call_index}|{call.group}"
+        # Truncate so the NUL terminator fits; a reader may see a torn value, which only
+        # ever affects the wording of a diagnostic.
+        self._buffer.value = text.encode("utf-8", "replace")[: len(self._buffer) - 1]
+
+
+def parse_status(raw: bytes) -> tuple[str, str | None, int | None, str | None]:
+    """Decode a :class:`StatusSlot` value into ``(state, op, call_index, group)``."""
+    parts = raw.decode("utf-8", "replace").split("|")
+    if len(parts) != 4:
+        return ("unknown", None, None, None)
+    state, op, index, group = parts
+    try:
+        call_index: int | None = int(index)
+    except ValueError:
+        call_index = None
+    return (state or "unknown", op or None, call_index, group or None)
+
+
+class RankSession:
+    """What one rank records while it runs one submitted function.
+
+    A fresh session is activated around every ``fn`` run, so call indices start at 1 on every
+    group for every run even though the worker's world (and its groups) lives on.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        *,
+        timeout: float,
+        faults: Sequence[Any] = (),
+        status: StatusSlot | None = None,
+    ) -> None:
+        self.rank = rank
+        self.timeout = timeout
+        self.faults = tuple(faults)
+        self.status = status or StatusSlot(None)
+        self.calls: list[CollectiveCall] = []
+        #: The call whose wait failed first on this rank (None while collectives succeed).
+        self.failed_call: CollectiveCall | None = None
+        self._counters: dict[str, int] = {}
+        self._last: CollectiveCall | None = None
+        # Collectives may be issued from several threads of one rank (autograd engine threads).
+        self._lock = threading.Lock()
+
+    def record(
+        self,
+        op: str,
+        group: str,
+        group_ranks: tuple[int, ...],
+        tensors: Sequence[torch.Tensor],
+        *,
+        reduce_op: str | None = None,
+        peer: int | None = None,
+    ) -> CollectiveCall:
+        """Append and return the :class:`CollectiveCall` for one op issued now on ``group``."""
+        with self._lock:
+            index = self._counters.get(group, 0) + 1
+            self._counters[group] = index
+            call = CollectiveCall(
+                rank=self.rank,
+                op=op,
+                group=group,
+                group_ranks=group_ranks,
+                call_index=index,
+                shapes=tuple(tuple(t.shape) for t in tensors),
+                dtypes=tuple(_dtype_name(t.dtype) for t in tensors),
+                reduce_op=reduce_op,
+                peer=peer,
+            )
+            self.calls.append(call)
+            self._last = call
+        self.status.set("collective", call)
+        return call
+
+    def left(self, call: CollectiveCall) -> None:
+        """Mark that the rank is back in its own code after waiting on ``call``."""
+        self.status.set("running", self._last or call)
+
+    @property
+    def last_call(self) -> CollectiveCall | None:
+        """The most recent collective this rank issued in this session."""
+        return self._last
+
+
+_SESSION: RankSession | None = None
+
+
+def current_session() -> RankSession | None:
+    """The session of the function running on this rank now, or None outside a run."""
+    return _SESSION
+
+
+@contextlib.contextmanager
+def activate(session: RankSession) -> Iterator[RankSession]:
+    """Make ``session`` the one every traced collective records into, for the ``with`` body."""
+    global _SESSION
+    previous = _SESSION
+    _SESSION = session
+    session.status.set("running")
+    for pg in _traced_groups():
+        pg.apply_timeout(session.timeout)
+    try:
+        yield session
+    finally:
+        _SESSION = previous
+
+
+def _traced_groups() -> list[TracingProcessGroup]:
+    """Every live tracing group of this process (the world and its subgroups)."""
+    groups = list(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else []
+    return [g for g in groups if isinstance(g, TracingProcessGroup)]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _reduce_op_name(op: Any) -> str | None:
+    """``ReduceOp`` (or its ``RedOpType``) -> ``"SUM"``; None when the op carries none."""
+    kind = getattr(op, "op", op)  # ReduceOp wraps a RedOpType in .op
+    name = getattr(kind, "name", None)
+    return str(name) if name is not None else (str(kind).rsplit(".", 1)[-1] if kind is not None else None)
+
+
+def _flat(obj: Any) -> list[torch.Tensor]:
+    """Tensors of a tensor / (nested) list of tensors, in order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    out: list[torch.Tensor] = []
+    for item in obj or ():
+        out.extend(_flat(item))
+    return out
+
+
+class _Contiguous:
+    """Swaps non-contiguous tensors for contiguous stand-ins and copies results back.
+
+    gloo computes on a tensor's storage in memory order, so a non-contiguous output (a
+    transposed view, a strided slice) silently receives scrambled data (pytorch #192920).
+    Running the op on stand-ins and copying back is correct on every backend.
+    """
+
+    def __init__(self) -> None:
+        self._writeback: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @property
+    def needed(self) -> bool:
+        """Whether some written tensor was replaced (so results must be copied back)."""
+        return bool(self._writeback)
+
+    def read(self, obj: Any) -> Any:
+        """Stand-ins for tensors the op only reads."""
+        return self._map(obj, write=False)
+
+    def write(self, obj: Any) -> Any:
+        """Stand-ins for tensors the op writes (or reads and writes)."""
+        return self._map(obj, write=True)
+
+    def _map(self, obj: Any, *, write: bool) -> Any:
+        if isinstance(obj, torch.Tensor):
+            if obj.is_contiguous():
+                return obj
+            standin = obj.contiguous()
+            if write:
+                self._writeback.append((obj, standin))
+            return standin
+        if isinstance(obj, (list, tuple)):
+            return [self._map(item, write=write) for item in obj]
+        return obj
+
+    def copy_back(self) -> None:
+        """Write the stand-ins' results into the caller's tensors."""
+        with torch.no_grad():
+            for original, standin in self._writeback:
+                original.copy_(standin)
+        self._writeback.clear()
+
+
+class _AllWork(dist.Work):
+    """One handle over several backend works (used to emulate coalesced ops gloo lacks)."""
+
+    def __init__(self, works: list[Any]) -> None:
+        super().__init__()
+        self._works = works
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        for work in self._works:
+            work.wait(timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def is_success(self) -> bool:
+        return all(w.is_success() for w in self._works)
+
+    def get_future(self) -> torch.futures.Future:
+        return torch.futures.collect_all([w.get_future() for w in self._works])
+
+
+class TracedWork(dist.Work):
+    """The handle returned for every traced collective.
+
+    ``wait`` waits on the backend work, converts a backend failure into a
+    :class:`tpsim.CollectiveError` for this rank, copies non-contiguous results back, and keeps
+    the rank's status slot honest (in a collective until the wait returns). C++ callers
+    (functional collectives, autograd) reach this ``wait`` through torch's Work trampoline.
+    """
+
+    def __init__(
+        self,
+        inner: Any,
+        call: CollectiveCall | None,
+        session: RankSession | None,
+        fix: _Contiguous | None = None,
+    ) -> None:
+        super().__init__()
+        self._inner = inner
+        self._call = call
+        self._session = session
+        self._fix = fix
+        self._done = False
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        if self._done:  # callers may wait twice (e.g. a work handle and wait_tensor)
+            return True
+        try:
+            result = self._inner.wait(timeout) if self._inner is not None else True
+        except Exception as exc:
+            raise self._failure(exc) from exc
+        finally:
+            if self._session is not None and self._call is not None:
+                self._session.left(self._call)
+        if self._fix is not None:
+            self._fix.copy_back()
+        self._done = True
+        return bool(result) if result is not None else True
+
+    def _failure(self, exc: Exception) -> Exception:
+        call, session = self._call, self._session
+        if call is None or session is None:
+            return exc  # outside a tpsim run: leave the backend's own error alone
+        if session.failed_call is None:
+            session.failed_call = call
+        if isinstance(exc, CollectiveError):
+            return exc
+        return CollectiveError(
+            f"rank {call.rank}: {call.describe()} failed: {str(exc).strip()}",
+            rank=call.rank,
+            collective=call.op,
+            call_index=call.call_index,
+            group=call.group,
+        )
+
+    def is_completed(self) -> bool:
+        return self._done or (self._inner is None or bool(self._inner.is_completed()))
+
+    def is_success(self) -> bool:
+        return self._inner is None or bool(self._inner.is_success())
+
+    def exception(self) -> Any:
+        return None if self._inner is None else self._inner.exception()
+
+    def source_rank(self) -> int:
+        return int(self._inner.source_rank())
+
+    def _source_rank(self) -> int:
+        return int(self._inner._source_rank())
+
+    def result(self) -> list[torch.Tensor]:
+        return [] if self._inner is None else list(self._inner.result())
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def get_future(self) -> torch.futures.Future:
+        if self._inner is None:
+            fut: torch.futures.Future = torch.futures.Future()
+            fut.set_result([])
+            return fut
+        return self._inner.get_future()
+
+
+class TracingProcessGroup(dist.ProcessGroup):
+    """A ``dist.ProcessGroup`` that records and forwards every op to a real backend group.
+
+    ``inner`` is the real ``ProcessGroupGloo``/``ProcessGroupNCCL`` of the same ranks. Every
+    public op funnels into :meth:`_collective`, which records the call and passes it to
+    :meth:`intercept` — the one method a fault-injection layer overrides.
+    """
+
+    def __init__(
+        self,
+        inner: Any,
+        *,
+        rank: int,
+        size: int,
+        group_name: str,
+        global_ranks: Sequence[int],
+        device_type: str,
+        backend_name: str,
+    ) -> None:
+        super().__init__(rank, size)
+        self.inner = inner
+        self._group_name = str(group_name)
+        # The default group is created with an empty rank list: it spans the whole world.
+        self._is_world = len(global_ranks) == 0
+        self._global_ranks = tuple(global_ranks) if global_ranks else tuple(range(size))
+        self._device_type = device_type
+        self._backend_name = backend_name
+        self._label: str | None = None
+
+    # -- identity: functional collectives resolve groups by name, object collectives by device
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        return self._group_name
+
+    @property
+    def _device_types(self) -> list[torch.device]:  # type: ignore[override]
+        return [torch.device(self._device_type)]
+
+    def getBackendName(self) -> str:
+        return self._backend_name
+
+    def name(self) -> str:  # type: ignore[override]
+        return self._backend_name
+
+    def _get_backend_name(self) -> str:
+        return self._backend_name
+
+    def _get_backend(self, device: Any) -> Any:  # control-plane helpers (timeouts, uid) ask for it
+        if torch.device(device).type != self._device_type:
+            raise RuntimeError(f"No backend type associated with device type {torch.device(device).type}")
+        return self.inner
+
+    @property
+    def trace_label(self) -> str:
+        """Group name used in traces: ``world``, else the group's description, else its c10d name."""
+        if self._label is None:
+            if self._is_world:
+                self._label = WORLD_GROUP
+            else:
+                desc = ""
+                with contextlib.suppress(Exception):
+                    desc = str(self.group_desc)
+                self._label = desc if desc and desc not in ("undefined", "default_pg") else self._group_name
+        return self._label
+
+    @property
+    def global_ranks(self) -> tuple[int, ...]:
+        """Global ranks of this group's members, in group-rank order."""
+        return self._global_ranks
+
+    def apply_timeout(self, seconds: float) -> None:
+        """Bound every wait of the real backend by ``seconds`` (set at the start of each run)."""
+        with contextlib.suppress(Exception):  # not every backend build exposes set_timeout
+            self.inner.set_timeout(datetime.timedelta(seconds=seconds))
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:  # type: ignore[override]
+        self.inner.set_timeout(timeout)
+
+    def shutdown(self) -> None:  # type: ignore[override]
+        with contextlib.suppress(Exception):
+            self.inner.shutdown()
+
+    def abort(self) -> None:  # type: ignore[override]
+        with contextlib.suppress(Exception):
+            self.inner.abort()
+
+    # -- the interception point -----------------------------------------------------------
+    def intercept(
+        self, call: CollectiveCall | None, tensors: list[torch.Tensor], issue: Callable[[], Any]
+    ) -> Any:
+        """Issue one recorded collective; return the backend's work handle.
+
+        This is the per-call hook point: ``call`` is the record just made (None outside a tpsim
+        run), ``tensors`` the rank's input tensors as the caller passed them, ``issue()`` runs
+        the real op. A fault layer overrides this method to act at a rank's Nth call on a group
+        (``call.rank``, ``call.group``, ``call.call_index``; the plan is ``current_session().faults``):
+        not calling ``issue`` (drop), raising (crash), sleeping first (delay), perturbing
+        ``tensors`` first (corrupt), or issuing a different op (mismatch).
+        """
+        return issue()
+
+    def _collective(
+        self,
+        op: str,
+        inputs: Any,
+        issue: Callable[[], Any],
+        fix: _Contiguous,
+        *,
+        reduce_op: Any = None,
+        peer: int | None = None,
+    ) -> TracedWork:
+        session = current_session()
+        tensors = _flat(inputs)
+        call = None
+        if session is not None:
+            call = session.record(
+                op,
+                self.trace_label,
+                self._global_ranks,
+                tensors,
+                reduce_op=_reduce_op_name(reduce_op) if reduce_op is not None else None,
+                peer=peer,
+            )
+        try:
+            inner = self.intercept(call, tensors, issue)
+        except BaseException:
+            if session is not None and call is not None:
+                session.left(call)  # refused at issue time: the rank is not blocked in it
+            raise
+        work = TracedWork(inner, call, session, fix if fix.needed else None)
+        if fix.needed:
+            # Copy results back before returning, whatever way the caller later waits
+            # (work.wait, get_future, a C++ wait_tensor): correctness over overlap.
+            work.wait()
+        return work
+
+    def _peer(self, group_rank: int) -> int:
+        """Global rank of ``group_rank`` in this group (as traces report peers)."""
+        if 0 <= group_rank < len(self._global_ranks):
+            return self._global_ranks[group_rank]
+        return group_rank
+
+    # -- forwarded ops --------------------------------------------------------------------
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TracedWork:
+        opts = dist.AllreduceOptions() if opts is None else opts
+        fix = _Contiguous()
+        ts = fix.write(tensors)
+        return self._collective(
+            "all_reduce", tensors, lambda: self.inner.allreduce(ts, opts), fix, reduce_op=opts.reduceOp
+        )
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> TracedWork:
+        opts = dist.AllreduceCoalescedOptions() if opts is None else opts
+        fix = _Contiguous()
+        ts = fix.write(tensors)
+        return self._collective(
+            "all_reduce", tensors, lambda: self.inner.allreduce_coalesced(ts, opts), fix, reduce_op=opts.reduceOp
+        )
+
+    def allgather(
+        self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
+    ) -> TracedWork:
+        opts = _opts("AllgatherOptions") if opts is None else opts
+        fix = _Contiguous()
+        outs, ins = fix.write(output_tensors), fix.read(input_tensors)
+        return self._collective("all_gather", input_tensors, lambda: self.inner.allgather(outs, ins, opts), fix)
+
+    def allgather_coalesced(
+        self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor], opts: Any = None
+    ) -> TracedWork:
+        opts = _opts("AllgatherOptions") if opts is None else opts
+        fix = _Contiguous()
+        outs, ins = fix.write(output_lists), fix.read(input_list)
+        return self._collective(
+            "all_gather", input_list, lambda: self.inner.allgather_coalesced(outs, ins, opts), fix
+        )
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> TracedWork:
+        opts = _opts("AllgatherOptions") if opts is None else opts
+        fix = _Contiguous()
+        out, inp = fix.write(output), fix.read(input)
+        return self._collective(
+            "all_gather_into_tensor", [input], lambda: self.inner._allgather_base(out, inp, opts), fix
+        )
+
+    all_gather_single = _allgather_base  # torch >= 2.13 name of the same op
+
+    def allgather_into_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> TracedWork:
+        opts = _opts("AllgatherOptions") if opts is None else opts
+        fix = _Contiguous()
+        outs, ins = fix.write(outputs), fix.read(inputs)
+
+        def issue() -> Any:
+            native = getattr(self.inner, "allgather_into_tensor_coalesced", None)
+            if native is not None:
+                return native(outs, ins, opts)
+            # gloo has no coalesced form: one op per tensor, in the same order on every rank.
+            return _AllWork([self.inner._allgather_base(o, i, opts) for o, i in zip(outs, ins)])
+
+        return self._collective("all_gather_into_tensor", inputs, issue, fix)
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def reduce_scatter(
+        self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None
+    ) -> TracedWork:
+        opts = dist.ReduceScatterOptions() if opts is None else opts
+        fix = _Contiguous()
+        outs, ins = fix.write(output_tensors), fix.read(input_tensors)
+        return self._collective(
+            "reduce_scatter", input_tensors, lambda: self.inner.reduce_scatter(outs, ins, opts), fix,
+            reduce_op=opts.reduceOp,
+        )
+
+    def _reduce_scatter_base(self, outputTensor: torch.Tensor, inputTensor: torch.Tensor, opts: Any = None) -> TracedWork:
+        opts = dist.ReduceScatterOptions() if opts is None else opts
+        fix = _Contiguous()
+        out, inp = fix.write(outputTensor), fix.read(inputTensor)
+        return self._collective(
+            "reduce_scatter_tensor", [inputTensor], lambda: self.inner._reduce_scatter_base(out, inp, opts), fix,
+            reduce_op=opts.reduceOp,
+        )
+
+    reduce_scatter_single = _reduce_scatter_base  # torch >= 2.13 name of the same op
+
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> TracedWork:
+        opts = dist.ReduceScatterOptions() if opts is None else opts
+        fix = _Contiguous()
+        outs, ins = fix.write(outputs), fix.read(inputs)
+
+        def issue() -> Any:
+            native = getattr(self.inner, "reduce_scatter_tensor_coalesced", None)
+            if native is not None:
+                return native(outs, ins, opts)
+            return _AllWork([self.inner._reduce_scatter_base(o, i, opts) for o, i in zip(outs, ins)])
+
+        return self._collective("reduce_scatter_tensor", inputs, issue, fix, reduce_op=opts.reduceOp)
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> TracedWork:
+        opts = dist.BroadcastOptions() if opts is None else opts
+        fix = _Contiguous()
+        ts = fix.write(tensors)
+        return self._collective(
+            "broadcast", tensors, lambda: self.inner.broadcast(ts, opts), fix, peer=self._peer(opts.rootRank)
+        )
+
+    def scatter(
+        self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None
+    ) -> TracedWork:
+        opts = dist.ScatterOptions() if opts is None else opts
+        fix = _Contiguous()
+        outs, ins = fix.write(output_tensors), fix.read(input_tensors)
+        # The root contributes the scatter list; the other ranks only a buffer to receive into.
+        shown = input_tensors if _flat(input_tensors) else output_tensors
+        return self._collective(
+            "scatter", shown, lambda: self.inner.scatter(outs, ins, opts), fix, peer=self._peer(opts.rootRank)
+        )
+
+    def gather(
+        self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
+    ) -> TracedWork:
+        opts = dist.GatherOptions() if opts is None else opts
+        fix = _Contiguous()
+        outs, ins = fix.write(output_tensors), fix.read(input_tensors)
+        return self._collective(
+            "gather", input_tensors, lambda: self.inner.gather(outs, ins, opts), fix, peer=self._peer(opts.rootRank)
+        )
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TracedWork:
+        opts = dist.ReduceOptions() if opts is None else opts
+        fix = _Contiguous()
+        ts = fix.write(tensors)
+        return self._collective(
+            "reduce", tensors, lambda: self.inner.reduce(ts, opts), fix,
+            reduce_op=opts.reduceOp, peer=self._peer(opts.rootRank),
+        )
+
+    def alltoall(
+        self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any = None
+    ) -> TracedWork:
+        opts = dist.AllToAllOptions() if opts is None else opts
+        fix = _Contiguous()
+        outs, ins = fix.write(output_tensors), fix.read(input_tensors)
+        return self._collective("all_to_all", input_tensors, lambda: self.inner.alltoall(outs, ins, opts), fix)
+
+    def alltoall_base(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> TracedWork:
+        opts = dist.AllToAllOptions() if opts is None else opts
+        fix = _Contiguous()
+        out, inp = fix.write(output), fix.read(input)
+        out_splits, in_splits = list(output_split_sizes), list(input_split_sizes)
+        return self._collective(
+            "all_to_all_single", [input],
+            lambda: self.inner.alltoall_base(out, inp, out_splits, in_splits, opts), fix,
+        )
+
+    all_to_all_single = alltoall_base  # torch >= 2.13 name of the same op
+
+    def barrier(self, opts: Any = None) -> TracedWork:
+        opts = dist.BarrierOptions() if opts is None else opts
+        return self._collective("barrier", [], lambda: self.inner.barrier(opts), _Contiguous())
+
+    def monitored_barrier(self, timeout: datetime.timedelta | None = None, wait_all_ranks: bool = False) -> None:
+        def issue() -> None:
+            if timeout is None:
+                self.inner.monitored_barrier(wait_all_ranks=wait_all_ranks)
+            else:
+                self.inner.monitored_barrier(timeout, wait_all_ranks)
+
+        self._collective("barrier", [], issue, _Contiguous()).wait()
+
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> TracedWork:
+        fix = _Contiguous()
+        ts = fix.read(tensors)
+        return self._collective("send", tensors, lambda: self.inner.send(ts, dstRank, tag), fix, peer=self._peer(dstRank))
+
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> TracedWork:
+        fix = _Contiguous()
+        ts = fix.write(tensors)
+        return self._collective("recv", tensors, lambda: self.inner.recv(ts, srcRank, tag), fix, peer=self._peer(srcRank))
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> TracedWork:
+        fix = _Contiguous()
+        ts = fix.write(tensors)
+        return self._collective("recv", tensors, lambda: self.inner.recv_anysource(ts, tag), fix)
+
+
+def _opts(name: str) -> Any:
+    """Options objects that ``torch.distributed`` does not re-export (e.g. AllgatherOptions)."""
+    import torch._C._distributed_c10d as c10d
+
+    return getattr(c10d, name)()
+
+
+# -- backend registration --------------------------------------------------------------------
+
+_REGISTERED: dict[str, bool] = {}
+_LOOPBACK = {"value": False}
+
+
+def register_backends(*, loopback: bool) -> None:
+    """Register ``tpsim_gloo`` / ``tpsim_nccl`` with torch.distributed (idempotent per process).
+
+    ``loopback=True`` (the worker pool: every rank on this machine) binds gloo to 127.0.0.1 so
+    no hostname lookup or network interface is involved; ``False`` (torchrun, possibly many
+    machines) lets gloo pick its interface as usual (``GLOO_SOCKET_IFNAME`` is honoured).
+    """
+    _LOOPBACK["value"] = loopback
+    if _REGISTERED:
+        return
+    dist.Backend.register_backend(BACKEND_NAMES["gloo"], _create_gloo, extended_api=True, devices=["cpu"])
+    if dist.is_nccl_available():
+        dist.Backend.register_backend(BACKEND_NAMES["nccl"], _create_nccl, extended_api=True, devices=["cuda"])
+    _REGISTERED["done"] = True
+
+
+def _timeout_for(opts: Any) -> datetime.timedelta:
+    session = current_session()
+    # Groups made inside a run (dist.new_group) get the run's timeout, not the world's.
+    if session is not None:
+        return datetime.timedelta(seconds=session.timeout)
+    return opts.timeout
+
+
+def _create_gloo(opts: Any, backend_options: Any) -> TracingProcessGroup:
+    from torch.distributed import ProcessGroupGloo
+
+    gloo_opts = ProcessGroupGloo._Options()
+    gloo_opts._timeout = _timeout_for(opts)
+    if _LOOPBACK["value"]:
+        gloo_opts._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    else:
+        gloo_opts._devices = [ProcessGroupGloo.create_default_device()]
+    inner = ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, gloo_opts)
+    with contextlib.suppress(Exception):
+        inner.options.global_ranks_in_group = list(opts.global_ranks_in_group)
+        inner.options.group_name = opts.group_id
+    return TracingProcessGroup(
+        inner,
+        rank=opts.group_rank,
+        size=opts.group_size,
+        group_name=opts.group_id,
+        global_ranks=list(opts.global_ranks_in_group),
+        device_type="cpu",
+        backend_name=BACKEND_NAMES["gloo"],
+    )
+
+
+def _create_nccl(opts: Any, backend_options: Any) -> TracingProcessGroup:
+    from torch.distributed import ProcessGroupNCCL
+
+    nccl_opts = backend_options if isinstance(backend_options, ProcessGroupNCCL.Options) else ProcessGroupNCCL.Options()
+    nccl_opts._timeout = _timeout_for(opts)
+    with contextlib.suppress(Exception):
+        nccl_opts.global_ranks_in_group = list(opts.global_ranks_in_group)
+        nccl_opts.group_name = opts.group_id
+    inner = ProcessGroupNCCL(opts.store, opts.group_rank, opts.group_size, nccl_opts)
+    return TracingProcessGroup(
+        inner,
+        rank=opts.group_rank,
+        size=opts.group_size,
+        group_name=opts.group_id,
+        global_ranks=list(opts.global_ranks_in_group),
+        device_type="cuda",
+        backend_name=BACKEND_NAMES["nccl"],
+    )

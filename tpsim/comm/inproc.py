@@ -1,0 +1,825 @@
+"""The ``inproc`` backend: a real torch.distributed process group whose ranks are threads.
+
+``dist.init_process_group("inproc", ...)`` works in any thread that
+:func:`run_inproc` started as a rank, so unmodified SPMD code (``dist.get_rank()``,
+``dist.all_reduce(t)``, ``dist.new_group``, functional collectives, DTensor) runs here as
+under torchrun. Collectives are computed by the last rank to arrive, in rank order, so
+results are bit-identical run after run and equal to a single-thread computation done
+rank after rank. Scheduling is in :mod:`tpsim.comm.scheduler`; per-thread registries and
+process state in :mod:`tpsim.comm.threadworld`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tpsim.comm import threadworld
+from tpsim.comm.scheduler import Scheduler, WorldBroken, collective_error, format_exception
+from tpsim.comm.trace import CollectiveCall, Trace
+from tpsim.errors import CollectiveError, InvalidArgument, RankError
+
+__all__ = ["BACKEND_NAME", "InprocProcessGroup", "register", "run_inproc"]
+
+BACKEND_NAME = "inproc"
+
+_tls = threading.local()  # .world: the _SimWorld of the running rank thread, .rank
+
+
+# ----------------------------------------------------------------------------------------
+# Reductions, in rank order
+# ----------------------------------------------------------------------------------------
+def _reduce_in_rank_order(tensors: Sequence[torch.Tensor], op: Any) -> torch.Tensor:
+    """Fold ``tensors`` left to right (rank 0 first): the order a single thread would use."""
+    acc = tensors[0].clone()
+    if op == dist.ReduceOp.SUM or op == dist.ReduceOp.AVG:
+        for t in tensors[1:]:
+            acc.add_(t)
+        if op == dist.ReduceOp.AVG:
+            if not acc.is_floating_point() and not acc.is_complex():
+                raise InvalidArgument(f"ReduceOp.AVG needs a floating-point tensor, got dtype={acc.dtype}")
+            acc.div_(len(tensors))
+    elif op == dist.ReduceOp.PRODUCT:
+        for t in tensors[1:]:
+            acc.mul_(t)
+    elif op == dist.ReduceOp.MAX:
+        for t in tensors[1:]:
+            torch.maximum(acc, t, out=acc)
+    elif op == dist.ReduceOp.MIN:
+        for t in tensors[1:]:
+            torch.minimum(acc, t, out=acc)
+    elif op == dist.ReduceOp.BAND:
+        for t in tensors[1:]:
+            acc.bitwise_and_(t)
+    elif op == dist.ReduceOp.BOR:
+        for t in tensors[1:]:
+            acc.bitwise_or_(t)
+    elif op == dist.ReduceOp.BXOR:
+        for t in tensors[1:]:
+            acc.bitwise_xor_(t)
+    else:
+        raise InvalidArgument(f"reduce op {op!r} is not supported by the inproc backend "
+                              "(supported: SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR)")
+    return acc
+
+
+_OP_NAMES: dict[Any, str] = {}
+
+
+def _op_name(op: Any) -> str:
+    key = getattr(op, "op", op)  # a ReduceOp wraps a RedOpType whose str is "RedOpType.SUM"
+    name = _OP_NAMES.get(key)
+    if name is None:
+        text = str(key)
+        name = _OP_NAMES[key] = text.split(".")[-1] if "." in text else text
+    return name
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
+
+
+def _sig(tensors: Sequence[torch.Tensor]) -> tuple[tuple[tuple[int, ...], ...], tuple[str, ...]]:
+    # torch.Size is already a tuple: no conversion needed on this hot path.
+    return tuple([t.shape for t in tensors]), tuple([_dtype_name(t.dtype) for t in tensors])
+
+
+# ----------------------------------------------------------------------------------------
+# One collective instance: the k-th collective of a group, joined by every member
+# ----------------------------------------------------------------------------------------
+class _Instance:
+    """The ``index``-th collective on a group; completed by the last member to arrive."""
+
+    __slots__ = ("arrived", "compute", "done", "group", "index", "op", "payloads", "signature", "calls")
+
+    def __init__(self, group: _GroupState, index: int, op: str, signature: Any, compute: Callable) -> None:
+        self.group = group
+        self.index = index
+        self.op = op
+        self.signature = signature
+        self.compute = compute
+        self.payloads: dict[int, Any] = {}
+        self.calls: dict[int, CollectiveCall] = {}
+        self.done = False
+
+    # for the scheduler's messages
+    @property
+    def group_name(self) -> str:
+        return self.group.name
+
+    def describe_wait(self, rank: int) -> str:
+        return f"{self.op} #{self.index} on group {self.group.name}"
+
+    def missing_ranks(self) -> tuple[int, ...]:
+        return tuple(g for i, g in enumerate(self.group.ranks) if i not in self.payloads)
+
+    def describe_stuck(self, slots: list) -> str:
+        waiting = ",".join(str(self.group.ranks[i]) for i in sorted(self.payloads))
+        missing = [slots[g].doing() for g in self.missing_ranks()]
+        return f"{self.op} #{self.index} on group {self.group.name}: ranks {waiting} waiting; " + "; ".join(missing)
+
+
+class _Recv:
+    """A pending receive (p2p waits are described like collectives in messages)."""
+
+    op = "recv"
+
+    def __init__(self, group: _GroupState, me: int, src: int | None, tag: int, index: int) -> None:
+        self.group = group
+        self.me = me
+        self.src = src
+        self.tag = tag
+        self.index = index
+
+    @property
+    def group_name(self) -> str:
+        return self.group.name
+
+    def describe_wait(self, rank: int) -> str:
+        src = "any rank" if self.src is None else f"rank {self.group.ranks[self.src]}"
+        return f"recv #{self.index} from {src} on group {self.group.name}"
+
+    def missing_ranks(self) -> tuple[int, ...]:
+        return () if self.src is None else (self.group.ranks[self.src],)
+
+    def describe_stuck(self, slots: list) -> str:
+        me = self.group.ranks[self.me]
+        others = [slots[g].doing() for g in self.missing_ranks()]
+        return f"{self.describe_wait(me)}: rank {me} waiting; " + ("; ".join(others) or "no sender")
+
+
+class _GroupState:
+    """State shared by the members of one group (one per group name per world)."""
+
+    def __init__(self, name: str, ranks: tuple[int, ...]) -> None:
+        self.name = name
+        self.ranks = ranks
+        self.size = len(ranks)
+        self.seq = [0] * len(ranks)  # collectives issued so far, per group rank (matching)
+        self.pending: dict[int, _Instance] = {}
+        self.mail: dict[tuple[int, int, int], deque] = {}  # (src, dst, tag) -> tensors
+
+
+class _SimWorld:
+    """Everything one in-process world shares: scheduler, groups, trace, faults."""
+
+    def __init__(self, world_size: int, timeout: float, faults: Sequence[Any]) -> None:
+        self.world_size = world_size
+        self.timeout = timeout
+        self.sched = Scheduler(world_size, timeout, torch.get_default_dtype())
+        self.groups: dict[str, _GroupState] = {}
+        self.group_lock = threading.Lock()
+        self.store = dist.HashStore()
+        self.calls_per_rank = [0] * world_size  # all calls of a rank, any group (faults count these)
+        self.faults = tuple(faults)
+        self.cpu = _choose_cpu()
+
+    def group(self, name: str, ranks: tuple[int, ...]) -> _GroupState:
+        with self.group_lock:
+            g = self.groups.get(name)
+            if g is None:
+                g = self.groups[name] = _GroupState(name, ranks)
+            return g
+
+
+# ----------------------------------------------------------------------------------------
+# Work handles
+# ----------------------------------------------------------------------------------------
+class _Work(dist.Work):
+    """Handle returned by every inproc op; ``wait()`` yields the baton until it completes."""
+
+    def __init__(self, pg: InprocProcessGroup, ready: Callable[[], bool], waiting_on: Any,
+                 result: list[torch.Tensor], finish: Callable[[], None] | None = None) -> None:
+        super().__init__()
+        self._pg = pg
+        self._ready = ready
+        self._waiting_on = waiting_on
+        self._result = result
+        self._finish = finish
+        self._waited = False
+
+    def is_completed(self) -> bool:
+        return self._ready()
+
+    def is_success(self) -> bool:
+        return self._ready()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if self._waited:
+            return True
+        world = self._pg._world
+        try:
+            world.sched.wait_until(self._pg._global_rank, self._ready, self._waiting_on)
+        except WorldBroken as err:
+            raise collective_error(err, self._pg._global_rank) from None
+        if self._finish is not None:
+            self._finish()
+        self._waited = True
+        return True
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        self.wait()
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(self._result)
+        return fut
+
+    def synchronize(self) -> None:
+        self.wait()
+
+
+def _done_work(pg: InprocProcessGroup, result: list[torch.Tensor]) -> _Work:
+    return _Work(pg, lambda: True, None, result)
+
+
+# ----------------------------------------------------------------------------------------
+# The process group
+# ----------------------------------------------------------------------------------------
+class InprocProcessGroup(dist.ProcessGroup):
+    """A torch.distributed process group whose members are threads of this process.
+
+    Created by torch through :func:`register`'s backend hook; never construct it yourself.
+    """
+
+    def __init__(self, world: _SimWorld, state: _GroupState, group_rank: int, global_rank: int) -> None:
+        super().__init__(group_rank, state.size)
+        self._world = world
+        self._state = state
+        self._group_rank = group_rank
+        self._global_rank = global_rank
+        self._name = state.name
+        self._tpsim_desc: str | None = None
+
+    # -- identity ----------------------------------------------------------------------
+    @property
+    def group_name(self) -> str:
+        return self._name
+
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._tpsim_desc = desc
+        self._state.name = threadworld.group_display_name(self, self._state.ranks, self._world.world_size)
+
+    @property
+    def group_desc(self) -> str:
+        return self._tpsim_desc or "undefined"
+
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def _get_backend_name(self) -> str:
+        return BACKEND_NAME
+
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    def __repr__(self) -> str:
+        return f"InprocProcessGroup(group={self._state.name}, rank={self._group_rank}, size={self._state.size})"
+
+    def shutdown(self) -> None:  # nothing to release: no sockets, no streams
+        pass
+
+    def abort(self) -> None:
+        pass
+
+    def _wait_for_pending_works(self) -> None:
+        pass
+
+    def _has_hooks(self) -> bool:
+        return False
+
+    # -- the core: join a collective --------------------------------------------------
+    def _join(self, op: str, tensors: Sequence[torch.Tensor], payload: Any, compute: Callable,
+              *, signature: Any = None, reduce_op: Any = None, peer: int | None = None,
+              result: list[torch.Tensor] | None = None) -> _Work:
+        world = self._world
+        if world.sched.broken is not None:
+            raise collective_error(world.sched.broken, self._global_rank)
+        state = self._state
+        me = self._group_rank
+        slot = world.sched.slots[self._global_rank]
+        shapes, dtypes = _sig(tensors)
+        state.seq[me] += 1
+        index = state.seq[me]
+        call = CollectiveCall(
+            rank=self._global_rank, op=op, group=state.name, group_ranks=state.ranks,
+            call_index=index, shapes=shapes, dtypes=dtypes,
+            reduce_op=None if reduce_op is None else _op_name(reduce_op),
+            peer=None if peer is None else state.ranks[peer],
+        )
+        slot.calls.append(call)
+        world.calls_per_rank[self._global_rank] += 1
+        if signature is None:
+            signature = (shapes, dtypes, call.reduce_op, peer)
+        inst = state.pending.get(index)
+        if inst is None:
+            inst = state.pending[index] = _Instance(state, index, op, signature, compute)
+        elif inst.op != op or inst.signature != signature:
+            self._mismatch(inst, call, signature)
+        inst.payloads[me] = payload
+        inst.calls[me] = call
+        if len(inst.payloads) == state.size:
+            del state.pending[index]
+            # Grad mode off without a context manager (cheaper on this hot path): the copies
+            # into users' tensors must not be recorded by autograd, as in a real backend.
+            grad_was = torch.is_grad_enabled()
+            torch._C._set_grad_enabled(False)
+            try:
+                inst.compute(inst.payloads)
+            except InvalidArgument as err:  # e.g. an unsupported op: every member must hear it
+                world.sched.break_world(WorldBroken(
+                    f"{op} #{index} on group {state.name}: {err}", collective=op, call_index=index,
+                    group=state.name, faulty_ranks=()))
+                raise
+            finally:
+                torch._C._set_grad_enabled(grad_was)
+            inst.done = True
+            for g in state.ranks:
+                world.sched.wake(g)
+        return _Work(self, lambda: inst.done, inst, result if result is not None else list(tensors))
+
+    def _mismatch(self, inst: _Instance, call: CollectiveCall, signature: Any) -> None:
+        first = min(inst.calls)
+        ref = inst.calls[first]
+        what = []
+        if inst.op != call.op:
+            what.append(f"rank {call.rank} called {call.op} #{call.call_index} while rank {ref.rank} "
+                        f"called {inst.op} #{inst.index}")
+        else:
+            what.append(f"rank {call.rank} passed {_describe_sig(signature)} while rank {ref.rank} "
+                        f"passed {_describe_sig(inst.signature)}")
+        msg = f"{inst.op} #{inst.index} on group {inst.group.name}: mismatched collective: " + "; ".join(what)
+        err = WorldBroken(msg, collective=inst.op, call_index=inst.index, group=inst.group.name,
+                          faulty_ranks=(call.rank,))
+        self._world.sched.break_world(err)
+        raise collective_error(err, self._global_rank)
+
+    # -- collectives ---------------------------------------------------------------
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+
+        def compute(p: dict[int, list[torch.Tensor]]) -> None:
+            n = len(p)
+            for i in range(len(p[0])):
+                acc = _reduce_in_rank_order([p[r][i] for r in range(n)], op)
+                for r in range(n):
+                    p[r][i].copy_(acc)
+
+        return self._join("all_reduce", tensors, tensors, compute, reduce_op=op)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
+        return self.allreduce(tensors, opts)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> _Work:
+        op, root = opts.reduceOp, opts.rootRank
+
+        def compute(p: dict[int, list[torch.Tensor]]) -> None:
+            acc = _reduce_in_rank_order([p[r][0] for r in range(len(p))], op)
+            p[root][0].copy_(acc)
+
+        return self._join("reduce", tensors, tensors, compute, reduce_op=op, peer=root)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> _Work:
+        root = opts.rootRank
+
+        def compute(p: dict[int, list[torch.Tensor]]) -> None:
+            for i, src in enumerate(p[root]):
+                for r in range(len(p)):
+                    if r != root:
+                        p[r][i].copy_(src)
+
+        return self._join("broadcast", tensors, tensors, compute, peer=root)
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+                  opts: Any = None) -> _Work:
+        def compute(p: dict[int, tuple]) -> None:
+            n = len(p)
+            inputs = [p[r][1][0] for r in range(n)]
+            for r in range(n):
+                torch._foreach_copy_(list(p[r][0][0]), inputs)
+
+        return self._join("all_gather", input_tensors, (output_tensors, input_tensors), compute,
+                          result=[t for lst in output_tensors for t in lst])
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> _Work:
+        def compute(p: dict[int, tuple]) -> None:
+            n = len(p)
+            flat = torch.cat([p[r][1].reshape(-1) for r in range(n)])
+            for r in range(n):
+                out = p[r][0]
+                if out.numel() != flat.numel():
+                    raise InvalidArgument(
+                        f"all_gather_into_tensor: output has {out.numel()} elements on group rank {r}, "
+                        f"expected world size x input = {flat.numel()}")
+                out.copy_(flat.view(out.shape))
+
+        return self._join("all_gather_into_tensor", [input], (output, input), compute, result=[output])
+
+    _allgather_base = all_gather_single
+
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> _Work:
+        def compute(p: dict[int, tuple]) -> None:
+            n = len(p)
+            for i in range(len(p[0][1])):
+                flat = torch.cat([p[r][1][i].reshape(-1) for r in range(n)])
+                for r in range(n):
+                    p[r][0][i].copy_(flat.view(p[r][0][i].shape))
+
+        return self._join("all_gather_into_tensor", inputs, (outputs, inputs), compute, result=list(outputs))
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                            opts: Any = None) -> _Work:
+        def compute(p: dict[int, tuple]) -> None:
+            n = len(p)
+            for r in range(n):
+                outs = p[r][0]
+                for src in range(n):
+                    torch._foreach_copy_(list(outs[src]), list(p[src][1]))
+
+        return self._join("all_gather", inputs, (output_lists, inputs), compute,
+                          result=[t for lst in output_lists for t in lst])
+
+    def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+                       opts: Any = None) -> _Work:
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+
+        def compute(p: dict[int, tuple]) -> None:
+            n = len(p)
+            for r in range(n):
+                acc = _reduce_in_rank_order([p[k][1][0][r] for k in range(n)], op)
+                p[r][0][0].copy_(acc)
+
+        return self._join("reduce_scatter", [t for lst in input_tensors for t in lst],
+                          (output_tensors, input_tensors), compute, reduce_op=op, result=list(output_tensors))
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> _Work:
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+
+        def compute(p: dict[int, tuple]) -> None:
+            n = len(p)
+            acc = _reduce_in_rank_order([p[r][1].reshape(-1) for r in range(n)], op)
+            m = acc.numel() // n
+            for r in range(n):
+                out = p[r][0]
+                if out.numel() != m:
+                    raise InvalidArgument(
+                        f"reduce_scatter_tensor: output has {out.numel()} elements on group rank {r}, "
+                        f"expected input / world size = {m}")
+                out.copy_(acc[r * m:(r + 1) * m].view(out.shape))
+
+        return self._join("reduce_scatter_tensor", [input], (output, input), compute, reduce_op=op,
+                          result=[output])
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> _Work:
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+
+        def compute(p: dict[int, tuple]) -> None:
+            n = len(p)
+            for i in range(len(p[0][1])):
+                acc = _reduce_in_rank_order([p[r][1][i].reshape(-1) for r in range(n)], op)
+                m = acc.numel() // n
+                for r in range(n):
+                    out = p[r][0][i]
+                    out.copy_(acc[r * m:(r + 1) * m].view(out.shape))
+
+        return self._join("reduce_scatter_tensor", inputs, (outputs, inputs), compute, reduce_op=op,
+                          result=list(outputs))
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+                opts: Any) -> _Work:
+        root = opts.rootRank
+
+        def compute(p: dict[int, tuple]) -> None:
+            src = p[root][1][0]
+            for r in range(len(p)):
+                p[r][0][0].copy_(src[r])
+
+        sent = input_tensors[0] if input_tensors else []
+        return self._join("scatter", list(sent) or list(output_tensors), (output_tensors, input_tensors),
+                          compute, signature=("scatter", root), peer=root, result=list(output_tensors))
+
+    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+               opts: Any) -> _Work:
+        root = opts.rootRank
+
+        def compute(p: dict[int, tuple]) -> None:
+            outs = p[root][0][0]
+            for r in range(len(p)):
+                outs[r].copy_(p[r][1][0])
+
+        return self._join("gather", input_tensors, (output_tensors, input_tensors), compute,
+                          signature=("gather", root, _sig(input_tensors)), peer=root,
+                          result=[t for lst in output_tensors for t in lst])
+
+    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
+                 opts: Any = None) -> _Work:
+        def compute(p: dict[int, tuple]) -> None:
+            n = len(p)
+            for r in range(n):
+                torch._foreach_copy_(list(p[r][0]), [p[k][1][r] for k in range(n)])
+
+        return self._join("all_to_all", input_tensors, (output_tensors, input_tensors), compute,
+                          signature=("all_to_all", len(input_tensors)), result=list(output_tensors))
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
+                          input_split_sizes: list[int], opts: Any = None) -> _Work:
+        def compute(p: dict[int, tuple]) -> None:
+            n = len(p)
+            chunks = []
+            for k in range(n):
+                _, inp, _, in_splits = p[k]
+                sizes = list(in_splits) if in_splits else [inp.shape[0] // n] * n
+                chunks.append(torch.split(inp, sizes, dim=0))
+            for r in range(n):
+                out = p[r][0]
+                out.copy_(torch.cat([chunks[k][r] for k in range(n)], dim=0).view(out.shape))
+
+        return self._join("all_to_all_single", [input],
+                          (output, input, list(output_split_sizes), list(input_split_sizes)), compute,
+                          signature=("all_to_all_single", str(input.dtype)), result=[output])
+
+    alltoall_base = all_to_all_single
+
+    def barrier(self, opts: Any = None) -> _Work:
+        return self._join("barrier", [], None, lambda p: None, signature=("barrier",), result=[])
+
+    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+        self.barrier().wait()
+
+    # -- point to point (buffered sends, blocking receives) ---------------------------
+    def _p2p_call(self, op: str, tensors: list[torch.Tensor], peer: int) -> int:
+        state = self._state
+        slot = self._world.sched.slots[self._global_rank]
+        index = sum(1 for c in slot.calls if c.group == state.name) + 1
+        shapes, dtypes = _sig(tensors)
+        slot.calls.append(CollectiveCall(rank=self._global_rank, op=op, group=state.name,
+                                         group_ranks=state.ranks, call_index=index, shapes=shapes,
+                                         dtypes=dtypes, peer=None if peer < 0 else state.ranks[peer]))
+        self._world.calls_per_rank[self._global_rank] += 1
+        return index
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> _Work:
+        if self._world.sched.broken is not None:
+            raise collective_error(self._world.sched.broken, self._global_rank)
+        self._p2p_call("send", tensors, dst)
+        box = self._state.mail.setdefault((self._group_rank, dst, tag), deque())
+        box.append([t.detach().clone() for t in tensors])  # the data as it was at send time
+        self._world.sched.wake(self._state.ranks[dst])
+        return _done_work(self, tensors)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> _Work:
+        return self._recv(tensors, src, tag)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> _Work:
+        return self._recv(tensors, None, tag)
+
+    def _recv(self, tensors: list[torch.Tensor], src: int | None, tag: int) -> _Work:
+        if self._world.sched.broken is not None:
+            raise collective_error(self._world.sched.broken, self._global_rank)
+        state, me = self._state, self._group_rank
+        index = self._p2p_call("recv", tensors, -1 if src is None else src)
+        pending = _Recv(state, me, src, tag, index)
+        got: list = []
+
+        def box() -> deque | None:
+            sources = range(state.size) if src is None else (src,)
+            for s in sources:
+                q = state.mail.get((s, me, tag))
+                if q:
+                    return q
+            return None
+
+        def ready() -> bool:
+            return bool(got) or box() is not None
+
+        def finish() -> None:
+            if not got:
+                got.append(box().popleft())  # type: ignore[union-attr]
+            for dst, data in zip(tensors, got[0]):
+                if dst.shape != data.shape:
+                    raise CollectiveError(
+                        f"recv #{index} on group {state.name}: expected shape {tuple(dst.shape)}, "
+                        f"the sender sent {tuple(data.shape)}",
+                        rank=self._global_rank, collective="recv", call_index=index, group=state.name)
+                dst.copy_(data)
+
+        return _Work(self, ready, pending, tensors, finish)
+
+
+def _describe_sig(sig: Any) -> str:
+    if isinstance(sig, tuple) and len(sig) == 4 and isinstance(sig[0], tuple):
+        shapes, dtypes, op, _ = sig
+        parts = [f"shapes {[list(s) for s in shapes]}", f"dtypes {list(dtypes)}"]
+        if op:
+            parts.append(f"op {op}")
+        return ", ".join(parts)
+    return repr(sig)
+
+
+# ----------------------------------------------------------------------------------------
+# Backend registration
+# ----------------------------------------------------------------------------------------
+_registered = False
+_register_lock = threading.Lock()
+
+
+def _create_pg(opts: Any, backend_options: Any = None) -> InprocProcessGroup:
+    world: _SimWorld | None = getattr(_tls, "world", None)
+    if world is None:
+        raise RuntimeError(
+            "the 'inproc' backend only works inside a rank started by tpsim.run(..., backend='inproc')")
+    ranks = tuple(opts.global_ranks_in_group) or tuple(range(world.world_size))
+    state = world.group(str(opts.group_id), ranks)
+    state.name = threadworld.group_display_name(None, ranks, world.world_size)
+    return InprocProcessGroup(world, state, int(opts.group_rank), _tls.rank)
+
+
+def register() -> None:
+    """Register the ``inproc`` backend with torch.distributed (idempotent)."""
+    global _registered
+    with _register_lock:
+        if _registered:
+            return
+        dist.Backend.register_backend(BACKEND_NAME, _create_pg, extended_api=True, devices=["cpu"])
+        threadworld.install()
+        _registered = True
+
+
+# ----------------------------------------------------------------------------------------
+# The runner
+# ----------------------------------------------------------------------------------------
+class _Outcome:
+    __slots__ = ("error", "tb", "value")
+
+    def __init__(self) -> None:
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.tb = ""
+
+
+class RankDropped(BaseException):
+    """Internal: unwinds a rank that a fault plan drops (it stops, as a dead process would).
+
+    A BaseException so that ``except Exception`` in user code cannot swallow it.
+    """
+
+
+def _choose_cpu() -> int | None:
+    """One CPU for all rank threads of a world (None: leave affinity alone).
+
+    Only one rank runs at a time, so nothing is lost by sharing one CPU, and every
+    hand-off then stays on it: handing the baton to a thread parked on another
+    (possibly idle, on a VM halted) CPU cost ~2x on small ops here, in wake-up latency
+    and cold caches. Set ``TPSIM_INPROC_PIN=0`` to turn this off.
+    """
+    if os.environ.get("TPSIM_INPROC_PIN", "1") == "0" or not hasattr(os, "sched_getaffinity"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    # Spread concurrent worlds (e.g. pytest-xdist workers) over the allowed CPUs.
+    return cpus[os.getpid() % len(cpus)] if cpus else None
+
+
+def _pin(cpu: int | None) -> None:
+    if cpu is None:
+        return
+    try:
+        os.sched_setaffinity(threading.get_native_id(), {cpu})
+    except OSError:  # not permitted in some sandboxes: run unpinned
+        pass
+
+
+def _rank_main(world: _SimWorld, rank: int, fn: Callable, args: tuple, kwargs: dict,
+               outcome: _Outcome) -> None:
+    _tls.world = world
+    _tls.rank = rank
+    _pin(world.cpu)
+    # OpenMP's thread count is per calling thread: without this a rank thread would start
+    # its own team, whose workers spin on the same pinned CPU (measured: 100x slower ops).
+    torch.set_num_threads(1)
+    threadworld.enter_rank_world()
+    sched = world.sched
+    note = "returned"
+    try:
+        sched.enter(rank)
+        hook = sys.excepthook  # init_process_group prefixes the process-wide hook with "[rankN]"
+        dist.init_process_group(BACKEND_NAME, rank=rank, world_size=world.world_size, store=world.store,
+                                timeout=timedelta(seconds=world.timeout))
+        sys.excepthook = hook
+        try:
+            outcome.value = fn(*args, **kwargs)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    except RankDropped:
+        note = "was dropped"
+    except WorldBroken as err:  # broken while waiting for the first baton
+        outcome.error = collective_error(err, rank)
+        note = "raised CollectiveError"
+    except BaseException as exc:  # report everything, KeyboardInterrupt included
+        outcome.error = exc
+        outcome.tb = format_exception(exc)
+        note = f"raised {type(exc).__name__}"
+    finally:
+        threadworld.leave_rank_world()
+        _tls.world = None
+        sched.finish(rank, note)
+
+
+def run_inproc(fn: Callable[..., Any], world_size: int, *, args: tuple = (), kwargs: dict | None = None,
+               timeout: float = 30.0, faults: Sequence[Any] = ()) -> Any:
+    """Run ``fn`` on ``world_size`` rank threads; see :func:`tpsim.run_world`."""
+    from tpsim.runner import WorldResult
+
+    register()
+    kwargs = kwargs or {}
+    parent_state = threadworld.ProcessLocalState.capture()
+    # One intra-op thread while ranks run: the ranks are the parallelism being simulated,
+    # and idle OpenMP teams of N rank threads spinning on 2 cores made every small op
+    # about 2x slower (measured). Restored afterwards.
+    parent_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    world = _SimWorld(world_size, timeout, faults)
+    outcomes = [_Outcome() for _ in range(world_size)]
+    threads = [
+        threading.Thread(target=_rank_main, args=(world, r, fn, args, kwargs, outcomes[r]),
+                         name=f"tpsim-rank-{r}", daemon=True)
+        for r in range(world_size)
+    ]
+    for t in threads:
+        t.start()
+    try:
+        world.sched.start()
+        _supervise(world)
+    finally:
+        parent_state.restore()
+        torch.set_num_threads(parent_threads)
+    trace = Trace({s.rank: list(s.calls) for s in world.sched.slots})
+    _raise_first_failure(outcomes, world, trace)
+    return WorldResult(values=[o.value for o in outcomes], trace=trace, backend=BACKEND_NAME)
+
+
+def _supervise(world: _SimWorld) -> None:
+    """Wait for the world to finish; give up when no hand-off happened for too long."""
+    sched = world.sched
+    margin = 2.0
+    while not sched.finished.wait(0.05):
+        idle = time.monotonic() - sched.last_handoff
+        if idle > world.timeout + margin:
+            holder = sched.holder
+            detail = sched.slots[holder].doing() if holder is not None else "no rank running"
+            raise CollectiveError(
+                f"the in-process world made no progress for {idle:.1f} s (timeout {world.timeout:g} s); "
+                f"{detail}. The rank threads are abandoned (daemon threads).",
+                rank=holder if holder is not None else 0,
+                faulty_ranks=(holder,) if holder is not None else (),
+            )
+
+
+def _raise_first_failure(outcomes: list[_Outcome], world: _SimWorld, trace: Trace) -> None:
+    errors = {r: o.error for r, o in enumerate(outcomes) if o.error is not None}
+    if not errors:
+        return
+    # A rank's own exception is the cause; collective errors on the others are the effect.
+    own = [r for r, e in errors.items() if not isinstance(e, CollectiveError)]
+    if own:
+        r = own[0]
+        exc = errors[r]
+        err: RankError = RankError(f"rank {r} raised {type(exc).__name__}: {exc}", rank=r,
+                                   remote_traceback=outcomes[r].tb, errors=errors)
+        err.trace = trace  # type: ignore[attr-defined]
+        raise err from exc
+    r = min(errors)
+    src: Any = errors[r]
+    cerr = CollectiveError(
+        f"rank {r}: {src.summary}", rank=r, collective=src.collective, call_index=src.call_index,
+        group=src.group, faulty_ranks=src.faulty_ranks, remote_traceback=outcomes[r].tb, errors=errors)
+    cerr.trace = trace  # type: ignore[attr-defined]
+    raise cerr from None

@@ -1,0 +1,381 @@
+"""Worlds of real processes: the ``gloo`` and ``nccl`` backends of the world runner.
+
+``run_processes(fn, world_size, backend=...)`` runs ``fn(*args, **kwargs)`` on every rank of a
+world of ``world_size`` processes and returns a :class:`tpsim.WorldResult`.
+
+* **A pool, not a world per call.** Starting processes and joining a world costs seconds, so
+  the processes of a world are kept: a pool per ``(backend, world_size)`` initialises
+  ``torch.distributed`` once (rendezvous through a ``FileStore`` in a fresh temp dir: no port,
+  so parallel pytest-xdist workers never collide) and then runs one submitted function after
+  another. At most :data:`MAX_POOLS` pools live at once (least recently used goes first); an
+  atexit hook ends them.
+* **Failures end the pool.** A rank that raises, dies or hangs makes the world unusable (its
+  peers may be stuck in, or half-way through, a collective), so the pool is killed and reaped
+  at once — not at gloo's timeout — and the next call starts a fresh one.
+* **Every wait is bounded**: joining a world by :func:`startup_bound`, a run by ``timeout``
+  (also every backend collective's timeout) plus :func:`margin`.
+* **Under torchrun** (the environment already describes a launched world) nothing is spawned:
+  see :mod:`tpsim.comm._torchrun`.
+
+Each rank's collectives are recorded by the tracing process group of
+:mod:`tpsim.comm._tracing` (``TracingProcessGroup.intercept`` is the per-call hook point).
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from multiprocessing.reduction import ForkingPickler
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from tpsim.comm._payload import dump_call
+from tpsim.comm._tracing import parse_status
+from tpsim.comm._verdict import Unfinished, settle
+from tpsim.comm._worker import Outcome, worker_main
+from tpsim.errors import BackendUnavailable, InvalidArgument, RankError
+
+if TYPE_CHECKING:
+    from tpsim.runner import WorldResult
+
+__all__ = [
+    "MAX_POOLS",
+    "PROCESS_BACKENDS",
+    "live_worker_pids",
+    "margin",
+    "nccl_unavailable_reason",
+    "run_processes",
+    "shutdown_pools",
+    "startup_bound",
+]
+
+#: Backends served by real processes.
+PROCESS_BACKENDS = ("gloo", "nccl")
+
+#: Pools kept alive at once; each holds world_size processes with torch loaded (~300 MB each).
+MAX_POOLS = 2
+
+#: After one rank failed, how long ranks still running their own code get to report their own
+#: error before the world is stopped (ranks blocked in a collective are not waited for).
+GRACE_S = 0.5
+
+#: Size of each rank's status slot (see tpsim.comm._tracing.StatusSlot).
+_STATUS_BYTES = 192
+
+
+def margin(timeout: float) -> float:
+    """Seconds allowed on top of ``timeout`` for a whole run (reporting, pickling, scheduling)."""
+    return 1.0 + 0.1 * timeout
+
+
+def startup_bound(world_size: int) -> float:
+    """Seconds a fresh pool may take to start its processes and join the world.
+
+    Starting is not part of a run's ``timeout``: each process imports torch, which takes a few
+    seconds per process on a small machine.
+    """
+    return 60.0 + 5.0 * world_size
+
+
+def nccl_unavailable_reason(world_size: int) -> str | None:
+    """Why an nccl world of ``world_size`` ranks cannot run here (one line), or None if it can."""
+    if not dist.is_available():
+        return "this torch build has no torch.distributed support"
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        return f"CUDA is not available (torch {torch.__version__} is {build}; nccl needs NVIDIA GPUs)"
+    if not dist.is_nccl_available():
+        return f"torch {torch.__version__} was built without NCCL support"
+    found = torch.cuda.device_count()
+    if found < world_size:
+        return f"world_size={world_size} needs {world_size} GPUs (one process per GPU), found {found}"
+    return None
+
+
+class _Pool:
+    """``world_size`` worker processes that joined one world and run submitted functions."""
+
+    def __init__(self, backend: str, world_size: int) -> None:
+        self.backend = backend
+        self.world_size = world_size
+        self.owner_pid = os.getpid()
+        self.procs: list[Any] = []
+        self.conns: list[Any] = []
+        self.slots: list[Any] = []
+        self.tmpdir = tempfile.mkdtemp(prefix=f"tpsim-{backend}-w{world_size}-")
+
+    # -- life cycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        """Spawn the ranks and wait (bounded) until every one has joined the world."""
+        ctx = mp.get_context("spawn")  # fork would copy this process's threads and torch state
+        store_path = os.path.join(self.tmpdir, "store")
+        bound = startup_bound(self.world_size)
+        for rank in range(self.world_size):
+            parent_end, child_end = ctx.Pipe(duplex=True)
+            slot = ctx.RawArray(ctypes.c_char, _STATUS_BYTES)
+            proc = ctx.Process(
+                target=worker_main,
+                args=(rank, self.world_size, self.backend, store_path, child_end, slot, os.getpid(), bound),
+                name=f"tpsim-{self.backend}-rank{rank}",
+                daemon=False,  # fn may start processes of its own (daemons cannot)
+            )
+            proc.start()
+            child_end.close()
+            self.procs.append(proc)
+            self.conns.append(parent_end)
+            self.slots.append(slot)
+        deadline = time.monotonic() + bound
+        waiting = set(range(self.world_size))
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                ranks = ", ".join(map(str, sorted(waiting)))
+                raise RankError(
+                    f"rank(s) {ranks} did not join the {self.backend} world within {bound:.0f}s "
+                    f"(world_size={self.world_size}); the machine may be overloaded",
+                    rank=min(waiting),
+                )
+            ready = mpc.wait([self.conns[r] for r in waiting] + [self.procs[r].sentinel for r in waiting], left)
+            for rank in sorted(waiting):
+                conn, proc = self.conns[rank], self.procs[rank]
+                if conn in ready or (proc.sentinel in ready and conn.poll()):
+                    try:
+                        message = conn.recv()
+                    except (EOFError, OSError):
+                        message = ("exit", None)
+                    if message[0] == "ready":
+                        waiting.discard(rank)
+                        continue
+                    if message[0] == "init-error":
+                        outcome: Outcome = message[1]
+                        raise RankError(
+                            f"rank {rank} could not join the {self.backend} world: "
+                            f"{outcome.error_type}: {outcome.error_text}",
+                            rank=rank,
+                            remote_traceback=outcome.traceback,
+                        )
+                if proc.sentinel in ready:
+                    proc.join(1.0)
+                    from tpsim.comm._verdict import describe_exit
+
+                    raise RankError(
+                        f"rank {rank} died with {describe_exit(proc.exitcode)} while joining the "
+                        f"{self.backend} world",
+                        rank=rank,
+                    )
+
+    def healthy(self) -> bool:
+        """Whether every process is alive and belongs to this (not a forked) process."""
+        return os.getpid() == self.owner_pid and all(p.is_alive() for p in self.procs)
+
+    def kill(self) -> None:
+        """Kill every process, reap it (bounded), close the pipes and remove the temp dir."""
+        if os.getpid() != self.owner_pid:
+            return  # a forked copy of the registry: these processes are not ours to kill
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self.procs:
+            proc.join(5.0)  # SIGKILL cannot be ignored; the bound only guards a wedged kernel
+        for conn in self.conns:
+            conn.close()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+        self.procs, self.conns, self.slots = [], [], []
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs if p.pid is not None]
+
+    def status(self, rank: int) -> Unfinished:
+        state, op, index, group = parse_status(bytes(self.slots[rank].value))
+        return Unfinished(state=state, op=op, call_index=index, group=group)
+
+    # -- one run ---------------------------------------------------------------------------
+    def run(
+        self, payload: bytes, hints: dict[str, str], timeout: float, faults: tuple[Any, ...]
+    ) -> tuple[dict[int, Outcome], dict[int, int | None], dict[int, Unfinished], float, bool]:
+        """Run one call on every rank; return what settle() needs. Never waits unboundedly."""
+        limit = timeout + margin(timeout)
+        message = bytes(ForkingPickler.dumps(("run", payload, hints, timeout, faults)))
+        outcomes: dict[int, Outcome] = {}
+        exits: dict[int, int | None] = {}
+        start = time.monotonic()
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send_bytes(message)
+            except OSError:  # the process is gone; its sentinel tells how below
+                pass
+        pending = set(range(self.world_size))
+        failed_at: float | None = None
+        timed_out = False
+        while pending:
+            now = time.monotonic()
+            if now - start >= limit:
+                timed_out = True
+                break
+            if failed_at is not None:
+                # The world is lost. Wait only for ranks that may still report their own error.
+                if now - failed_at >= GRACE_S or all(self.status(r).state == "collective" for r in pending):
+                    break
+                wake = min(start + limit, failed_at + GRACE_S, now + 0.02)
+            else:
+                wake = start + limit
+            handles = [self.conns[r] for r in pending] + [self.procs[r].sentinel for r in pending]
+            ready = mpc.wait(handles, max(0.0, wake - now))
+            for rank in sorted(pending):
+                conn, proc = self.conns[rank], self.procs[rank]
+                if conn in ready or (proc.sentinel in ready and conn.poll()):
+                    try:
+                        kind, outcome = conn.recv()
+                    except (EOFError, OSError):
+                        kind, outcome = "exit", None
+                    if kind == "done":
+                        outcomes[rank] = outcome
+                        pending.discard(rank)
+                        if not outcome.ok and failed_at is None:
+                            failed_at = time.monotonic()
+                        continue
+                if proc.sentinel in ready:
+                    proc.join(1.0)
+                    exits[rank] = proc.exitcode
+                    pending.discard(rank)
+                    if failed_at is None:
+                        failed_at = time.monotonic()
+        unfinished = {rank: self.status(rank) for rank in sorted(pending)}
+        return outcomes, exits, unfinished, limit, timed_out
+
+
+_POOLS: OrderedDict[tuple[str, int], _Pool] = OrderedDict()
+# One run at a time per process: a pool's pipes carry one conversation.
+_LOCK = threading.RLock()
+_ATEXIT_REGISTERED = [False]
+
+
+def shutdown_pools() -> None:
+    """Kill every worker pool of this process (also run at interpreter exit)."""
+    with _LOCK:
+        while _POOLS:
+            _, pool = _POOLS.popitem(last=False)
+            pool.kill()
+
+
+def live_worker_pids() -> dict[tuple[str, int], list[int]]:
+    """PIDs of the worker processes of each live pool, keyed by ``(backend, world_size)``."""
+    with _LOCK:
+        return {key: pool.pids() for key, pool in _POOLS.items()}
+
+
+def _discard(key: tuple[str, int]) -> None:
+    pool = _POOLS.pop(key, None)
+    if pool is not None:
+        pool.kill()
+
+
+def _pool_for(backend: str, world_size: int) -> _Pool:
+    key = (backend, world_size)
+    pool = _POOLS.get(key)
+    if pool is not None:
+        if pool.healthy():
+            _POOLS.move_to_end(key)
+            return pool
+        if os.getpid() != pool.owner_pid:
+            _POOLS.clear()  # inherited through fork: forget the parent's pools, never touch them
+        else:
+            _discard(key)
+    while len(_POOLS) >= MAX_POOLS:
+        _, oldest = _POOLS.popitem(last=False)
+        oldest.kill()
+    if not _ATEXIT_REGISTERED[0]:
+        atexit.register(shutdown_pools)
+        _ATEXIT_REGISTERED[0] = True
+    pool = _Pool(backend, world_size)
+    try:
+        pool.start()
+    except BaseException:  # including Ctrl-C while starting: leave no process behind
+        pool.kill()
+        raise
+    _POOLS[key] = pool
+    return pool
+
+
+def run_processes(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    backend: str,
+    args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    timeout: float,
+    faults: Sequence[Any] = (),
+) -> WorldResult:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks of a ``backend`` world of processes.
+
+    ``backend`` is ``"gloo"`` (CPU processes on this machine) or ``"nccl"`` (one process per
+    GPU, rank r on ``cuda:r``). Under torchrun the launched world is used instead of spawning
+    one (``world_size`` must then equal ``WORLD_SIZE``). ``fn`` must be picklable by reference
+    (a top-level function), and its return value picklable.
+
+    Returns a :class:`tpsim.WorldResult` whose ``values[r]`` is rank r's return value and whose
+    ``trace`` holds every rank's collective calls.
+
+    Raises :class:`tpsim.InvalidArgument` (bad backend, unpicklable fn/args), 
+    :class:`tpsim.BackendUnavailable` (nccl without enough GPUs; nothing is spawned),
+    :class:`tpsim.RankError` when a rank raised or its process died (the lowest such rank, its
+    traceback in the message, every failed rank in ``errors``), or
+    :class:`tpsim.CollectiveError` when ranks could not complete their collectives within
+    ``timeout`` (every backend wait is bounded by it; the whole run by ``timeout + margin``).
+    """
+    from tpsim.runner import WorldResult
+
+    if backend not in PROCESS_BACKENDS:
+        raise InvalidArgument(f"backend={backend!r} is not a process backend; expected one of {PROCESS_BACKENDS}")
+    if faults:
+        raise InvalidArgument(
+            f"faults={list(faults)!r}: fault injection is not available on backend {backend!r} yet "
+            "(issue 6); run fault plans on backend='inproc'"
+        )
+    args = tuple(args)
+    kwargs = dict(kwargs or {})
+
+    from tpsim.comm import _torchrun
+
+    if _torchrun.launched_world() is not None:
+        return _torchrun.run_launched(fn, world_size, backend=backend, args=args, kwargs=kwargs, timeout=timeout)
+
+    if backend == "nccl":
+        reason = nccl_unavailable_reason(world_size)
+        if reason is not None:
+            raise BackendUnavailable("nccl", reason)
+    payload, hints = dump_call(fn, args, kwargs, backend)
+
+    with _LOCK:
+        key = (backend, world_size)
+        pool = _pool_for(backend, world_size)
+        try:
+            outcomes, exits, unfinished, limit, timed_out = pool.run(payload, hints, timeout, ())
+        except BaseException:  # Ctrl-C or a broken pipe mid-run: the world is in an unknown state
+            _discard(key)
+            raise
+        failed = bool(exits or unfinished or not all(o.ok for o in outcomes.values()))
+        if failed:
+            _discard(key)  # kill and reap now, before building the report
+        values, trace = settle(
+            world_size=world_size,
+            backend=backend,
+            outcomes=outcomes,
+            exits=exits,
+            unfinished=unfinished,
+            limit=limit,
+            timed_out=timed_out,
+        )
+    return WorldResult(values=values, trace=trace, backend=backend)

@@ -1,0 +1,228 @@
+"""The in-process scheduler: threads as ranks, one rank running at a time.
+
+Ranks hand a *baton* to each other. The running rank keeps it until it must wait (a
+collective whose peers have not arrived yet, a ``recv`` with no message) or finishes;
+then it passes the baton to the next ready rank in rank order. Consequences, all wanted:
+
+- determinism: the interleaving depends only on the program, never on the OS scheduler;
+- per-rank process state (RNG, default dtype) can be swapped exactly at each hand-off;
+- a deadlock is *known*, not guessed: when the running rank must wait and no other rank
+  is ready, no rank can ever proceed — every waiting rank gets an error at once, naming
+  what each rank is doing;
+- the cost of a collective is a few lock operations, not a wake-up storm of N threads.
+
+Every wait is bounded by the world's timeout (a rank that computes for longer than that
+without reaching a collective makes the others time out with a message saying so).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tpsim.comm.threadworld import ProcessLocalState
+from tpsim.comm.trace import CollectiveCall
+from tpsim.errors import CollectiveError
+
+__all__ = ["RankSlot", "Scheduler", "WorldBroken"]
+
+# Rank states.
+NEW, RUNNING, READY, BLOCKED, DONE = "new", "running", "ready", "blocked", "done"
+
+
+class WorldBroken(Exception):
+    """Internal: the world can no longer make progress; carries the explanation."""
+
+    def __init__(self, summary: str, *, collective: str | None, call_index: int | None,
+                 group: str | None, faulty_ranks: tuple[int, ...]) -> None:
+        super().__init__(summary)
+        self.summary = summary
+        self.collective = collective
+        self.call_index = call_index
+        self.group = group
+        self.faulty_ranks = faulty_ranks
+
+
+@dataclass
+class RankSlot:
+    """Scheduler-side record of one rank."""
+
+    rank: int
+    baton: Any = field(default_factory=threading.Lock)
+    state: str = NEW
+    waiting_on: Any = None  # an object with .describe_wait(rank) while BLOCKED
+    calls: list[CollectiveCall] = field(default_factory=list)
+    exit_note: str = ""  # how the rank ended: "returned", "raised ValueError", "was dropped"
+    saved: ProcessLocalState | None = None
+
+    def last_call(self) -> str:
+        return self.calls[-1].describe() if self.calls else "before its first collective"
+
+    def doing(self) -> str:
+        """What this rank is doing, for messages about other ranks."""
+        if self.state == DONE:
+            after = f"after {self.last_call()}" if self.calls else "before its first collective"
+            return f"rank {self.rank} {self.exit_note or 'exited'} {after}"
+        if self.state == BLOCKED and self.waiting_on is not None:
+            return f"rank {self.rank} is waiting in {self.waiting_on.describe_wait(self.rank)}"
+        return f"rank {self.rank} is running (last: {self.last_call()})"
+
+
+class Scheduler:
+    """Hands the baton between the rank threads of one world."""
+
+    def __init__(self, world_size: int, timeout: float, dtype: Any) -> None:
+        self.world_size = world_size
+        self.timeout = timeout
+        self.slots = [RankSlot(r) for r in range(world_size)]
+        for s in self.slots:
+            s.baton.acquire()  # every baton starts taken: a rank runs only when handed one
+            s.saved = ProcessLocalState.fresh(dtype)
+        self.broken: WorldBroken | None = None
+        self.holder: int | None = None
+        self.finished = threading.Event()
+        self.last_handoff = time.monotonic()
+        self._lock = threading.Lock()  # only contended after a timeout (two threads awake)
+
+    # -- entering and leaving --------------------------------------------------------
+    def start(self) -> None:
+        """Hand the first baton to rank 0."""
+        self.slots[0].state = READY
+        for s in self.slots[1:]:
+            s.state = READY
+        self._give(0)
+
+    def enter(self, rank: int) -> None:
+        """Called by a rank thread before it runs anything: wait for the baton."""
+        self._wait_baton(self.slots[rank])
+
+    def finish(self, rank: int, note: str) -> None:
+        """The rank's function ended; pass the baton on (or detect that nobody can move)."""
+        slot = self.slots[rank]
+        slot.state = DONE
+        slot.exit_note = note
+        slot.saved = None
+        nxt = self._next_ready(rank)
+        if nxt is None:
+            if any(s.state == BLOCKED for s in self.slots):
+                self._declare_stuck(None)
+                nxt = self._next_ready(rank)
+        if nxt is None:
+            if all(s.state == DONE for s in self.slots):
+                self.finished.set()
+            return
+        self._give(nxt)
+
+    # -- waiting ---------------------------------------------------------------------
+    def wait_until(self, rank: int, ready: Callable[[], bool], waiting_on: Any) -> None:
+        """Block ``rank`` until ``ready()``; other ranks run meanwhile. Raises WorldBroken."""
+        slot = self.slots[rank]
+        while True:
+            if self.broken is not None:
+                raise self.broken
+            if ready():
+                return
+            slot.state = BLOCKED
+            slot.waiting_on = waiting_on
+            nxt = self._next_ready(rank)
+            if nxt is None:
+                self._declare_stuck(slot)
+                raise self.broken  # type: ignore[misc]
+            slot.saved = ProcessLocalState.capture()
+            self._give(nxt)
+            self._wait_baton(slot)
+            slot.waiting_on = None
+
+    def wake(self, rank: int) -> None:
+        """Mark a blocked rank ready (it runs when the baton reaches it)."""
+        slot = self.slots[rank]
+        if slot.state == BLOCKED:
+            slot.state = READY
+
+    def break_world(self, err: WorldBroken) -> None:
+        """Poison the world: every waiting rank wakes and raises ``err``."""
+        if self.broken is None:
+            self.broken = err
+        for s in self.slots:
+            if s.state == BLOCKED:
+                s.state = READY
+
+    # -- internals -------------------------------------------------------------------
+    def _next_ready(self, rank: int) -> int | None:
+        n = self.world_size
+        for k in range(1, n + 1):
+            r = (rank + k) % n
+            if self.slots[r].state == READY:
+                return r
+        return None
+
+    def _give(self, rank: int) -> None:
+        slot = self.slots[rank]
+        slot.state = RUNNING
+        self.holder = rank
+        self.last_handoff = time.monotonic()
+        try:
+            slot.baton.release()
+        except RuntimeError:  # already released: only after a timeout broke the world
+            pass
+
+    def _wait_baton(self, slot: RankSlot) -> None:
+        if not slot.baton.acquire(timeout=self.timeout):
+            with self._lock:
+                holder = self.holder
+                note = (
+                    f"rank {slot.rank} waited {self.timeout:g} s for its turn: "
+                    + (f"rank {holder} has been running for over {self.timeout:g} s without "
+                       f"reaching a collective (last: {self.slots[holder].last_call()})"
+                       if holder is not None and holder != slot.rank else "no rank made progress")
+                )
+                waiting = slot.waiting_on
+                self.break_world(WorldBroken(
+                    f"timed out: {note}",
+                    collective=getattr(waiting, "op", None),
+                    call_index=getattr(waiting, "index", None),
+                    group=getattr(waiting, "group_name", None),
+                    faulty_ranks=(holder,) if holder is not None else (),
+                ))
+            raise self.broken  # type: ignore[misc]
+        self.holder = slot.rank
+        if slot.saved is not None:
+            slot.saved.restore()
+
+    def _declare_stuck(self, me: RankSlot | None) -> None:
+        """No rank can proceed: explain the first unfinished wait and what every rank does."""
+        blocked = [s for s in self.slots if s.state == BLOCKED]
+        if me is not None and me not in blocked:
+            blocked.insert(0, me)
+        first = min(blocked, key=lambda s: s.rank)
+        waiting = first.waiting_on
+        lines = [waiting.describe_stuck(self.slots)] if waiting is not None else []
+        summary = "; ".join(lines) if lines else "no rank can proceed"
+        faulty = tuple(getattr(waiting, "missing_ranks", lambda: ())())
+        self.break_world(WorldBroken(
+            summary,
+            collective=getattr(waiting, "op", None),
+            call_index=getattr(waiting, "index", None),
+            group=getattr(waiting, "group_name", None),
+            faulty_ranks=faulty,
+        ))
+
+
+def collective_error(err: WorldBroken, rank: int) -> CollectiveError:
+    """The error a rank raises when the world it waits in is broken."""
+    return CollectiveError(
+        err.summary,
+        rank=rank,
+        collective=err.collective,
+        call_index=err.call_index,
+        group=err.group,
+        faulty_ranks=err.faulty_ranks,
+    )
+
+
+def format_exception(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))

@@ -1,0 +1,167 @@
+"""Per-thread torch.distributed state, so threads can act as ranks of separate processes.
+
+torch.distributed keeps its process-group registry in ``distributed_c10d._world`` (an
+explicit extension point) and, in C++, in a name→group registry that has a
+thread-isolation mode. Both are made per-thread here: a thread that enters a rank gets its
+own empty world, every other thread keeps seeing torch's original one, so a real gloo
+world in the main thread is unaffected.
+
+Some state that separate processes do *not* share is global in one process: the default
+CPU generator, the default dtype and Python's ``random``. :class:`ProcessLocalState`
+captures and restores them; the in-process scheduler swaps them whenever the running rank
+changes (only one rank runs at a time, so a swap at every hand-off is exact).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+__all__ = ["ProcessLocalState", "enter_rank_world", "install", "leave_rank_world"]
+
+_tls = threading.local()
+_install_lock = threading.Lock()
+_original_world: Any = None
+
+
+class _RankWorld(c10d._World):
+    """The registry one rank thread sees: torch's ``_World`` with its own dicts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pg_map: dict = {}
+        self._pg_names: dict = {}
+        self._pg_group_ranks: dict = {}
+        self._pg_backend_config: dict = {}
+        self._group_count = 0
+        self._tags_to_pg: dict = {}
+        self._pg_to_tag: dict = {}
+
+    pg_map = property(lambda self: self._pg_map)  # type: ignore[assignment]
+    pg_names = property(lambda self: self._pg_names)  # type: ignore[assignment]
+    pg_group_ranks = property(lambda self: self._pg_group_ranks)  # type: ignore[assignment]
+    pg_backend_config = property(lambda self: self._pg_backend_config)  # type: ignore[assignment]
+    tags_to_pg = property(lambda self: self._tags_to_pg)  # type: ignore[assignment]
+    pg_to_tag = property(lambda self: self._pg_to_tag)  # type: ignore[assignment]
+
+    @property  # type: ignore[override]
+    def group_count(self) -> int:
+        return self._group_count
+
+    @group_count.setter
+    def group_count(self, value: int) -> None:
+        self._group_count = value
+
+
+def _current() -> Any:
+    world = getattr(_tls, "world", None)
+    return _original_world if world is None else world
+
+
+class _ThreadRoutedWorld(c10d._World):
+    """Installed as ``distributed_c10d._world``: forwards to the calling thread's world."""
+
+    def __init__(self) -> None:  # no state of its own
+        pass
+
+    @property  # type: ignore[override]
+    def default_pg(self):
+        return _current().default_pg
+
+    @default_pg.setter
+    def default_pg(self, value) -> None:
+        _current().default_pg = value
+
+    @property  # type: ignore[override]
+    def group_count(self) -> int:
+        return _current().group_count
+
+    @group_count.setter
+    def group_count(self, value: int) -> None:
+        _current().group_count = value
+
+    pg_map = property(lambda self: _current().pg_map)  # type: ignore[assignment]
+    pg_names = property(lambda self: _current().pg_names)  # type: ignore[assignment]
+    pg_group_ranks = property(lambda self: _current().pg_group_ranks)  # type: ignore[assignment]
+    pg_backend_config = property(lambda self: _current().pg_backend_config)  # type: ignore[assignment]
+    tags_to_pg = property(lambda self: _current().tags_to_pg)  # type: ignore[assignment]
+    pg_to_tag = property(lambda self: _current().pg_to_tag)  # type: ignore[assignment]
+    pg_coalesce_state = property(lambda self: _current().pg_coalesce_state)  # type: ignore[assignment]
+    comms = property(lambda self: _current().comms)  # type: ignore[assignment]
+
+
+def install() -> None:
+    """Route torch.distributed's registries per thread (idempotent, process-wide)."""
+    global _original_world
+    with _install_lock:
+        if isinstance(c10d._world, _ThreadRoutedWorld):
+            return
+        _original_world = c10d._world
+        c10d._world = _ThreadRoutedWorld()
+        # The C++ name→group registry (used by functional collectives and DTensor)
+        # becomes thread-local too: every rank thread registers groups under the same names.
+        torch._C._distributed_c10d._set_thread_isolation_mode(True)
+
+
+def enter_rank_world() -> None:
+    """Give the calling thread a fresh, empty torch.distributed world."""
+    _tls.world = _RankWorld()
+
+
+def leave_rank_world() -> None:
+    """Drop the calling thread's world (it falls back to torch's original one)."""
+    _tls.world = None
+
+
+_FRESH_RNG_STATE: torch.Tensor | None = None
+
+
+class ProcessLocalState:
+    """Process-global settings a rank would own alone in its own process.
+
+    Covered: torch's default CPU generator and the default dtype (a swap costs ~5 us).
+    Grad mode, autocast and inference mode are already thread-local in torch.
+    Python's ``random`` and NumPy's legacy global RNG are *not* swapped: saving and
+    restoring Python's Mersenne state costs ~25 us per hand-off (more than everything
+    else on the hot path) and torch code draws from torch's generator. Code under test
+    that needs them per rank should use ``random.Random(seed)`` instances.
+    """
+
+    __slots__ = ("dtype", "rng")
+
+    def __init__(self, rng: torch.Tensor, dtype: torch.dtype) -> None:
+        self.rng = rng
+        self.dtype = dtype
+
+    @classmethod
+    def fresh(cls, dtype: torch.dtype) -> ProcessLocalState:
+        """The state a newly started process would have (generator at torch's default seed)."""
+        global _FRESH_RNG_STATE
+        if _FRESH_RNG_STATE is None:
+            _FRESH_RNG_STATE = torch.Generator().get_state()
+        return cls(_FRESH_RNG_STATE, dtype)
+
+    @classmethod
+    def capture(cls) -> ProcessLocalState:
+        """Snapshot the calling process's current settings."""
+        return cls(torch.get_rng_state(), torch.get_default_dtype())
+
+    def restore(self) -> None:
+        """Make these settings the process's current ones."""
+        torch.set_rng_state(self.rng)
+        if torch.get_default_dtype() != self.dtype:
+            torch.set_default_dtype(self.dtype)
+
+
+def group_display_name(pg: dist.ProcessGroup | None, ranks: tuple[int, ...], world_size: int) -> str:
+    """A short, human name for a group in messages: ``world``, a user's desc, or its ranks."""
+    desc = getattr(pg, "_tpsim_desc", None) if pg is not None else None
+    if desc and desc not in ("default_pg", "undefined"):
+        return str(desc)
+    if not ranks or len(ranks) == world_size and list(ranks) == list(range(world_size)):
+        return "world"
+    return "[" + ",".join(str(r) for r in ranks) + "]"
