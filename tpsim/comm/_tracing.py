@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import re
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -186,6 +187,14 @@ def _traced_groups() -> list[TracingProcessGroup]:
     return [g for g in groups if isinstance(g, TracingProcessGroup)]
 
 
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
+
+
+def backend_message(exc: BaseException) -> str:
+    """A backend error's text without the C++ source location gloo puts in front of it."""
+    return _SOURCE_PREFIX.sub("", str(exc).strip())
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -320,7 +329,7 @@ class TracedWork(dist.Work):
         if isinstance(exc, CollectiveError):
             return exc
         return CollectiveError(
-            f"rank {call.rank}: {call.describe()} failed: {str(exc).strip()}",
+            f"{call.describe()} failed on rank {call.rank}: {backend_message(exc)}",
             rank=call.rank,
             collective=call.op,
             call_index=call.call_index,

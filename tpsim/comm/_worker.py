@@ -31,7 +31,7 @@ from tpsim.comm._tracing import BACKEND_NAMES, RankSession, StatusSlot, activate
 from tpsim.comm.trace import CollectiveCall
 from tpsim.errors import CollectiveError
 
-__all__ = ["Outcome", "execute", "worker_main"]
+__all__ = ["Outcome", "execute", "failure_outcome", "worker_main"]
 
 #: Seed of torch's default generator in a fresh process; reset before every run so a pooled
 #: worker draws exactly what a newly started process would.
@@ -64,7 +64,7 @@ class Outcome:
     calls: list[CollectiveCall] = field(default_factory=list)
 
 
-def _failure(
+def failure_outcome(
     rank: int, exc: BaseException, session: RankSession | None, *, tb: str | None = None, prefix: str = ""
 ) -> Outcome:
     text = tb if tb is not None else "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
@@ -116,12 +116,12 @@ def execute(
             value = fn(*args, **kwargs)
         except BaseException as exc:  # SystemExit from fn is a failure of that rank too
             session.status.set("idle", session.last_call)
-            return _failure(rank, exc, session)
+            return failure_outcome(rank, exc, session)
     session.status.set("idle", session.last_call)
     try:
         value_bytes = dumps(value)
     except Exception as exc:
-        return _failure(
+        return failure_outcome(
             rank, exc, session,
             prefix=f"fn returned a value of type {type(value).__name__} that cannot be pickled "
             "back to the parent process: ",
@@ -177,7 +177,7 @@ def worker_main(
             timeout=datetime.timedelta(seconds=init_timeout),
         )
     except BaseException as exc:
-        conn.send(("init-error", _failure(rank, exc, None)))
+        conn.send(("init-error", failure_outcome(rank, exc, None)))
         _exit(1)
     threads = torch.get_num_threads()
     status.set("idle")
@@ -194,7 +194,7 @@ def worker_main(
         try:
             fn, args, kwargs = load_call(payload, hints)
         except BaseException as exc:
-            outcome = _failure(
+            outcome = failure_outcome(
                 rank, exc, None,
                 prefix="could not load fn in the worker process (is its module importable there?): ",
             )
@@ -204,7 +204,7 @@ def worker_main(
             try:
                 _destroy_groups_created_since(before)
             except BaseException as exc:
-                outcome = _failure(rank, exc, None, prefix="could not clean up the groups fn created: ")
+                outcome = failure_outcome(rank, exc, None, prefix="could not clean up the groups fn created: ")
         torch.set_num_threads(threads)
         try:
             conn.send(("done", outcome))

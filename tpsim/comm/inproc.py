@@ -778,6 +778,8 @@ def run_inproc(fn: Callable[..., Any], world_size: int, *, args: tuple = (), kwa
     try:
         world.sched.start()
         _supervise(world)
+        for t in threads:  # all finished: each is only returning from finish()
+            t.join(timeout=world.timeout)
     finally:
         parent_state.restore()
         torch.set_num_threads(parent_threads)
@@ -787,20 +789,32 @@ def run_inproc(fn: Callable[..., Any], world_size: int, *, args: tuple = (), kwa
 
 
 def _supervise(world: _SimWorld) -> None:
-    """Wait for the world to finish; give up when no hand-off happened for too long."""
+    """Wait for the world to finish; give up when no hand-off happened for too long.
+
+    Ranks bound their own waits; this only catches a rank that never reaches a
+    collective again (a busy loop, a sleep): its thread cannot be killed, so it is
+    abandoned (daemon) and the error names it.
+    """
     sched = world.sched
     margin = 2.0
     while not sched.finished.wait(0.05):
         idle = time.monotonic() - sched.last_handoff
-        if idle > world.timeout + margin:
-            holder = sched.holder
-            detail = sched.slots[holder].doing() if holder is not None else "no rank running"
+        if idle <= world.timeout + margin:
+            continue
+        running = [s for s in sched.slots if s.state == "running"]
+        detail = "; ".join(s.doing() for s in running) or "no rank running"
+        if sched.broken is not None:
+            err = sched.broken
             raise CollectiveError(
-                f"the in-process world made no progress for {idle:.1f} s (timeout {world.timeout:g} s); "
-                f"{detail}. The rank threads are abandoned (daemon threads).",
-                rank=holder if holder is not None else 0,
-                faulty_ranks=(holder,) if holder is not None else (),
-            )
+                f"{err.summary} (still running after that: {detail}; its thread is abandoned)",
+                rank=running[0].rank if running else 0, collective=err.collective,
+                call_index=err.call_index, group=err.group, faulty_ranks=err.faulty_ranks)
+        raise CollectiveError(
+            f"the in-process world made no progress for {idle:.1f} s (timeout {world.timeout:g} s); "
+            f"{detail}. The rank threads are abandoned (daemon threads).",
+            rank=running[0].rank if running else 0,
+            faulty_ranks=tuple(s.rank for s in running),
+        )
 
 
 def _raise_first_failure(outcomes: list[_Outcome], world: _SimWorld, trace: Trace) -> None:

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from tpsim.comm._payload import dump_call
 from tpsim.comm._tracing import parse_status
-from tpsim.comm._verdict import Unfinished, settle
+from tpsim.comm._verdict import Unfinished, describe_exit, settle
 from tpsim.comm._worker import Outcome, worker_main
 from tpsim.errors import BackendUnavailable, InvalidArgument, RankError
 
@@ -167,11 +167,11 @@ class _Pool:
                         )
                 if proc.sentinel in ready:
                     proc.join(1.0)
-                    from tpsim.comm._verdict import describe_exit
-
                     raise RankError(
                         f"rank {rank} died with {describe_exit(proc.exitcode)} while joining the "
-                        f"{self.backend} world",
+                        f"{self.backend} world (its stderr says why; a script that calls tpsim at "
+                        "import time must guard its entry point with `if __name__ == '__main__':`, "
+                        "because worker processes import the main module)",
                         rank=rank,
                     )
 
@@ -352,6 +352,13 @@ def run_processes(
     if _torchrun.launched_world() is not None:
         return _torchrun.run_launched(fn, world_size, backend=backend, args=args, kwargs=kwargs, timeout=timeout)
 
+    if getattr(mp.current_process(), "_inheriting", False):
+        # We are a freshly spawned process re-importing the parent's main module, which called
+        # tpsim at import time: starting a world from here would recurse.
+        raise RuntimeError(
+            "tpsim.run(..., backend=%r) was called while a worker process was importing the main "
+            "module; guard the script's entry point with `if __name__ == '__main__':`" % backend
+        )
     if backend == "nccl":
         reason = nccl_unavailable_reason(world_size)
         if reason is not None:
