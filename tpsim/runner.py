@@ -9,6 +9,7 @@ under ``torchrun`` the existing world is used instead of spawning one.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,8 @@ class WorldResult:
     values: list[Any]
     trace: Trace = field(default_factory=Trace)
     backend: str = "inproc"
+    #: ``(fault, call)`` for every fault of the plan that acted, and the call it acted on.
+    faults_fired: list[tuple[Any, Any]] = field(default_factory=list)
 
 
 def _check_args(world_size: Any, backend: Any, timeout: Any) -> None:
@@ -58,29 +61,49 @@ def run_world(
     kwargs: dict[str, Any] | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     faults: Sequence[Any] = (),
+    checksum: bool | None = None,
 ) -> WorldResult:
     """Run ``fn(*args, **kwargs)`` on every rank; return values and the collective trace.
 
     Inside ``fn`` the default process group is initialised, so ``dist.get_rank()``,
-    ``dist.all_reduce(t)`` and ``dist.new_group(...)`` work unmodified. ``faults`` is a
-    fault plan (see :mod:`tpsim.faults`) injected beneath the process group.
+    ``dist.all_reduce(t)`` and ``dist.new_group(...)`` work unmodified.
+
+    ``faults`` is a fault plan: :mod:`tpsim.faults` objects (``Drop``, ``Crash``, ``Delay``,
+    ``Corrupt``, ``Mismatch``) or their JSON dicts, injected beneath the process group;
+    ``WorldResult.faults_fired`` (or ``err.faults_fired`` on failure) says which acted where.
+    ``checksum=True`` (default: the environment variable ``TPSIM_CHECKSUM=1``) checksums every
+    contribution where the rank hands it to ``torch.distributed`` and again where the collective
+    consumes it; a difference (e.g. a ``Corrupt`` fault) fails that collective on every member
+    with a :class:`tpsim.CollectiveError` naming the rank whose contribution changed.
 
     Raises :class:`tpsim.RankError` (a RuntimeError) when a rank raised or died, with the
     failing rank's traceback in the message, or :class:`tpsim.CollectiveError` when a
     collective could not complete (never a hang: every wait is bounded by ``timeout``).
+    A rank dropped by the fault plan never yields a value: the run raises even if every other
+    rank finished.
     """
     if not callable(fn):
         raise InvalidArgument(f"fn={fn!r} must be callable")
     _check_args(world_size, backend, timeout)
+    from tpsim.faults import check_plan, parse_plan
+
+    plan = parse_plan(faults)
+    check_plan(plan, world_size)
+    if checksum is None:
+        checksum = os.environ.get("TPSIM_CHECKSUM", "0") not in ("", "0")
+    elif not isinstance(checksum, bool):
+        raise InvalidArgument(f"checksum={checksum!r} must be True, False or None (None: TPSIM_CHECKSUM decides)")
     kwargs = dict(kwargs or {})
     if backend == "inproc":
         from tpsim.comm.inproc import run_inproc
 
-        return run_inproc(fn, world_size, args=tuple(args), kwargs=kwargs, timeout=float(timeout), faults=tuple(faults))
+        return run_inproc(fn, world_size, args=tuple(args), kwargs=kwargs, timeout=float(timeout), faults=plan,
+                          checksum=checksum)
     from tpsim.comm.procs import run_processes
 
     return run_processes(
-        fn, world_size, backend=backend, args=tuple(args), kwargs=kwargs, timeout=float(timeout), faults=tuple(faults)
+        fn, world_size, backend=backend, args=tuple(args), kwargs=kwargs, timeout=float(timeout), faults=plan,
+        checksum=checksum,
     )
 
 
@@ -93,6 +116,7 @@ def run(
     kwargs: dict[str, Any] | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     faults: Sequence[Any] = (),
+    checksum: bool | None = None,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks and return the per-rank values.
 
@@ -105,5 +129,6 @@ def run(
     [6.0, 6.0, 6.0, 6.0]
     """
     return run_world(
-        fn, world_size, backend=backend, args=args, kwargs=kwargs, timeout=timeout, faults=faults
+        fn, world_size, backend=backend, args=args, kwargs=kwargs, timeout=timeout, faults=faults,
+        checksum=checksum,
     ).values

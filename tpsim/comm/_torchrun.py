@@ -28,7 +28,7 @@ from tpsim.comm._payload import dumps
 from tpsim.comm._tracing import BACKEND_NAMES, register_backends
 from tpsim.comm._verdict import Unfinished, settle
 from tpsim.comm._worker import Outcome, execute, failure_outcome
-from tpsim.errors import BackendUnavailable, InvalidArgument
+from tpsim.errors import BackendUnavailable, InvalidArgument, RankError
 
 if TYPE_CHECKING:
     from tpsim.runner import WorldResult
@@ -64,6 +64,8 @@ def run_launched(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     timeout: float,
+    faults: tuple[Any, ...] = (),
+    checksum: bool = False,
 ) -> WorldResult:
     """Run ``fn`` on this rank of the launched world; return every rank's value (see module doc)."""
     from tpsim.comm.procs import margin, nccl_unavailable_reason
@@ -110,7 +112,7 @@ def run_launched(
 
     start = time.monotonic()
     limit = timeout + margin(timeout)
-    outcome = execute(rank, fn, args, kwargs, timeout=timeout)
+    outcome = execute(rank, fn, args, kwargs, timeout=timeout, faults=faults, checksum=checksum)
     try:
         blob = dumps(outcome)
     except Exception as exc:  # e.g. an exception object that pickles but is huge or odd
@@ -131,13 +133,19 @@ def run_launched(
             outcomes[r] = pickle.loads(store.get(key))
         else:
             unfinished[r] = Unfinished(state="unknown")
-    values, trace = settle(
-        world_size=world_size,
-        backend=backend,
-        outcomes=outcomes,
-        exits={},
-        unfinished=unfinished,
-        limit=limit,
-        timed_out=timed_out,
-    )
-    return WorldResult(values=values, trace=trace, backend=backend)
+    fired = [item for o in outcomes.values() for item in o.fired]
+    try:
+        values, trace = settle(
+            world_size=world_size,
+            backend=backend,
+            outcomes=outcomes,
+            exits={},
+            unfinished=unfinished,
+            limit=limit,
+            timed_out=timed_out,
+            fired=fired,
+        )
+    except RankError as err:
+        err.faults_fired = fired  # type: ignore[attr-defined]
+        raise
+    return WorldResult(values=values, trace=trace, backend=backend, faults_fired=fired)

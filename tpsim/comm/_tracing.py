@@ -26,14 +26,32 @@ import contextlib
 import datetime
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from tpsim.comm._inject import (
+    P2P_OPS,
+    RankFaults,
+    checksum,
+    corrupt_,
+    crash,
+    describe_fault,
+    mismatched_call,
+    verdict_on_signatures,
+)
 from tpsim.comm.trace import CollectiveCall
 from tpsim.errors import CollectiveError
+from tpsim.faults import Corrupt, Crash, Delay, Drop, Fault, Mismatch
+
+#: Exit status of a worker process that a Drop fault ended (the parent also reads its status slot).
+DROP_EXIT_CODE = 87
+
+#: Bytes of one rank's collective fingerprint (see TracingProcessGroup._verify).
+_FINGERPRINT_BYTES = 768
 
 __all__ = [
     "BACKEND_NAMES",
@@ -103,13 +121,27 @@ class RankSession:
         rank: int,
         *,
         timeout: float,
-        faults: Sequence[Any] = (),
+        faults: Sequence[Fault] = (),
         status: StatusSlot | None = None,
+        checksum: bool = False,
+        verify: bool | None = None,
     ) -> None:
         self.rank = rank
         self.timeout = timeout
         self.faults = tuple(faults)
         self.status = status or StatusSlot(None)
+        #: This rank's faults of the plan (every rank knows the whole plan: ties in mismatch votes).
+        self.rank_faults = RankFaults(self.faults, rank)
+        self.injected_ranks = {f.rank for f in self.faults if isinstance(f, Mismatch)}
+        #: Checksum every contribution at the call and as handed to the backend (see tpsim.run).
+        self.checksum = checksum
+        #: Exchange a fingerprint of every collective first, so mismatches are refused by name
+        #: instead of left to the backend (undefined on gloo). On with a plan or checksums.
+        if verify is None:
+            import os
+
+            verify = bool(self.faults) or checksum or os.environ.get("TPSIM_VERIFY_COLLECTIVES", "0") not in ("", "0")
+        self.verify = verify
         self.calls: list[CollectiveCall] = []
         #: The call whose wait failed first on this rank (None while collectives succeed).
         self.failed_call: CollectiveCall | None = None
@@ -226,6 +258,7 @@ class _Contiguous:
 
     def __init__(self) -> None:
         self._writeback: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._standins: list[tuple[torch.Tensor, torch.Tensor]] = []  # every (original, stand-in)
 
     @property
     def needed(self) -> bool:
@@ -245,12 +278,24 @@ class _Contiguous:
             if obj.is_contiguous():
                 return obj
             standin = obj.contiguous()
+            self._standins.append((obj, standin))
             if write:
                 self._writeback.append((obj, standin))
             return standin
         if isinstance(obj, (list, tuple)):
             return [self._map(item, write=write) for item in obj]
         return obj
+
+    def resync(self) -> None:
+        """Refresh stand-ins from their originals (after a fault perturbed the originals)."""
+        with torch.no_grad():
+            for original, standin in self._standins:
+                standin.copy_(original)
+
+    def sent(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """What the backend will read for ``tensors``: their stand-ins where there are any."""
+        swap = {id(o): s for o, s in self._standins}
+        return [swap.get(id(t), t) for t in tensors]
 
     def copy_back(self) -> None:
         """Write the stand-ins' results into the caller's tensors."""
@@ -453,18 +498,109 @@ class TracingProcessGroup(dist.ProcessGroup):
 
     # -- the interception point -----------------------------------------------------------
     def intercept(
-        self, call: CollectiveCall | None, tensors: list[torch.Tensor], issue: Callable[[], Any]
+        self,
+        call: CollectiveCall | None,
+        tensors: list[torch.Tensor],
+        issue: Callable[[], Any],
+        fix: _Contiguous | None = None,
+        signature: str = "",
     ) -> Any:
         """Issue one recorded collective; return the backend's work handle.
 
-        This is the per-call hook point: ``call`` is the record just made (None outside a tpsim
-        run), ``tensors`` the rank's input tensors as the caller passed them, ``issue()`` runs
-        the real op. A fault layer overrides this method to act at a rank's Nth call on a group
-        (``call.rank``, ``call.group``, ``call.call_index``; the plan is ``current_session().faults``):
-        not calling ``issue`` (drop), raising (crash), sleeping first (delay), perturbing
-        ``tensors`` first (corrupt), or issuing a different op (mismatch).
+        The per-call hook point where the fault plan acts: ``call`` is the record just made (None
+        outside a tpsim run), ``tensors`` the rank's contribution as the caller passed it,
+        ``issue()`` runs the real op. A Drop ends this process here (``os._exit``: its peers see a
+        real dead peer), a Crash raises, a Delay sleeps, a Corrupt perturbs ``tensors`` (and the
+        stand-ins ``fix`` made of them) before they are sent, a Mismatch changes what this rank
+        claims to issue. With the session's ``verify`` on, the group first exchanges fingerprints
+        of the call (op, shapes, dtypes, checksums) and every member refuses a disagreement with
+        the same :class:`tpsim.CollectiveError`, naming the deviating rank(s).
         """
+        session = current_session()
+        if session is None or call is None:
+            return issue()
+        crc = checksum(tensors) if session.checksum else 0
+        note = ""
+        fault = session.rank_faults.next_call(call) if session.rank_faults.faults else None
+        if fault is not None:
+            note = describe_fault(fault, call)
+            if isinstance(fault, Drop):
+                session.status.set("dropped", call)
+                _die(DROP_EXIT_CODE)
+            elif isinstance(fault, Crash):
+                raise crash(fault, call)
+            elif isinstance(fault, Delay):
+                session.status.set("stalled", call)
+                time.sleep(fault.seconds)  # a real stall; the parent bounds the run
+                session.status.set("collective", call)
+            elif isinstance(fault, Corrupt):
+                if call.op != "recv":  # a receive buffer is no contribution
+                    corrupt_(fault, tensors)
+                    if fix is not None:
+                        fix.resync()
+            elif isinstance(fault, Mismatch):
+                mismatched_call(fault, call)
+        if session.verify and call.op not in P2P_OPS and self.size() > 1:
+            sent = checksum(fix.sent(tensors) if fix is not None else tensors) if session.checksum else 0
+            signature = signature or _signature(call)
+            if isinstance(fault, Mismatch):  # even where the op's signature ignores shapes (scatter)
+                signature += f" (altered {fault.what})"
+            self._verify(call, session, signature, crc, sent, note)
         return issue()
+
+    def _verify(self, call: CollectiveCall, session: RankSession, signature: str, crc: int, sent: int,
+                note: str) -> None:
+        """Exchange fingerprints of this call with the group; raise the same verdict on every member."""
+        text = "\x1f".join([call.op, signature, f"{crc:x}", f"{sent:x}", note]).encode("utf-8", "replace")
+        buf = torch.zeros(_FINGERPRINT_BYTES, dtype=torch.uint8)
+        buf[: min(len(text), _FINGERPRINT_BYTES)] = torch.frombuffer(bytearray(text[:_FINGERPRINT_BYTES]),
+                                                                     dtype=torch.uint8)
+        device = torch.device(self._device_type) if self._device_type == "cpu" else torch.device(
+            "cuda", torch.cuda.current_device())
+        mine = buf.to(device)
+        everyone = [torch.empty_like(mine) for _ in range(self.size())]
+        try:
+            self.inner.allgather([everyone], [mine], _opts("AllgatherOptions")).wait()
+        except Exception as exc:
+            raise TracedWork(None, call, session)._failure(exc) from exc
+        prints = {}
+        for i, t in enumerate(everyone):
+            raw = bytes(t.cpu().tolist()).rstrip(b"\x00").decode("utf-8", "replace").split("\x1f")
+            raw += [""] * (5 - len(raw))
+            prints[self._peer(i)] = raw
+        where = f"{call.describe()}"
+        faulty, ref = verdict_on_signatures({r: p[1] for r, p in prints.items()}, session.injected_ranks)
+        if faulty:
+            ref_op = prints[ref][0]
+            parts = []
+            for r in faulty:
+                op, sig = prints[r][0], prints[r][1]
+                if op != ref_op:
+                    text_r = f"rank {r} called {op} #{call.call_index} while rank {ref} called {ref_op} #{call.call_index}"
+                else:
+                    text_r = f"rank {r} passed {sig} while rank {ref} passed {prints[ref][1]}"
+                if prints[r][4]:
+                    text_r += f" (injected by the fault plan: {prints[r][4]})"
+                parts.append(text_r)
+            self._refuse(call, session, f"{ref_op} #{call.call_index} on group {call.group}: mismatched collective: "
+                         + "; ".join(parts), faulty, ref_op)
+        bad = [r for r, p in prints.items() if p[2] != p[3]]
+        if bad:
+            parts = [f"rank {r}'s contribution changed after it called {prints[r][0]} (crc32 0x{prints[r][2]} at "
+                     f"the call, 0x{prints[r][3]} as sent)"
+                     + (f"; injected by the fault plan: {prints[r][4]}" if prints[r][4] else "") for r in bad]
+            self._refuse(call, session, f"{where}: checksum mismatch: " + "; ".join(parts)
+                         + ". The result would be corrupted on every member.", tuple(bad), call.op)
+
+    def _refuse(self, call: CollectiveCall, session: RankSession, message: str, faulty: Sequence[int],
+                op: str) -> None:
+        if session.failed_call is None:
+            session.failed_call = call
+        err = CollectiveError(message, rank=call.rank, collective=op, call_index=call.call_index,
+                              group=call.group, faulty_ranks=tuple(faulty))
+        # Every member refuses at the same point after a completed exchange: the world stays usable.
+        err.world_intact = True  # type: ignore[attr-defined]
+        raise err
 
     def _collective(
         self,
@@ -475,6 +611,7 @@ class TracingProcessGroup(dist.ProcessGroup):
         *,
         reduce_op: Any = None,
         peer: int | None = None,
+        signature: str = "",
     ) -> TracedWork:
         session = current_session()
         tensors = _flat(inputs)
@@ -489,7 +626,7 @@ class TracingProcessGroup(dist.ProcessGroup):
                 peer=peer,
             )
         try:
-            inner = self.intercept(call, tensors, issue)
+            inner = self.intercept(call, tensors, issue, fix, signature)
         except BaseException:
             if session is not None and call is not None:
                 session.left(call)  # refused at issue time: the rank is not blocked in it
@@ -564,7 +701,7 @@ class TracingProcessGroup(dist.ProcessGroup):
             if native is not None:
                 return native(outs, ins, opts)
             # gloo has no coalesced form: one op per tensor, in the same order on every rank.
-            return _AllWork([self.inner._allgather_base(o, i, opts) for o, i in zip(outs, ins)])
+            return _AllWork([self.inner._allgather_base(o, i, opts) for o, i in zip(outs, ins, strict=True)])
 
         return self._collective("all_gather_into_tensor", inputs, issue, fix)
 
@@ -603,7 +740,7 @@ class TracingProcessGroup(dist.ProcessGroup):
             native = getattr(self.inner, "reduce_scatter_tensor_coalesced", None)
             if native is not None:
                 return native(outs, ins, opts)
-            return _AllWork([self.inner._reduce_scatter_base(o, i, opts) for o, i in zip(outs, ins)])
+            return _AllWork([self.inner._reduce_scatter_base(o, i, opts) for o, i in zip(outs, ins, strict=True)])
 
         return self._collective("reduce_scatter_tensor", inputs, issue, fix, reduce_op=opts.reduceOp)
 
@@ -783,3 +920,30 @@ def _create_nccl(opts: Any, backend_options: Any) -> TracingProcessGroup:
         device_type="cuda",
         backend_name=BACKEND_NAMES["nccl"],
     )
+
+
+def _signature(call: CollectiveCall) -> str:
+    """What members of one collective must agree on (as the inproc backend checks it)."""
+    if call.op == "scatter":
+        return f"root {call.peer}"
+    if call.op == "all_to_all":
+        return f"{len(call.shapes)} tensors, dtypes {list(call.dtypes)}"
+    if call.op == "all_to_all_single":
+        return f"dtypes {list(call.dtypes)}"
+    parts = [f"shapes {[list(s) for s in call.shapes]}", f"dtypes {list(call.dtypes)}"]
+    if call.reduce_op:
+        parts.append(f"op {call.reduce_op}")
+    if call.peer is not None:
+        parts.append(f"root {call.peer}")
+    return ", ".join(parts)
+
+
+def _die(code: int) -> None:
+    """End this process now, as a crashed machine would: no cleanup, sockets closed by the OS."""
+    import os
+    import sys
+
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)

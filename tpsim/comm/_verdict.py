@@ -39,6 +39,10 @@ class Unfinished:
     def describe(self) -> str:
         if self.state == "collective":
             return f"blocked in {self.where()}"
+        if self.state == "dropped":
+            return f"dropped by the fault plan at {self.where()}"
+        if self.state == "stalled":
+            return f"stalled by the fault plan before {self.where()}"
         if self.state == "unknown":
             return "did not report (its state is unknown)"
         last = f" (last collective: {self.where()})" if self.op else " (no collective issued yet)"
@@ -83,13 +87,20 @@ def settle(
     unfinished: dict[int, Unfinished],
     limit: float | None = None,
     timed_out: bool = False,
+    fired: list[Any] | None = None,
 ) -> tuple[list[Any], Trace]:
     """Return ``(values, trace)`` when every rank succeeded; otherwise raise the right error.
 
     ``outcomes`` holds the ranks that reported, ``exits`` the ranks whose process ended on its
     own (exit code or negative signal number), ``unfinished`` the ranks tpsim had to stop (with
-    what each was doing). ``timed_out`` says the whole-run bound ``limit`` (seconds) ran out.
+    what each was doing) and, for ranks in ``exits``, what their status slot said last.
+    ``timed_out`` says the whole-run bound ``limit`` (seconds) ran out. ``fired`` lists the
+    ``(fault, call)`` pairs of the fault plan that acted: they are named in the message, and the
+    ranks they hit are the ``faulty_ranks`` of every survivor's error.
     """
+    fired = list(fired or [])
+    last_state = {r: unfinished[r] for r in exits if r in unfinished}
+    unfinished = {r: st for r, st in unfinished.items() if r not in exits}
     trace = Trace(calls={r: list(o.calls) for r, o in sorted(outcomes.items())})
     if len(outcomes) == world_size and all(o.ok for o in outcomes.values()) and not exits and not unfinished:
         values: list[Any] = []
@@ -105,10 +116,15 @@ def settle(
                 ) from exc
         return values, trace
 
+    def fault_of(rank: int, kind: str) -> Any:
+        return next((f for f, c in fired if c.rank == rank and f.kind == kind), None)
+
     errors: dict[int, BaseException] = {}
     lines: dict[int, str] = {}
     own: list[int] = []  # ranks whose own code raised or whose process died
     collective: list[int] = []  # ranks that failed in, or were stopped in, a collective
+    planned: list[int] = []  # ranks a fault plan dropped, crashed or stalled
+    crash_at: dict[int, CollectiveCall] = {}
 
     for rank, outcome in sorted(outcomes.items()):
         if outcome.ok:
@@ -133,6 +149,11 @@ def settle(
             errors[rank] = exc
         else:
             own.append(rank)
+            if outcome.error_type == "InjectedCrash":
+                planned.append(rank)
+                crashed = next((c for f, c in fired if c.rank == rank and f.kind == "crash"), None)
+                if crashed is not None:
+                    crash_at[rank] = crashed
             lines[rank] = f"raised {headline}"
             exc = _load_error(outcome) or RankError(
                 f"rank {rank} raised {headline}", rank=rank, remote_traceback=outcome.traceback
@@ -143,11 +164,25 @@ def settle(
             errors[rank] = exc
 
     for rank, code in sorted(exits.items()):
+        state = last_state.get(rank)
+        if state is not None and state.state == "dropped":
+            planned.append(rank)
+            fault = fault_of(rank, "drop")
+            lines[rank] = f"was dropped by the fault plan at {state.where()}" + (f" ({fault})" if fault else "") + (
+                f": its process exited with {describe_exit(code)}")
+            errors[rank] = RankError(f"rank {rank} {lines[rank]}", rank=rank)
+            continue
         own.append(rank)
         lines[rank] = f"died with {describe_exit(code)}"
         errors[rank] = RankError(f"rank {rank} died with {describe_exit(code)}", rank=rank)
 
     for rank, state in sorted(unfinished.items()):
+        if state.state == "stalled":
+            planned.append(rank)
+            fault = fault_of(rank, "delay")
+            lines[rank] = f"was stalled by the fault plan before {state.where()}" + (f" ({fault})" if fault else "")
+            errors[rank] = RankError(f"rank {rank} {lines[rank]}", rank=rank)
+            continue
         lines[rank] = state.describe() + (" when tpsim stopped the world" if not timed_out else "")
         if state.state == "collective":
             collective.append(rank)
@@ -161,13 +196,30 @@ def settle(
         else:
             errors[rank] = RankError(f"rank {rank} was {lines[rank]}", rank=rank)
 
+    # Blame: ranks a fault plan hit, else ranks whose own code failed. Every survivor's collective
+    # error names them, so each rank's error says who it was waiting for.
+    suspects = sorted(set(planned) or set(own))
+    if suspects:
+        why = "; ".join(f"rank {s} {lines[s]}" for s in suspects)
+        for rank in collective:
+            err = errors[rank]
+            if isinstance(err, CollectiveError) and not err.faulty_ranks:
+                errors[rank] = CollectiveError(
+                    f"{err.summary} (waiting for: {why})", rank=rank, collective=err.collective,
+                    call_index=err.call_index, group=err.group, faulty_ranks=tuple(suspects),
+                    remote_traceback=err.remote_traceback)
+    plan = ""
+    if fired:
+        plan = " [fault plan: " + ", ".join(f"{f} at {c.describe()}" for f, c in fired) + "]"
+
     def context(exclude: int) -> str:
         others = [f"  rank {r}: {text}" for r, text in sorted(lines.items()) if r != exclude]
         return ("\nother ranks:\n" + "\n".join(others)) if others else ""
 
     own.sort()
-    if own:
-        rank = own[0]
+    real_own = [r for r in own if r not in planned]
+    if real_own or (own and not collective):
+        rank = (real_own or own)[0]
         if rank in outcomes:
             outcome = outcomes[rank]
             summary = f"rank {rank} raised {outcome.error_type}: {outcome.error_text}".rstrip()
@@ -175,26 +227,34 @@ def settle(
         else:
             summary = f"rank {rank} died with {describe_exit(exits.get(rank))} ({_exit_hint(exits.get(rank))})"
             remote = ""
+        if rank in crash_at:
+            call = crash_at[rank]
+            raise CollectiveError(
+                f"{summary}{plan} [backend {backend}, world_size={world_size}]{context(rank)}",
+                rank=rank, collective=call.op, call_index=call.call_index, group=call.group,
+                faulty_ranks=(rank,), remote_traceback=remote, errors=errors)
         raise RankError(
-            f"{summary} [backend {backend}, world_size={world_size}]{context(rank)}",
+            f"{summary}{plan} [backend {backend}, world_size={world_size}]{context(rank)}",
             rank=rank,
             remote_traceback=remote,
             errors=errors,
         )
-    # Only collective failures: a mismatch, a deadlock or a timeout. Name the lowest such rank.
+    # Collective failures (a dead or stalled peer, a mismatch, a timeout): name the lowest survivor.
     stopped = sorted(unfinished)
-    if timed_out:
+    if timed_out and not planned:
         head = (
             f"the world did not finish within {limit:.1f}s (the collective timeout plus a margin): "
             f"rank(s) {', '.join(map(str, stopped))} never reported"
         )
     else:
         head = "no rank could complete its collectives"
-    first = sorted(collective)[0] if collective else (stopped[0] if stopped else 0)
+    first = sorted(collective)[0] if collective else (stopped[0] if stopped else (planned or [0])[0])
     err = errors.get(first)
-    if isinstance(err, CollectiveError) and not timed_out:
+    if isinstance(err, CollectiveError) and (not timed_out or planned):
         head = err.summary
-    text = f"{head} [backend {backend}, world_size={world_size}]\n" + "\n".join(
+    elif planned:
+        head = "; ".join(f"rank {s} {lines[s]}" for s in planned)
+    text = f"{head}{plan} [backend {backend}, world_size={world_size}]\n" + "\n".join(
         f"  rank {r}: {t}" for r, t in sorted(lines.items())
     )
     if isinstance(err, CollectiveError):
@@ -204,9 +264,15 @@ def settle(
             collective=err.collective,
             call_index=err.call_index,
             group=err.group,
+            faulty_ranks=err.faulty_ranks or tuple(suspects),
             remote_traceback=err.remote_traceback,
             errors=errors,
         )
+    if planned:
+        st = last_state.get(planned[0]) or unfinished.get(planned[0])
+        raise CollectiveError(
+            text, rank=planned[0], collective=st.op if st else None, call_index=st.call_index if st else None,
+            group=st.group if st else None, faulty_ranks=tuple(planned), errors=errors)
     raise RankError(text, rank=first, errors=errors)
 
 

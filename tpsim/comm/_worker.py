@@ -19,8 +19,8 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -62,6 +62,10 @@ class Outcome:
     collective: bool = False
     failed_call: CollectiveCall | None = None
     calls: list[CollectiveCall] = field(default_factory=list)
+    #: ``(fault, call)`` for every fault of the plan that acted on this rank.
+    fired: list[Any] = field(default_factory=list)
+    #: The failure left the world usable (every member refused the same verified collective).
+    intact: bool = False
 
 
 def failure_outcome(
@@ -84,6 +88,8 @@ def failure_outcome(
         collective=collective,
         failed_call=session.failed_call if session is not None else None,
         calls=list(session.calls) if session is not None else [],
+        fired=list(session.rank_faults.fired) if session is not None else [],
+        intact=bool(getattr(exc, "world_intact", False)),
     )
 
 
@@ -103,13 +109,14 @@ def execute(
     timeout: float,
     faults: tuple[Any, ...] = (),
     status: StatusSlot | None = None,
+    checksum: bool = False,
 ) -> Outcome:
     """Run ``fn(*args, **kwargs)`` on this rank in the already-initialised world; never raises.
 
     The run gets a fresh :class:`RankSession` (call indices from 1, the run's timeout on every
     group) and the process state of a fresh process (RNG seed, default dtype, grad mode).
     """
-    session = RankSession(rank, timeout=timeout, faults=faults, status=status)
+    session = RankSession(rank, timeout=timeout, faults=faults, status=status, checksum=checksum)
     _reset_process_state()
     with activate(session):
         try:
@@ -126,7 +133,8 @@ def execute(
             prefix=f"fn returned a value of type {type(value).__name__} that cannot be pickled "
             "back to the parent process: ",
         )
-    return Outcome(rank=rank, ok=True, value=value_bytes, calls=list(session.calls))
+    return Outcome(rank=rank, ok=True, value=value_bytes, calls=list(session.calls),
+                   fired=list(session.rank_faults.fired))
 
 
 # -- the pool process ------------------------------------------------------------------------
@@ -189,7 +197,7 @@ def worker_main(
             _exit(0)
         if message[0] == "stop":
             _exit(0)
-        _, payload, hints, timeout, faults = message
+        _, payload, hints, timeout, faults, checksum = message
         before = set(dist.distributed_c10d._world.pg_map)
         try:
             fn, args, kwargs = load_call(payload, hints)
@@ -199,8 +207,9 @@ def worker_main(
                 prefix="could not load fn in the worker process (is its module importable there?): ",
             )
         else:
-            outcome = execute(rank, fn, args, kwargs, timeout=timeout, faults=faults, status=status)
-        if outcome.ok:
+            outcome = execute(rank, fn, args, kwargs, timeout=timeout, faults=faults, status=status,
+                              checksum=checksum)
+        if outcome.ok or outcome.intact:  # the world lives on: drop this run's subgroups
             try:
                 _destroy_groups_created_since(before)
             except BaseException as exc:

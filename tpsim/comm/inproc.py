@@ -24,9 +24,19 @@ import torch
 import torch.distributed as dist
 
 from tpsim.comm import threadworld
+from tpsim.comm._inject import (
+    RankFaults,
+    checksum,
+    corrupt_,
+    crash,
+    describe_fault,
+    mismatched_call,
+    verdict_on_signatures,
+)
 from tpsim.comm.scheduler import Scheduler, WorldBroken, collective_error, format_exception
 from tpsim.comm.trace import CollectiveCall, Trace
 from tpsim.errors import CollectiveError, InvalidArgument, RankError
+from tpsim.faults import Corrupt, Crash, Delay, Drop, Fault, InjectedCrash, Mismatch, parse_plan
 
 __all__ = ["BACKEND_NAME", "InprocProcessGroup", "register", "run_inproc"]
 
@@ -105,7 +115,8 @@ def _sig(tensors: Sequence[torch.Tensor]) -> tuple[tuple[tuple[int, ...], ...], 
 class _Instance:
     """The ``index``-th collective on a group; completed by the last member to arrive."""
 
-    __slots__ = ("arrived", "compute", "done", "group", "index", "op", "payloads", "signature", "calls")
+    __slots__ = ("arrived", "calls", "compute", "contrib", "crc", "done", "group", "index", "notes", "op",
+                 "payloads", "signature", "sigs")
 
     def __init__(self, group: _GroupState, index: int, op: str, signature: Any, compute: Callable) -> None:
         self.group = group
@@ -116,6 +127,13 @@ class _Instance:
         self.payloads: dict[int, Any] = {}
         self.calls: dict[int, CollectiveCall] = {}
         self.done = False
+        # Only once members disagree: group rank -> (op, signature) of every member so far.
+        self.sigs: dict[int, tuple[str, Any]] | None = None
+        # Checksum mode only: group rank -> contribution tensors / their CRC at call time.
+        self.contrib: dict[int, Sequence[torch.Tensor]] | None = None
+        self.crc: dict[int, int] | None = None
+        # Group rank -> the fault a plan applied to that member's call (for messages).
+        self.notes: dict[int, str] | None = None
 
     # for the scheduler's messages
     @property
@@ -131,7 +149,39 @@ class _Instance:
     def describe_stuck(self, slots: list) -> str:
         waiting = ",".join(str(self.group.ranks[i]) for i in sorted(self.payloads))
         missing = [slots[g].doing() for g in self.missing_ranks()]
+        if self.sigs is not None:
+            head = self.mismatch_message()[0]
+            return f"{head}; ranks {waiting} waiting; " + "; ".join(missing)
         return f"{self.op} #{self.index} on group {self.group.name}: ranks {waiting} waiting; " + "; ".join(missing)
+
+    def suspects(self) -> tuple[int, ...]:
+        """Ranks to blame when this instance can never complete: deviating or missing members."""
+        deviating = self.mismatch_message()[1] if self.sigs is not None else ()
+        return tuple(sorted(set(deviating) | set(self.missing_ranks())))
+
+    def mismatch_message(self) -> tuple[str, tuple[int, ...]]:
+        """Explain disagreeing members (majority vote) and return ``(message, faulty global ranks)``."""
+        ranks = self.group.ranks
+        notes = self.notes or {}
+        by_global = {ranks[m]: sig for m, sig in self.sigs.items()}
+        injected = {ranks[m] for m in notes}
+        faulty, ref = verdict_on_signatures(by_global, injected)
+        if ref is None:  # cannot happen once sigs is set; keep the message sane anyway
+            ref, faulty = min(by_global), ()
+        ref_op, ref_sig = by_global[ref]
+        parts = []
+        for r in faulty:
+            op, sig = by_global[r]
+            if op != ref_op:
+                text = f"rank {r} called {op} #{self.index} while rank {ref} called {ref_op} #{self.index}"
+            else:
+                text = f"rank {r} passed {_describe_sig(sig)} while rank {ref} passed {_describe_sig(ref_sig)}"
+            gr = ranks.index(r)
+            if gr in notes:
+                text += f" (injected by the fault plan: {notes[gr]})"
+            parts.append(text)
+        msg = f"{ref_op} #{self.index} on group {self.group.name}: mismatched collective: " + "; ".join(parts)
+        return msg, tuple(faulty)
 
 
 class _Recv:
@@ -178,16 +228,26 @@ class _GroupState:
 class _SimWorld:
     """Everything one in-process world shares: scheduler, groups, trace, faults."""
 
-    def __init__(self, world_size: int, timeout: float, faults: Sequence[Any]) -> None:
+    def __init__(self, world_size: int, timeout: float, faults: Sequence[Any], checksum: bool = False) -> None:
         self.world_size = world_size
         self.timeout = timeout
         self.sched = Scheduler(world_size, timeout, torch.get_default_dtype())
         self.groups: dict[str, _GroupState] = {}
         self.group_lock = threading.Lock()
         self.store = dist.HashStore()
-        self.calls_per_rank = [0] * world_size  # all calls of a rank, any group (faults count these)
-        self.faults = tuple(faults)
+        self.calls_per_rank = [0] * world_size  # all calls of a rank, any group
+        self.faults = parse_plan(faults)
+        # Per rank: its faults (None for a rank without any, so the hot path pays one check).
+        self.rank_faults: list[RankFaults | None] = [
+            RankFaults(self.faults, r) if any(f.rank == r for f in self.faults) else None
+            for r in range(world_size)
+        ]
+        self.checksum = bool(checksum)
         self.cpu = _choose_cpu()
+
+    def faults_fired(self) -> list[tuple[Fault, CollectiveCall]]:
+        """Every fault that acted, with the call it acted on, in rank order."""
+        return [item for rf in self.rank_faults if rf is not None for item in rf.fired]
 
     def group(self, name: str, ranks: tuple[int, ...]) -> _GroupState:
         with self.group_lock:
@@ -318,6 +378,8 @@ class InprocProcessGroup(dist.ProcessGroup):
         state = self._state
         me = self._group_rank
         slot = world.sched.slots[self._global_rank]
+        if slot.dropped:  # a dropped rank's code may still call (from a finally): it is dead
+            raise RankDropped()
         shapes, dtypes = _sig(tensors)
         state.seq[me] += 1
         index = state.seq[me]
@@ -329,17 +391,48 @@ class InprocProcessGroup(dist.ProcessGroup):
         )
         slot.calls.append(call)
         world.calls_per_rank[self._global_rank] += 1
+        crc = checksum(tensors) if world.checksum else 0  # what the caller handed over
+        note = None
+        rf = world.rank_faults[self._global_rank]
+        if rf is not None:
+            fault = rf.next_call(call)
+            if fault is not None:
+                note = describe_fault(fault, call)
+                if isinstance(fault, Mismatch):
+                    mismatched_call(fault, call)
+                    if signature is None or fault.what == "op":
+                        signature = (call.shapes, call.dtypes, call.reduce_op, peer)
+                    else:
+                        signature = ("altered " + fault.what, signature)
+                    op = call.op
+                else:
+                    self._inject(fault, call, tensors, slot)
         if signature is None:
             signature = (shapes, dtypes, call.reduce_op, peer)
         inst = state.pending.get(index)
         if inst is None:
             inst = state.pending[index] = _Instance(state, index, op, signature, compute)
-        elif inst.op != op or inst.signature != signature:
-            self._mismatch(inst, call, signature)
+        elif inst.sigs is None and (inst.op != op or inst.signature != signature):
+            inst.sigs = {m: (inst.op, inst.signature) for m in inst.payloads}
+        if inst.sigs is not None:
+            inst.sigs[me] = (op, signature)
+        if note is not None:
+            if inst.notes is None:
+                inst.notes = {}
+            inst.notes[me] = note
+        if world.checksum:
+            if inst.contrib is None:
+                inst.contrib, inst.crc = {}, {}
+            inst.contrib[me] = tensors
+            inst.crc[me] = crc  # type: ignore[index]
         inst.payloads[me] = payload
         inst.calls[me] = call
         if len(inst.payloads) == state.size:
             del state.pending[index]
+            if inst.sigs is not None:
+                self._mismatch(inst)
+            if inst.contrib is not None:
+                self._verify_checksums(inst)
             # Grad mode off without a context manager (cheaper on this hot path): the copies
             # into users' tensors must not be recorded by autograd, as in a real backend.
             grad_was = torch.is_grad_enabled()
@@ -358,21 +451,65 @@ class InprocProcessGroup(dist.ProcessGroup):
                 world.sched.wake(g)
         return _Work(self, lambda: inst.done, inst, result if result is not None else list(tensors))
 
-    def _mismatch(self, inst: _Instance, call: CollectiveCall, signature: Any) -> None:
-        first = min(inst.calls)
-        ref = inst.calls[first]
-        what = []
-        if inst.op != call.op:
-            what.append(f"rank {call.rank} called {call.op} #{call.call_index} while rank {ref.rank} "
-                        f"called {inst.op} #{inst.index}")
-        else:
-            what.append(f"rank {call.rank} passed {_describe_sig(signature)} while rank {ref.rank} "
-                        f"passed {_describe_sig(inst.signature)}")
-        msg = f"{inst.op} #{inst.index} on group {inst.group.name}: mismatched collective: " + "; ".join(what)
-        err = WorldBroken(msg, collective=inst.op, call_index=inst.index, group=inst.group.name,
-                          faulty_ranks=(call.rank,))
+    def _mismatch(self, inst: _Instance) -> None:
+        """Every member arrived but they disagree: blame the minority, break the world."""
+        msg, faulty = inst.mismatch_message()
+        ref_op = msg.split(" #", 1)[0]
+        err = WorldBroken(msg, collective=ref_op, call_index=inst.index, group=inst.group.name,
+                          faulty_ranks=faulty)
         self._world.sched.break_world(err)
         raise collective_error(err, self._global_rank)
+
+    def _verify_checksums(self, inst: _Instance) -> None:
+        """Checksum mode: every member's contribution must still be what its rank handed over."""
+        bad = []
+        for m in sorted(inst.contrib):
+            now = checksum(inst.contrib[m])
+            if now != inst.crc[m]:
+                rank = self._state.ranks[m]
+                note = (inst.notes or {}).get(m)
+                bad.append((rank, f"rank {rank}'s contribution changed after it called {inst.op} "
+                                  f"(crc32 {inst.crc[m]:#010x} at the call, {now:#010x} when the collective "
+                                  f"read it)" + (f"; injected by the fault plan: {note}" if note else "")))
+        if not bad:
+            return
+        msg = (f"{inst.op} #{inst.index} on group {inst.group.name}: checksum mismatch: "
+               + "; ".join(text for _, text in bad) + ". The result would be corrupted on every member.")
+        err = WorldBroken(msg, collective=inst.op, call_index=inst.index, group=inst.group.name,
+                          faulty_ranks=tuple(r for r, _ in bad))
+        self._world.sched.break_world(err)
+        raise collective_error(err, self._global_rank)
+
+    def _inject(self, fault: Fault, call: CollectiveCall, tensors: Sequence[torch.Tensor], slot: Any) -> None:
+        """Apply a Drop, Crash, Delay or Corrupt fault to ``call`` (just recorded) on this rank."""
+        if isinstance(fault, Drop):
+            slot.dropped = True
+            slot.end_text = f"was dropped by the fault plan at {call.describe()} ({fault})"
+            raise RankDropped()
+        if isinstance(fault, Crash):
+            slot.end_text = f"crashed (raised InjectedCrash, fault plan {fault}) at {call.describe()}"
+            raise crash(fault, call)
+        if isinstance(fault, Delay):
+            # A real stall, holding the baton as a busy rank would; cut short if the world
+            # breaks meanwhile (its peers timed out), so the thread never outlives the run.
+            slot.stalled = f"is stalled by the fault plan ({fault}) before {call.describe()}"
+            slot.stalled_call = call
+            sched = self._world.sched
+            end = time.monotonic() + fault.seconds
+            try:
+                while sched.broken is None:
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        break
+                    time.sleep(min(left, 0.01))
+            finally:
+                slot.stalled, slot.stalled_call = "", None
+                sched.last_handoff = time.monotonic()  # the stall was the plan, not a hang
+            if sched.broken is not None:
+                raise collective_error(sched.broken, self._global_rank)
+            return
+        if isinstance(fault, Corrupt):
+            corrupt_(fault, tensors)
 
     # -- collectives ---------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
@@ -575,23 +712,37 @@ class InprocProcessGroup(dist.ProcessGroup):
         self.barrier().wait()
 
     # -- point to point (buffered sends, blocking receives) ---------------------------
-    def _p2p_call(self, op: str, tensors: list[torch.Tensor], peer: int) -> int:
+    def _p2p_call(self, op: str, tensors: list[torch.Tensor], peer: int) -> tuple[int, Fault | None]:
         state = self._state
         slot = self._world.sched.slots[self._global_rank]
+        if slot.dropped:
+            raise RankDropped()
         index = sum(1 for c in slot.calls if c.group == state.name) + 1
         shapes, dtypes = _sig(tensors)
-        slot.calls.append(CollectiveCall(rank=self._global_rank, op=op, group=state.name,
-                                         group_ranks=state.ranks, call_index=index, shapes=shapes,
-                                         dtypes=dtypes, peer=None if peer < 0 else state.ranks[peer]))
+        call = CollectiveCall(rank=self._global_rank, op=op, group=state.name,
+                              group_ranks=state.ranks, call_index=index, shapes=shapes,
+                              dtypes=dtypes, peer=None if peer < 0 else state.ranks[peer])
+        slot.calls.append(call)
         self._world.calls_per_rank[self._global_rank] += 1
-        return index
+        rf = self._world.rank_faults[self._global_rank]
+        fault = rf.next_call(call) if rf is not None else None
+        if fault is not None and not isinstance(fault, Mismatch):
+            if op == "send" or not isinstance(fault, Corrupt):  # a recv buffer is no contribution
+                self._inject(fault, call, tensors, slot)
+        return index, fault
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> _Work:
         if self._world.sched.broken is not None:
             raise collective_error(self._world.sched.broken, self._global_rank)
-        self._p2p_call("send", tensors, dst)
+        _, fault = self._p2p_call("send", tensors, dst)
+        sent = [t.detach().clone() for t in tensors]  # the data as it was at send time
+        if isinstance(fault, Mismatch):  # at a send, a mismatch changes what is sent
+            if fault.what == "dtype":
+                sent = [t.to(torch.float32 if t.dtype == torch.float64 else torch.float64) for t in sent]
+            else:
+                sent = [torch.cat([t.reshape(-1), t.reshape(-1)[:1]]) if t.numel() else torch.zeros(1) for t in sent]
         box = self._state.mail.setdefault((self._group_rank, dst, tag), deque())
-        box.append([t.detach().clone() for t in tensors])  # the data as it was at send time
+        box.append(sent)
         self._world.sched.wake(self._state.ranks[dst])
         return _done_work(self, tensors)
 
@@ -605,7 +756,7 @@ class InprocProcessGroup(dist.ProcessGroup):
         if self._world.sched.broken is not None:
             raise collective_error(self._world.sched.broken, self._global_rank)
         state, me = self._state, self._group_rank
-        index = self._p2p_call("recv", tensors, -1 if src is None else src)
+        index, _ = self._p2p_call("recv", tensors, -1 if src is None else src)
         pending = _Recv(state, me, src, tag, index)
         got: list = []
 
@@ -623,12 +774,15 @@ class InprocProcessGroup(dist.ProcessGroup):
         def finish() -> None:
             if not got:
                 got.append(box().popleft())  # type: ignore[union-attr]
-            for dst, data in zip(tensors, got[0]):
-                if dst.shape != data.shape:
+            for dst, data in zip(tensors, got[0], strict=False):
+                if dst.shape != data.shape or dst.dtype != data.dtype:
+                    sender = "the sender" if src is None else f"rank {state.ranks[src]}"
                     raise CollectiveError(
-                        f"recv #{index} on group {state.name}: expected shape {tuple(dst.shape)}, "
-                        f"the sender sent {tuple(data.shape)}",
-                        rank=self._global_rank, collective="recv", call_index=index, group=state.name)
+                        f"recv #{index} on group {state.name}: expected shape {tuple(dst.shape)} "
+                        f"dtype {_dtype_name(dst.dtype)}, {sender} sent shape {tuple(data.shape)} "
+                        f"dtype {_dtype_name(data.dtype)}",
+                        rank=self._global_rank, collective="recv", call_index=index, group=state.name,
+                        faulty_ranks=() if src is None else (state.ranks[src],))
                 dst.copy_(data)
 
         return _Work(self, ready, pending, tensors, finish)
@@ -744,9 +898,12 @@ def _rank_main(world: _SimWorld, rank: int, fn: Callable, args: tuple, kwargs: d
         outcome.error = collective_error(err, rank)
         note = "raised CollectiveError"
     except BaseException as exc:  # report everything, KeyboardInterrupt included
-        outcome.error = exc
-        outcome.tb = format_exception(exc)
-        note = f"raised {type(exc).__name__}"
+        if sched.slots[rank].dropped:
+            note = "was dropped"  # the rank's own finally-blocks raised after the drop: still dead
+        else:
+            outcome.error = exc
+            outcome.tb = format_exception(exc)
+            note = f"raised {type(exc).__name__}"
     finally:
         threadworld.leave_rank_world()
         _tls.world = None
@@ -754,7 +911,7 @@ def _rank_main(world: _SimWorld, rank: int, fn: Callable, args: tuple, kwargs: d
 
 
 def run_inproc(fn: Callable[..., Any], world_size: int, *, args: tuple = (), kwargs: dict | None = None,
-               timeout: float = 30.0, faults: Sequence[Any] = ()) -> Any:
+               timeout: float = 30.0, faults: Sequence[Any] = (), checksum: bool = False) -> Any:
     """Run ``fn`` on ``world_size`` rank threads; see :func:`tpsim.run_world`."""
     from tpsim.runner import WorldResult
 
@@ -766,7 +923,7 @@ def run_inproc(fn: Callable[..., Any], world_size: int, *, args: tuple = (), kwa
     # about 2x slower (measured). Restored afterwards.
     parent_threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    world = _SimWorld(world_size, timeout, faults)
+    world = _SimWorld(world_size, timeout, faults, checksum)
     outcomes = [_Outcome() for _ in range(world_size)]
     threads = [
         threading.Thread(target=_rank_main, args=(world, r, fn, args, kwargs, outcomes[r]),
@@ -784,8 +941,10 @@ def run_inproc(fn: Callable[..., Any], world_size: int, *, args: tuple = (), kwa
         parent_state.restore()
         torch.set_num_threads(parent_threads)
     trace = Trace({s.rank: list(s.calls) for s in world.sched.slots})
-    _raise_first_failure(outcomes, world, trace)
-    return WorldResult(values=[o.value for o in outcomes], trace=trace, backend=BACKEND_NAME)
+    fired = world.faults_fired()
+    _raise_first_failure(outcomes, world, trace, fired)
+    return WorldResult(values=[o.value for o in outcomes], trace=trace, backend=BACKEND_NAME,
+                       faults_fired=fired)
 
 
 def _supervise(world: _SimWorld) -> None:
@@ -817,23 +976,48 @@ def _supervise(world: _SimWorld) -> None:
         )
 
 
-def _raise_first_failure(outcomes: list[_Outcome], world: _SimWorld, trace: Trace) -> None:
+def _raise_first_failure(outcomes: list[_Outcome], world: _SimWorld, trace: Trace,
+                         fired: list[tuple[Fault, CollectiveCall]]) -> None:
     errors = {r: o.error for r, o in enumerate(outcomes) if o.error is not None}
-    if not errors:
+    dropped = [(f, c) for f, c in fired if isinstance(f, Drop)]
+    if not errors and not dropped:
         return
+    plan = f" [fault plan: {', '.join(describe_fault(f, c) for f, c in fired)}]" if fired else ""
+    if not errors:
+        # Every survivor finished, yet a rank is gone: its value is missing, never silently None.
+        fault, call = dropped[0]
+        err0 = CollectiveError(
+            f"rank {call.rank} was dropped by the fault plan at {call.describe()} and returned no value; "
+            f"the other ranks finished without waiting for it{plan}",
+            rank=call.rank, collective=call.op, call_index=call.call_index, group=call.group,
+            faulty_ranks=tuple(c.rank for _, c in dropped))
+        _attach(err0, trace, fired)
+        raise err0
     # A rank's own exception is the cause; collective errors on the others are the effect.
     own = [r for r, e in errors.items() if not isinstance(e, CollectiveError)]
     if own:
         r = own[0]
         exc = errors[r]
-        err: RankError = RankError(f"rank {r} raised {type(exc).__name__}: {exc}", rank=r,
-                                   remote_traceback=outcomes[r].tb, errors=errors)
-        err.trace = trace  # type: ignore[attr-defined]
+        crash_call = next((c for f, c in fired if isinstance(f, Crash) and c.rank == r), None)
+        if isinstance(exc, InjectedCrash) and crash_call is not None:
+            err: RankError = CollectiveError(
+                f"rank {r} raised {type(exc).__name__}: {exc}{plan}", rank=r, collective=crash_call.op,
+                call_index=crash_call.call_index, group=crash_call.group, faulty_ranks=(r,),
+                remote_traceback=outcomes[r].tb, errors=errors)
+        else:
+            err = RankError(f"rank {r} raised {type(exc).__name__}: {exc}{plan}", rank=r,
+                            remote_traceback=outcomes[r].tb, errors=errors)
+        _attach(err, trace, fired)
         raise err from exc
     r = min(errors)
     src: Any = errors[r]
     cerr = CollectiveError(
-        f"rank {r}: {src.summary}", rank=r, collective=src.collective, call_index=src.call_index,
+        f"rank {r}: {src.summary}{plan}", rank=r, collective=src.collective, call_index=src.call_index,
         group=src.group, faulty_ranks=src.faulty_ranks, remote_traceback=outcomes[r].tb, errors=errors)
-    cerr.trace = trace  # type: ignore[attr-defined]
+    _attach(cerr, trace, fired)
     raise cerr from None
+
+
+def _attach(err: BaseException, trace: Trace, fired: list) -> None:
+    err.trace = trace  # type: ignore[attr-defined]
+    err.faults_fired = list(fired)  # type: ignore[attr-defined]

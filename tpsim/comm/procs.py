@@ -53,6 +53,7 @@ __all__ = [
     "MAX_POOLS",
     "PROCESS_BACKENDS",
     "live_worker_pids",
+    "ensure_pool",
     "margin",
     "nccl_unavailable_reason",
     "run_processes",
@@ -202,21 +203,27 @@ class _Pool:
 
     # -- one run ---------------------------------------------------------------------------
     def run(
-        self, payload: bytes, hints: dict[str, str], timeout: float, faults: tuple[Any, ...]
+        self, payload: bytes, hints: dict[str, str], timeout: float, faults: tuple[Any, ...],
+        checksum: bool = False,
     ) -> tuple[dict[int, Outcome], dict[int, int | None], dict[int, Unfinished], float, bool]:
-        """Run one call on every rank; return what settle() needs. Never waits unboundedly."""
-        limit = timeout + margin(timeout)
-        message = bytes(ForkingPickler.dumps(("run", payload, hints, timeout, faults)))
+        """Run one call on every rank; return what settle() needs. Never waits unboundedly.
+
+        For ranks whose process ended, ``unfinished`` also holds what their status slot said
+        last (e.g. ``dropped`` by the fault plan, and in which call).
+        """
+        limit = timeout + margin(timeout) + sum(getattr(f, "seconds", 0.0) for f in faults)
+        message = bytes(ForkingPickler.dumps(("run", payload, hints, timeout, faults, checksum)))
         outcomes: dict[int, Outcome] = {}
         exits: dict[int, int | None] = {}
         start = time.monotonic()
-        for rank, conn in enumerate(self.conns):
+        for conn in self.conns:
             try:
                 conn.send_bytes(message)
             except OSError:  # the process is gone; its sentinel tells how below
                 pass
         pending = set(range(self.world_size))
         failed_at: float | None = None
+        refused = False
         timed_out = False
         while pending:
             now = time.monotonic()
@@ -225,7 +232,10 @@ class _Pool:
                 break
             if failed_at is not None:
                 # The world is lost. Wait only for ranks that may still report their own error.
-                if now - failed_at >= GRACE_S or all(self.status(r).state == "collective" for r in pending):
+                # A verified refusal (mismatch, checksum) is raised by every member at once: wait
+                # for the others' reports rather than taking "in a collective" for "stuck".
+                stuck = not refused and all(self.status(r).state == "collective" for r in pending)
+                if now - failed_at >= GRACE_S or stuck:
                     break
                 wake = min(start + limit, failed_at + GRACE_S, now + 0.02)
             else:
@@ -244,6 +254,7 @@ class _Pool:
                         pending.discard(rank)
                         if not outcome.ok and failed_at is None:
                             failed_at = time.monotonic()
+                            refused = outcome.intact
                         continue
                 if proc.sentinel in ready:
                     proc.join(1.0)
@@ -251,7 +262,8 @@ class _Pool:
                     pending.discard(rank)
                     if failed_at is None:
                         failed_at = time.monotonic()
-        unfinished = {rank: self.status(rank) for rank in sorted(pending)}
+        unfinished = {rank: self.status(rank) for rank in sorted(pending) if rank not in exits}
+        unfinished.update({rank: self.status(rank) for rank in exits})
         return outcomes, exits, unfinished, limit, timed_out
 
 
@@ -273,6 +285,24 @@ def live_worker_pids() -> dict[tuple[str, int], list[int]]:
     """PIDs of the worker processes of each live pool, keyed by ``(backend, world_size)``."""
     with _LOCK:
         return {key: pool.pids() for key, pool in _POOLS.items()}
+
+
+def ensure_pool(backend: str, world_size: int) -> None:
+    """Start (bounded) the worker pool a run of ``world_size`` ranks on ``backend`` would use.
+
+    Lets callers that time runs (fault-detection bounds, benchmarks) keep the pool's start-up
+    out of the measurement. Under torchrun there is no pool: nothing happens.
+    """
+    from tpsim.comm import _torchrun
+
+    if backend not in PROCESS_BACKENDS or _torchrun.launched_world() is not None:
+        return
+    if backend == "nccl":
+        reason = nccl_unavailable_reason(world_size)
+        if reason is not None:
+            raise BackendUnavailable("nccl", reason)
+    with _LOCK:
+        _pool_for(backend, world_size)
 
 
 def _discard(key: tuple[str, int]) -> None:
@@ -317,6 +347,7 @@ def run_processes(
     kwargs: dict[str, Any] | None = None,
     timeout: float,
     faults: Sequence[Any] = (),
+    checksum: bool = False,
 ) -> WorldResult:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks of a ``backend`` world of processes.
 
@@ -328,7 +359,7 @@ def run_processes(
     Returns a :class:`tpsim.WorldResult` whose ``values[r]`` is rank r's return value and whose
     ``trace`` holds every rank's collective calls.
 
-    Raises :class:`tpsim.InvalidArgument` (bad backend, unpicklable fn/args), 
+    Raises :class:`tpsim.InvalidArgument` (bad backend, unpicklable fn/args),
     :class:`tpsim.BackendUnavailable` (nccl without enough GPUs; nothing is spawned),
     :class:`tpsim.RankError` when a rank raised or its process died (the lowest such rank, its
     traceback in the message, every failed rank in ``errors``), or
@@ -339,25 +370,22 @@ def run_processes(
 
     if backend not in PROCESS_BACKENDS:
         raise InvalidArgument(f"backend={backend!r} is not a process backend; expected one of {PROCESS_BACKENDS}")
-    if faults:
-        raise InvalidArgument(
-            f"faults={list(faults)!r}: fault injection is not available on backend {backend!r} yet "
-            "(issue 6); run fault plans on backend='inproc'"
-        )
+    faults = tuple(faults)
     args = tuple(args)
     kwargs = dict(kwargs or {})
 
     from tpsim.comm import _torchrun
 
     if _torchrun.launched_world() is not None:
-        return _torchrun.run_launched(fn, world_size, backend=backend, args=args, kwargs=kwargs, timeout=timeout)
+        return _torchrun.run_launched(fn, world_size, backend=backend, args=args, kwargs=kwargs, timeout=timeout,
+                                      faults=faults, checksum=checksum)
 
     if getattr(mp.current_process(), "_inheriting", False):
         # We are a freshly spawned process re-importing the parent's main module, which called
         # tpsim at import time: starting a world from here would recurse.
         raise RuntimeError(
-            "tpsim.run(..., backend=%r) was called while a worker process was importing the main "
-            "module; guard the script's entry point with `if __name__ == '__main__':`" % backend
+            f"tpsim.run(..., backend={backend!r}) was called while a worker process was importing the main "
+            "module; guard the script's entry point with `if __name__ == '__main__':`"
         )
     if backend == "nccl":
         reason = nccl_unavailable_reason(world_size)
@@ -369,20 +397,47 @@ def run_processes(
         key = (backend, world_size)
         pool = _pool_for(backend, world_size)
         try:
-            outcomes, exits, unfinished, limit, timed_out = pool.run(payload, hints, timeout, ())
+            outcomes, exits, unfinished, limit, timed_out = pool.run(payload, hints, timeout, faults, checksum)
         except BaseException:  # Ctrl-C or a broken pipe mid-run: the world is in an unknown state
             _discard(key)
             raise
-        failed = bool(exits or unfinished or not all(o.ok for o in outcomes.values()))
+        failed = bool(exits or unfinished or not all(o.ok or o.intact for o in outcomes.values()))
+        fired = [item for o in outcomes.values() for item in o.fired]
+        fired += _fired_in_dead_ranks(faults, exits, unfinished)
         if failed:
             _discard(key)  # kill and reap now, before building the report
-        values, trace = settle(
-            world_size=world_size,
-            backend=backend,
-            outcomes=outcomes,
-            exits=exits,
-            unfinished=unfinished,
-            limit=limit,
-            timed_out=timed_out,
-        )
-    return WorldResult(values=values, trace=trace, backend=backend)
+        try:
+            values, trace = settle(
+                world_size=world_size,
+                backend=backend,
+                outcomes=outcomes,
+                exits=exits,
+                unfinished=unfinished,
+                limit=limit,
+                timed_out=timed_out,
+                fired=fired,
+            )
+        except RankError as err:
+            err.faults_fired = fired  # type: ignore[attr-defined]
+            raise
+    return WorldResult(values=values, trace=trace, backend=backend, faults_fired=fired)
+
+
+def _fired_in_dead_ranks(faults: tuple[Any, ...], exits: dict[int, int | None],
+                         unfinished: dict[int, Unfinished]) -> list[tuple[Any, Any]]:
+    """Faults that acted in ranks that never reported (a Drop ended the process; a stall was cut)."""
+    from tpsim.comm.trace import CollectiveCall
+    from tpsim.faults import Delay, Drop
+
+    fired = []
+    for rank, state in sorted(unfinished.items()):
+        kind = {"dropped": Drop, "stalled": Delay}.get(state.state)
+        if kind is None:
+            continue
+        for fault in faults:
+            if isinstance(fault, kind) and fault.rank == rank:
+                call = CollectiveCall(rank=rank, op=state.op or "?", group=state.group or "?", group_ranks=(),
+                                      call_index=state.call_index or 0)
+                fired.append((fault, call))
+                break
+    return fired

@@ -58,12 +58,22 @@ class RankSlot:
     calls: list[CollectiveCall] = field(default_factory=list)
     exit_note: str = ""  # how the rank ended: "returned", "raised ValueError", "was dropped"
     saved: ProcessLocalState | None = None
+    # Set by a fault plan: how the rank ended ("was dropped by the fault plan at ..."), which
+    # overrides the generic note, and what it is stalled in while a Delay fault sleeps.
+    end_text: str = ""
+    dropped: bool = False
+    stalled: str = ""
+    stalled_call: CollectiveCall | None = None
 
     def last_call(self) -> str:
         return self.calls[-1].describe() if self.calls else "before its first collective"
 
     def doing(self) -> str:
         """What this rank is doing, for messages about other ranks."""
+        if self.state == DONE and self.end_text:
+            return f"rank {self.rank} {self.end_text}"
+        if self.stalled:
+            return f"rank {self.rank} {self.stalled}"
         if self.state == DONE:
             after = f"after {self.last_call()}" if self.calls else "before its first collective"
             return f"rank {self.rank} {self.exit_note or 'exited'} {after}"
@@ -174,11 +184,20 @@ class Scheduler:
         if not slot.baton.acquire(timeout=self.timeout):
             with self._lock:
                 holder = self.holder
+                held = self.slots[holder] if holder is not None and holder != slot.rank else None
+                if held is not None and held.stalled_call is not None:
+                    # A fault plan stalls the running rank: name it and the call it stalls before.
+                    call = held.stalled_call
+                    note = f"rank {slot.rank} waited {self.timeout:g} s for its turn: {held.doing()}"
+                    self.break_world(WorldBroken(
+                        f"{call.describe()}: timed out: {note}", collective=call.op,
+                        call_index=call.call_index, group=call.group, faulty_ranks=(held.rank,)))
+                    raise self.broken  # type: ignore[misc]
                 note = (
                     f"rank {slot.rank} waited {self.timeout:g} s for its turn: "
                     + (f"rank {holder} has been running for over {self.timeout:g} s without "
-                       f"reaching a collective (last: {self.slots[holder].last_call()})"
-                       if holder is not None and holder != slot.rank else "no rank made progress")
+                       f"reaching a collective (last: {held.last_call()})"
+                       if held is not None else "no rank made progress")
                 )
                 waiting = slot.waiting_on
                 self.break_world(WorldBroken(
@@ -202,7 +221,8 @@ class Scheduler:
         waiting = first.waiting_on
         lines = [waiting.describe_stuck(self.slots)] if waiting is not None else []
         summary = "; ".join(lines) if lines else "no rank can proceed"
-        faulty = tuple(getattr(waiting, "missing_ranks", lambda: ())())
+        suspects = getattr(waiting, "suspects", None) or getattr(waiting, "missing_ranks", None)
+        faulty = tuple(suspects()) if suspects is not None else ()
         self.break_world(WorldBroken(
             summary,
             collective=getattr(waiting, "op", None),

@@ -1,0 +1,23 @@
+"""tpsim's benchmark suite: what tpsim costs, as ratios against things measured beside it in one run.
+
+Run it with one command from the repository root::
+
+    python -m bench            # full run (minutes), writes docs/bench.md, docs/bench.json, docs/bench_*.png
+    python -m bench --quick    # a tiny configuration (seconds), e.g. ``--out /tmp/b``
+
+Sections (see ``docs/bench.md`` for the tables they produce):
+
+- ``step``: issue 3's collective-step workload (a column-linear forward+backward loop, one all_gather
+  and one all_reduce per step) vs world size, on inproc, torch's internal threaded process group
+  (comparison only; imported here and nowhere else), gloo and the single-thread floor;
+- ``props``: property examples per second per backend, gloo world start-up vs per-example cost;
+- ``mutants``: examples and seconds for the search to catch each catalogued mutant;
+- ``labmlp``: the lab-note MLP (hidden 4096, intermediate 11008, tp 2, float32) checked on inproc vs
+  the dense MLP's own forward+backward;
+- ``faults``: fault detection latency per fault kind and backend;
+- ``memory``: peak resident memory of an inproc world vs the dense reference (fresh subprocesses);
+- ``dtensor``: per-example time of the DTensor adapters on inproc vs gloo.
+
+Every measurement that could hang or run long runs in a subprocess with a time limit; a limit hit is
+reported as ``> limit`` and larger sizes of that series are skipped.
+"""

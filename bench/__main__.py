@@ -1,0 +1,63 @@
+"""``python -m bench [--quick] [--out DIR] [--only SECTION ...]``: run the benchmark, write
+``DIR/bench.md``, ``DIR/bench.json`` and ``DIR/bench_*.png`` (default DIR: ``docs``), print the
+headline ratios. See :mod:`bench` for the sections."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+import warnings
+
+from bench import report, sections
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny configuration (seconds): proves the scripts run")
+    parser.add_argument("--out", default=os.path.join(sections.ROOT, "docs"), help="output folder (default: docs/)")
+    parser.add_argument("--only", nargs="+", choices=sorted(sections.SECTIONS),
+                        help="run only these sections; the others are kept from DIR/bench.json when it exists")
+    args = parser.parse_args(argv)
+    cfg = sections.QUICK if args.quick else sections.FULL
+    os.makedirs(args.out, exist_ok=True)
+    warnings.simplefilter("ignore")
+    started = time.perf_counter()
+    result: dict = {}
+    previous = os.path.join(args.out, "bench.json")
+    if args.only and os.path.exists(previous):
+        with open(previous, encoding="utf-8") as fh:
+            result = json.load(fh)
+        if result.get("quick") != args.quick:
+            result = {}  # never mix a quick run's sections into a full one
+    result.update({
+        "quick": args.quick,
+        "machine": report.machine(),
+        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+    })
+    for name, fn in sections.SECTIONS.items():
+        if args.only and name not in args.only:
+            continue
+        t0 = time.perf_counter()
+        print(f"[bench] {name} ...", flush=True)
+        result[name] = fn(cfg)
+        print(f"[bench] {name} done in {time.perf_counter() - t0:.1f} s", flush=True)
+    result["total_s"] = result.get("total_s", 0.0) * bool(args.only) + time.perf_counter() - started
+    result["headline"] = report.headline(result)
+    images = report.plots(result, args.out, "bench")
+    with open(os.path.join(args.out, "bench.json"), "w", encoding="utf-8") as fh:
+        json.dump(result, fh, indent=1, default=str)
+    with open(os.path.join(args.out, "bench.md"), "w", encoding="utf-8") as fh:
+        fh.write(report.markdown(result, images))
+    for h in result["headline"]:
+        print(f"[bench] ws={h['world_size']}: inproc/floor={h['inproc_over_floor']}, "
+              f"threaded/inproc={h['threaded_over_inproc']}")
+    print(f"[bench] wrote {os.path.join(args.out, 'bench.md')} in {result['total_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,414 @@
+"""The benchmark sections: each returns a dict of rows (JSON-ready) for :mod:`bench.report`.
+
+A :class:`Config` says how big the run is (``FULL`` or ``QUICK``). Measurements that start worlds
+of processes or threads that could run long run in a fresh ``python -m bench.<module>``
+subprocess with a time limit (:func:`subprocess_json`); a limit hit is recorded, never waited out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass(frozen=True)
+class Config:
+    """How much each section measures."""
+
+    step_sizes: tuple[int, ...]
+    step_steps: int
+    step_limit_s: float
+    gloo_max_ws: int
+    prop_examples: int
+    prop_world_sizes: tuple[int, ...]
+    mutant_examples: int
+    mutant_limit: int | None
+    lab_hidden: int
+    lab_intermediate: int
+    lab_tokens: tuple[int, ...]
+    fault_backends: tuple[str, ...]
+    memory_size: int
+    dtensor_examples: int
+    #: backends of the props and dtensor sections
+    backends: tuple[str, ...] = ("inproc", "gloo")
+    headline: tuple[int, ...] = (8, 32, 128)
+    notes: list[str] = field(default_factory=list)
+
+
+FULL = Config(
+    step_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+    step_steps=200,
+    step_limit_s=60.0,
+    gloo_max_ws=8,
+    prop_examples=30,
+    prop_world_sizes=(1, 2, 3, 4),
+    mutant_examples=200,
+    mutant_limit=None,
+    lab_hidden=4096,
+    lab_intermediate=11008,
+    lab_tokens=(2, 8),
+    fault_backends=("inproc", "gloo"),
+    memory_size=4096,
+    dtensor_examples=10,
+)
+QUICK = Config(
+    step_sizes=(1, 2),
+    step_steps=5,
+    step_limit_s=60.0,
+    gloo_max_ws=0,
+    prop_examples=3,
+    prop_world_sizes=(1, 2),
+    mutant_examples=20,
+    mutant_limit=2,
+    lab_hidden=64,
+    lab_intermediate=176,
+    lab_tokens=(2, 3),
+    fault_backends=("inproc",),
+    memory_size=256,
+    dtensor_examples=2,
+    backends=("inproc",),
+    headline=(1, 2),
+)
+
+
+def subprocess_json(args: list[str], limit: float) -> dict[str, Any] | None:
+    """Run ``python -m <args>`` from the repository root; its last stdout line is JSON.
+    Returns None when it ran past ``limit`` seconds (the process is killed)."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    try:
+        done = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=limit)
+    except subprocess.TimeoutExpired:
+        return None
+    if done.returncode != 0:
+        raise RuntimeError(f"python -m {' '.join(args)} exited {done.returncode}:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# --- 1. collective step vs world size ------------------------------------------------------------
+
+
+def step(cfg: Config) -> dict[str, Any]:
+    """Issue 3's workload per backend and world size (``bench.workload``); None = skipped/too slow."""
+    rows: dict[str, dict[int, float | None]] = {b: {} for b in ("floor", "inproc", "threaded", "gloo")}
+    skipped: dict[str, str] = {}
+    for backend in rows:
+        for ws in cfg.step_sizes:
+            if backend in skipped:
+                rows[backend][ws] = None
+                continue
+            if backend == "gloo" and ws > cfg.gloo_max_ws:
+                rows[backend][ws] = None
+                skipped[backend] = (f"world sizes above {cfg.gloo_max_ws} not run (2-core machine)" if cfg.gloo_max_ws
+                                    else "not run in this configuration")
+                continue
+            args = ["bench.workload", "--backend", backend, "--world-size", str(ws), "--steps", str(cfg.step_steps)]
+            try:
+                result = subprocess_json(args, cfg.step_limit_s)
+            except RuntimeError as err:
+                if backend != "threaded":
+                    raise
+                skipped[backend] = f"not importable or failed: {str(err).splitlines()[-1][:200]}"
+                rows[backend][ws] = None
+                continue
+            if result is None:
+                rows[backend][ws] = None
+                skipped[backend] = f"world size {ws} ran past {cfg.step_limit_s:.0f} s; larger sizes skipped"
+                continue
+            rows[backend][ws] = result["loop_s"]
+    return {"steps": cfg.step_steps, "sizes": list(cfg.step_sizes), "seconds": rows, "skipped": skipped,
+            "headline": list(cfg.headline)}
+
+
+# --- 2. property examples per second, gloo start-up -------------------------------------------------
+
+
+def _layer_cases(n: int, sizes: tuple[int, ...], seed: int = 0) -> list[Any]:
+    from properties.case import Case
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        ws = sizes[i % len(sizes)]
+        # both feature dims divide by ws, so column and row variants alike get checkable cases
+        out.append(Case(world_size=ws, in_features=ws * rng.randint(1, 4), out_features=ws * rng.randint(1, 3),
+                        batch_shape=tuple(rng.randint(1, 3) for _ in range(rng.randint(1, 2))),
+                        dtype=rng.choice(["float64", "float32"]), bias=rng.random() < 0.5, seed=rng.randint(0, 10**6)))
+    return out
+
+
+def props_worker(backend: str, n: int, sizes: tuple[int, ...], target: str) -> dict[str, Any]:
+    """In a fresh process, two passes over the same cases:
+
+    - *grouped*: cases sorted by world size, so each world size's first example pays for starting
+      its world (gloo: the worker pool) and the rest reuse it (``first_s``, ``per_example_s``);
+    - *interleaved*: world sizes in the order a search draws them (``interleaved_per_example_s``):
+      on gloo a world-size change may need a pool (tpsim keeps a few, least recently used).
+    """
+    from properties.checks import check_case
+    from tpsim.target import resolve_target
+
+    variant = resolve_target(target)[0]
+    cases = _layer_cases(n + len(sizes), sizes)
+    first: dict[int, float] = {}
+    per_example: list[float] = []
+    failures = 0
+    for case in sorted(cases, key=lambda c: c.world_size):
+        start = time.perf_counter()
+        failures += bool(check_case(variant, case, backend=backend, timeout=60))
+        elapsed = time.perf_counter() - start
+        if case.world_size not in first:
+            first[case.world_size] = elapsed
+        else:
+            per_example.append(elapsed)
+    interleaved = None
+    if len(sizes) > 1:
+        start = time.perf_counter()
+        for case in cases:
+            failures += bool(check_case(variant, case, backend=backend, timeout=60))
+        interleaved = (time.perf_counter() - start) / len(cases)
+    mean = sum(per_example) / max(len(per_example), 1)
+    return {"backend": backend, "examples": len(per_example), "per_example_s": mean,
+            "examples_per_s": 1.0 / mean if mean else None, "first_s": first,
+            "interleaved_per_example_s": interleaved, "failures": failures}
+
+
+def props(cfg: Config) -> dict[str, Any]:
+    """Examples/s of ``check_case`` on tpsim's ColumnParallelLinear per backend; gloo start-up cost."""
+    out = {}
+    for backend in cfg.backends:
+        sizes = ",".join(str(s) for s in cfg.prop_world_sizes)
+        result = subprocess_json(["bench.props", backend, str(cfg.prop_examples), sizes,
+                                  "tpsim.layers:ColumnParallelLinear"], 600)
+        out[backend] = result
+    return {"variant": "tpsim.layers:ColumnParallelLinear", "backends": out}
+
+
+# --- 3. mutants ----------------------------------------------------------------------------------
+
+
+def mutants(cfg: Config) -> dict[str, Any]:
+    """For each catalogued mutant: examples and seconds until the search reports its diagnosis."""
+    try:
+        from properties.search import search
+        from tpsim.mutants import CATALOG
+    except ImportError as err:
+        return {"rows": [], "note": f"skipped: {err}"}
+    rows = []
+    for mutant in CATALOG[: cfg.mutant_limit]:
+        start = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            report = search(mutant.variant, max_examples=cfg.mutant_examples, seed=0)
+        seconds = time.perf_counter() - start
+        found = [f for f in report.failures if f.diagnosis == mutant.diagnosis]
+        first = getattr(found[0], "found_after", None) if found else None
+        rows.append({"mutant": mutant.name, "diagnosis": mutant.diagnosis, "caught": bool(found),
+                     "found_after": first, "examples": report.examples, "seconds": seconds,
+                     "diagnoses": sorted({f.diagnosis for f in report.failures})})
+    return {"rows": rows, "max_examples": cfg.mutant_examples}
+
+
+# --- 4. lab-note MLP -----------------------------------------------------------------------------
+
+
+def rank_lab_mlp(dense_state: dict[str, Any], hidden: int, intermediate: int, x: Any, g: Any) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from tpsim.layers import DenseMLP, ParallelMLP
+
+    with torch.device("meta"):
+        dense = DenseMLP(hidden, intermediate, bias=True, dtype=torch.float32)
+    dense = dense.to_empty(device="cpu")
+    dense.load_state_dict(dense_state, assign=True)
+    layer = ParallelMLP.from_dense(dense, group=dist.group.WORLD)
+    xr = x.clone().requires_grad_(True)
+    out = layer(xr)
+    out.backward(g)
+    return {"out": out.detach(), "dx": xr.grad, "fc2_bias": layer.fc2.bias.grad,
+            "fc1_weight": layer.fc1.weight.grad, "fc2_weight": layer.fc2.weight.grad}
+
+
+def labmlp(cfg: Config) -> dict[str, Any]:
+    """The lab-note MLP checked on inproc (tp 2, float32) vs the dense MLP's own forward+backward."""
+    import torch
+
+    import tpsim
+    from properties.tolerance import tolerance
+    from tpsim.layers import DenseMLP
+
+    h, f, tp = cfg.lab_hidden, cfg.lab_intermediate, 2
+    torch.manual_seed(0)
+    build_start = time.perf_counter()
+    dense = DenseMLP(h, f, bias=True, dtype=torch.float32)
+    build_s = time.perf_counter() - build_start
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(*cfg.lab_tokens, h, generator=gen)
+    g = torch.randn(*cfg.lab_tokens, h, generator=gen)
+
+    # the dense MLP's own forward+backward, warm (a second call), as a training step would see it
+    for _ in range(2):
+        dense.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        xd = x.clone().requires_grad_(True)
+        yd = dense(xd)
+        yd.backward(g)
+        dense_s = time.perf_counter() - start
+
+    start = time.perf_counter()
+    state = {k: v.detach() for k, v in dense.state_dict().items()}
+    values = tpsim.run(rank_lab_mlp, tp, args=(state, h, f, x, g), timeout=120)
+    world_s = time.perf_counter() - start
+    # the check: every rank's output, input grad and grad shards against the dense run
+    ok = True
+    k = h + f
+    for r, v in enumerate(values):
+        pairs = [(v["out"], yd), (v["dx"], xd.grad), (v["fc2_bias"], dense.fc2.bias.grad),
+                 (v["fc1_weight"], dense.fc1.weight.grad.chunk(tp, 0)[r]),
+                 (v["fc2_weight"], dense.fc2.weight.grad.chunk(tp, 1)[r])]
+        for got, want in pairs:
+            mag = want.abs().double() + want.abs().double().mean()
+            ok &= bool(((got.double() - want.double()).abs() <= 2 * tolerance(torch.float32, mag,
+                                                                              reduction_length=k, world_size=tp)).all())
+    check_s = time.perf_counter() - start
+    return {"hidden": h, "intermediate": f, "tp": tp, "tokens": list(cfg.lab_tokens), "dtype": "float32",
+            "dense_init_s": build_s, "dense_fwd_bwd_s": dense_s, "world_fwd_bwd_s": world_s,
+            "check_s": check_s, "equal": ok}
+
+
+# --- 5. faults -----------------------------------------------------------------------------------
+
+
+def faults(cfg: Config) -> dict[str, Any]:
+    """Detection latency: seconds from the run's start until the fault surfaces, per kind and backend."""
+    try:
+        from properties.case import Case
+        from properties.faults import fault_detection
+        from tpsim.faults import Corrupt, Crash, Delay, Drop, Mismatch
+        from tpsim.target import resolve_target
+    except ImportError as err:
+        return {"rows": [], "note": f"skipped: {err}"}
+    variant = resolve_target("tpsim.layers:RowParallelLinear")[0]
+    case = Case(world_size=2, in_features=8, out_features=4, batch_shape=(2,), bias=True, seed=0)
+    timeout = 2.0
+    plans = {
+        "drop": Drop(1, 2),
+        "crash": Crash(1, 2),
+        "delay (past timeout)": Delay(1, 2, seconds=2 * timeout + 1),
+        "corrupt (nan)": Corrupt(1, 1, how="nan", index=0),
+        "mismatch (shape)": Mismatch(1, 2, what="shape"),
+    }
+    rows = []
+    for backend in cfg.fault_backends:
+        for kind, fault in plans.items():
+            start = time.perf_counter()
+            try:
+                report = fault_detection(variant, case, [fault], backend=backend, timeout=timeout)
+                ok, outcome, elapsed = report.ok, report.outcome, report.elapsed
+            except AssertionError as err:  # FaultNotSurfaced: the guarantee did not hold
+                rep = getattr(err, "report", None)
+                ok, outcome, elapsed = False, getattr(rep, "outcome", "failed"), getattr(rep, "elapsed", None)
+            rows.append({"backend": backend, "fault": kind, "detected": ok, "outcome": outcome,
+                         "latency_s": elapsed, "wall_s": time.perf_counter() - start, "timeout_s": timeout})
+    return {"rows": rows, "case": case.describe(), "variant": variant.name}
+
+
+# --- 6. memory -----------------------------------------------------------------------------------
+
+
+def memory_worker(mode: str, size: int, ws: int) -> dict[str, Any]:
+    """In a fresh process: peak RSS (VmHWM) of a dense Linear fwd+bwd or an inproc world doing the
+    same layer column-parallel, over the RSS right after imports."""
+    import torch
+
+    import tpsim  # noqa: F401  (imported in both modes so the baseline matches)
+    from tpsim.layers import ColumnParallelLinear  # noqa: F401
+
+    torch.set_num_threads(1)
+    base = _rss_reset()
+    if mode == "dense":
+        layer = torch.nn.Linear(size, size)
+        x = torch.randn(8, size, requires_grad=True)
+        layer(x).sum().backward()
+    else:
+        tpsim.run(rank_memory, ws, args=(size,), timeout=120)
+    return {"mode": mode, "size": size, "world_size": ws, "peak_mib": (_peak_kib() - base) / 1024.0}
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _rss_reset() -> int:
+    """Reset the peak-RSS mark (Linux: ``5`` to ``/proc/self/clear_refs``; importing torch peaks
+    above what the workload later uses) and return the current RSS in KiB."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
+            fh.write("5")
+    except OSError:
+        pass
+    return _status_kib("VmRSS") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def _peak_kib() -> int:
+    return _status_kib("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def rank_memory(size: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from tpsim.layers import ColumnParallelLinear
+
+    layer = ColumnParallelLinear(size, size, True, group=dist.group.WORLD, gather_output=True)
+    x = torch.randn(8, size, requires_grad=True)
+    layer(x).sum().backward()
+
+
+def memory(cfg: Config) -> dict[str, Any]:
+    rows = [subprocess_json(["bench.memory", "dense", str(cfg.memory_size), "1"], 300)]
+    for ws in (2, 8):
+        rows.append(subprocess_json(["bench.memory", "inproc", str(cfg.memory_size), str(ws)], 300))
+    return {"rows": rows, "size": cfg.memory_size}
+
+
+# --- 7. DTensor ----------------------------------------------------------------------------------
+
+
+def dtensor(cfg: Config) -> dict[str, Any]:
+    """Per-example time of the DTensor adapters vs tpsim's own layer, inproc vs gloo (warm pools)."""
+    out = {}
+    targets = {
+        "DTensor ColwiseParallel": "examples/dtensor_colwise.py:ColwiseParallel",
+        "DTensor RowwiseParallel": "examples/dtensor_rowwise.py:RowwiseParallel",
+        "tpsim ColumnParallelLinear": "tpsim.layers:ColumnParallelLinear",
+    }
+    if cfg is QUICK:  # one target proves the path; the full run measures all three
+        targets = dict(list(targets.items())[:1])
+    for label, target in targets.items():
+        for backend in cfg.backends:
+            result = subprocess_json(["bench.props", backend, str(cfg.dtensor_examples), "2", target], 600)
+            out.setdefault(label, {})[backend] = result
+    return {"rows": out}
+
+
+SECTIONS = {"step": step, "props": props, "mutants": mutants, "labmlp": labmlp, "faults": faults,
+            "memory": memory, "dtensor": dtensor}

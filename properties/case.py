@@ -1,0 +1,230 @@
+"""A case: one concrete example a property is checked on, and its small versioned JSON file.
+
+A case is data (DESIGN.md): world size, tp size, in/out features, batch shape, input memory
+layout, dtype, bias, seed, fault plan — plus which variant and property it was found with, so
+that ``tpsim replay CASE.json`` re-runs exactly that example. The tensors (master weight, bias,
+inputs, upstream grads) are not stored: they are re-drawn from ``seed`` (see
+:func:`properties.world.make_masters`), bit for bit.
+
+File format (``schema_version`` 1)::
+
+    {"format": "tpsim-case", "schema_version": 1, "tpsim_version": "0.1.0",
+     "case": {"world_size": 2, "tp_size": 2, "in_features": 4, ...},
+     "found": {"property": "...", "diagnosis": "...", "message": "...", "backend": "inproc"}}
+
+Readers accept files of their own schema version or older and refuse newer ones with a clear
+message (:class:`CaseFileError`, exit 2 from the CLI).
+"""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tpsim.errors import InvalidArgument
+
+__all__ = ["DTYPES", "INPUT_LAYOUTS", "SCHEMA_VERSION", "Case", "CaseFileError", "load_case", "save_case"]
+
+#: Version of the case-file schema this code writes; it reads this version and older ones.
+SCHEMA_VERSION = 1
+FORMAT = "tpsim-case"
+
+#: dtype names a case can carry, widest first (the order strategies shrink in).
+DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+#: Memory layouts of the generated input. Only "contiguous" for now (issue 11 adds views).
+INPUT_LAYOUTS = ("contiguous",)
+
+
+class CaseFileError(InvalidArgument):
+    """A case file is missing, unreadable, corrupt, or written by a newer tpsim (the message says which)."""
+
+
+def _int(value: Any, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidArgument(f"{name}={value!r} must be an int >= {minimum}")
+    return value
+
+
+@dataclass(frozen=True)
+class Case:
+    """One example. ``tp_size`` defaults to ``world_size`` (one tp group spanning the world)."""
+
+    world_size: int
+    in_features: int
+    out_features: int
+    batch_shape: tuple[int, ...] = ()
+    dtype: str = "float64"
+    bias: bool = False
+    seed: int = 0
+    tp_size: int | None = None
+    input_layout: str = "contiguous"
+    faults: tuple[Any, ...] = ()
+    target: str | None = None
+    variant: str | None = None
+    options: tuple[tuple[str, Any], ...] = field(default=())
+    property: str | None = None
+
+    def __post_init__(self) -> None:
+        _int(self.world_size, "world_size", 1)
+        _int(self.in_features, "in_features", 1)
+        _int(self.out_features, "out_features", 1)
+        _int(self.seed, "seed", 0)
+        tp = self.world_size if self.tp_size is None else _int(self.tp_size, "tp_size", 1)
+        if tp != self.world_size:
+            # Field kept for tensor-parallel subgroups (issue 11); not runnable yet.
+            raise InvalidArgument(
+                f"tp_size={tp} with world_size={self.world_size}: tp groups smaller than the world are not supported yet"
+            )
+        object.__setattr__(self, "tp_size", tp)
+        shape = tuple(self.batch_shape)
+        for s in shape:
+            _int(s, "batch_shape entry", 1)
+        object.__setattr__(self, "batch_shape", shape)
+        if self.dtype not in DTYPES:
+            raise InvalidArgument(f"dtype={self.dtype!r}; expected one of {', '.join(DTYPES)}")
+        if not isinstance(self.bias, bool):
+            raise InvalidArgument(f"bias={self.bias!r} must be a bool")
+        if self.input_layout not in INPUT_LAYOUTS:
+            raise InvalidArgument(f"input_layout={self.input_layout!r}; expected one of {', '.join(INPUT_LAYOUTS)}")
+        object.__setattr__(self, "faults", tuple(self.faults))
+        object.__setattr__(self, "options", tuple((str(k), v) for k, v in self.options))
+
+    @builtins.property  # the field ``property`` shadows the builtin inside the class body
+    def torch_dtype(self) -> torch.dtype:
+        """The case's dtype as a ``torch.dtype``."""
+        return DTYPES[self.dtype]
+
+    def replace(self, **changes: Any) -> Case:
+        """A copy with ``changes``."""
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        """Short one-line form used in reports."""
+        return (
+            f"world_size={self.world_size} in_features={self.in_features} out_features={self.out_features} "
+            f"batch_shape={list(self.batch_shape)} dtype={self.dtype} bias={self.bias} seed={self.seed}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (lists for tuples)."""
+        return {
+            "world_size": self.world_size,
+            "tp_size": self.tp_size,
+            "in_features": self.in_features,
+            "out_features": self.out_features,
+            "batch_shape": list(self.batch_shape),
+            "input_layout": self.input_layout,
+            "dtype": self.dtype,
+            "bias": self.bias,
+            "seed": self.seed,
+            "faults": list(self.faults),
+            "target": self.target,
+            "variant": self.variant,
+            "options": {k: v for k, v in self.options},
+            "property": self.property,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Case:
+        """Inverse of :meth:`to_dict`; raises :class:`tpsim.InvalidArgument` naming a bad field."""
+        if not isinstance(data, dict):
+            raise InvalidArgument(f"a case must be a JSON object, got {type(data).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise InvalidArgument(f"unknown case field(s) {sorted(unknown)}")
+        missing = [n for n in ("world_size", "in_features", "out_features") if n not in data]
+        if missing:
+            raise InvalidArgument(f"case is missing field(s) {missing}")
+        values = dict(data)
+        if "batch_shape" in values:
+            if not isinstance(values["batch_shape"], list):
+                raise InvalidArgument(f"batch_shape={values['batch_shape']!r} must be a list of ints")
+            values["batch_shape"] = tuple(values["batch_shape"])
+        if "options" in values:
+            opts = values["options"] or {}
+            if not isinstance(opts, dict):
+                raise InvalidArgument(f"options={opts!r} must be an object")
+            values["options"] = tuple(sorted(opts.items()))
+        if "faults" in values:
+            values["faults"] = tuple(values["faults"] or ())
+        return cls(**values)
+
+    def key(self) -> str:
+        """A short stable hash of the case (names its case file)."""
+        text = json.dumps(self.to_dict(), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+def save_case(case: Case, directory: str, *, found: dict[str, Any] | None = None) -> str:
+    """Write ``case`` as ``DIRECTORY/<variant>-<property>-<hash>.json``; return the path.
+
+    The same case always gets the same file name, so finding the same bug again overwrites it.
+    """
+    from tpsim import __version__
+
+    os.makedirs(directory, exist_ok=True)
+    stem = "-".join(
+        "".join(c if c.isalnum() or c in "_." else "_" for c in part)
+        for part in (case.variant or "case", case.property or "any", case.key())
+    )
+    path = os.path.join(directory, f"{stem}.json")
+    doc = {
+        "format": FORMAT,
+        "schema_version": SCHEMA_VERSION,
+        "tpsim_version": __version__,
+        "case": case.to_dict(),
+        "found": found or {},
+    }
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(doc, fh, indent=2, sort_keys=True)
+        fh.write("\n")
+    os.replace(tmp, path)  # atomic: a reader never sees half a file
+    return path
+
+
+def load_case(path: str) -> tuple[Case, dict[str, Any]]:
+    """Read a case file; return ``(case, found)``. Raises :class:`CaseFileError` with the reason."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except FileNotFoundError:
+        raise CaseFileError(f"case file {path!r} does not exist") from None
+    except OSError as err:
+        raise CaseFileError(f"cannot read case file {path!r}: {err.strerror or err}") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise CaseFileError(f"case file {path!r} is not valid JSON (line {err.lineno}: {err.msg})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise CaseFileError(f"{path!r} is not a tpsim case file (no \"format\": \"{FORMAT}\")")
+    version = doc.get("schema_version")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise CaseFileError(f"case file {path!r} has schema_version={version!r}; expected an int >= 1")
+    if version > SCHEMA_VERSION:
+        raise CaseFileError(
+            f"case file {path!r} has schema_version={version}, newer than this tpsim reads ({SCHEMA_VERSION}); "
+            "upgrade tpsim to replay it"
+        )
+    try:
+        case = Case.from_dict(doc.get("case"))
+    except InvalidArgument as err:
+        raise CaseFileError(f"case file {path!r} is corrupt: {err}") from None
+    found = doc.get("found") or {}
+    if not isinstance(found, dict):
+        raise CaseFileError(f"case file {path!r} is corrupt: \"found\" must be an object")
+    return case, found

@@ -1,0 +1,106 @@
+"""Run tpsim's property suite on your own variant from your own pytest tests, in one line.
+
+Put this in a test module (e.g. ``tests/test_my_layer.py``)::
+
+    from properties.suite import property_tests
+
+    TestMyColumn = property_tests("mypkg.layers:MyColumnVariant", max_examples=200)
+
+pytest then collects one test per property — ``TestMyColumn::test_forward_equivalence``,
+``::test_input_grad_equivalence``, ``::test_weight_grad_equivalence``,
+``::test_bias_grad_equivalence``, ``::test_replica_consistency``, ``::test_training_equivalence``,
+``::test_divisibility`` — each parametrised by variant when the target names several (a bare
+module: ``property_tests("mypkg.layers")`` checks every variant it declares, as
+``tpsim check mypkg.layers`` does).
+
+The first of these tests runs one :func:`properties.search.search` per variant (cached for the
+rest of the session, so the properties share the generated cases); each test then fails with its
+property's minimal case and diagnosis, or passes. ``variant_or_target`` is a
+:class:`~tpsim.variant.Variant`, a list of them, or a ``tpsim check`` TARGET string; the keyword
+arguments are :func:`~properties.search.search`'s (``world_sizes``, ``dtypes``, ``max_examples``,
+``seed``, ``backend``, ``timeout``, ``database``), plus ``target_options`` (a dict of
+``convention``/``kind``/``input``/``output``/``input_grad``, as the CLI flags) for plain classes.
+Without ``backend`` the tests use the ``--tpsim-backend`` option of tpsim's pytest plugin (default
+``inproc``); without ``seed`` the Hypothesis profile decides (derandomised in tpsim's ``ci``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from properties.checks import PROPERTIES, PropertyFailed
+from properties.search import SearchReport, search
+from tpsim.errors import InvalidArgument
+from tpsim.variant import Variant
+
+__all__ = ["property_tests", "reproduction"]
+
+_SEARCH_OPTIONS = ("world_sizes", "dtypes", "max_examples", "seed", "backend", "timeout", "database")
+
+
+def _variants(variant_or_target: Any, target_options: dict[str, Any] | None) -> list[Variant]:
+    if isinstance(variant_or_target, Variant):
+        return [variant_or_target]
+    if isinstance(variant_or_target, (list, tuple)) and variant_or_target and all(
+        isinstance(v, Variant) for v in variant_or_target
+    ):
+        return list(variant_or_target)
+    if isinstance(variant_or_target, str):
+        from tpsim.target import resolve_target
+
+        return resolve_target(variant_or_target, **(target_options or {}))
+    raise InvalidArgument(
+        f"variant_or_target={variant_or_target!r}: expected a tpsim Variant, a list of them, or a target string"
+    )
+
+
+def reproduction(failure: Any) -> str:
+    """A copy-pasteable Python snippet that re-runs ``failure``'s case (printed with every failure)."""
+    case = json.dumps(failure.case.to_dict(), sort_keys=True)
+    return (
+        "from properties.case import Case; from properties.checks import check_case\n"
+        f"check_case(VARIANT, Case.from_dict({case}))"
+    )
+
+
+def property_tests(variant_or_target: Any, *, target_options: dict[str, Any] | None = None, **search_options: Any) -> type:
+    """A pytest test class with one test per property (see the module docstring)."""
+    unknown = sorted(set(search_options) - set(_SEARCH_OPTIONS))
+    if unknown:
+        raise InvalidArgument(f"unknown option(s) {unknown}; expected some of {list(_SEARCH_OPTIONS)}")
+    import pytest  # only test modules call this; keep the import out of the harness's import path
+
+    variants = _variants(variant_or_target, target_options)
+    if not variants:
+        raise InvalidArgument(f"{variant_or_target!r} names no variants")
+    reports: dict[tuple[str, str], SearchReport] = {}
+
+    def report_for(variant: Variant, backend: str) -> SearchReport:
+        key = (variant.name, backend)
+        if key not in reports:
+            options = dict(search_options, backend=backend)
+            reports[key] = search(variant, **options)
+        return reports[key]
+
+    def make_test(prop: str) -> Any:
+        @pytest.mark.parametrize("variant", variants, ids=[v.name for v in variants])
+        def test(self: Any, variant: Variant, request: Any) -> None:
+            backend = search_options.get("backend") or request.config.getoption("--tpsim-backend", default="inproc")
+            report = report_for(variant, backend)
+            for failure in report.failures:
+                if failure.property == prop:
+                    err = PropertyFailed(failure)
+                    err.add_note(failure.describe())
+                    err.add_note("Reproduce (with VARIANT your variant):\n" + reproduction(failure))
+                    raise err
+
+        test.__name__ = "test_" + prop.replace("-", "_")
+        test.__doc__ = f"{prop} holds on every generated case."
+        return test
+
+    namespace: dict[str, Any] = {"__doc__": f"tpsim's property suite on {', '.join(v.name for v in variants)}."}
+    for prop in PROPERTIES:
+        namespace["test_" + prop.replace("-", "_")] = make_test(prop)
+    name = "TestTpsimProperties"
+    return type(name, (), namespace)

@@ -1,0 +1,301 @@
+"""Run one case on a world once, and compute its float64 dense reference.
+
+Every per-case property reads the same :class:`Observation`: one world run per case, in which each
+rank builds the variant from the master values, runs ``TRAIN_STEPS`` steps of forward, backward
+and SGD, and returns (as tensors) its step-0 output, input grad and parameter grads and its final
+parameters. The comparison happens in the parent process (:mod:`properties.checks`), so the ranks
+do no extra collectives and the same code serves every backend.
+
+The rank function :func:`rank_main` is module-level and takes picklable arguments, so gloo/nccl
+worker processes can run it; there the variant is resolved again from its target string.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import tpsim
+from properties.case import Case
+from tpsim.errors import InvalidArgument, RankError
+from tpsim.placement import Shard, shard_tensor
+from tpsim.target import resolve_variant
+from tpsim.variant import LayoutError, Variant, get_param
+
+__all__ = [
+    "LR",
+    "TRAIN_STEPS",
+    "Masters",
+    "Observation",
+    "Reference",
+    "VariantRaised",
+    "is_divisible",
+    "make_masters",
+    "observe",
+    "rank_main",
+    "reference",
+]
+
+#: SGD steps each case trains for (training equivalence compares the parameters after them).
+TRAIN_STEPS = 3
+#: SGD learning rate of those steps.
+LR = 0.1
+
+
+class VariantRaised(RuntimeError):
+    """The variant raised inside a rank; carries the phase (``build``/``forward``/``backward``),
+    the 0-based SGD step, a one-line summary and the original traceback text."""
+
+    def __init__(self, phase: str, step: int, summary: str, traceback_text: str) -> None:
+        super().__init__(phase, step, summary, traceback_text)
+        self.phase = phase
+        self.step = step
+        self.summary = summary
+        self.traceback_text = traceback_text
+
+    def __str__(self) -> str:
+        where = self.phase if self.phase == "build" else f"{self.phase} (step {self.step})"
+        return f"the variant raised during {where}: {self.summary}"
+
+
+@dataclass
+class Masters:
+    """The master tensors of a case, in the case's dtype (drawn from its seed)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    inputs: list[torch.Tensor]
+    grads: list[torch.Tensor]
+
+
+def make_masters(case: Case) -> Masters:
+    """Draw the master weight ``[out, in]``, bias ``[out]``, and per-step inputs ``[*batch, in]`` and
+    upstream grads ``[*batch, out]`` from ``case.seed`` (float64 normal draws rounded to the dtype)."""
+    gen = torch.Generator().manual_seed(case.seed)
+    dtype = case.torch_dtype
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+
+    weight = draw(case.out_features, case.in_features)
+    bias = draw(case.out_features) if case.bias else None
+    inputs, grads = [], []
+    for _ in range(TRAIN_STEPS):
+        inputs.append(draw(*case.batch_shape, case.in_features))
+        grads.append(draw(*case.batch_shape, case.out_features))
+    return Masters(weight, bias, inputs, grads)
+
+
+def is_divisible(variant: Variant, case: Case) -> bool:
+    """Whether every feature dim the variant shards divides by the tp size."""
+    sizes = {"in_features": case.in_features, "out_features": case.out_features}
+    return all(sizes[name] % case.tp_size == 0 for name in variant.sharded_features())  # type: ignore[operator]
+
+
+# --- the rank side -------------------------------------------------------------------------------
+
+
+def _raise_from(phase: str, step: int, err: BaseException) -> VariantRaised:
+    summary = f"{type(err).__name__}: {err}".splitlines()[0][:500]
+    return VariantRaised(phase, step, summary, traceback.format_exc())
+
+
+def _rank_input(variant: Variant, x: torch.Tensor, rank: int, ws: int, even: bool = True) -> torch.Tensor:
+    if variant.input == "sharded":
+        x = shard_tensor(x, Shard(-1), rank, ws) if even else torch.tensor_split(x, ws, dim=-1)[rank]
+    return x.clone().requires_grad_(True)
+
+
+def _master_layout(t: torch.Tensor | None, transposed: bool) -> torch.Tensor | None:
+    if t is None:
+        return None
+    t = t.detach()
+    return (t.t() if transposed and t.dim() == 2 else t).clone()
+
+
+def rank_main(payload: dict[str, Any]) -> dict[str, Any]:
+    """What every rank runs for one case (see the module docstring). Returns a dict of tensors."""
+    rank = dist.get_rank()
+    ws = dist.get_world_size()
+    case: Case = payload["case"]
+    variant: Variant | None = payload.get("variant")
+    if variant is None:
+        variant = resolve_variant(*payload["ref"])
+    m: Masters = payload["masters"]
+    group = dist.group.WORLD
+    kwargs = dict(group=group, rank=rank, world_size=ws, master_weight=m.weight, master_bias=m.bias, dtype=case.torch_dtype)
+
+    if not payload["divisible"]:
+        # The harness cannot shard master values that do not divide, so it only builds and runs the
+        # layer to see whether it refuses the case: on every rank, before or in its forward.
+        # Refusing is raising, on every rank: exceptions propagate so that a rank that refuses while
+        # another goes on into a collective shows up as exactly that.
+        try:
+            module = variant.build(case.in_features, case.out_features, case.bias, **kwargs)
+        except Exception as err:
+            raise _raise_from("build", 0, err) from err
+        x = _rank_input(variant, m.inputs[0], rank, ws, even=False)
+        try:
+            out = variant.call(module, x)
+        except Exception as err:
+            raise _raise_from("forward", 0, err) from err
+        return {"status": "accepted", "output_shape": tuple(out.shape) if isinstance(out, torch.Tensor) else None}
+
+    try:
+        module = variant.instantiate(case.in_features, case.out_features, case.bias, **kwargs)
+    except LayoutError:
+        raise  # the parent diagnoses the shape (e.g. wrong-shard-dim)
+    except Exception as err:
+        raise _raise_from("build", 0, err) from err
+
+    specs = [s for s in variant.params or () if s.master == "weight" or case.bias]
+    result: dict[str, Any] = {"status": "ok", "grads": {}, "final": {}}
+    for step in range(TRAIN_STEPS):
+        x = _rank_input(variant, m.inputs[step], rank, ws)
+        try:
+            out = variant.call(module, x)
+        except Exception as err:
+            raise _raise_from("forward", step, err) from err
+        upstream = m.grads[step]
+        if variant.output == "sharded":
+            upstream = shard_tensor(upstream, Shard(-1), rank, ws)
+        if not isinstance(out, torch.Tensor) or out.shape != upstream.shape:
+            # A wrong output shape cannot be back-propagated; report what came out.
+            result["status"] = "output-shape"
+            result["output"] = out.detach().clone() if isinstance(out, torch.Tensor) else None
+            result["output_type"] = type(out).__name__
+            return result
+        try:
+            out.backward(upstream.to(out.dtype))
+        except Exception as err:
+            raise _raise_from("backward", step, err) from err
+        if step == 0:
+            result["output"] = out.detach().clone()
+            result["input_grad"] = None if x.grad is None else x.grad.detach().clone()
+            for spec in specs:
+                p = get_param(module, spec.name)
+                result["grads"][spec.master] = _master_layout(None if p is None else p.grad, spec.transposed)
+        with torch.no_grad():
+            for p in module.parameters():
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-LR)
+                p.grad = None
+    for spec in specs:
+        result["final"][spec.master] = _master_layout(get_param(module, spec.name), spec.transposed)
+    return result
+
+
+# --- the parent side -----------------------------------------------------------------------------
+
+
+@dataclass
+class Observation:
+    """What one world run of a case produced: per-rank result dicts, or the runner's error."""
+
+    case: Case
+    divisible: bool
+    values: list[dict[str, Any]] | None = None
+    error: RankError | None = None
+    masters: Masters | None = None
+
+    def rank_errors(self) -> dict[int, BaseException]:
+        """Every failed rank's exception (the runner's ``errors``, or the single failing rank)."""
+        if self.error is None:
+            return {}
+        errors = dict(getattr(self.error, "errors", {}) or {})
+        if not errors:
+            errors = {self.error.rank: self.error}
+        return errors
+
+
+def observe(variant: Variant, case: Case, *, backend: str = "inproc", timeout: float = 10.0) -> Observation:
+    """Run ``case`` once on a world of ``case.world_size`` ranks of ``backend``."""
+    masters = make_masters(case)
+    divisible = is_divisible(variant, case)
+    payload: dict[str, Any] = {"case": case, "masters": masters, "divisible": divisible}
+    if backend == "inproc":
+        payload["variant"] = variant
+    else:
+        if variant.target is None:
+            raise InvalidArgument(
+                f"variant {variant.name!r} has no target string, so {backend} worker processes cannot import it; "
+                "declare it at module level and check it by target (e.g. tpsim check mymodule:Name)"
+            )
+        payload["ref"] = (variant.target, variant.name, variant.options)
+    try:
+        values = tpsim.run(rank_main, case.world_size, backend=backend, args=(payload,), timeout=timeout)
+    except RankError as err:
+        return Observation(case, divisible, error=err, masters=masters)
+    return Observation(case, divisible, values=values, masters=masters)
+
+
+@dataclass
+class Reference:
+    """The float64 dense reference of a case: step-0 output and grads, final parameters, and the
+    per-element magnitudes tolerances scale with (see :mod:`properties.tolerance`)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    dx: torch.Tensor
+    dweight: torch.Tensor
+    dbias: torch.Tensor | None
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    final: dict[str, torch.Tensor] = field(default_factory=dict)
+    mag: dict[str, torch.Tensor] = field(default_factory=dict)
+    rows: int = 1
+
+
+def reference(case: Case, masters: Masters) -> Reference:
+    """Dense ``y = x Wᵀ + b`` forward, backward and SGD in float64 from the rounded master values."""
+    f64 = torch.float64
+    w = masters.weight.to(f64)
+    b = masters.bias.to(f64) if masters.bias is not None else None
+    w0, b0 = w.clone(), None if b is None else b.clone()
+    rows = 1
+    for s in case.batch_shape:
+        rows *= s
+    out: dict[str, Any] = {}
+    train_mag_w = w.abs() * TRAIN_STEPS
+    train_mag_b = None if b is None else b.abs() * TRAIN_STEPS
+    for step in range(TRAIN_STEPS):
+        x = masters.inputs[step].to(f64)
+        g = masters.grads[step].to(f64)
+        x2 = x.reshape(-1, case.in_features)
+        g2 = g.reshape(-1, case.out_features)
+        y = x @ w.t() + (b if b is not None else 0.0)
+        dx = g @ w
+        dw = g2.t() @ x2
+        db = g2.sum(0) if b is not None else None
+        dw_mag = g2.abs().t() @ x2.abs()
+        train_mag_w = train_mag_w + LR * dw_mag
+        if b is not None:
+            train_mag_b = train_mag_b + LR * g2.abs().sum(0)
+        if step == 0:
+            out = dict(
+                x=x,
+                y=y,
+                dx=dx,
+                dweight=dw,
+                dbias=db,
+                mag={
+                    "y": x.abs() @ w.abs().t() + (b.abs() if b is not None else 0.0),
+                    "dx": g.abs() @ w.abs(),
+                    "dweight": dw_mag,
+                    "dbias": g2.abs().sum(0) if b is not None else None,
+                },
+            )
+        w = w - LR * dw
+        if b is not None:
+            b = b - LR * db
+    final = {"weight": w}
+    mag = out.pop("mag")
+    mag["final_weight"] = train_mag_w
+    if b is not None:
+        final["bias"] = b
+        mag["final_bias"] = train_mag_b
+    return Reference(weight=w0, bias=b0, final=final, mag=mag, rows=rows, **out)

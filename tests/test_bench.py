@@ -1,0 +1,110 @@
+"""The benchmark scripts still run and write well-formed output (never asserts a timing).
+
+``python -m bench --quick`` runs every section on a tiny configuration into a temporary folder;
+the tests check the files it writes: the markdown tables, the JSON result, the PNG figures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bench import report, workload
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SECTION_TITLES = (
+    "## Collective step vs world size",
+    "## Property examples per second",
+    "## Mutants: examples and seconds to catch",
+    "## Lab-note MLP",
+    "## Fault detection latency",
+    "## Peak memory",
+    "## DTensor path",
+)
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    done = subprocess.run([sys.executable, "-m", "bench", "--quick", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out, done.stdout
+
+
+def test_quick_run_writes_every_output(quick_run):
+    out, stdout = quick_run
+    assert sorted(os.listdir(out)) == ["bench.json", "bench.md", "bench_props.png", "bench_step.png"]
+    for name in ("bench_props.png", "bench_step.png"):
+        with open(out / name, "rb") as fh:
+            assert fh.read(8) == PNG_MAGIC, name
+    assert "[bench] wrote" in stdout and "inproc/floor=" in stdout
+
+
+def test_quick_markdown_has_every_table(quick_run):
+    out, _ = quick_run
+    text = (out / "bench.md").read_text()
+    for title in SECTION_TITLES:
+        assert title in text, title
+    machine = report.machine()
+    assert machine["cpu"] in text and machine["torch"] in text  # the doc names its machine
+    assert "![collective step vs world size](bench_step.png)" in text
+    # every table row has as many cells as its header
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("|---") or line.startswith("|:"):
+            width = lines[i - 1].count("|")
+            j = i + 1
+            while j < len(lines) and lines[j].startswith("|"):
+                assert lines[j].count("|") == width, (lines[i - 1], lines[j])
+                j += 1
+
+
+def test_quick_json_is_well_formed(quick_run):
+    out, _ = quick_run
+    result = json.loads((out / "bench.json").read_text())
+    assert result["quick"] is True
+    step = result["step"]
+    assert set(step["seconds"]) == {"floor", "inproc", "threaded", "gloo"}
+    for ws in step["sizes"]:
+        assert isinstance(step["seconds"]["inproc"][str(ws)], float)
+        assert isinstance(step["seconds"]["floor"][str(ws)], float)
+    assert [h["world_size"] for h in result["headline"]] == step["headline"]
+    assert all(isinstance(h["inproc_over_floor"], float) for h in result["headline"])
+    assert result["props"]["backends"]["inproc"]["failures"] == 0  # tpsim's own layer passes
+    assert result["labmlp"]["equal"] is True
+    assert result["mutants"]["rows"] and all(r["caught"] for r in result["mutants"]["rows"])
+    assert result["faults"]["rows"] and all(r["detected"] for r in result["faults"]["rows"])
+    assert {r["mode"] for r in result["memory"]["rows"]} == {"dense", "inproc"}
+    assert result["dtensor"]["rows"]["DTensor ColwiseParallel"]["inproc"]["failures"] == 0
+
+
+def test_workload_rejects_unknown_backend():
+    with pytest.raises(ValueError, match="backend='mpi'; expected one of floor, inproc, threaded, gloo"):
+        workload.measure("mpi", 2, 1)
+
+
+@pytest.mark.parametrize("backend", ["floor", "inproc"])
+def test_workload_measures(backend):
+    result = workload.measure(backend, 2, 2)
+    assert result["backend"] == backend and result["world_size"] == 2 and result["steps"] == 2
+    assert result["loop_s"] > 0 and result["wall_s"] >= result["loop_s"]
+
+
+def test_report_renders_skipped_sizes():
+    # a series with sizes skipped (None) renders as dashes, and the ratio of a missing value is a dash
+    result = {
+        "quick": False, "machine": report.machine(), "date": "today", "total_s": 1.0,
+        "step": {"steps": 200, "sizes": [8, 128], "headline": [8, 128], "skipped": {"threaded": "too slow"},
+                 "seconds": {"floor": {8: 0.1, 128: 2.0}, "inproc": {8: 0.2, 128: 4.0},
+                             "threaded": {8: 1.0, 128: None}, "gloo": {8: 5.0, 128: None}}},
+    }
+    text = report.markdown(result, {})
+    assert "| 8 | 0.1 | 0.2 | 1 | 2x | 5x |" in text
+    assert "| 128 | 2 | 4 | — | 2x | — |" in text
+    assert "*threaded*: too slow." in text

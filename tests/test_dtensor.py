@@ -1,0 +1,297 @@
+"""PyTorch's DTensor tensor parallelism on tpsim's backends (issue 8).
+
+- DTensor itself (``init_device_mesh``, ``parallelize_module`` with ``ColwiseParallel`` /
+  ``RowwiseParallel``) runs inside ``tpsim.run`` on inproc and gloo and matches the dense module;
+- the variant adapters in ``examples/dtensor_*.py`` pass tpsim's properties on generated cases
+  (inproc, Hypothesis) and on fixed cases (gloo);
+- tpsim reports what DTensor does differently from the Megatron convention (uneven shards instead
+  of a divisibility error) and an upstream failure (1-D input to ``RowwiseParallel``);
+- the differential property: ``tpsim.layers.ParallelMLP`` and the DTensor-parallelised MLP built
+  from the same dense MLP give equal outputs and gradients on every rank.
+
+Rank functions are module-level so gloo workers can unpickle them.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tpsim
+from properties.case import Case
+from properties.checks import check_case
+from properties.strategies import cases
+from properties.tolerance import tolerance
+from tpsim.layers import DenseMLP, ParallelMLP
+from tpsim.target import resolve_target
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+if EXAMPLES not in sys.path:
+    sys.path.insert(0, EXAMPLES)  # dtensor_mlp's parallelize_mlp for the differential property
+
+from dtensor_mlp import parallelize_mlp  # noqa: E402
+
+BACKENDS = ["inproc", pytest.param("gloo", marks=pytest.mark.gloo)]
+FILES = ("dtensor_colwise.py", "dtensor_rowwise.py", "dtensor_mlp.py")
+
+
+def _variants():
+    out = []
+    for name in FILES:
+        out.extend(resolve_target(os.path.join(EXAMPLES, name)))
+    return out
+
+
+VARIANTS = _variants()
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        yield
+
+
+# --- DTensor runs on the backends ----------------------------------------------------------------
+
+
+def rank_dtensor_mlp(seed: int):
+    """init_device_mesh + parallelize_module of a small MLP; returns output and grads (local)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    ws = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (ws,))
+    torch.manual_seed(seed)  # tpsim gives each rank its own RNG: every rank draws the same module
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4 * ws, dtype=torch.float64), torch.nn.ReLU(),
+                                torch.nn.Linear(4 * ws, 6, dtype=torch.float64))
+    dense = copy.deepcopy(model)
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    y = model(x)
+    y.square().sum().backward()
+    xd = x.detach().clone().requires_grad_(True)
+    yd = dense(xd)
+    yd.square().sum().backward()
+    r = dist.get_rank()
+    return {
+        "mesh_size": mesh.size(),
+        "y": y.detach(), "y_dense": yd.detach(),
+        "dx": x.grad, "dx_dense": xd.grad,
+        "w0": model[0].weight.grad.to_local(), "w0_dense": dense[0].weight.grad.chunk(ws, 0)[r],
+        "w2": model[2].weight.grad.to_local(), "w2_dense": dense[2].weight.grad.chunk(ws, 1)[r],
+        "placements": (str(model[0].weight.placements[0]), str(model[2].weight.placements[0])),
+    }
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ws", [1, 2, 3])
+def test_parallelize_module_runs(backend, ws):
+    out = tpsim.run(rank_dtensor_mlp, ws, backend=backend, args=(7,), timeout=60)
+    # float64, reductions of at most 6 + 4*ws terms: 1e-12 is ~ 4 * eps * sqrt(K) * |terms| with margin
+    for r, v in enumerate(out):
+        assert v["mesh_size"] == ws
+        assert v["placements"] == ("S(0)", "S(1)")
+        for key in ("y", "dx", "w0", "w2"):
+            torch.testing.assert_close(v[key], v[key + "_dense"], rtol=1e-12, atol=1e-12, msg=f"{key} on rank {r}")
+    # the replicated output and input grad are identical across ranks
+    for v in out[1:]:
+        assert torch.equal(v["y"], out[0]["y"]) and torch.equal(v["dx"], out[0]["dx"])
+
+
+def test_dtensor_collectives_are_traced():
+    result = tpsim.run_world(rank_dtensor_mlp, 2, args=(0,))
+    # forward: RowwiseParallel's all-reduce; backward: ColwiseParallel's input-grad all-reduce
+    # (DTensor issues them as functional collectives; tpsim's trace records them like any other)
+    for rank in (0, 1):
+        assert result.trace.count("all_reduce", rank) == 2, result.trace.ops(rank)
+
+
+# --- the variant adapters pass tpsim's properties ------------------------------------------------
+
+
+def _adapter_cases(variant):
+    # Two torch failures, pinned by test_upstream_failures_reported, are kept out of the generated
+    # cases: a 1-D input (RowwiseParallel without bias) and a sharded dim of global size 1 (possible
+    # only on a one-rank mesh).
+    def fix(c: Case) -> Case:
+        c = c.replace(batch_shape=c.batch_shape or (2,))
+        if c.world_size == 1:
+            c = c.replace(in_features=max(c.in_features, 2), out_features=max(c.out_features, 2))
+        return c
+
+    return cases(variant, world_sizes=(1, 2, 3, 4), non_divisible=False).map(fix)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+def test_adapter_passes_inproc(variant):
+    @settings(max_examples=10)
+    @given(_adapter_cases(variant))
+    def check(case):
+        failures = check_case(variant, case, backend="inproc", timeout=30)
+        assert not failures, "\n".join(f"{f.property} ({f.diagnosis}): {f.message}" for f in failures)
+
+    check()
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+def test_adapter_passes_gloo(variant):
+    for case in (
+        Case(world_size=2, in_features=4, out_features=6, batch_shape=(3,), dtype="float32", bias=True, seed=1),
+        Case(world_size=2, in_features=6, out_features=4, batch_shape=(2, 2), dtype="float64", bias=False, seed=2),
+    ):
+        failures = check_case(variant, case, backend="gloo", timeout=60)
+        assert not failures, "\n".join(f"{f.property} ({f.diagnosis}): {f.message}" for f in failures)
+
+
+def _variant(name):
+    return next(v for v in VARIANTS if v.name == name)
+
+
+def test_misdeclared_dtensor_variant_is_caught():
+    # RowwiseParallel all-reduces its output; declaring it "partial" makes the harness sum the ranks
+    # again, so the check must fail with the double reduction named.
+    wrong = _variant("RowwiseParallel").replace(output="partial")
+    case = Case(world_size=2, in_features=4, out_features=3, batch_shape=(2,), bias=False, seed=5)
+    failures = check_case(wrong, case)
+    assert failures and failures[0].property == "forward-equivalence"
+    assert failures[0].diagnosis == "double-reduction", failures[0].message
+
+
+def test_uneven_shards_reported_as_divisibility():
+    # DTensor shards unevenly (torch.chunk) where Megatron-style layers refuse: tpsim says so.
+    v = _variant("ColwiseParallel")
+    case = Case(world_size=2, in_features=4, out_features=5, batch_shape=(2,), bias=True, seed=0)
+    failures = check_case(v, case)
+    assert [f.diagnosis for f in failures] == ["divisibility-unchecked"]
+    assert "out_features=5 is not divisible by world_size=2" in failures[0].message
+
+
+@pytest.mark.parametrize(
+    ("name", "case", "phase", "error"),
+    [
+        # a 1-D input (no batch dim) to RowwiseParallel without bias: torch fails in backward
+        ("RowwiseParallel", Case(world_size=2, in_features=6, out_features=5, batch_shape=()),
+         "backward", "dimensionality of sizes"),
+        # a sharded dim of global size 1 (here out_features=1 under ColwiseParallel on a one-rank mesh):
+        # DTensor's view rule refuses it, in backward here (in forward for a 1-D input)
+        ("ColwiseParallel", Case(world_size=1, in_features=4, out_features=1, batch_shape=(2,), bias=True),
+         "backward", "would remove or reshape sharded dimension"),
+    ],
+    ids=["rowwise-1d-input", "sharded-dim-of-size-1"],
+)
+def test_upstream_failures_reported(name, case, phase, error):
+    # torch 2.13.0, every backend (gloo too) and world size 1 included. tpsim reports each as the
+    # variant raising, in that phase, with torch's own error.
+    failures = check_case(_variant(name), case)
+    if not failures:
+        pytest.fail(f"{name} now passes {case.describe()}: drop the workaround in _adapter_cases and docs/dtensor.md")
+    assert failures[0].diagnosis == "exception" and f"during {phase}" in failures[0].message
+    assert error in failures[0].message
+
+
+# --- differential property: tpsim.layers.ParallelMLP vs the DTensor plan --------------------------
+
+
+def rank_mlp_pair(hidden, intermediate, activation, bias, dtype_name, batch, seed):
+    """Both parallel MLPs from one dense MLP; returns per-rank outputs and grads of each."""
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(seed)
+    dense = DenseMLP(hidden, intermediate, activation=activation, bias=bias, dtype=dtype)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(*batch, hidden, generator=gen, dtype=torch.float64).to(dtype)
+    g = torch.randn(*batch, hidden, generator=gen, dtype=torch.float64).to(dtype)
+    group = dist.group.WORLD
+    results = {}
+    for name, module in (
+        ("tpsim", ParallelMLP.from_dense(dense, group=group)),
+        ("dtensor", parallelize_mlp(copy.deepcopy(dense), group)),
+    ):
+        xi = x.clone().requires_grad_(True)
+        out = module(xi)
+        out.backward(g)
+        grads = {}
+        for pname, p in module.named_parameters():
+            grad = p.grad
+            grads[pname] = (grad.to_local() if hasattr(grad, "to_local") else grad).detach().clone()
+        results[name] = {"out": out.detach().clone(), "dx": xi.grad.detach().clone(), "grads": grads}
+    return results
+
+
+def _magnitudes(hidden, intermediate, bias, dtype, batch, seed):
+    """Per-element magnitudes of output and grads: the same MLP on absolute values (float64), with the
+    activation replaced by 1.2 * identity (|act(z)| and |act'(z)| are <= 1.2 for gelu, relu, silu)."""
+    torch.manual_seed(seed)
+    dense = DenseMLP(hidden, intermediate, activation="relu", bias=bias, dtype=dtype).double()
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(*batch, hidden, generator=gen, dtype=torch.float64).to(dtype).double()
+    g = torch.randn(*batch, hidden, generator=gen, dtype=torch.float64).to(dtype).double()
+    with torch.no_grad():
+        for p in dense.parameters():
+            p.abs_()
+    xa = x.abs().requires_grad_(True)
+    h = dense.fc1(xa) * 1.2
+    out = dense.fc2(h)
+    out.backward(g.abs())
+    grads = {n: p.grad for n, p in dense.named_parameters()}
+    return out.detach(), xa.grad, grads
+
+
+@settings(max_examples=15)
+@given(
+    ws=st.sampled_from([1, 2, 3, 4]),
+    hidden=st.integers(1, 6),
+    per_rank=st.integers(1, 3),
+    activation=st.sampled_from(["gelu", "relu", "silu"]),
+    bias=st.booleans(),
+    dtype=st.sampled_from(["float64", "float32"]),
+    batch=st.lists(st.integers(1, 3), min_size=1, max_size=2).map(tuple),
+    seed=st.integers(0, 2**20),
+)
+def test_parallel_mlp_equals_dtensor_mlp(ws, hidden, per_rank, activation, bias, dtype, batch, seed):
+    _compare_mlps("inproc", ws, hidden, per_rank * ws, activation, bias, dtype, batch, seed)
+
+
+@pytest.mark.gloo
+def test_parallel_mlp_equals_dtensor_mlp_gloo():
+    _compare_mlps("gloo", 2, 5, 6, "gelu", True, "float32", (2, 3), 11)
+
+
+def _compare_mlps(backend, ws, hidden, intermediate, activation, bias, dtype, batch, seed):
+    out = tpsim.run(rank_mlp_pair, ws, backend=backend,
+                    args=(hidden, intermediate, activation, bias, dtype, batch, seed), timeout=60)
+    tdtype = getattr(torch, dtype)
+    m_out, m_dx, m_grads = _magnitudes(hidden, intermediate, bias, tdtype, batch, seed)
+    rows = math.prod(batch)
+    # each result is within tol of the exact value, so they are within 2*tol of each other;
+    # K chains both layers' reductions and the batch-row sum of the weight grads
+    k = hidden + intermediate + rows
+
+    def tol(mag):
+        return 2 * tolerance(tdtype, mag, reduction_length=k, world_size=ws)
+
+    shard = {"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 1}
+    for r, v in enumerate(out):
+        a, b = v["tpsim"], v["dtensor"]
+        for what, x, y, mag in (("output", a["out"], b["out"], m_out), ("input grad", a["dx"], b["dx"], m_dx)):
+            assert x.shape == y.shape, f"{what} on rank {r}: {x.shape} vs {y.shape}"
+            bad = ((x.double() - y.double()).abs() > tol(mag)).nonzero()
+            assert bad.numel() == 0, f"{what} differs on rank {r} at {bad[:3].tolist()}"
+        assert set(a["grads"]) == set(b["grads"]) == set(m_grads)
+        for name, mag in m_grads.items():
+            mag = mag.chunk(ws, shard[name])[r] if name in shard else mag
+            x, y = a["grads"][name], b["grads"][name]
+            assert x.shape == y.shape == mag.shape, f"{name} grad on rank {r}: {x.shape} vs {y.shape}"
+            bad = ((x.double() - y.double()).abs() > tol(mag)).nonzero()
+            assert bad.numel() == 0, f"{name} grad differs on rank {r} at {bad[:3].tolist()}"

@@ -1,0 +1,45 @@
+"""``properties.suite.property_tests``: the one line a user drops into a test module.
+
+The first line below is the whole usage: pytest collects ``TestTpsimLayers::test_<property>[<variant>]``
+for every property and every variant ``tpsim.layers`` declares.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from properties import PROPERTIES, PropertyFailed
+from properties.suite import property_tests
+from tpsim.errors import InvalidArgument
+from tpsim.mutants import CATALOG
+
+TestTpsimLayers = property_tests("tpsim.layers", max_examples=25, seed=5)
+
+
+def _request(backend: str = "inproc") -> SimpleNamespace:
+    return SimpleNamespace(config=SimpleNamespace(getoption=lambda name, default=None: backend))
+
+
+def test_one_test_per_property() -> None:
+    names = sorted(n for n in vars(TestTpsimLayers) if n.startswith("test_"))
+    assert names == sorted("test_" + p.replace("-", "_") for p in PROPERTIES)
+
+
+def test_a_failing_property_fails_its_test_with_the_minimal_case_and_a_reproduction() -> None:
+    mutant = next(m for m in CATALOG if m.name == "row-bias-rank0-only")
+    cls = property_tests(mutant.variant, max_examples=30, seed=0)
+    instance = cls()
+    instance.test_forward_equivalence(variant=mutant.variant, request=_request())  # the output is right
+    with pytest.raises(PropertyFailed, match=r"bias-grad-equivalence failed \(bias-grad-rank0-only\)") as info:
+        instance.test_bias_grad_equivalence(variant=mutant.variant, request=_request())
+    notes = "\n".join(info.value.__notes__)
+    assert "case: world_size=2" in notes and "check_case(VARIANT, Case.from_dict(" in notes
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(InvalidArgument, match=r"unknown option\(s\) \['examples'\]"):
+        property_tests("tpsim.layers", examples=3)
+    with pytest.raises(InvalidArgument, match="expected a tpsim Variant, a list of them, or a target string"):
+        property_tests(42)

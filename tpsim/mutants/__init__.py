@@ -1,0 +1,209 @@
+"""The mutant catalog: realistic buggy tensor-parallel layers, each with the diagnosis tpsim must give.
+
+Every mutant is a small subclass of a correct layer (:class:`CorrectColumn`, :class:`CorrectRow`,
+master-weight convention: ``(in_features, out_features, bias, master_weight, *, group)``) that
+changes one thing, the way real code goes wrong; its class docstring says the mechanism and the
+intended diagnosis. :data:`CATALOG` lists them as :class:`Mutant` records for tests and the
+benchmark::
+
+    from properties.search import search
+    from tpsim.mutants import CATALOG
+
+    for m in CATALOG:
+        report = search(m.variant, max_examples=200, seed=0)
+        assert m.diagnosis in {f.diagnosis for f in report.failures}
+
+Each mutant's variant is also a module-level attribute, so it is a ``tpsim check`` target
+(``m.target``, e.g. ``tpsim check tpsim.mutants:row_bias_before_reduce``, expected to fail) and
+gloo/nccl worker processes can import it again. :data:`CORRECT` lists the correct forms, which
+must pass: the master-weight column (sharded and gathered output) and row layers, and the
+tp-rank-convention column and row layers (weights stored transposed).
+
+``tpsim check tpsim.mutants`` checks the correct forms only (:data:`TPSIM_VARIANTS`); each mutant
+is checked by its own target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from tpsim.mutants.column import (
+    ColumnBackwardAverage,
+    ColumnBiasDefaultDtype,
+    ColumnFloorDivision,
+    ColumnGatherDim1,
+    ColumnGatherWrongDim,
+    ColumnIgnoresBias,
+    ColumnNoBackwardReduce,
+    ColumnNodeLocalRank,
+    ColumnReversedShards,
+    ColumnWrongSplitDim,
+    CorrectColumn,
+)
+from tpsim.mutants.row import (
+    CorrectRow,
+    RowBiasBeforeReduce,
+    RowBiasDivided,
+    RowBiasRank0Only,
+    RowFlattenNoRestore,
+    RowHalfPrecisionReduce,
+    RowNoReduceWithoutBias,
+)
+from tpsim.mutants.tp_rank import CorrectTpRankColumn, CorrectTpRankRow
+from tpsim.placement import Replicate, Shard
+from tpsim.variant import ParamSpec, Variant
+
+__all__ = ["CATALOG", "CORRECT", "TPSIM_VARIANTS", "Mutant", "master_weight_variant", "tp_rank_variant"]
+
+_MODULE = "tpsim.mutants"
+
+
+def _first_paragraph(text: str | None) -> str:
+    return " ".join((text or "").strip().split("\n\n")[0].split())
+
+
+def master_weight_variant(cls: type[nn.Module], kind: str, *, name: str, output: str | None = None) -> Variant:
+    """A variant for a master-weight class that also takes ``group=``.
+
+    The class slices the master weight itself (``load=False``: its slicing is under test); the
+    harness loads the bias by its placement (column ``S(0)``, row ``R``) over the zero init.
+    """
+
+    def build(in_features: int, out_features: int, bias: bool, *, group: Any, master_weight: Any, **_: Any) -> nn.Module:
+        return cls(in_features, out_features, bias, master_weight.clone(), group=group)
+
+    shard = Shard(0) if kind == "column" else Shard(1)
+    params = (
+        ParamSpec("weight", "weight", shard, load=False),
+        ParamSpec("bias", "bias", Shard(0) if kind == "column" else Replicate()),
+    )
+    return Variant(
+        name=name,
+        kind=kind,
+        build=build,
+        output=output,
+        params=params,
+        description=_first_paragraph(cls.__doc__),
+        target=f"{_MODULE}:{name}",
+    )
+
+
+def tp_rank_variant(cls: type[nn.Module], kind: str, *, name: str) -> Variant:
+    """A variant for a tp-rank-convention class: own init, weight stored transposed, harness loads all."""
+
+    def build(in_features: int, out_features: int, bias: bool, *, group: Any, rank: int, world_size: int,
+              dtype: Any, **_: Any) -> nn.Module:
+        return cls(in_features, out_features, world_size, rank, tp_group=group, bias=bias).to(dtype)
+
+    shard = Shard(0) if kind == "column" else Shard(1)
+    params = (
+        ParamSpec("weight", "weight", shard, transposed=True),
+        ParamSpec("bias", "bias", Shard(0) if kind == "column" else Replicate()),
+    )
+    return Variant(
+        name=name,
+        kind=kind,
+        build=build,
+        params=params,
+        description=_first_paragraph(cls.__doc__),
+        target=f"{_MODULE}:{name}",
+    )
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One catalogued bug.
+
+    ``name``: stable id (``column-wrong-split-dim``); ``target``: the ``tpsim check`` target of its
+    variant; ``variant``: the :class:`~tpsim.variant.Variant`; ``diagnosis``: the diagnosis tpsim
+    must report (a name from :data:`tpsim.diagnosis.DIAGNOSES`); ``description``: the mechanism
+    (the class docstring's first paragraph); ``needs``: what a case must have for the bug to show
+    (empty: most cases), for readers of the catch table.
+    """
+
+    name: str
+    target: str
+    variant: Variant
+    diagnosis: str
+    description: str
+    needs: str = ""
+
+
+def _mutant(name: str, cls: type[nn.Module], kind: str, diagnosis: str, *, output: str | None = None,
+            needs: str = "") -> tuple[Mutant, Variant]:
+    attr = name.replace("-", "_")
+    variant = master_weight_variant(cls, kind, name=attr, output=output)
+    return Mutant(name, variant.target or "", variant, diagnosis, _first_paragraph(cls.__doc__), needs), variant
+
+
+# --- correct forms (must pass) ---------------------------------------------------------------------
+
+correct_column = master_weight_variant(CorrectColumn, "column", name="correct_column")
+
+
+class _CorrectColumnGathered(CorrectColumn):
+    """The correct master-weight column layer with its output gathered on every rank."""
+
+    gather = True
+
+
+correct_column_gathered = master_weight_variant(
+    _CorrectColumnGathered, "column", name="correct_column_gathered", output="gathered"
+)
+correct_row = master_weight_variant(CorrectRow, "row", name="correct_row")
+correct_tp_rank_column = tp_rank_variant(CorrectTpRankColumn, "column", name="correct_tp_rank_column")
+correct_tp_rank_row = tp_rank_variant(CorrectTpRankRow, "row", name="correct_tp_rank_row")
+
+#: The correct forms: every one must pass the whole suite.
+CORRECT: list[Variant] = [
+    correct_column,
+    correct_column_gathered,
+    correct_row,
+    correct_tp_rank_column,
+    correct_tp_rank_row,
+]
+#: What ``tpsim check tpsim.mutants`` checks: the correct forms.
+TPSIM_VARIANTS = CORRECT
+
+# --- the catalog ---------------------------------------------------------------------------------
+
+_ENTRIES = [
+    # The skill's row layer: full bias on every rank, then the caller's all-reduce.
+    _mutant("row-bias-before-reduce", RowBiasBeforeReduce, "row", "bias-duplication", output="partial",
+            needs="bias, world size >= 2"),
+    _mutant("row-bias-rank0-only", RowBiasRank0Only, "row", "bias-grad-rank0-only", needs="bias, world size >= 2"),
+    _mutant("row-bias-divided", RowBiasDivided, "row", "grad-scaled", needs="bias, world size >= 2"),
+    _mutant("column-wrong-split-dim", ColumnWrongSplitDim, "column", "wrong-shard-dim", needs="world size >= 2"),
+    _mutant("column-reversed-shards", ColumnReversedShards, "column", "wrong-shard-order", needs="world size >= 2"),
+    _mutant("column-no-backward-reduce", ColumnNoBackwardReduce, "column", "grad-not-reduced",
+            needs="world size >= 2"),
+    _mutant("column-backward-average", ColumnBackwardAverage, "column", "grad-scaled", needs="world size >= 2"),
+    _mutant("column-floor-division", ColumnFloorDivision, "column", "divisibility-unchecked",
+            needs="out_features not divisible by the world size"),
+    _mutant("column-gather-wrong-dim", ColumnGatherWrongDim, "column", "wrong-shard-dim", output="gathered",
+            needs="batched input, world size >= 2"),
+    _mutant("column-node-local-rank", ColumnNodeLocalRank, "column", "wrong-shard-order",
+            needs="world size > 4"),
+    _mutant("column-gather-dim1", ColumnGatherDim1, "column", "wrong-shard-dim", output="gathered",
+            needs="3-D (or deeper) input, world size >= 2"),
+    _mutant("row-no-reduce-without-bias", RowNoReduceWithoutBias, "row", "missing-reduction",
+            needs="bias=False, world size >= 2"),
+    _mutant("row-half-precision-reduce", RowHalfPrecisionReduce, "row", "precision-loss",
+            needs="float32 or float64, world size >= 2"),
+    _mutant("column-ignores-bias", ColumnIgnoresBias, "column", "bias-missing", needs="bias"),
+    _mutant("row-flatten-no-restore", RowFlattenNoRestore, "row", "shape-error",
+            needs="input that is not 2-D"),
+    _mutant("column-bias-default-dtype", ColumnBiasDefaultDtype, "column", "exception",
+            needs="bias, a dtype other than float32"),
+]
+
+#: Every catalogued mutant, in a stable order.
+CATALOG: list[Mutant] = [m for m, _ in _ENTRIES]
+
+# Module-level attributes so that each mutant's target (``tpsim.mutants:<name>``) resolves.
+for _m, _v in _ENTRIES:
+    globals()[_v.name] = _v
+del _m, _v

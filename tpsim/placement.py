@@ -1,0 +1,204 @@
+"""Placements: how one logical tensor is laid out across the ranks of a tensor-parallel group.
+
+The same three ideas as DTensor:
+
+- :class:`Shard` ``S(d)``: rank ``r`` holds the ``r``-th of ``world_size`` equal slices along
+  dim ``d``. ``Shard(d, parts=(a, b, ...))`` is a packed dim made of several parts (gate/up,
+  Q/K/V) that are each sharded on their own: rank ``r`` holds the ``r``-th slice of *every* part,
+  concatenated (Megatron's partition stride).
+- :class:`Replicate` ``R``: every rank holds the whole tensor.
+- :class:`Partial` ``P``: every rank holds a summand; the logical tensor is the sum over ranks.
+
+Placements describe tensors in their *logical* (master) coordinates, e.g. a linear weight as
+``[out_features, in_features]`` like ``nn.Linear``; a variant that stores a weight transposed says
+so separately (see :mod:`tpsim.variant`).
+
+:func:`shard_tensor` cuts a master tensor for one rank and :func:`assemble` puts per-rank pieces
+back together; both refuse sizes that do not divide, naming the numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tpsim.errors import InvalidArgument
+
+__all__ = [
+    "Partial",
+    "Placement",
+    "Replicate",
+    "Shard",
+    "assemble",
+    "shard_shape",
+    "shard_tensor",
+]
+
+
+class Placement:
+    """Base of the three placements; use :class:`Shard`, :class:`Replicate`, :class:`Partial`."""
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        """True for a :class:`Shard` (along ``dim`` when given)."""
+        return False
+
+    def is_replicate(self) -> bool:
+        """True for :class:`Replicate`."""
+        return False
+
+    def is_partial(self) -> bool:
+        """True for :class:`Partial`."""
+        return False
+
+
+@dataclass(frozen=True)
+class Shard(Placement):
+    """Sharded along ``dim``; ``parts`` (sizes of packed parts) shards each part on its own."""
+
+    dim: int
+    parts: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int):
+            raise InvalidArgument(f"Shard(dim={self.dim!r}): dim must be an int")
+        if self.parts is not None:
+            parts = tuple(self.parts)
+            if not parts or any(isinstance(p, bool) or not isinstance(p, int) or p < 1 for p in parts):
+                raise InvalidArgument(
+                    f"Shard(parts={self.parts!r}): parts must be a non-empty sequence of positive ints"
+                )
+            # Frozen dataclass: normalise a list to a tuple so the placement stays hashable.
+            object.__setattr__(self, "parts", parts)
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return dim is None or dim == self.dim
+
+    def __str__(self) -> str:
+        if self.parts is None:
+            return f"S({self.dim})"
+        return f"S({self.dim},parts={list(self.parts)})"
+
+
+@dataclass(frozen=True)
+class Replicate(Placement):
+    """Every rank holds the whole tensor (and must hold the same values)."""
+
+    def is_replicate(self) -> bool:
+        return True
+
+    def __str__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True)
+class Partial(Placement):
+    """Each rank holds a summand; the logical tensor is the sum over ranks."""
+
+    def is_partial(self) -> bool:
+        return True
+
+    def __str__(self) -> str:
+        return "P"
+
+
+def _check_world(rank: int, world_size: int) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise InvalidArgument(f"world_size={world_size!r} must be an int >= 1")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise InvalidArgument(f"rank={rank!r} must be an int in [0, {world_size})")
+
+
+def _part_sizes(size: int, placement: Shard) -> tuple[int, ...]:
+    parts = placement.parts or (size,)
+    if sum(parts) != size:
+        raise InvalidArgument(
+            f"{placement}: the parts add up to {sum(parts)} but the sharded dim has size {size}"
+        )
+    return parts
+
+
+def _check_divisible(placement: Shard, dim_size: int, world_size: int, what: str) -> tuple[int, ...]:
+    parts = _part_sizes(dim_size, placement)
+    for i, p in enumerate(parts):
+        if p % world_size:
+            part = f"part {i} (size {p})" if placement.parts else f"size {p}"
+            raise InvalidArgument(
+                f"cannot shard {what} along dim {placement.dim}: {part} is not divisible by "
+                f"world_size={world_size}"
+            )
+    return parts
+
+
+def shard_shape(shape: Sequence[int], placement: Placement, world_size: int) -> tuple[int, ...]:
+    """Shape of one rank's piece of a tensor of ``shape`` under ``placement``."""
+    shape = tuple(int(s) for s in shape)
+    if not isinstance(placement, Shard):
+        return shape
+    dim = placement.dim % len(shape) if shape else placement.dim
+    _check_divisible(placement, shape[dim], world_size, f"a tensor of shape {list(shape)}")
+    out = list(shape)
+    out[dim] = shape[dim] // world_size
+    return tuple(out)
+
+
+def shard_tensor(tensor: torch.Tensor, placement: Placement, rank: int, world_size: int) -> torch.Tensor:
+    """Rank ``rank``'s piece of the master ``tensor`` (a view where possible; clone to own it).
+
+    ``Replicate``: the tensor itself. ``Partial``: rank 0 holds the tensor and the others zeros
+    (one valid decomposition of the sum). ``Shard``: the ``rank``-th equal slice along the dim,
+    taken from each packed part and concatenated. Raises :class:`tpsim.InvalidArgument` when a
+    part does not divide by ``world_size``.
+    """
+    _check_world(rank, world_size)
+    if isinstance(placement, Replicate):
+        return tensor
+    if isinstance(placement, Partial):
+        return tensor if rank == 0 else torch.zeros_like(tensor)
+    if not isinstance(placement, Shard):
+        raise InvalidArgument(f"placement={placement!r} is not a Shard, Replicate or Partial")
+    dim = placement.dim % tensor.dim()
+    parts = _check_divisible(placement, tensor.shape[dim], world_size, f"a tensor of shape {list(tensor.shape)}")
+    pieces = []
+    start = 0
+    for p in parts:
+        step = p // world_size
+        pieces.append(tensor.narrow(dim, start + rank * step, step))
+        start += p
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+
+
+def assemble(pieces: Sequence[torch.Tensor], placement: Placement) -> torch.Tensor:
+    """Put per-rank pieces (index = rank) back into the logical tensor; inverse of :func:`shard_tensor`.
+
+    ``Replicate`` returns rank 0's piece (whether the replicas agree is a separate check);
+    ``Partial`` sums; ``Shard`` concatenates, interleaving packed parts back into place.
+    """
+    if not pieces:
+        raise InvalidArgument("pieces is empty; expected one tensor per rank")
+    if isinstance(placement, Replicate):
+        return pieces[0]
+    if isinstance(placement, Partial):
+        total = pieces[0].clone()
+        for p in pieces[1:]:
+            total = total + p
+        return total
+    if not isinstance(placement, Shard):
+        raise InvalidArgument(f"placement={placement!r} is not a Shard, Replicate or Partial")
+    world_size = len(pieces)
+    dim = placement.dim % pieces[0].dim()
+    if placement.parts is None:
+        return torch.cat(list(pieces), dim=dim)
+    local = [p // world_size for p in placement.parts]
+    for rank, piece in enumerate(pieces):
+        if piece.shape[dim] != sum(local):
+            raise InvalidArgument(
+                f"piece of rank {rank} has size {piece.shape[dim]} along dim {placement.dim}; "
+                f"expected {sum(local)} for {placement} over {world_size} ranks"
+            )
+    out = []
+    for i, size in enumerate(local):
+        offset = sum(local[:i])
+        out.extend(piece.narrow(dim, offset, size) for piece in pieces)
+    return torch.cat(out, dim=dim)
