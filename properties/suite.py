@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from properties.case import save_failure
 from properties.checks import PROPERTIES, PropertyFailed
 from properties.search import SearchReport, search
 from tpsim.errors import InvalidArgument
@@ -56,11 +57,17 @@ def _variants(variant_or_target: Any, target_options: dict[str, Any] | None) -> 
 
 
 def reproduction(failure: Any) -> str:
-    """A copy-pasteable Python snippet that re-runs ``failure``'s case (printed with every failure)."""
-    case = json.dumps(failure.case.to_dict(), sort_keys=True)
+    """The exact way to re-run ``failure``'s case, printed with every failure.
+
+    ``tpsim replay PATH`` when the case file names an importable target; otherwise (a variant
+    object built inside a test) a copy-pasteable Python snippet.
+    """
+    if getattr(failure, "case_file", None) and failure.case.target:
+        return f"tpsim replay {failure.case_file}    (add --backend gloo to confirm on real process groups)"
+    case = json.dumps(json.dumps(failure.case.to_dict(), sort_keys=True))
     return (
-        "from properties.case import Case; from properties.checks import check_case\n"
-        f"check_case(VARIANT, Case.from_dict({case}))"
+        "import json; from properties.case import Case; from properties.checks import check_case\n"
+        f"check_case(VARIANT, Case.from_dict(json.loads({case})))  # VARIANT: your variant"
     )
 
 
@@ -90,9 +97,12 @@ def property_tests(variant_or_target: Any, *, target_options: dict[str, Any] | N
             report = report_for(variant, backend)
             for failure in report.failures:
                 if failure.property == prop:
+                    if failure.case is not None and failure.case_file is None:
+                        # Saved like `tpsim check` saves it, so `tpsim replay` takes it from here.
+                        save_failure(failure, variant, backend=backend, command=f"pytest {request.node.nodeid}")
                     err = PropertyFailed(failure)
                     err.add_note(failure.describe())
-                    err.add_note("Reproduce (with VARIANT your variant):\n" + reproduction(failure))
+                    err.add_note("Reproduce: " + reproduction(failure))
                     raise err
 
         test.__name__ = "test_" + prop.replace("-", "_")

@@ -57,3 +57,28 @@ def test_torchrun_standalone_two_ranks_on_gloo(tmp_path):
         assert f"rank {rank} values [3.0, 3.0] ops ['all_reduce']" in out
         assert f"rank {rank} error rank=1 rank 1 raised ValueError: boom on rank 1" in out
         assert f"rank {rank} fault faulty=(0,)" in out
+
+
+def _torchrun_check(tmp_path, *check_args: str) -> subprocess.CompletedProcess[str]:
+    torchrun = shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not on PATH (it comes with torch's console scripts)")
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "tpsim", "check", *check_args,
+           "--backend", "gloo", "--max-examples", "8"]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+
+
+def test_tpsim_check_under_torchrun_uses_the_launched_world(tmp_path):
+    proc = _torchrun_check(tmp_path, "tpsim.layers:RowParallelLinear")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # Rank 0 alone reports; the launcher's world size is the only one checked.
+    assert proc.stdout.count("tpsim check tpsim.layers:RowParallelLinear: 1 variant on gloo, world sizes 2,") == 1
+    assert "all properties hold: 1 variant" in proc.stdout
+
+
+def test_tpsim_check_under_torchrun_finds_a_mutant(tmp_path):
+    proc = _torchrun_check(tmp_path, "tpsim.mutants:row_bias_before_reduce")
+    assert proc.returncode != 0
+    assert proc.stdout.count("FAILED forward-equivalence: bias-duplication") == 1, proc.stdout + proc.stderr
+    assert list((tmp_path / ".tpsim" / "cases").glob("*.json")), "rank 0 saves the minimal case"
