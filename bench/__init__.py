@@ -11,13 +11,18 @@ Sections (see ``docs/bench.md`` for the tables they produce):
   and one all_reduce per step) vs world size, on inproc, torch's internal threaded process group
   (comparison only; imported here and nowhere else), gloo and the single-thread floor;
 - ``props``: property examples per second per backend, gloo world start-up vs per-example cost;
-- ``mutants``: examples and seconds for the search to catch each catalogued mutant;
+- ``mutants``: examples and seconds for the search to catch every mutant in ``tpsim.mutants.CATALOG``
+  (read when the section runs, so new mutants appear without a change here);
 - ``labmlp``: the lab-note MLP (hidden 4096, intermediate 11008, tp 2, float32) checked on inproc vs
-  the dense MLP's own forward+backward;
+  the dense MLP's own forward+backward: the plain gelu MLP and the gated (swiglu) one with sequence
+  parallelism;
 - ``faults``: fault detection latency per fault kind and backend;
 - ``memory``: peak resident memory of an inproc world vs the dense reference (fresh subprocesses);
 - ``dtensor``: per-example time of the DTensor adapters on inproc vs gloo.
 
 Every measurement that could hang or run long runs in a subprocess with a time limit; a limit hit is
-reported as ``> limit`` and larger sizes of that series are skipped.
+reported as ``> limit`` and larger sizes of that series are skipped. The document records the load
+average at the start and end of the run (the machine may be shared).
+
+``tox -e bench`` runs the same command (``tox -e bench -- --quick`` passes options through).
 """

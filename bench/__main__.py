@@ -15,6 +15,14 @@ import warnings
 from bench import report, sections
 
 
+def _load() -> float:
+    """The 1-minute load average (the machine is shared: the doc reports it); -1 where unknown."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return -1.0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny configuration (seconds): proves the scripts run")
@@ -26,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     warnings.simplefilter("ignore")
     started = time.perf_counter()
+    load_start = _load()
     result: dict = {}
     previous = os.path.join(args.out, "bench.json")
     if args.only and os.path.exists(previous):
@@ -46,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         result[name] = fn(cfg)
         print(f"[bench] {name} done in {time.perf_counter() - t0:.1f} s", flush=True)
     result["total_s"] = result.get("total_s", 0.0) * bool(args.only) + time.perf_counter() - started
+    result["load"] = {"start": load_start, "end": _load()}
     result["headline"] = report.headline(result)
     images = report.plots(result, args.out, "bench")
     with open(os.path.join(args.out, "bench.json"), "w", encoding="utf-8") as fh:

@@ -67,6 +67,10 @@ def markdown(result: dict[str, Any], images: dict[str, str]) -> str:
         "absolute times are noisy; ratios taken close together are the meaningful part.",
         "",
     ]
+    load = result.get("load")
+    if load:
+        out[-1:] = [f"Load average (1 min) at the start of the run: {load['start']:.1f}, at the end: "
+                    f"{load['end']:.1f} (on {m['cores']} cores).", ""]
     step = result.get("step")
     if step:
         out += [
@@ -128,25 +132,41 @@ def markdown(result: dict[str, Any], images: dict[str, str]) -> str:
         if mut.get("note"):
             out.append(mut["note"])
         else:
-            out += [f"`properties.search.search(mutant.variant, max_examples={mut['max_examples']}, seed=0)` on inproc; "
-                    "*first failing example*: the example number at which the intended diagnosis first appeared; "
-                    "*examples*/*seconds*: the whole search including shrinking.", "",
-                    "| mutant | intended diagnosis | caught | first failing example | examples | seconds |",
-                    "|---|---|:-:|---:|---:|---:|"]
+            out += [f"Every mutant in `tpsim.mutants.CATALOG` ({len(mut['rows'])} in this run): "
+                    f"`properties.search.search(mutant.variant, max_examples={mut['max_examples']}, seed=0, "
+                    "database=None)` on inproc. *examples to catch*: the example number at which the intended "
+                    "diagnosis first appeared (`Failure.found_after`); *examples*/*seconds*: the whole search "
+                    "including shrinking; *needs*: what a case must have for the bug to show.", "",
+                    "| mutant | intended diagnosis | needs | caught | examples to catch | examples | seconds |",
+                    "|---|---|---|:-:|---:|---:|---:|"]
             for r in mut["rows"]:
-                out.append(f"| {r['mutant']} | {r['diagnosis']} | {'yes' if r['caught'] else 'NO: ' + ', '.join(r['diagnoses'])} | "
+                caught = "yes" if r["caught"] else "NO: " + (", ".join(r["diagnoses"]) or "passed")
+                out.append(f"| {r['mutant']} | {r['diagnosis']} | {r.get('needs') or '—'} | {caught} | "
                            f"{_s(r['found_after'])} | {r['examples']} | {_s(r['seconds'])} |")
+            caught = [r for r in mut["rows"] if r["caught"]]
+            if caught:
+                worst = max(caught, key=lambda r: r["found_after"] or 0)
+                out += ["", f"{len(caught)} of {len(mut['rows'])} caught with their intended diagnosis; the latest "
+                        f"first catch was at example {worst['found_after']} ({worst['mutant']}); all searches took "
+                        f"{_s(sum(r['seconds'] for r in mut['rows']))} s together."]
         out.append("")
     lab = result.get("labmlp")
     if lab:
+        rows = lab.get("rows") or [dict(lab, config="gelu")]  # a result from before the gated row
+        first = rows[0]
         out += ["## Lab-note MLP", "",
-                f"`ParallelMLP` (hidden {lab['hidden']}, intermediate {lab['intermediate']}, tp {lab['tp']}, "
-                f"{lab['dtype']}, tokens {lab['tokens']}) built from a dense MLP, forward+backward on inproc, "
-                "every rank's output, input grad and grad shards compared with the dense run.", "",
-                "| dense fwd+bwd s | inproc world fwd+bwd s | whole check s | check / dense fwd+bwd | equal |",
-                "|---:|---:|---:|---:|:-:|",
-                f"| {_s(lab['dense_fwd_bwd_s'])} | {_s(lab['world_fwd_bwd_s'])} | {_s(lab['check_s'])} | "
-                f"{_ratio(lab['check_s'], lab['dense_fwd_bwd_s'])} | {'yes' if lab['equal'] else 'NO'} |", ""]
+                f"`ParallelMLP` (hidden {first['hidden']}, intermediate {first['intermediate']}, tp {first['tp']}, "
+                f"{first['dtype']}, tokens {first['tokens']}) built from a dense MLP (`DenseMLP`, the same "
+                "activation), forward+backward on inproc, every rank's output, input grad and grad shards compared "
+                "with the dense run. *swiglu, sequence parallel*: the gated MLP (packed gate/up weight, "
+                "intermediate per part) with `sequence_parallel=True`, each rank taking and returning its shard of "
+                "the sequence (dim -2). *dense fwd+bwd*: the dense MLP's own warm forward+backward.", "",
+                "| MLP | dense fwd+bwd s | inproc world fwd+bwd s | whole check s | check / dense fwd+bwd | equal |",
+                "|---|---:|---:|---:|---:|:-:|"]
+        for r in rows:
+            out.append(f"| {r['config']} | {_s(r['dense_fwd_bwd_s'])} | {_s(r['world_fwd_bwd_s'])} | {_s(r['check_s'])} | "
+                       f"{_ratio(r['check_s'], r['dense_fwd_bwd_s'])} | {'yes' if r['equal'] else 'NO'} |")
+        out.append("")
     flt = result.get("faults")
     if flt:
         out += ["## Fault detection latency", ""]

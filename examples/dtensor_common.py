@@ -1,12 +1,9 @@
 """What the ``dtensor_*`` examples share: a 1-D mesh over the tp group, a DTensor-parallelised
-``nn.Linear`` built from master values, and :class:`LocalShards`, which lets tpsim's variant
-description address the local shard of each DTensor parameter.
+``nn.Linear`` built from master values, and the restrictions torch 2.13.0's DTensor needs.
 
-Why the wrapper: a DTensor parameter reports its *global* shape (``[out, in]`` for a colwise
-weight), while a variant's :class:`~tpsim.variant.ParamSpec` describes what one rank stores (the
-shard, ``[out/ws, in]``) and the harness reads ``.grad`` from that tensor. ``local.<path>`` returns
-the DTensor's local tensor (it shares storage, so the harness's loader writes through to the
-parameter) with the DTensor grad's local tensor attached as its ``.grad``.
+tpsim's variant description reads DTensor parameters directly: :func:`tpsim.variant.get_param`
+turns a DTensor parameter (global shape) into its local shard, with the local shard of its grad,
+so a ``ParamSpec`` names the parameter (``"weight"``, ``"fc2.bias"``) as for any other layer.
 """
 
 from __future__ import annotations
@@ -18,7 +15,22 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
-__all__ = ["LocalShards", "mesh_of", "parallel_linear"]
+__all__ = ["DTENSOR_LIMITS", "ROWWISE_LIMITS", "full_output", "local_output", "mesh_of", "parallel_linear"]
+
+#: Case restrictions (``Variant`` fields) every DTensor adapter declares, for limits of torch 2.13.0
+#: that are not bugs of the layer under test (see docs/dtensor.md, pinned by
+#: tests/test_dtensor.py::test_upstream_failures_reported so that a torch fix is noticed):
+#:
+#: - ``divisible_only``: DTensor shards a dim that does not divide by the mesh size unevenly
+#:   (``torch.chunk`` sizes) by design, instead of refusing it as the Megatron convention tpsim
+#:   checks does; the divisibility property does not apply.
+#: - ``min_features=2``: on a one-rank mesh a sharded dim of global size 1 is refused by DTensor's
+#:   view propagation ("This operation would remove or reshape sharded dimension").
+DTENSOR_LIMITS: dict[str, Any] = {"divisible_only": True, "min_features": 2}
+#: torch 2.13.0: ``RowwiseParallel`` without bias fails in backward on a 1-D input (no batch dim):
+#: adapters containing a rowwise layer also declare ``min_batch_dims=1`` ("dimensionality of sizes (2)
+#: must match dimensionality of strides (1)" from ``DTensor.from_local``'s backward).
+ROWWISE_LIMITS: dict[str, Any] = {**DTENSOR_LIMITS, "min_batch_dims": 1}
 
 
 def mesh_of(group: Any) -> DeviceMesh:
@@ -46,45 +58,11 @@ def parallel_linear(
     return parallelize_module(linear, mesh_of(group), style)
 
 
-class _LocalPath:
-    """``local.fc1.weight``: walks submodules, then returns the parameter's local shard."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self._module = module
-
-    def __getattr__(self, name: str) -> Any:
-        child = getattr(self._module, name)
-        if child is None or isinstance(child, nn.Module):
-            return child if child is None else _LocalPath(child)
-        if not hasattr(child, "to_local"):
-            return child  # a plain tensor parameter
-        local = child._local_tensor  # shares storage with the DTensor parameter
-        grad = child.grad
-        local.grad = None if grad is None else grad._local_tensor
-        return local
+def local_output(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``Variant.forward`` for ``use_local_output=False``: the DTensor output's local tensor."""
+    return module(x).to_local()
 
 
-class LocalShards(nn.Module):
-    """Wraps a module parallelised with DTensor. ``forward`` runs the inner module (turning a DTensor
-    output into a plain tensor: its local shard, or with ``output="full"`` its ``full_tensor()``);
-    ``local.<path>`` is the local shard of the DTensor parameter at ``<path>``, with its grad.
-
-    ``parameters()`` are the real DTensor parameters, so the harness's SGD steps update them.
-    """
-
-    def __init__(self, inner: nn.Module, output: str = "local") -> None:
-        super().__init__()
-        if output not in ("local", "full"):
-            raise ValueError(f"LocalShards(output={output!r}): expected 'local' or 'full'")
-        self.inner = inner
-        self._output = output
-
-    @property
-    def local(self) -> Any:
-        return _LocalPath(self.inner)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.inner(x)
-        if hasattr(out, "to_local"):  # a DTensor output (use_local_output=False)
-            return out.full_tensor() if self._output == "full" else out.to_local()
-        return out
+def full_output(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``Variant.forward`` for ``use_local_output=False``: the DTensor output's ``full_tensor()``."""
+    return module(x).full_tensor()

@@ -34,7 +34,7 @@ from tpsim.variant import ParamSpec, Variant
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
-from dtensor_common import LocalShards, mesh_of  # noqa: E402
+from dtensor_common import ROWWISE_LIMITS, mesh_of  # noqa: E402
 
 __all__ = ["TPSIM_VARIANTS", "parallelize_mlp", "plan"]
 
@@ -89,32 +89,36 @@ def _builder(master_at: str) -> Any:
         parallelize_mlp(mlp, group)
         frozen = mlp.fc1 if master_at == "fc2" else mlp.fc2
         frozen.weight.requires_grad_(False)  # the identity stays an identity through the SGD steps
-        return LocalShards(mlp, output="local")
+        return mlp
 
     return build
 
 
+# torch 2.13.0 limits (dtensor_common.py); both contain a RowwiseParallel layer, so its 1-D-input
+# limit applies as well.
 MLPMasterFc2 = Variant(
+    **ROWWISE_LIMITS,
     name="MLPMasterFc2",
     kind="row",
     build=_builder("fc2"),
     input="replicated",
     output="reduced",
     params=(
-        ParamSpec("local.fc2.weight", "weight", TpShard(1)),
-        ParamSpec("local.fc2.bias", "bias", TpReplicate()),
+        ParamSpec("fc2.weight", "weight", TpShard(1)),
+        ParamSpec("fc2.bias", "bias", TpReplicate()),
     ),
     description="fc1=I (ColwiseParallel) -> fc2=W (RowwiseParallel): the colwise->rowwise plan as one linear map",
 )
 MLPMasterFc1 = Variant(
+    **ROWWISE_LIMITS,
     name="MLPMasterFc1",
     kind="column",
     build=_builder("fc1"),
     input="replicated",
     output="gathered",
     params=(
-        ParamSpec("local.fc1.weight", "weight", TpShard(0)),
-        ParamSpec("local.fc1.bias", "bias", TpShard(0)),
+        ParamSpec("fc1.weight", "weight", TpShard(0)),
+        ParamSpec("fc1.bias", "bias", TpShard(0)),
     ),
     description="fc1=W (ColwiseParallel) -> fc2=I (RowwiseParallel): the colwise->rowwise plan as one linear map",
 )

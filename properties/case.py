@@ -30,7 +30,20 @@ import torch
 
 from tpsim.errors import InvalidArgument
 
-__all__ = ["DTYPES", "INPUT_LAYOUTS", "SCHEMA_VERSION", "Case", "CaseFileError", "load_case", "save_case"]
+__all__ = [
+    "CASES_DIR",
+    "DTYPES",
+    "INPUT_LAYOUTS",
+    "SCHEMA_VERSION",
+    "Case",
+    "CaseFileError",
+    "load_case",
+    "save_case",
+    "save_failure",
+]
+
+#: Where failing cases are saved unless told otherwise (the CLI's ``--cases-dir`` default).
+CASES_DIR = os.path.join(".tpsim", "cases")
 
 #: Version of the case-file schema this code writes; it reads this version and older ones.
 SCHEMA_VERSION = 1
@@ -44,8 +57,10 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 
-#: Memory layouts of the generated input. Only "contiguous" for now (issue 11 adds views).
-INPUT_LAYOUTS = ("contiguous",)
+#: Memory layouts of the generated input and upstream grads (see :mod:`properties.layouts`).
+INPUT_LAYOUTS = ("contiguous", "transposed", "strided", "expanded")
+#: How tp groups smaller than the world are laid out (see :mod:`properties.groups`).
+TP_LAYOUTS = ("consecutive", "strided")
 
 
 class CaseFileError(InvalidArgument):
@@ -60,7 +75,10 @@ def _int(value: Any, name: str, minimum: int) -> int:
 
 @dataclass(frozen=True)
 class Case:
-    """One example. ``tp_size`` defaults to ``world_size`` (one tp group spanning the world)."""
+    """One example. ``tp_size`` defaults to ``world_size`` (one tp group spanning the world); a
+    smaller ``tp_size`` splits the world into ``world_size // tp_size`` tp groups laid out by
+    ``tp_layout`` (``consecutive`` or ``strided``, see :mod:`properties.groups`); ``input_layout``
+    is the memory layout of the inputs and upstream grads (see :mod:`properties.layouts`)."""
 
     world_size: int
     in_features: int
@@ -71,6 +89,7 @@ class Case:
     seed: int = 0
     tp_size: int | None = None
     input_layout: str = "contiguous"
+    tp_layout: str = "consecutive"
     faults: tuple[Any, ...] = ()
     target: str | None = None
     variant: str | None = None
@@ -83,11 +102,13 @@ class Case:
         _int(self.out_features, "out_features", 1)
         _int(self.seed, "seed", 0)
         tp = self.world_size if self.tp_size is None else _int(self.tp_size, "tp_size", 1)
-        if tp != self.world_size:
-            # Field kept for tensor-parallel subgroups (issue 11); not runnable yet.
+        if self.world_size % tp:
             raise InvalidArgument(
-                f"tp_size={tp} with world_size={self.world_size}: tp groups smaller than the world are not supported yet"
+                f"tp_size={tp} does not divide world_size={self.world_size}: the world is split into tp groups "
+                "of tp_size ranks each"
             )
+        if self.tp_layout not in TP_LAYOUTS:
+            raise InvalidArgument(f"tp_layout={self.tp_layout!r}; expected one of {', '.join(TP_LAYOUTS)}")
         object.__setattr__(self, "tp_size", tp)
         shape = tuple(self.batch_shape)
         for s in shape:
@@ -99,6 +120,10 @@ class Case:
             raise InvalidArgument(f"bias={self.bias!r} must be a bool")
         if self.input_layout not in INPUT_LAYOUTS:
             raise InvalidArgument(f"input_layout={self.input_layout!r}; expected one of {', '.join(INPUT_LAYOUTS)}")
+        if self.input_layout in ("transposed", "expanded") and not shape:
+            raise InvalidArgument(
+                f"input_layout={self.input_layout!r} needs at least one batch dim; got batch_shape={list(shape)}"
+            )
         object.__setattr__(self, "faults", tuple(self.faults))
         object.__setattr__(self, "options", tuple((str(k), v) for k, v in self.options))
 
@@ -112,11 +137,20 @@ class Case:
         return dataclasses.replace(self, **changes)
 
     def describe(self) -> str:
-        """Short one-line form used in reports."""
-        return (
+        """Short one-line form used in reports (tp groups and memory layout only when not the default;
+        a non-contiguous layout shows the input's shape and strides)."""
+        text = (
             f"world_size={self.world_size} in_features={self.in_features} out_features={self.out_features} "
             f"batch_shape={list(self.batch_shape)} dtype={self.dtype} bias={self.bias} seed={self.seed}"
         )
+        if self.tp_size != self.world_size:
+            text += f" tp_size={self.tp_size} tp_layout={self.tp_layout}"
+        if self.input_layout != "contiguous":
+            from properties.layouts import layout_info
+
+            info = layout_info((*self.batch_shape, self.in_features), self.input_layout)
+            text += f" input_layout={self.input_layout} (input shape {info['shape']} strides {info['strides']})"
+        return text
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (lists for tuples)."""
@@ -127,6 +161,7 @@ class Case:
             "out_features": self.out_features,
             "batch_shape": list(self.batch_shape),
             "input_layout": self.input_layout,
+            "tp_layout": self.tp_layout,
             "dtype": self.dtype,
             "bias": self.bias,
             "seed": self.seed,
@@ -189,12 +224,62 @@ def save_case(case: Case, directory: str, *, found: dict[str, Any] | None = None
         "case": case.to_dict(),
         "found": found or {},
     }
+    if case.input_layout != "contiguous":
+        # Informational (readers ignore it): the memory layout the case's tensors had.
+        from properties.layouts import layout_info
+
+        doc["layout"] = {
+            "input": layout_info((*case.batch_shape, case.in_features), case.input_layout),
+            "upstream_grad": layout_info((*case.batch_shape, case.out_features), case.input_layout),
+        }
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as fh:
         json.dump(doc, fh, indent=2, sort_keys=True)
         fh.write("\n")
     os.replace(tmp, path)  # atomic: a reader never sees half a file
     return path
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+        return str(value)
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def save_failure(failure: Any, variant: Any, directory: str = CASES_DIR, *, backend: str, command: str) -> str:
+    """Save ``failure``'s minimal case (completed with its variant's target) and return the path.
+
+    Used by ``tpsim check`` and by :func:`properties.suite.property_tests`, so a failure found
+    either way replays with ``tpsim replay PATH``. Sets ``failure.case`` and ``failure.case_file``.
+    """
+    case = failure.case
+    changes: dict[str, Any] = {"property": failure.property}
+    if case.target is None:
+        changes["target"] = variant.target
+    if case.variant is None:
+        changes["variant"] = variant.name
+    if not case.options:
+        changes["options"] = variant.options
+    case = case.replace(**changes)
+    found = {
+        "property": failure.property,
+        "diagnosis": failure.diagnosis,
+        "message": failure.message,
+        "rank": getattr(failure, "rank", None),
+        "backend": backend,
+        # Relative file targets are resolved against the directory they were found from.
+        "cwd": os.getcwd(),
+        "command": command,
+    }
+    failure.case = case
+    failure.case_file = save_case(case, directory, found=_jsonable(found))
+    return failure.case_file
 
 
 def load_case(path: str) -> tuple[Case, dict[str, Any]]:

@@ -35,8 +35,19 @@ from typing import Any
 import torch
 
 from properties.case import Case
+from properties.groups import column_grad_summands, column_output_shards, tp_groups, wrong_group
+from properties.groups import row_summands as group_row_summands
 from properties.tolerance import tolerance
-from properties.world import LR, TRAIN_STEPS, Observation, Reference, VariantRaised, observe, reference
+from properties.world import (
+    LR,
+    TRAIN_STEPS,
+    Observation,
+    Reference,
+    VariantRaised,
+    non_divisible_sizes,
+    observe,
+    reference,
+)
 from tpsim.diagnosis import (
     Diagnosis,
     Failure,
@@ -50,7 +61,7 @@ from tpsim.diagnosis import (
     scale_factor,
 )
 from tpsim.errors import CollectiveError, InvalidArgument
-from tpsim.placement import Replicate, Shard, shard_tensor
+from tpsim.placement import Replicate, Shard, assemble, shard_tensor
 from tpsim.variant import LayoutError, Variant
 
 __all__ = [
@@ -104,7 +115,7 @@ class _Ctx:
         self.case = case
         self.values = values
         self.ref = ref
-        self.ws = case.world_size
+        self.ws = case.tp_size or case.world_size  # the tp group's size (the world's when tp_size == world_size)
         self.dtype = case.torch_dtype
 
     def tol(self, magnitude: torch.Tensor, k: int, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -138,9 +149,11 @@ def _shape_diagnosis(ctx: _Ctx, actual: torch.Tensor, expected: torch.Tensor, fu
         if isinstance(placement, Shard):
             shard_dim = placement.dim % full.dim()
             for d in range(full.dim()):
-                if d == shard_dim or full.shape[d] % ctx.ws:
+                if d == shard_dim:
                     continue
-                cand = shard_tensor(full, Shard(d), rank, ctx.ws)
+                # An uneven dim is cut as torch.tensor_split cuts it (a split that never checks sizes).
+                cand = (shard_tensor(full, Shard(d), rank, ctx.ws) if full.shape[d] % ctx.ws == 0
+                        else torch.tensor_split(full, ctx.ws, dim=d)[rank])
                 if cand.shape == actual.shape and bool(((actual - cand).abs() <= tol_scalar).all()):
                     return Diagnosis(
                         "wrong-shard-dim",
@@ -210,6 +223,9 @@ def _diagnose_output(ctx: _Ctx, actual: torch.Tensor, tol: torch.Tensor, outs: l
                     "the dense output): the all-reduce over the tp group is missing",
                     {"rank": r},
                 )
+    found_layout = _packed_or_sequence_layout(ctx, outs, y, tol, ref.bias, what)
+    if found_layout is not None:
+        return found_layout
     c = scale_factor(actual, y, tol, known=(ws,))
     if c is not None and ws > 1 and abs(c - ws) < 1e-2:
         hint = " (the layer already reduces: declare output='reduced')" if mode == "partial" else ""
@@ -233,6 +249,77 @@ def _diagnose_output(ctx: _Ctx, actual: torch.Tensor, tol: torch.Tensor, outs: l
     return found
 
 
+def _contiguous_packed(ctx: _Ctx, pieces: list[torch.Tensor], full: torch.Tensor, tol: torch.Tensor, dim: int) -> bool:
+    """Each rank's piece is the rank-th *contiguous* slice of ``full`` along ``dim`` (the packed
+    weight split as one block) instead of its shard of every packed part."""
+    ws = ctx.ws
+    if ws < 2 or full.dim() == 0 or full.shape[dim] % ws:
+        return False
+    return all(
+        p.shape == shard_tensor(full, Shard(dim), r, ws).shape
+        and close(p, shard_tensor(full, Shard(dim), r, ws), shard_tensor(tol, Shard(dim), r, ws))
+        for r, p in enumerate(pieces)
+    )
+
+
+def _packed_message(ctx: _Ctx, what: str) -> str:
+    parts = ctx.variant.packed
+    return (
+        f"{what}: every rank holds a contiguous 1/{ctx.ws} slice of the packed dim instead of its shard of each of "
+        f"the {len(parts or ())} packed parts (proportions {list(parts or ())}): the packed weight was split as one "
+        "block, so a rank's 'gate' and 'up' (or Q, K, V) come from the wrong parts; shard each part on its own "
+        "(Megatron's partition stride; vllm #3775)"
+    )
+
+
+def _other_dim_slices(ctx: _Ctx, pieces: list[torch.Tensor], full: torch.Tensor, tol: torch.Tensor, skip: int) -> int | None:
+    """The dim ``d`` (not ``skip``, not the feature dim) such that every rank's piece is its
+    ``Shard(d)`` slice of ``full``: a scatter/gather along the wrong dim (same shapes included)."""
+    if ctx.ws < 2 or full.dim() < 2:
+        return None
+    for d in range(full.dim() - 1):
+        if d == skip or full.shape[d] % ctx.ws:
+            continue
+        if all(
+            p.shape == shard_tensor(full, Shard(d), r, ctx.ws).shape
+            and close(p, shard_tensor(full, Shard(d), r, ctx.ws), shard_tensor(tol, Shard(d), r, ctx.ws))
+            for r, p in enumerate(pieces)
+        ):
+            return d
+    return None
+
+
+def _packed_or_sequence_layout(ctx: _Ctx, outs: list[torch.Tensor], y: torch.Tensor, tol: torch.Tensor,
+                               bias: torch.Tensor | None, what: str) -> Diagnosis | None:
+    """``packed-shard-layout`` (a packed column split contiguously) or ``wrong-shard-dim`` (a
+    sequence-sharded output cut along another dim), recognised from every rank's piece."""
+    v, ws = ctx.variant, ctx.ws
+    if ws < 2 or y.dim() == 0:
+        return None
+    if v.packed and v.output == "sharded":
+        # The layer may take its bias shards by the packed layout (the harness loads them so) while
+        # its weight is split contiguously: compare x W^T alone too.
+        candidates = [(outs, y)]
+        if bias is not None:
+            place = v.output_placement
+            candidates.append(([o - shard_tensor(bias, place, r, ws) for r, o in enumerate(outs)], y - bias))
+        for pieces, full in candidates:
+            if _contiguous_packed(ctx, pieces, full, tol, y.dim() - 1):
+                return Diagnosis("packed-shard-layout", _packed_message(ctx, what), {"parts": list(v.packed)})
+    if v.output == "sequence-sharded":
+        seq = v.sequence_dim_of(y.dim())
+        d = _other_dim_slices(ctx, outs, y, tol, -1 if seq is None else seq)
+        if d is not None:
+            return Diagnosis(
+                "wrong-shard-dim",
+                f"{what}: every rank holds its 1/{ws} slice of dim {d} of the reduced output instead of dim {seq} "
+                f"(the sequence dim, sequence_dim={v.sequence_dim}): the reduce-scatter runs along the wrong dim "
+                "(e.g. the batch dim; vllm #30610, ROCm/aiter #3395)",
+                {"dim": d, "expected_dim": seq},
+            )
+    return None
+
+
 def _forward(ctx: _Ctx) -> Failure | None:
     ref = ctx.ref
     outs_raw = [v.get("output") for v in ctx.values]
@@ -244,15 +331,17 @@ def _forward(ctx: _Ctx) -> Failure | None:
     y, ws, mode = ref.y, ctx.ws, ctx.variant.output
     tol = ctx.tol(ref.mag["y"], ctx.case.in_features)
     tol_scalar = float(tol.max()) if tol.numel() else 0.0
-    if mode == "sharded":
+    if mode in ("sharded", "sequence-sharded"):
+        # Shard(-1) (per packed part for a packed column) or the sequence dim: each rank's piece.
+        placement = ctx.variant.output_placement
         for r, o in enumerate(outs):
-            exp = shard_tensor(y, Shard(-1), r, ws)
+            exp = shard_tensor(y, placement, r, ws)
             if o.shape != exp.shape:
-                return ctx.fail(FORWARD, _shape_diagnosis(ctx, o, exp, y, Shard(-1), r, "the output", tol_scalar), r)
-        actual = torch.cat(outs, dim=-1)
+                return ctx.fail(FORWARD, _shape_diagnosis(ctx, o, exp, y, placement, r, "the output", tol_scalar), r)
+        actual = assemble(outs, placement)
         if close(actual, y, tol):
             return None
-        return ctx.fail(FORWARD, _diagnose_output(ctx, actual, tol, outs, "the output (rank shards concatenated)"))
+        return ctx.fail(FORWARD, _diagnose_output(ctx, actual, tol, outs, "the output (rank shards assembled)"))
     if mode == "partial":
         for r, o in enumerate(outs):
             if o.shape != y.shape:
@@ -282,11 +371,12 @@ def _input_grad(ctx: _Ctx) -> Failure | None:
     for r, g in enumerate(grads):
         if g is None:
             return ctx.fail(INPUT_GRAD, Diagnosis("grad-missing", f"the input received no gradient on rank {r} (x.grad is None)"), r)
-    sharded = ctx.variant.input == "sharded"
+    sharded = ctx.variant.input in ("sharded", "sequence-sharded")
+    in_place = ctx.variant.input_placement  # in_place, or Shard(sequence_dim) under sequence parallelism
     for r, g in enumerate(grads):
-        exp = shard_tensor(dx, Shard(-1), r, ws) if sharded else dx
+        exp = shard_tensor(dx, in_place, r, ws) if sharded else dx
         if g.shape != exp.shape:
-            placement = Shard(-1) if sharded else Replicate()
+            placement = in_place if sharded else Replicate()
             return ctx.fail(INPUT_GRAD, _shape_diagnosis(ctx, g, exp, dx, placement, r, "the input grad", tol_scalar), r)  # type: ignore[arg-type]
     k = ctx.case.out_features
     if not sharded and ctx.variant.input_grad == "partial":
@@ -305,8 +395,8 @@ def _input_grad(ctx: _Ctx) -> Failure | None:
             return ctx.fail(INPUT_GRAD, Diagnosis("grad-scaled", f"the input grad summed over ranks is {c:.4g} x the dense grad", {"factor": c}))
         return ctx.fail(INPUT_GRAD, _precision_or_mismatch(ctx, total, dx, ref.mag["dx"], k, "the input grad summed over ranks"))
     for r, g in enumerate(grads):
-        exp = shard_tensor(dx, Shard(-1), r, ws) if sharded else dx
-        t = shard_tensor(tol, Shard(-1), r, ws) if sharded else tol
+        exp = shard_tensor(dx, in_place, r, ws) if sharded else dx
+        t = shard_tensor(tol, in_place, r, ws) if sharded else tol
         if close(g, exp, t):
             continue
         what = f"the input grad on rank {r}"
@@ -321,12 +411,22 @@ def _input_grad(ctx: _Ctx) -> Failure | None:
         if c is not None:
             hint = " (averaged instead of summed?)" if abs(c * ws - 1) < 1e-2 else ""
             return ctx.fail(INPUT_GRAD, Diagnosis("grad-scaled", f"{what} is {c:.4g} x the dense grad{hint}", {"factor": c}), r)
+        if ctx.variant.input == "sequence-sharded" and ws > 1:
+            seq = ctx.variant.sequence_dim_of(dx.dim())
+            d = _other_dim_slices(ctx, grads, dx, tol, -1 if seq is None else seq)  # type: ignore[arg-type]
+            if d is not None:
+                return ctx.fail(INPUT_GRAD, Diagnosis(
+                    "wrong-shard-dim",
+                    f"the input grad: every rank holds its 1/{ws} slice of dim {d} of the dense grad instead of dim "
+                    f"{seq} (the sequence dim): the backward reduce-scatter runs along the wrong dim",
+                    {"dim": d, "expected_dim": seq},
+                ), r)
         if sharded and ws > 1:
             for j in range(ws):
-                if j != r and close(g, shard_tensor(dx, Shard(-1), j, ws), t):
+                if j != r and close(g, shard_tensor(dx, in_place, j, ws), t):
                     return ctx.fail(INPUT_GRAD, Diagnosis(
                         "wrong-shard-order", f"{what} is the slice of rank {j}: a rank holds another rank's shard", {"holds": j}), r)
-        mag = shard_tensor(ref.mag["dx"], Shard(-1), r, ws) if sharded else ref.mag["dx"]
+        mag = shard_tensor(ref.mag["dx"], in_place, r, ws) if sharded else ref.mag["dx"]
         return ctx.fail(INPUT_GRAD, _precision_or_mismatch(ctx, g, exp, mag, k, what), r)
     return None
 
@@ -370,11 +470,17 @@ def _param_grad(ctx: _Ctx, master: str, prop: str) -> Failure | None:
             return ctx.fail(prop, Diagnosis("grad-missing", f"{spec.name} received no gradient on rank {r} (.grad is None)"), r)
         if g.shape != e.shape:
             return ctx.fail(prop, _shape_diagnosis(ctx, g, e, full, placement, r, name, tol_scalar), r)
+        if sharded and getattr(placement, "parts", None) and ctx.ws > 1 and all(x is not None for x in grads) and \
+                _contiguous_packed(ctx, grads, full, tol_full, placement.dim % full.dim()):  # type: ignore[arg-type]
+            return ctx.fail(prop, Diagnosis("packed-shard-layout", _packed_message(ctx, name), {"parts": list(placement.parts)}), r)
         if not sharded and rank_summands([x for x in grads if x is not None], full, tol_full):
             return ctx.fail(prop, Diagnosis(
                 "grad-not-reduced",
                 f"{what} is only its own summand (the ranks' grads add up to the dense grad): the grad of the "
-                f"replicated parameter {spec.name!r} is never all-reduced",
+                f"replicated parameter {spec.name!r} is never all-reduced"
+                + (" (under sequence parallelism each rank uses it on its own slice of the sequence only; "
+                   "NeMo #7184, gpt-neox #1257)" if "sequence-sharded" in (ctx.variant.input, ctx.variant.output) else ""),
+                {"param": spec.name},
             ), r)
         c = scale_factor(g, e, t, known=(ws, 1 / ws))
         if c is not None:
@@ -396,7 +502,32 @@ def _param_grad(ctx: _Ctx, master: str, prop: str) -> Failure | None:
 # --- replicas, training --------------------------------------------------------------------------
 
 
+def _replica_at_construction(ctx: _Ctx) -> Failure | None:
+    """Replicated parameters the layer initialised itself must agree bit for bit right after
+    construction (every rank was seeded alike), before the harness loads the master values."""
+    for spec in ctx.variant.params or ():
+        tensors = [(x.get("init") or {}).get(spec.name) for x in ctx.values]
+        if any(t is None for t in tensors) or len({tuple(t.shape) for t in tensors}) > 1:
+            continue
+        bad = [r for r in range(1, len(tensors)) if not torch.equal(tensors[r], tensors[0])]
+        if bad:
+            diff = max(float((tensors[r].to(_F64) - tensors[0].to(_F64)).abs().max()) for r in bad)
+            return ctx.fail(REPLICA, Diagnosis(
+                "replica-divergence",
+                f"parameter {spec.name!r} is replicated ({spec.placement}) but right after construction ranks {bad} "
+                f"hold other values than rank 0 (max abs difference {diff:.3g}), although every rank was seeded "
+                f"alike (torch.manual_seed({ctx.case.seed})) before the build: its initialisation depends on the rank "
+                "(a rank-dependent seed or RNG state); draw it from the same RNG state on every rank or broadcast it "
+                "from one rank after construction",
+                {"ranks": bad, "max_abs": diff, "param": spec.name, "tensor": f"{spec.name} at construction"},
+            ), bad[0])
+    return None
+
+
 def _replica(ctx: _Ctx) -> Failure | None:
+    at_construction = _replica_at_construction(ctx)
+    if at_construction is not None:
+        return at_construction
     v = ctx.variant
     items: list[tuple[str, list[Any]]] = []
     if v.output in ("gathered", "reduced"):
@@ -512,7 +643,7 @@ def _is_other_dim_shard(spec: Any, shape: tuple[int, ...], case: Case) -> bool:
     as the other dim really was cut (a piece smaller than the master).
     """
     master = (case.out_features, case.in_features) if spec.master == "weight" else (case.out_features,)
-    ws = case.world_size
+    ws = case.tp_size or case.world_size
     if not isinstance(spec.placement, Shard) or len(master) != 2 or ws == 1:
         return False
     dim = spec.placement.dim % 2
@@ -538,9 +669,11 @@ def _names_the_size(err: BaseException, sizes: Sequence[int]) -> bool:
 
 def _divisibility(variant: Variant, obs: Observation) -> Failure | None:
     case, ws = obs.case, obs.case.world_size
-    sizes = {"in_features": case.in_features, "out_features": case.out_features}
-    offending = {n: sizes[n] for n in variant.sharded_features() if sizes[n] % ws}
-    what = ", ".join(f"{n}={v}" for n, v in offending.items()) + f" is not divisible by world_size={ws}"
+    tp = case.tp_size or ws
+    # Sharded feature dims, packed parts and the sequence length (see properties.world).
+    offending = non_divisible_sizes(variant, case)
+    size_name = "world_size" if tp == ws else "tp_size"
+    what = ", ".join(f"{n}={v}" for n, v in offending.items()) + f" is not divisible by {size_name}={tp}"
     if obs.error is not None:
         errors = obs.rank_errors()
         raised = sorted(r for r, e in errors.items() if not isinstance(e, CollectiveError))
@@ -599,7 +732,15 @@ def evaluate(variant: Variant, obs: Observation, properties: Sequence[str] | Non
         return [f] if f else []
     if obs.error is not None:
         return [_layout_failure(variant, obs) or _exception_failure(variant, obs)]
-    values = obs.values or []
+    if (obs.case.tp_size or obs.case.world_size) != obs.case.world_size:
+        return _evaluate_groups(variant, obs, wanted)
+    return _evaluate_values(variant, obs.case, obs.values or [], obs.masters, wanted)
+
+
+def _evaluate_values(variant: Variant, case: Case, values: list[dict[str, Any]], masters: Any,
+                     wanted: Sequence[str]) -> list[Failure]:
+    """The per-case properties on the values of one tp group (its ranks in tp-rank order)."""
+    obs = Observation(case, True, values=values, masters=masters)
     ctx = _Ctx(variant, obs.case, values, reference(obs.case, obs.masters))
     if any(v["status"] == "output-shape" for v in values):
         f = _forward(ctx)
@@ -617,6 +758,79 @@ def evaluate(variant: Variant, obs: Observation, properties: Sequence[str] | Non
         if f is not None:
             failures.append(f)
     return failures
+
+
+# --- tp subgroups ----------------------------------------------------------------------------------
+
+
+def _evaluate_groups(variant: Variant, obs: Observation, wanted: Sequence[str]) -> list[Failure]:
+    """Every tp group's result checked on its own data; the first group that fails is reported
+    (ranks and group named), with ``wrong-group`` when the numbers show a collective over another set
+    of ranks."""
+    case, values = obs.case, obs.values or []
+    groups = tp_groups(case.world_size, case.tp_size, case.tp_layout)
+    for g, ranks in enumerate(groups):
+        failures = _evaluate_values(variant, case, [values[r] for r in ranks], obs.masters.for_group(g), wanted)
+        if not failures:
+            continue
+        wrong = _wrong_group(variant, obs, groups)
+        out = []
+        for f in failures:
+            if f.property in wrong:
+                prop_diag = wrong.pop(f.property)
+                f = Failure(f.property, "wrong-group", prop_diag["message"], case=case, rank=0, variant=variant.name,
+                            details={"used": prop_diag["used"], "used_ranks": prop_diag["ranks"], "groups": groups})
+                out.append(f)
+                continue
+            if f.rank is not None:
+                f.details = dict(f.details, tp_rank=f.rank)
+                f.rank = ranks[f.rank]
+            f.details = dict(f.details, group=g, group_ranks=list(ranks))
+            f.message = f"in tp group {g} (global ranks {list(ranks)}; rank numbers below are tp ranks): {f.message}"
+            out.append(f)
+        return out
+    return []
+
+
+def _wrong_group(variant: Variant, obs: Observation, groups: list[list[int]]) -> dict[str, dict[str, Any]]:
+    """Per property, a recognised collective over the wrong set of ranks (see :mod:`properties.groups`)."""
+    case, values, m = obs.case, obs.values or [], obs.masters
+    ws, tp = case.world_size, case.tp_size
+    f64 = torch.float64
+    w = m.weight.to(f64)
+    b = None if m.bias is None else m.bias.to(f64)
+    per = [m.for_group(g) for g in range(len(groups))]
+    xs = [p.inputs[0].to(f64) for p in per]
+    gs = [p.grads[0].to(f64) for p in per]
+
+    def tol_for(mag: torch.Tensor, k: int) -> Callable[[int], torch.Tensor]:
+        return lambda n: tolerance(case.torch_dtype, mag, reduction_length=k, world_size=n)
+
+    found: dict[str, dict[str, Any]] = {}
+    outs = [_f64(v.get("output")) for v in values]
+    common = dict(world_size=ws, tp_size=tp, layout=case.tp_layout)
+    if variant.kind == "row" and variant.output == "reduced":
+        mag = torch.stack([x.abs() @ w.abs().t() for x in xs]).sum(0) + (0.0 if b is None else b.abs())
+        hit = wrong_group("the output", outs, group_row_summands(xs, w, groups, ws), offset=b,
+                          tol_for=tol_for(mag, case.in_features), **common)
+        if hit:
+            found[FORWARD] = hit
+    if variant.kind == "column" and variant.output == "gathered":
+        ys = [x @ w.t() + (0.0 if b is None else b) for x in xs]
+        mag = torch.stack([x.abs() @ w.abs().t() for x in xs]).sum(0) + (0.0 if b is None else b.abs())
+        hit = wrong_group("the output", outs, column_output_shards(ys, groups, ws), gather_dim=-1,
+                          tol_for=lambda n: tolerance(case.torch_dtype, mag, reduction_length=case.in_features,
+                                                      world_size=n).max(), **common)
+        if hit:
+            found[FORWARD] = hit
+    if variant.kind == "column" and variant.input == "replicated" and variant.input_grad == "complete":
+        grads = [_f64(v.get("input_grad")) for v in values]
+        mag = torch.stack([g.abs() @ w.abs() for g in gs]).sum(0)
+        hit = wrong_group("the input grad", grads, column_grad_summands(gs, w, groups, ws),
+                          tol_for=tol_for(mag, case.out_features), **common)
+        if hit:
+            found[INPUT_GRAD] = hit
+    return found
 
 
 # --- public, one function per property -----------------------------------------------------------
@@ -647,9 +861,24 @@ def check_case(
     timeout: float = 10.0,
     properties: Sequence[str] | None = None,
 ) -> list[Failure]:
-    """Run ``case`` once and evaluate every property (or ``properties``); return the failures."""
+    """Run ``case`` once and evaluate every property (or ``properties``); return the failures.
+
+    A failing case with a non-contiguous ``input_layout`` is run again as its contiguous twin (same
+    values, contiguous tensors); a failure the twin does not show says that it appears only for
+    non-contiguous layouts."""
     obs = observe(variant, case, backend=backend, timeout=timeout)
-    return evaluate(variant, obs, properties)
+    failures = evaluate(variant, obs, properties)
+    if failures and case.input_layout != "contiguous":
+        twin = evaluate(variant, observe(variant, case, backend=backend, timeout=timeout, layout="contiguous"), properties)
+        seen = {f.property for f in twin}
+        for f in failures:
+            if f.property not in seen:
+                f.message += (
+                    f" — the bug appears only for non-contiguous layouts: the contiguous twin of this case (same "
+                    f"values, input_layout=contiguous instead of {case.input_layout}) passes"
+                )
+                f.details = dict(f.details, contiguous_twin="passes")
+    return failures
 
 
 def _one(prop: str) -> Callable[..., None]:

@@ -42,6 +42,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
 
 from properties.case import Case
 from properties.checks import DIVISIBILITY, PROPERTIES, check_case
+from properties.layouts import INPUT_LAYOUTS
 from properties.strategies import cases
 from tpsim.diagnosis import Failure
 from tpsim.errors import InvalidArgument
@@ -197,6 +198,9 @@ def search(
     properties: Sequence[str] | None = None,
     on_example: Callable[[int, Case], None] | None = None,
     database: ExampleDatabase | str | None = None,
+    tp_sizes: Sequence[int] | None = None,
+    subgroups: bool = True,
+    layouts: Sequence[str] = INPUT_LAYOUTS,
 ) -> SearchReport:
     """Check ``variant`` on up to ``max_examples`` generated cases; return a :class:`SearchReport`.
 
@@ -207,7 +211,11 @@ def search(
     collective before it counts as stuck. ``properties``: names from
     :data:`properties.checks.PROPERTIES` (default: all; without ``divisibility`` only divisible
     cases are generated). ``on_example(n, case)`` is called before the n-th case runs (1-based).
-    ``database``: see the module docstring.
+    ``database``: see the module docstring. ``tp_sizes``: tp group sizes to split each world into
+    (each world size is split into groups of a tp size that divides it; default: the whole world half
+    the time, a proper divisor otherwise, as ``subgroups=True``); ``subgroups=False`` (and no
+    ``tp_sizes``): one tp group spanning the world. ``layouts``: memory layouts of the inputs and
+    upstream grads to draw from (default: all of :data:`properties.layouts.INPUT_LAYOUTS`).
 
     Raises :class:`tpsim.InvalidArgument` for bad options and re-raises harness errors (backend
     unavailable, ...); anything the variant does wrong, exceptions included, is a failure.
@@ -215,16 +223,29 @@ def search(
     started = time.monotonic()
     variant = _as_variant(variant)
     wanted = _check_options(max_examples, backend, timeout, properties, seed)
+    if variant.divisible_only:
+        # The variant declares divisible cases only (a documented upstream limit): no case could
+        # test divisibility, so it is dropped and the report's notes say so.
+        if wanted == (DIVISIBILITY,):
+            raise InvalidArgument(
+                f"properties={list(wanted)!r}: variant {variant.name!r} declares divisible_only=True, "
+                "so the divisibility property does not apply; choose other properties"
+            )
+        wanted = tuple(p for p in wanted if p != DIVISIBILITY)
     strategy = cases(
         variant,
         world_sizes=tuple(world_sizes),
         dtypes=tuple(dtypes),
         non_divisible=DIVISIBILITY in wanted,
+        tp_sizes=None if tp_sizes is None else tuple(tp_sizes),
+        subgroups=bool(subgroups),
+        layouts=tuple(layouts),
     )
     db = _database(database)
     notes = list(variant.notes)
     if not variant.bias and not any("bias" in n for n in notes):
         notes.append(f"{variant.name} has no bias: bias-free cases only")
+    notes.extend(f"{variant.name} declares {r}" for r in variant.restrictions())
 
     calls = 0
     first_seen: dict[tuple[str, str], int] = {}
@@ -245,7 +266,9 @@ def search(
             raise _found_type(head.property, head.diagnosis)(case, failures)
 
     check_one._hypothesis_internal_add_digest = _digest(  # type: ignore[attr-defined]
-        variant, tuple(world_sizes), tuple(dtypes), wanted
+        variant, tuple(world_sizes), tuple(dtypes), wanted,
+        *(() if tp_sizes is None and subgroups and tuple(layouts) == INPUT_LAYOUTS
+          else (tp_sizes, subgroups, tuple(layouts))),
     )
     options: dict[str, Any] = dict(
         max_examples=max_examples,

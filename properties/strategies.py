@@ -12,9 +12,25 @@ property applies; an unsharded dim is a multiple of ``ws`` half the time (shrink
 any small size otherwise.
 
 Batch: 0 to 3 leading dims of sizes 1 to 3 (size-1 dims included; 0 dims: a single vector).
+Sequence-parallel variants (``input``/``output`` ``"sequence-sharded"``) get at least the batch dims
+their ``sequence_dim`` needs (one for the default -2: 2-D inputs, where the sequence dim is dim 0,
+and 3-D ones, where it is not), and a sequence length of a few tokens per rank; a row layer's
+sequence-sharded output also gets sequence lengths that do not divide (it must refuse them).
+Packed variants (``packed``: part proportions) get ``out_features = sum(packed) * unit``.
+A variant's declared restrictions (``min_batch_dims``, ``min_features``, ``divisible_only``; see
+:meth:`tpsim.variant.Variant.restrictions`) narrow these draws.
 World sizes: ``DEFAULT_WORLD_SIZES`` (1-8), or ``THOROUGH_WORLD_SIZES`` (up to 16) when the
 environment sets ``TPSIM_THOROUGH=1`` (tpsim's ``thorough`` Hypothesis profile does).
 Dtypes: float64, float32, bfloat16, float16; tolerances per dtype in :mod:`properties.tolerance`.
+
+Tensor-parallel subgroups (``subgroups=True`` or ``tp_sizes``): the tp size is drawn after the
+world size — with ``subgroups`` the whole world half the time (shrinking prefers it) and a proper
+divisor otherwise, with ``tp_sizes`` one of those that divide the world (worlds none divides are
+not drawn) — and the groups' layout (consecutive or strided, see :mod:`properties.groups`) when
+there are several groups of several ranks. Every sharded size above then divides by (or is cut
+over) the tp size, not the world size. Memory layouts (``layouts``, see :mod:`properties.layouts`):
+one of contiguous (shrinking prefers it) and the non-contiguous layouts that fit the batch shape,
+equally likely.
 """
 
 from __future__ import annotations
@@ -25,6 +41,7 @@ from collections.abc import Sequence
 from hypothesis import strategies as st
 
 from properties.case import DTYPES, Case
+from properties.layouts import INPUT_LAYOUTS, needs_batch
 from tpsim.errors import InvalidArgument
 from tpsim.variant import Variant
 
@@ -61,9 +78,10 @@ def dtypes(names: Sequence[str] = tuple(DTYPES)) -> st.SearchStrategy[str]:
     return st.sampled_from(ordered)
 
 
-def batch_shapes(max_dims: int = 3, max_size: int = 3) -> st.SearchStrategy[tuple[int, ...]]:
-    """Leading batch shapes of 0 to ``max_dims`` dims, sizes 1 to ``max_size`` (size 1 included)."""
-    return st.lists(st.integers(1, max_size), min_size=0, max_size=max_dims).map(tuple)
+def batch_shapes(max_dims: int = 3, max_size: int = 3, min_dims: int = 0) -> st.SearchStrategy[tuple[int, ...]]:
+    """Leading batch shapes of ``min_dims`` (default 0) to ``max_dims`` dims, sizes 1 to ``max_size``
+    (size 1 included)."""
+    return st.lists(st.integers(1, max_size), min_size=min_dims, max_size=max(max_dims, min_dims)).map(tuple)
 
 
 # Aliases: ``cases()`` takes parameters with the same names as these strategies.
@@ -71,17 +89,28 @@ _world_sizes = world_sizes
 _dtypes = dtypes
 
 
-def _feature(draw: st.DrawFn, ws: int, sharded: bool, divisible: bool, max_per_rank: int) -> int:
+def _feature(draw: st.DrawFn, ws: int, sharded: bool, divisible: bool, max_per_rank: int, minimum: int = 1) -> int:
+    # ``minimum``: the variant's ``min_features`` (1 draws exactly as without it).
+    low = -(-minimum // ws)  # the fewest features per rank that reach the minimum
     if not sharded:
         # Half the time a multiple of ws, and shrinking prefers it: a weight split along the wrong
         # dim is then recognisable as such (a clean shard of the other dim) in the minimal case.
         if ws > 1 and draw(st.sampled_from((True, False))):
-            return ws * draw(st.integers(1, max_per_rank))
-        return draw(st.integers(1, 2 * max_per_rank))
-    k = draw(st.integers(1, max_per_rank))
+            return ws * draw(st.integers(low, max(low, max_per_rank)))
+        return draw(st.integers(minimum, max(minimum, 2 * max_per_rank)))
+    k = draw(st.integers(low, max(low, max_per_rank)))
     if divisible or ws == 1:
         return k * ws
     return k * ws + draw(st.integers(1, ws - 1))
+
+
+def _packed_features(draw: st.DrawFn, packed: tuple[int, ...], ws: int, divisible: bool, max_per_rank: int) -> int:
+    # Packed parts are proportions: out_features = sum(packed) * unit, part i = packed[i] * unit. A
+    # divisible unit (k * ws) makes every part divide; k * ws + r makes at least the packed total's
+    # share uneven, so a layer that checks the packed total instead of each part shows (e.g. parts
+    # (1, 1), unit 3, ws 2: out_features 6 divides, each part of 3 does not).
+    unit = _feature(draw, ws, True, divisible, max(1, max_per_rank // 2 + 1))
+    return sum(packed) * unit
 
 
 @st.composite
@@ -93,22 +122,52 @@ def _cases(
     bias: bool | None,
     max_per_rank: int,
     non_divisible: bool,
+    tp_sizes: tuple[int, ...] | None = None,
+    subgroups: bool = False,
+    layouts: tuple[str, ...] = ("contiguous",),
 ) -> Case:
-    ws = draw(_world_sizes(sizes))
+    world = draw(_world_sizes(sizes))
+    tp, tp_layout = _tp(draw, world, variant, tp_sizes, subgroups)
+    ws = tp  # every sharded size below divides by (or is cut over) the tp size
     dtype = draw(_dtypes(dtype_names))
     sharded = variant.sharded_features() if variant is not None else ("out_features",)
     # True first: shrinking prefers a divisible case; about a quarter are non-divisible.
+    if variant is not None and variant.divisible_only:
+        non_divisible = False  # the variant declares divisible cases only (see Variant.restrictions)
     divisible = draw(st.sampled_from((True, True, True, False))) if non_divisible and ws > 1 else True
-    in_features = _feature(draw, ws, "in_features" in sharded, divisible, max_per_rank)
-    out_features = _feature(draw, ws, "out_features" in sharded, divisible, max_per_rank)
-    batch = draw(batch_shapes())
+    least = variant.min_features if variant is not None else 1
+    # A sequence-sharded output (a row layer's reduce-scatter) must also refuse a sequence length
+    # that does not divide: a non-divisible case is then either in the features or in the sequence.
+    # (A sequence-sharded *input* arrives already cut, so its sequence length always divides.)
+    bad_sequence = (
+        not divisible and variant is not None and variant.output == "sequence-sharded" and draw(st.booleans())
+    )
+    feature_divisible = divisible or bad_sequence
+    in_features = _feature(draw, ws, "in_features" in sharded, feature_divisible, max_per_rank, least)
+    if variant is not None and variant.packed:
+        out_features = _packed_features(draw, variant.packed, ws, feature_divisible, max_per_rank)
+    else:
+        out_features = _feature(draw, ws, "out_features" in sharded, feature_divisible, max_per_rank, least)
+    min_dims = variant.min_batch_dims if variant is not None else 0
+    if variant is not None:
+        min_dims = max(min_dims, variant.min_sequence_batch_dims())
+    batch = draw(batch_shapes(min_dims=min_dims))
+    seq = variant.sequence_dim_of(len(batch) + 1) if variant is not None else None
+    if seq is not None:
+        # The sequence length: k * ws tokens (a few per rank), or k * ws + r when it must not divide.
+        length = _feature(draw, ws, True, not bad_sequence, max_per_rank)
+        batch = (*batch[:seq], length, *batch[seq + 1 :])
     if variant is not None and not variant.bias:
         has_bias = False
     else:
         has_bias = draw(st.booleans()) if bias is None else bias
+    layout = _layout(draw, layouts, batch)
     seed = draw(st.integers(0, 2**31 - 1))
     return Case(
-        world_size=ws,
+        world_size=world,
+        tp_size=tp,
+        tp_layout=tp_layout,
+        input_layout=layout,
         in_features=in_features,
         out_features=out_features,
         batch_shape=batch,
@@ -119,6 +178,29 @@ def _cases(
         variant=variant.name if variant is not None else None,
         options=variant.options if variant is not None else (),
     )
+
+
+def _tp(draw: st.DrawFn, world: int, variant: Variant | None, tp_sizes: tuple[int, ...] | None,
+        subgroups: bool) -> tuple[int, str]:
+    if variant is not None and not variant.subgroups:
+        return world, "consecutive"
+    if tp_sizes is not None:
+        tp = draw(st.sampled_from(sorted((t for t in tp_sizes if world % t == 0), reverse=True)))
+    elif subgroups and world > 1 and draw(st.sampled_from((False, True))):
+        tp = draw(st.sampled_from([t for t in range(world - 1, 0, -1) if world % t == 0]))
+    else:
+        tp = world
+    # Both layouts differ only with several groups of several ranks each.
+    layout = draw(st.sampled_from(("consecutive", "strided"))) if 1 < tp < world else "consecutive"
+    return tp, layout
+
+
+def _layout(draw: st.DrawFn, layouts: tuple[str, ...], batch: tuple[int, ...]) -> str:
+    fitting = [name for name in layouts if name != "contiguous" and (batch or not needs_batch(name))]
+    if not fitting:
+        return "contiguous"
+    # Contiguous first (shrinking prefers it), then each fitting non-contiguous layout, equally likely.
+    return draw(st.sampled_from((["contiguous"] if "contiguous" in layouts else []) + fitting))
 
 
 def default_world_sizes() -> tuple[int, ...]:
@@ -134,8 +216,17 @@ def cases(
     bias: bool | None = None,
     max_per_rank: int = 3,
     non_divisible: bool = True,
+    tp_sizes: Sequence[int] | None = None,
+    subgroups: bool = False,
+    layouts: Sequence[str] = ("contiguous",),
 ) -> st.SearchStrategy[Case]:
     """Cases for ``variant`` (its sharded dims and bias support shape the draws).
+
+    ``subgroups=True`` also draws tp groups smaller than the world; ``tp_sizes`` draws the tp size
+    from these (each world size is split into groups of one of them that divides it); neither: one
+    tp group spanning the world. ``layouts``: memory layouts to draw from (default contiguous only;
+    :data:`properties.layouts.INPUT_LAYOUTS` for all). A variant with ``subgroups=False`` always
+    gets one group spanning the world.
 
     ``bias`` forces bias on/off (None: both; a variant without bias support: off).
     ``max_per_rank`` bounds features per rank of a sharded dim (small shapes keep examples fast);
@@ -148,4 +239,21 @@ def cases(
     _dtypes(names)
     if isinstance(max_per_rank, bool) or not isinstance(max_per_rank, int) or max_per_rank < 1:
         raise InvalidArgument(f"max_per_rank={max_per_rank!r} must be an int >= 1")
-    return _cases(variant, sizes, names, bias, max_per_rank, non_divisible)
+    layout_names = tuple(layouts)
+    bad = [name for name in layout_names if name not in INPUT_LAYOUTS]
+    if bad or not layout_names:
+        raise InvalidArgument(f"layouts={list(layout_names)!r}: expected a non-empty subset of {', '.join(INPUT_LAYOUTS)}")
+    tps = None
+    if tp_sizes is not None:
+        tps = tuple(sorted(set(int(t) for t in tp_sizes)))
+        if not tps or tps[0] < 1:
+            raise InvalidArgument(f"tp_sizes={list(tp_sizes)!r} must be a non-empty list of ints >= 1")
+        if variant is None or variant.subgroups:
+            fitting = tuple(w for w in sizes if any(w % t == 0 for t in tps))
+            if not fitting:
+                raise InvalidArgument(
+                    f"tp_sizes={list(tps)} divide none of the world sizes {list(sizes)}: each world is split into "
+                    "tp groups of one of the tp sizes"
+                )
+            sizes = fitting
+    return _cases(variant, sizes, names, bias, max_per_rank, non_divisible, tps, subgroups, layout_names)

@@ -21,8 +21,10 @@ import torch.distributed as dist
 
 import tpsim
 from properties.case import Case
+from properties.groups import tp_groups
+from properties.layouts import apply_layout, expand_values
 from tpsim.errors import InvalidArgument, RankError
-from tpsim.placement import Shard, shard_tensor
+from tpsim.placement import Replicate, Shard, part_sizes, shard_tensor
 from tpsim.target import resolve_variant
 from tpsim.variant import LayoutError, Variant, get_param
 
@@ -35,6 +37,7 @@ __all__ = [
     "VariantRaised",
     "is_divisible",
     "make_masters",
+    "non_divisible_sizes",
     "observe",
     "rank_main",
     "reference",
@@ -70,6 +73,16 @@ class Masters:
     bias: torch.Tensor | None
     inputs: list[torch.Tensor]
     grads: list[torch.Tensor]
+    #: The per-step inputs and upstream grads of tp groups 1, 2, ... (``tp_size < world_size``);
+    #: ``inputs``/``grads`` are group 0's. Every group shares the master weight and bias.
+    groups: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=list)
+
+    def for_group(self, g: int) -> Masters:
+        """The masters tp group ``g`` sees (its own inputs and grads, the shared parameters)."""
+        if g == 0:
+            return Masters(self.weight, self.bias, self.inputs, self.grads)
+        inputs, grads = self.groups[g - 1]
+        return Masters(self.weight, self.bias, inputs, grads)
 
 
 def make_masters(case: Case) -> Masters:
@@ -83,17 +96,39 @@ def make_masters(case: Case) -> Masters:
 
     weight = draw(case.out_features, case.in_features)
     bias = draw(case.out_features) if case.bias else None
-    inputs, grads = [], []
-    for _ in range(TRAIN_STEPS):
-        inputs.append(draw(*case.batch_shape, case.in_features))
-        grads.append(draw(*case.batch_shape, case.out_features))
-    return Masters(weight, bias, inputs, grads)
+    data = []
+    # Group 0 first: its data is that of the same case with one tp group spanning the world.
+    for _ in range(case.world_size // (case.tp_size or case.world_size)):
+        inputs, grads = [], []
+        for _ in range(TRAIN_STEPS):
+            # An expanded layout needs rows that repeat along the first batch dim (properties.layouts).
+            inputs.append(expand_values(draw(*case.batch_shape, case.in_features), case.input_layout))
+            grads.append(expand_values(draw(*case.batch_shape, case.out_features), case.input_layout))
+        data.append((inputs, grads))
+    return Masters(weight, bias, data[0][0], data[0][1], groups=data[1:])
 
 
 def is_divisible(variant: Variant, case: Case) -> bool:
-    """Whether every feature dim the variant shards divides by the tp size."""
+    """Whether every dim the variant shards divides by the tp size: the sharded feature dims, each
+    packed part of a packed weight, and the sequence length of a sequence-sharded input/output."""
+    return not non_divisible_sizes(variant, case)
+
+
+def non_divisible_sizes(variant: Variant, case: Case) -> dict[str, int]:
+    """The sharded sizes of ``case`` that do not divide by the tp size, by name (empty: divisible)."""
+    tp = case.tp_size or case.world_size
     sizes = {"in_features": case.in_features, "out_features": case.out_features}
-    return all(sizes[name] % case.tp_size == 0 for name in variant.sharded_features())  # type: ignore[operator]
+    bad = {name: sizes[name] for name in variant.sharded_features() if sizes[name] % tp}
+    if variant.packed:
+        try:
+            parts = part_sizes(case.out_features, Shard(0, parts=variant.packed))
+        except InvalidArgument:
+            parts = ()
+        bad.update({f"packed part {i}": p for i, p in enumerate(parts) if p % tp})
+    d = variant.sequence_dim_of(len(case.batch_shape) + 1)
+    if d is not None and case.batch_shape[d] % tp:
+        bad[f"the sequence length (dim {d})"] = case.batch_shape[d]
+    return bad
 
 
 # --- the rank side -------------------------------------------------------------------------------
@@ -104,10 +139,45 @@ def _raise_from(phase: str, step: int, err: BaseException) -> VariantRaised:
     return VariantRaised(phase, step, summary, traceback.format_exc())
 
 
-def _rank_input(variant: Variant, x: torch.Tensor, rank: int, ws: int, even: bool = True) -> torch.Tensor:
+def _rank_input(variant: Variant, x: torch.Tensor, rank: int, ws: int, even: bool = True,
+                layout: str = "contiguous") -> torch.Tensor:
     if variant.input == "sharded":
         x = shard_tensor(x, Shard(-1), rank, ws) if even else torch.tensor_split(x, ws, dim=-1)[rank]
-    return x.clone().requires_grad_(True)
+    elif variant.input == "sequence-sharded":
+        d = variant.sequence_dim_of(x.dim())
+        if d is not None:  # else (a vector) every rank gets it whole, and the layer must refuse it
+            x = shard_tensor(x, Shard(d), rank, ws) if even else torch.tensor_split(x, ws, dim=d)[rank]
+    # A fresh leaf in the case's memory layout (laid out after sharding: what this rank is handed).
+    return apply_layout(x, layout).requires_grad_(True)
+
+
+def _tp_group(case: Case, global_rank: int) -> tuple[Any, int, int, int]:
+    """``(group, group index, tp rank, tp size)`` of this rank; creates every tp group (all ranks
+    must call ``new_group`` for every group, in the same order)."""
+    tp = case.tp_size or case.world_size
+    if tp == case.world_size:
+        return dist.group.WORLD, 0, global_rank, tp
+    mine = None
+    for g, ranks in enumerate(tp_groups(case.world_size, tp, case.tp_layout)):
+        pg = dist.new_group(ranks)
+        if global_rank in ranks:
+            mine = (pg, g, ranks.index(global_rank), tp)
+    if mine is None:  # unreachable: the groups partition the world
+        raise InvalidArgument(f"rank {global_rank} is in no tp group of {case.describe()}")
+    return mine
+
+
+def _replicated_init(variant: Variant, case: Case, into: dict[str, Any]) -> Any:
+    """An ``on_built`` hook recording the layer's own values of its replicated parameters."""
+
+    def record(module: Any) -> None:
+        for spec in variant.params or ():
+            if isinstance(spec.placement, Replicate) and (spec.master == "weight" or case.bias):
+                p = get_param(module, spec.name)
+                if p is not None:
+                    into[spec.name] = p.detach().clone()
+
+    return record
 
 
 def _master_layout(t: torch.Tensor | None, transposed: bool) -> torch.Tensor | None:
@@ -119,14 +189,16 @@ def _master_layout(t: torch.Tensor | None, transposed: bool) -> torch.Tensor | N
 
 def rank_main(payload: dict[str, Any]) -> dict[str, Any]:
     """What every rank runs for one case (see the module docstring). Returns a dict of tensors."""
-    rank = dist.get_rank()
-    ws = dist.get_world_size()
     case: Case = payload["case"]
     variant: Variant | None = payload.get("variant")
     if variant is None:
         variant = resolve_variant(*payload["ref"])
-    m: Masters = payload["masters"]
-    group = dist.group.WORLD
+    # rank/ws below are the tp rank and tp size: the layer sees its own tp group only.
+    group, g, rank, ws = _tp_group(case, dist.get_rank())
+    m: Masters = payload["masters"].for_group(g)
+    layout = payload.get("layout") or case.input_layout
+    # Every rank seeded alike before the build, as training scripts do (replicas must agree).
+    torch.manual_seed(case.seed)
     kwargs = dict(group=group, rank=rank, world_size=ws, master_weight=m.weight, master_bias=m.bias, dtype=case.torch_dtype)
 
     if not payload["divisible"]:
@@ -135,34 +207,38 @@ def rank_main(payload: dict[str, Any]) -> dict[str, Any]:
         # Refusing is raising, on every rank: exceptions propagate so that a rank that refuses while
         # another goes on into a collective shows up as exactly that.
         try:
-            module = variant.build(case.in_features, case.out_features, case.bias, **kwargs)
+            module = variant.build(case.in_features, case.out_features, case.bias, **kwargs,
+                                   **variant.layout_kwargs(case.out_features))
         except Exception as err:
             raise _raise_from("build", 0, err) from err
-        x = _rank_input(variant, m.inputs[0], rank, ws, even=False)
+        x = _rank_input(variant, m.inputs[0], rank, ws, even=False, layout=layout)
         try:
             out = variant.call(module, x)
         except Exception as err:
             raise _raise_from("forward", 0, err) from err
         return {"status": "accepted", "output_shape": tuple(out.shape) if isinstance(out, torch.Tensor) else None}
 
+    init: dict[str, Any] = {}
     try:
-        module = variant.instantiate(case.in_features, case.out_features, case.bias, **kwargs)
+        module = variant.instantiate(case.in_features, case.out_features, case.bias, **kwargs,
+                                     on_built=_replicated_init(variant, case, init))
     except LayoutError:
         raise  # the parent diagnoses the shape (e.g. wrong-shard-dim)
     except Exception as err:
         raise _raise_from("build", 0, err) from err
 
     specs = [s for s in variant.params or () if s.master == "weight" or case.bias]
-    result: dict[str, Any] = {"status": "ok", "grads": {}, "final": {}}
+    result: dict[str, Any] = {"status": "ok", "grads": {}, "final": {}, "init": init, "group": g, "tp_rank": rank}
     for step in range(TRAIN_STEPS):
-        x = _rank_input(variant, m.inputs[step], rank, ws)
+        x = _rank_input(variant, m.inputs[step], rank, ws, layout=layout)
         try:
             out = variant.call(module, x)
         except Exception as err:
             raise _raise_from("forward", step, err) from err
         upstream = m.grads[step]
-        if variant.output == "sharded":
-            upstream = shard_tensor(upstream, Shard(-1), rank, ws)
+        if isinstance(variant.output_placement, Shard):  # sharded (packed: per part) or sequence-sharded
+            upstream = shard_tensor(upstream, variant.output_placement, rank, ws)
+        upstream = apply_layout(upstream, layout)
         if not isinstance(out, torch.Tensor) or out.shape != upstream.shape:
             # A wrong output shape cannot be back-propagated; report what came out.
             result["status"] = "output-shape"
@@ -212,11 +288,20 @@ class Observation:
         return errors
 
 
-def observe(variant: Variant, case: Case, *, backend: str = "inproc", timeout: float = 10.0) -> Observation:
-    """Run ``case`` once on a world of ``case.world_size`` ranks of ``backend``."""
+def observe(variant: Variant, case: Case, *, backend: str = "inproc", timeout: float = 10.0,
+            layout: str | None = None) -> Observation:
+    """Run ``case`` once on a world of ``case.world_size`` ranks of ``backend``.
+
+    ``layout`` overrides the memory layout of the case's tensors (same values): ``"contiguous"``
+    runs the contiguous twin of a non-contiguous case."""
+    if variant.packed and case.out_features % sum(variant.packed):
+        raise InvalidArgument(
+            f"case out_features={case.out_features} is not a multiple of variant {variant.name!r}'s packed part "
+            f"proportions {list(variant.packed)} (sum {sum(variant.packed)}); use out_features = k * {sum(variant.packed)}"
+        )
     masters = make_masters(case)
     divisible = is_divisible(variant, case)
-    payload: dict[str, Any] = {"case": case, "masters": masters, "divisible": divisible}
+    payload: dict[str, Any] = {"case": case, "masters": masters, "divisible": divisible, "layout": layout}
     if backend == "inproc":
         payload["variant"] = variant
     else:

@@ -54,6 +54,7 @@ def test_quick_markdown_has_every_table(quick_run):
     machine = report.machine()
     assert machine["cpu"] in text and machine["torch"] in text  # the doc names its machine
     assert "![collective step vs world size](bench_step.png)" in text
+    assert "| swiglu, sequence parallel |" in text and "examples to catch" in text
     # every table row has as many cells as its header
     lines = text.splitlines()
     for i, line in enumerate(lines):
@@ -78,7 +79,13 @@ def test_quick_json_is_well_formed(quick_run):
     assert all(isinstance(h["inproc_over_floor"], float) for h in result["headline"])
     assert result["props"]["backends"]["inproc"]["failures"] == 0  # tpsim's own layer passes
     assert result["labmlp"]["equal"] is True
-    assert result["mutants"]["rows"] and all(r["caught"] for r in result["mutants"]["rows"])
+    assert [r["config"] for r in result["labmlp"]["rows"]] == ["gelu", "swiglu, sequence parallel"]
+    assert all(r["equal"] for r in result["labmlp"]["rows"])
+    mutants = result["mutants"]["rows"]
+    assert mutants and all(r["caught"] for r in mutants)
+    assert all(isinstance(r["found_after"], int) and 1 <= r["found_after"] <= r["examples"] for r in mutants)
+    assert result["mutants"]["catalog_size"] >= len(mutants)
+    assert set(result["load"]) == {"start", "end"}
     assert result["faults"]["rows"] and all(r["detected"] for r in result["faults"]["rows"])
     assert {r["mode"] for r in result["memory"]["rows"]} == {"dense", "inproc"}
     assert result["dtensor"]["rows"]["DTensor ColwiseParallel"]["inproc"]["failures"] == 0
@@ -94,6 +101,28 @@ def test_workload_measures(backend):
     result = workload.measure(backend, 2, 2)
     assert result["backend"] == backend and result["world_size"] == 2 and result["steps"] == 2
     assert result["loop_s"] > 0 and result["wall_s"] >= result["loop_s"]
+
+
+def test_report_renders_mutant_and_lab_rows():
+    # a mutant that was not caught says what was found instead; lab rows render one line each
+    result = {
+        "quick": True, "machine": report.machine(), "date": "today", "total_s": 1.0,
+        "load": {"start": 3.0, "end": 5.5},
+        "mutants": {"max_examples": 200, "rows": [
+            {"mutant": "m-a", "diagnosis": "bias-duplication", "needs": "", "caught": True, "found_after": 7,
+             "examples": 30, "seconds": 1.5, "diagnoses": ["bias-duplication"]},
+            {"mutant": "m-b", "diagnosis": "wrong-shard-dim", "needs": "bias", "caught": False, "found_after": None,
+             "examples": 200, "seconds": 9.0, "diagnoses": ["shape-error"]}]},
+        "labmlp": {"rows": [{"config": "gelu", "hidden": 4, "intermediate": 8, "tp": 2, "dtype": "float32",
+                             "tokens": [2], "dense_fwd_bwd_s": 0.5, "world_fwd_bwd_s": 1.0, "check_s": 2.0,
+                             "equal": True}]},
+    }
+    text = report.markdown(result, {})
+    assert "| m-a | bias-duplication | — | yes | 7 | 30 | 1.5 |" in text
+    assert "| m-b | wrong-shard-dim | bias | NO: shape-error | — | 200 | 9 |" in text
+    assert "1 of 2 caught" in text and "at example 7 (m-a)" in text
+    assert "| gelu | 0.5 | 1 | 2 | 4.00x | yes |" in text
+    assert "Load average (1 min) at the start of the run: 3.0, at the end: 5.5" in text
 
 
 def test_report_renders_skipped_sizes():

@@ -28,6 +28,12 @@ LAYER_NAMES = [
     "ColumnParallelLinear(gather_output=True)",
     "RowParallelLinear",
     "RowParallelLinear(input_is_parallel=False)",
+    "ColumnParallelLinear(parts=gate,up)",
+    "ColumnParallelLinear(parts=q8,k2,v2)",
+    "ColumnParallelLinear(sequence_parallel=True)",
+    "RowParallelLinear(sequence_parallel=True)",
+    "ParallelMLP(swiglu)",
+    "ParallelMLP(swiglu, sequence_parallel=True)",
 ]
 
 
@@ -50,10 +56,10 @@ def test_check_tpsim_layers_passes_every_variant(capsys, tmp_path) -> None:
     code, out, err = run(capsys, "check", "tpsim.layers", *FAST, "--cases-dir", str(tmp_path))
     assert code == 0, out + err
     lines = out.splitlines()
-    assert lines[0].startswith("tpsim check tpsim.layers: 4 variants on inproc, world sizes 1,2,3")
+    assert lines[0].startswith("tpsim check tpsim.layers: 10 variants on inproc, world sizes 1,2,3")
     for name in LAYER_NAMES:
         assert any(line.startswith("PASS ") and f" {name} " in line for line in lines), (name, out)
-    assert lines[-1].startswith("all properties hold: 4 variants, ")
+    assert lines[-1].startswith("all properties hold: 10 variants, ")
     assert err == ""  # no progress: stderr is not a terminal here
     assert list(tmp_path.iterdir()) == []  # nothing failed, nothing saved
 
@@ -333,7 +339,7 @@ def test_python_dash_m_tpsim_check(tmp_path) -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env(),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "all properties hold: 4 variants" in proc.stdout
+    assert "all properties hold: 10 variants" in proc.stdout
     assert proc.stderr == ""
 
 

@@ -91,7 +91,9 @@ def test_resolved_variants_remember_target_and_options_for_worker_processes() ->
 def test_tpsim_layers_resolves_to_the_builtin_variants() -> None:
     names = [v.name for v in resolve_target("tpsim.layers")]
     assert names == ["ColumnParallelLinear", "ColumnParallelLinear(gather_output=True)", "RowParallelLinear",
-                     "RowParallelLinear(input_is_parallel=False)"]
+                     "RowParallelLinear(input_is_parallel=False)", "ColumnParallelLinear(parts=gate,up)",
+                     "ColumnParallelLinear(parts=q8,k2,v2)", "ColumnParallelLinear(sequence_parallel=True)",
+                     "RowParallelLinear(sequence_parallel=True)"]
     (row,) = resolve_target("tpsim.layers:RowParallelLinear")
     assert row.target == "tpsim.layers:RowParallelLinear" and row.output == "reduced"
     with pytest.raises(TargetError, match="declares no variant named 'Row'; it declares: ColumnParallelLinear"):

@@ -58,5 +58,3 @@ def test_the_mlp_check_passes_a_correct_composition_and_names_broken_ones() -> N
 def test_mlp_check_options_are_validated() -> None:
     with pytest.raises(InvalidArgument, match="activation='relu'; the MLP check supports gelu, silu"):
         check_mlp(hidden=4, intermediate=4, world_size=1, activation="relu")
-    with pytest.raises(InvalidArgument, match="runs on inproc only"):
-        check_mlp(hidden=4, intermediate=4, world_size=1, backend="gloo")

@@ -134,3 +134,61 @@ def test_nccl_without_cuda_is_unavailable_with_a_reason():
         tpsim.run(rank_busy, 2, backend="nccl", args=(0.0,))
     assert info.value.reason == reason
     assert ("nccl", 2) not in procs.live_worker_pids()  # nothing was spawned
+
+
+def rank_number() -> int:
+    return dist.get_rank()
+
+
+def _alive(pid: int) -> bool:
+    return os.path.exists(f"/proc/{pid}") and not _zombie(pid)
+
+
+def test_pools_of_several_world_sizes_are_kept_and_bounded(monkeypatch):
+    # A search draws world sizes in turn: each size keeps its pool (no restart per draw) while
+    # the pool count and the idle worker count stay within their bounds, oldest evicted first.
+    monkeypatch.setattr(procs, "MAX_POOLS", 6)
+    monkeypatch.setattr(procs, "MAX_POOL_WORKERS", 3)
+    assert tpsim.run(rank_number, 1, backend="gloo") == [0]
+    assert tpsim.run(rank_number, 2, backend="gloo") == [0, 1]
+    live = procs.live_worker_pids()
+    assert {("gloo", 1), ("gloo", 2)} <= set(live) and sum(map(len, live.values())) <= 3
+    one = live[("gloo", 1)]
+    assert tpsim.run(rank_number, 1, backend="gloo") == [0]
+    assert procs.live_worker_pids()[("gloo", 1)] == one  # reused, not restarted
+    monkeypatch.setattr(procs, "MAX_POOLS", 1)
+    assert tpsim.run(rank_number, 2, backend="gloo") == [0, 1]  # reuses size 2, over the new bound
+    assert set(procs.live_worker_pids()) == {("gloo", 2)}  # at most one pool: size 1 was evicted
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in one) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in one)
+
+
+_EXIT_SCRIPT = textwrap.dedent("""
+    import torch.distributed as dist, tpsim
+    from tpsim.comm import procs
+
+    def rank_number():
+        return dist.get_rank()
+
+    if __name__ == "__main__":
+        for ws in (1, 2):
+            assert tpsim.run(rank_number, ws, backend="gloo") == list(range(ws))
+        print("PIDS", *[p for pids in procs.live_worker_pids().values() for p in pids], flush=True)
+""")
+
+
+def test_a_normal_exit_leaves_no_worker_behind(tmp_path):
+    path = tmp_path / "pools.py"
+    path.write_text(_EXIT_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("PIDS"))
+    pids = [int(p) for p in line.split()[1:]]
+    assert len(pids) == 3  # both pools were alive at exit
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [p for p in pids if _alive(p)] == []

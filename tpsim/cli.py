@@ -43,8 +43,8 @@ DEFAULT_CASES_DIR = os.path.join(".tpsim", "cases")
 BACKEND_CHOICES = ("inproc", "gloo", "nccl")
 CONVENTION_CHOICES = ("master-weight", "tp-rank")
 KIND_CHOICES = ("column", "row")
-INPUT_CHOICES = ("replicated", "sharded")
-OUTPUT_CHOICES = ("sharded", "gathered", "partial", "reduced")
+INPUT_CHOICES = ("replicated", "sharded", "sequence-sharded")
+OUTPUT_CHOICES = ("sharded", "gathered", "partial", "reduced", "sequence-sharded")
 INPUT_GRAD_CHOICES = ("complete", "partial")
 REPORT_CHOICES = ("text", "json")
 DTYPE_CHOICES = ("float64", "float32", "bfloat16", "float16")
@@ -170,21 +170,32 @@ def _build_parser() -> _Parser:
                        help="constructor convention (detected from the signature when unambiguous)")
     adapt.add_argument("--kind", type=_choice(KIND_CHOICES), metavar="{column,row}",
                        help="column- or row-parallel (detected from the class name when it says)")
-    adapt.add_argument("--input", type=_choice(INPUT_CHOICES), metavar="{replicated,sharded}",
+    adapt.add_argument("--input", type=_choice(INPUT_CHOICES), metavar="{replicated,sharded,sequence-sharded}",
                        help="what each rank is given (default: column replicated, row sharded)")
-    adapt.add_argument("--output", type=_choice(OUTPUT_CHOICES), metavar="{sharded,gathered,partial,reduced}",
+    adapt.add_argument("--output", type=_choice(OUTPUT_CHOICES),
+                       metavar="{sharded,gathered,partial,reduced,sequence-sharded}",
                        help="what each rank returns; partial: the harness sums the ranks' outputs, as the "
                        "caller's all-reduce would")
     adapt.add_argument("--input-grad", dest="input_grad", type=_choice(INPUT_GRAD_CHOICES),
                        metavar="{complete,partial}",
                        help="complete (default): every rank holds the full grad of a replicated input; "
                        "partial: the caller reduces it")
+    adapt.add_argument("--packed", type=_packed, default=None, metavar="K|P,P,...",
+                       help="a column weight packing K equal parts (gate/up: 2) or parts in these proportions "
+                       "(grouped-query QKV: 8,2,2), each sharded on its own: rank r holds shard r of every part")
+    adapt.add_argument("--sequence-dim", dest="sequence_dim", type=_sequence_dim, default=None, metavar="D",
+                       help="the sequence dim of a sequence-sharded input/output (default -2, the dim before the "
+                       "features; dim 0 of a 2-D input)")
     run = check.add_argument_group("the search")
     run.add_argument("--backend", type=_choice(BACKEND_CHOICES), default="inproc",
                      metavar="{inproc,gloo,nccl}", help="where ranks run (default: inproc)")
     run.add_argument("--world-sizes", dest="world_sizes", type=_int_list(1),
                      default=DEFAULT_WORLD_SIZES, metavar="N,N,...",
                      help=f"world sizes to draw from (default: {_WS_TEXT})")
+    run.add_argument("--tp-sizes", dest="tp_sizes", type=_int_list(1), default=None, metavar="T,T,...",
+                     help="tensor-parallel group sizes: each world of W ranks is split into W/T tp groups of "
+                     "T ranks (consecutive and strided layouts), each with its own data (default: the whole "
+                     "world half the time, a smaller divisor otherwise)")
     run.add_argument("--dtypes", type=_dtype_list, default=DTYPE_CHOICES, metavar="D,D,...",
                      help=f"dtypes to draw from (default: {','.join(DTYPE_CHOICES)})")
     run.add_argument("--max-examples", dest="max_examples", type=_bounded_int(1),
@@ -360,6 +371,33 @@ def _nccl_check(world_size: int, prog: str) -> None:
         raise UsageError(f"backend nccl cannot run here: {reason}; use --backend gloo or inproc", prog=prog)
 
 
+def _packed(text: str) -> tuple[int, ...]:
+    items = [s.strip() for s in text.split(",")]
+    try:
+        values = [int(s) for s in items]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values) or (len(values) == 1 and values[0] < 2):
+        raise argparse.ArgumentTypeError(
+            f"invalid value {text!r}; expected K >= 2 equal parts (e.g. 2 for gate/up) or a comma-separated list "
+            "of part proportions (e.g. 8,2,2 for grouped-query Q,K,V)"
+        )
+    return (1,) * values[0] if len(values) == 1 else tuple(values)
+
+
+def _sequence_dim(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value == -1:
+        raise argparse.ArgumentTypeError(
+            f"invalid value {text!r}; expected an int naming a dim before the features (default -2; -1 is the "
+            "feature dim)"
+        )
+    return value
+
+
 def _fault_kinds(text: str) -> tuple[str, ...]:
     from tpsim.faults import FAULT_KINDS
 
@@ -409,38 +447,69 @@ def _fault_failures(variant: Any, args: argparse.Namespace) -> tuple[list[Any], 
 
 
 def _save(failure: Any, variant: Any, cases_dir: str, backend: str, argv: Sequence[str]) -> None:
-    from properties.case import save_case
+    from properties.case import save_failure
 
-    case = failure.case
-    changes: dict[str, Any] = {"property": failure.property}
-    if getattr(case, "target", None) is None:
-        changes["target"] = variant.target
-    if getattr(case, "variant", None) is None:
-        changes["variant"] = variant.name
-    if not getattr(case, "options", ()):
-        changes["options"] = variant.options
-    case = case.replace(**changes)
-    found = {
-        "property": failure.property,
-        "diagnosis": failure.diagnosis,
-        "message": failure.message,
-        "rank": getattr(failure, "rank", None),
-        "backend": backend,
-        # Relative file targets are resolved against the directory they were found from.
-        "cwd": os.getcwd(),
-        "command": "tpsim " + " ".join(shlex.quote(a) for a in argv),
-    }
-    failure.case = case
-    failure.case_file = save_case(case, cases_dir, found=_jsonable(found))
+    command = "tpsim " + " ".join(shlex.quote(a) for a in argv)
+    save_failure(failure, variant, cases_dir, backend=backend, command=command)
+
+
+def _declared_mlps(args: argparse.Namespace, options: dict[str, Any]) -> list[Any]:
+    """The MLPs a bare module target declares (none when options adapt the linear variants)."""
+    if any(v is not None for v in options.values()) or getattr(args, "tp_sizes", None):
+        return []
+    from properties.sequence import declared_mlps
+
+    return declared_mlps(args.target)
+
+
+def _check_mlps(args: argparse.Namespace, mlps: list[Any], out: TextIO, width: int) -> list[_VariantResult]:
+    """The MLPs a bare module target declares (``TPSIM_MLPS``; ``tpsim.layers``: the gated
+    ``ParallelMLP``, with and without sequence parallelism), checked against the dense MLP on a
+    few small cases each (:func:`properties.sequence.search_mlp`). Skipped when options adapt the
+    linear variants or tp sizes are given. Their cases are not saved (``tpsim replay`` replays
+    linear-layer cases)."""
+    from properties.sequence import MLP_MAX_EXAMPLES, search_mlp
+
+    results = []
+    for mlp in mlps:
+        report = search_mlp(mlp, world_sizes=args.world_sizes, dtypes=args.dtypes,
+                            max_examples=min(args.max_examples, MLP_MAX_EXAMPLES), seed=args.seed,
+                            backend=args.backend, timeout=args.timeout)
+        result = _VariantResult(mlp, report.passed, report.examples, report.seconds, list(report.failures),
+                                list(report.notes))
+        results.append(result)
+        if args.report == "text":
+            status = "PASS" if result.passed else "FAIL"
+            print(f"{status} {mlp.name:<{width}}  {result.examples:>4} examples  {result.seconds:6.1f}s", file=out)
+            for note in result.notes:
+                print(f"     note: {note}", file=out)
+            for failure in result.failures:
+                _failure_block(failure, out)
+            out.flush()
+    return results
 
 
 def _check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: TextIO) -> int:
+    from tpsim.comm._torchrun import launched_world
     from tpsim.errors import InvalidArgument
     from tpsim.target import resolve_target
 
+    launched = launched_world() if args.backend in ("gloo", "nccl") else None
+    if launched is not None:
+        # Under torchrun every rank runs this command: the launcher's world is the only world
+        # size, and every rank must generate the very same cases (a common seed, no example
+        # database), or their collectives would not match. Rank 0 alone reports.
+        rank, world_size = launched
+        args.world_sizes = [world_size]
+        if args.seed is None:
+            args.seed = 0
+        if rank != 0:
+            out = err = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the command
+            args.cases_dir = os.path.join(args.cases_dir, f"rank{rank}")
     if args.backend == "nccl":
         _nccl_check(max(args.world_sizes), "tpsim check")
-    options = {k: getattr(args, k) for k in ("convention", "kind", "input", "output", "input_grad")}
+    options = {k: getattr(args, k) for k in ("convention", "kind", "input", "output", "input_grad", "packed",
+                                             "sequence_dim")}
     try:
         variants = resolve_target(args.target, **options)
     except InvalidArgument as e:
@@ -451,6 +520,7 @@ def _check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: Text
     settings = {
         "backend": args.backend,
         "world_sizes": list(args.world_sizes),
+        "tp_sizes": list(args.tp_sizes) if args.tp_sizes else None,
         "dtypes": list(args.dtypes),
         "max_examples": args.max_examples,
         "seed": args.seed,
@@ -459,16 +529,20 @@ def _check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: Text
         "cases_dir": args.cases_dir,
     }
     text = args.report == "text"
+    mlps = _declared_mlps(args, options)
+    total = len(variants) + len(mlps)
     if text:
         print(
-            f"tpsim check {args.target}: {len(variants)} variant{'s' if len(variants) != 1 else ''} on {args.backend}, "
-            f"world sizes {','.join(map(str, args.world_sizes))}, dtypes {','.join(args.dtypes)}, "
+            f"tpsim check {args.target}: {total} variant{'s' if total != 1 else ''} on {args.backend}, "
+            f"world sizes {','.join(map(str, args.world_sizes))}, "
+            + (f"tp sizes {','.join(map(str, args.tp_sizes))}, " if args.tp_sizes else "")
+            + f"dtypes {','.join(args.dtypes)}, "
             f"up to {args.max_examples} examples each"
             + (f", seed {args.seed}" if args.seed is not None else "")
             + (f", faults {','.join(args.faults)}" if args.faults else ""),
             file=out,
         )
-    width = max(len(v.name) for v in variants)
+    width = max(len(v.name) for v in [*variants, *mlps])
     results: list[_VariantResult] = []
     start = time.monotonic()
     for variant in variants:
@@ -476,6 +550,7 @@ def _check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: Text
         started_v = time.monotonic()
         kwargs: dict[str, Any] = dict(
             world_sizes=args.world_sizes,
+            tp_sizes=args.tp_sizes,
             dtypes=args.dtypes,
             max_examples=args.max_examples,
             seed=args.seed,
@@ -510,6 +585,7 @@ def _check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: Text
             for failure in failures:
                 _failure_block(failure, out)
             out.flush()
+    results += _check_mlps(args, mlps, out, width)
     seconds = time.monotonic() - start
     passed = all(r.passed for r in results)
     examples = sum(r.examples for r in results)

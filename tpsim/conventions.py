@@ -128,6 +128,9 @@ def from_master_weight_class(
         bias=has_bias,
         description=f"{cls.__module__}.{cls.__qualname__} (master-weight convention)",
         notes=notes,
+        # The convention reads rank and world size from the default group: it cannot shard over a
+        # tp group smaller than the world.
+        subgroups=False,
     )
 
 

@@ -14,16 +14,23 @@ diagnosis                  what the harness saw (and the usual cause)
 ``bias-missing``           the output is off by exactly ``-bias``: the bias is never added
 ``wrong-shard-dim``        a tensor was split or gathered along the wrong dim: a parameter has
                            the shape of the master cut along its other dim, or the output holds
-                           the right values concatenated along a batch dim
+                           the right values concatenated along a batch dim, or a sequence-sharded
+                           output/grad is sliced along the batch dim instead of the sequence dim
+                           (a reduce-scatter on the wrong dim: vllm #30610, ROCm/aiter #3395)
 ``wrong-shard-order``      a rank holds another rank's shard: the output's feature blocks are
                            permuted or repeated (a reversed or node-local rank order)
+``packed-shard-layout``    a packed column weight (gate/up, Q/K/V) was split contiguously: a
+                           rank's output (or weight grad) is its contiguous ``1/ws`` slice of
+                           the packed dim instead of its shard of every part (vllm #3775)
 ``missing-reduction``      a rank returned only its own summand ``x_r W_rᵀ``: the all-reduce
                            over the tp group is missing
 ``double-reduction``       the output is exactly ``world_size`` times the dense one: it was
                            reduced twice (e.g. a layer that reduces, declared ``partial``)
 ``grad-not-reduced``       each rank's gradient (of a replicated input or parameter) is only its
                            summand: the ranks' grads differ and add up to the dense grad; the
-                           backward all-reduce is missing
+                           backward all-reduce is missing; for a replicated parameter the
+                           report names it (under sequence parallelism: a norm weight or a row
+                           bias used on one slice of the sequence per rank; NeMo #7184)
 ``grad-scaled``            a gradient is the dense one times a constant (``1/world_size``:
                            averaged instead of summed, or a value divided by the world size in
                            forward; ``world_size``: reduced twice)
@@ -31,7 +38,9 @@ diagnosis                  what the harness saw (and the usual cause)
 ``bias-grad-rank0-only``   only rank 0's bias received its gradient, the others got none or
                            zeros: the bias is added on rank 0 only, so the replicas drift apart
 ``replica-divergence``     a tensor that must be identical on every rank (a reduced output, a
-                           complete input grad, a replicated parameter or its grad) differs
+                           complete input grad, a replicated parameter or its grad) differs,
+                           or a replicated parameter differs right after construction (every
+                           rank seeded alike: its init is not synchronised; NeMo Automodel #1291)
 ``divisibility-unchecked`` a size that does not divide by the tp size was accepted (silently
                            truncated or padded), refused on some ranks only (the others failed
                            in a collective), or refused with an error naming neither the sizes
@@ -41,6 +50,10 @@ diagnosis                  what the harness saw (and the usual cause)
                            lower precision (e.g. a float16 all-reduce)
 ``shape-error``            a rank's tensor (output, grad, parameter) has the wrong shape, in no
                            recognised pattern
+``wrong-group``            with tp groups smaller than the world: a result is the sum (or the
+                           concatenation) over another set of ranks than the rank's tp group —
+                           the whole world, its data-parallel group, or its group in the other
+                           mesh layout, which the report names (Megatron-LM #7452)
 ``exception``              the variant raised on some rank: the report names the first rank
                            that raised (``Failure.rank``), the phase (build, forward, backward,
                            SGD step) and carries its traceback (``Failure.traceback``)
@@ -82,6 +95,8 @@ DIAGNOSES: dict[str, str] = {
     "wrong-shard-dim": "a tensor was split or gathered along the wrong dim (its values are the expected "
     "ones, re-cut along another dim)",
     "wrong-shard-order": "a rank holds another rank's shard (blocks of the result are permuted or repeated)",
+    "packed-shard-layout": "a packed weight (gate/up, Q/K/V) was split as one contiguous block: a rank holds a "
+    "contiguous slice of the packed dim instead of its shard of every packed part",
     "missing-reduction": "each rank returned only its own summand: the reduction over the tp group is missing",
     "double-reduction": "the result is world_size times the expected one: it was reduced twice",
     "grad-not-reduced": "each rank's gradient is only its summand: the backward all-reduce is missing",
@@ -90,6 +105,8 @@ DIAGNOSES: dict[str, str] = {
     "grad-missing": "a tensor that takes part in the forward received no gradient on some rank",
     "bias-grad-rank0-only": "only rank 0's bias received its gradient (the bias was added on rank 0 only)",
     "replica-divergence": "a tensor that must be identical on every rank of the tp group differs across ranks",
+    "wrong-group": "a result is a reduction (or gather) over another set of ranks than the layer's tp group "
+    "(e.g. the whole world): a collective runs on the wrong process group",
     "divisibility-unchecked": "a size that does not divide by the tp size was accepted (silently truncated or "
     "padded, or failing in a collective) instead of raising a clear error on every rank",
     "precision-loss": "the error is too large for the case's dtype but within rounding of a lower precision: "

@@ -5,7 +5,8 @@ The same three ideas as DTensor:
 - :class:`Shard` ``S(d)``: rank ``r`` holds the ``r``-th of ``world_size`` equal slices along
   dim ``d``. ``Shard(d, parts=(a, b, ...))`` is a packed dim made of several parts (gate/up,
   Q/K/V) that are each sharded on their own: rank ``r`` holds the ``r``-th slice of *every* part,
-  concatenated (Megatron's partition stride).
+  concatenated (Megatron's partition stride). The parts are sizes, or proportions scaled to the
+  dim (``parts=(1, 1)``: gate/up halves; ``parts=(8, 2, 2)``: grouped-query Q/K/V at any head size).
 - :class:`Replicate` ``R``: every rank holds the whole tensor.
 - :class:`Partial` ``P``: every rank holds a summand; the logical tensor is the sum over ranks.
 
@@ -32,6 +33,7 @@ __all__ = [
     "Replicate",
     "Shard",
     "assemble",
+    "part_sizes",
     "shard_shape",
     "shard_tensor",
 ]
@@ -112,11 +114,27 @@ def _check_world(rank: int, world_size: int) -> None:
 
 def _part_sizes(size: int, placement: Shard) -> tuple[int, ...]:
     parts = placement.parts or (size,)
-    if sum(parts) != size:
+    total = sum(parts)
+    # Parts are sizes, or proportions scaled to the dim: ``Shard(0, parts=(8, 2, 2))`` on a dim of
+    # 24 is parts (16, 4, 4), so one placement describes a packed QKV weight at every head size.
+    if total == 0 or size % total:
         raise InvalidArgument(
-            f"{placement}: the parts add up to {sum(parts)} but the sharded dim has size {size}"
+            f"{placement}: the parts add up to {total} but the sharded dim has size {size} (parts are sizes, "
+            "or proportions whose sum divides the dim)"
         )
-    return parts
+    scale = size // total
+    return tuple(p * scale for p in parts)
+
+
+def part_sizes(size: int, placement: Placement) -> tuple[int, ...]:
+    """The sizes of the packed parts of a dim of ``size`` under ``placement`` (one part when unpacked).
+
+    ``Shard(d, parts=...)``'s parts are sizes when they add up to ``size``, else proportions scaled
+    to it (``parts=(8, 2, 2)`` on 24 gives ``(16, 4, 4)``; ``parts=(1, 1)``: two equal halves).
+    """
+    if not isinstance(placement, Shard) or placement.parts is None:
+        return (size,)
+    return _part_sizes(size, placement)
 
 
 def _check_divisible(placement: Shard, dim_size: int, world_size: int, what: str) -> tuple[int, ...]:
@@ -190,7 +208,8 @@ def assemble(pieces: Sequence[torch.Tensor], placement: Placement) -> torch.Tens
     dim = placement.dim % pieces[0].dim()
     if placement.parts is None:
         return torch.cat(list(pieces), dim=dim)
-    local = [p // world_size for p in placement.parts]
+    total = sum(pieces[0].shape[dim] for _ in pieces)
+    local = [p // world_size for p in _part_sizes(total, placement)]
     for rank, piece in enumerate(pieces):
         if piece.shape[dim] != sum(local):
             raise InvalidArgument(

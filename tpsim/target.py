@@ -39,7 +39,9 @@ from tpsim.variant import Variant
 
 __all__ = ["TargetError", "resolve_target", "resolve_variant"]
 
-_OPTION_NAMES = ("convention", "kind", "input", "output", "input_grad")
+_OPTION_NAMES = ("convention", "kind", "input", "output", "input_grad", "packed", "sequence_dim")
+#: Options that override a variant's layout after it is built (plain classes and declared variants).
+_LAYOUT_OPTIONS = ("packed", "sequence_dim")
 #: Modules whose variants are declared elsewhere (the layer core never imports the harness).
 _DECLARED_IN = {"tpsim.layers": "tpsim.builtin_variants"}
 _lock = threading.Lock()
@@ -100,6 +102,9 @@ def declared_variants(module: ModuleType) -> list[Variant]:
 
 def _adapt(obj: Any, where: str, options: Mapping[str, Any]) -> list[Variant]:
     overrides = {k: options[k] for k in ("input", "output", "input_grad") if options.get(k) is not None}
+    layout = {k: options[k] for k in _LAYOUT_OPTIONS if options.get(k) is not None}
+    if layout:
+        return [v.replace(**layout) for v in _adapt(obj, where, {k: v for k, v in options.items() if k not in layout})]
     if isinstance(obj, Variant):
         if options.get("convention") is not None:
             raise TargetError(f"{where} is a tpsim Variant; --convention applies to plain nn.Module classes only")
@@ -177,6 +182,8 @@ def resolve_target(target: str, **options: Any) -> list[Variant]:
     unknown = set(options) - set(_OPTION_NAMES)
     if unknown:
         raise InvalidArgument(f"unknown option(s) {sorted(unknown)}; expected some of {list(_OPTION_NAMES)}")
+    if isinstance(options.get("packed"), list):  # a case file's JSON list: hashable again
+        options = dict(options, packed=tuple(options["packed"]))
     key = (target, tuple(sorted((k, v) for k, v in options.items() if v is not None)))
     with _lock:
         cached = _cache.get(key)

@@ -3,12 +3,19 @@
 A :class:`Variant` is data about a layer implementation, written once per implementation:
 
 - ``kind``: ``"column"`` (output features sharded) or ``"row"`` (input features sharded);
-- ``input``: what each rank is given — ``"replicated"`` (the full input on every rank) or
-  ``"sharded"`` (rank ``r`` gets the ``r``-th slice of the last dim);
+- ``input``: what each rank is given — ``"replicated"`` (the full input on every rank),
+  ``"sharded"`` (rank ``r`` gets the ``r``-th slice of the last dim) or ``"sequence-sharded"``
+  (a column layer under sequence parallelism: rank ``r`` gets the ``r``-th slice of the sequence
+  dim ``sequence_dim``, by default -2, the dim before the features; dim 0 of a 2-D input);
 - ``output``: what each rank returns — ``"sharded"`` (its slice of the output features),
   ``"gathered"`` (the full output, gathered by the layer), ``"partial"`` (a summand: the harness
-  sums the ranks' outputs, as the caller's all-reduce would) or ``"reduced"`` (the full output,
-  reduced by the layer);
+  sums the ranks' outputs, as the caller's all-reduce would), ``"reduced"`` (the full output,
+  reduced by the layer) or ``"sequence-sharded"`` (a row layer under sequence parallelism: the
+  reduced output's ``r``-th slice of the sequence dim, as a reduce-scatter returns it);
+- ``packed``: a column weight made of several packed parts (gate/up: ``(1, 1)``; grouped-query
+  Q/K/V: e.g. ``(8, 2, 2)``), sizes or proportions of ``out_features``: each part is sharded on its
+  own, rank ``r`` holding shard ``r`` of every part (sets the weight and bias placements to
+  ``Shard(0, parts=packed)`` and the sharded output's layout likewise);
 - ``input_grad``: for a replicated input, ``"complete"`` (Megatron's rule, the default: every rank
   holds the full input gradient after backward) or ``"partial"`` (each rank holds a summand and
   the caller reduces it);
@@ -73,15 +80,15 @@ __all__ = [
 ]
 
 KINDS = ("column", "row")
-#: Input placements a variant can declare (issue 12 adds "sequence-sharded").
-INPUTS = ("replicated", "sharded")
+#: Input placements a variant can declare.
+INPUTS = ("replicated", "sharded", "sequence-sharded")
 #: Output placements a variant can declare.
-OUTPUTS = ("sharded", "gathered", "partial", "reduced")
+OUTPUTS = ("sharded", "gathered", "partial", "reduced", "sequence-sharded")
 INPUT_GRADS = ("complete", "partial")
 
 _VALID_IO = {
-    "column": {"input": ("replicated",), "output": ("sharded", "gathered")},
-    "row": {"input": ("sharded", "replicated"), "output": ("partial", "reduced")},
+    "column": {"input": ("replicated", "sequence-sharded"), "output": ("sharded", "gathered")},
+    "row": {"input": ("sharded", "replicated"), "output": ("partial", "reduced", "sequence-sharded")},
 }
 
 
@@ -190,6 +197,22 @@ class Variant:
     forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
     description: str = ""
     notes: tuple[str, ...] = ()
+    #: Restrictions of the implementation (documented upstream limits, not bugs tpsim should report;
+    #: cite the limit where the variant is declared): generated cases have at least ``min_batch_dims`` leading batch
+    #: dims and feature dims of at least ``min_features``; ``divisible_only`` generates divisible
+    #: cases only, so the divisibility property does not apply (reports say so).
+    min_batch_dims: int = 0
+    min_features: int = 1
+    divisible_only: bool = False
+    #: Sequence parallelism: the dim of the input (``input="sequence-sharded"``) or output
+    #: (``output="sequence-sharded"``) that is sharded; must come before the feature dim.
+    sequence_dim: int = -2
+    #: Packed parts of a column weight's output features (sizes or proportions), see above.
+    packed: tuple[int, ...] | None = None
+    #: Whether the layer can shard over a tp group smaller than the world (it uses the ``group``
+    #: its builder is given). False for layers that read their rank from the default group (the
+    #: master-weight convention): only ``tp_size == world_size`` cases are generated, and reports say so.
+    subgroups: bool = True
     target: str | None = None
     options: tuple[tuple[str, Any], ...] = field(default=())
 
@@ -208,6 +231,7 @@ class Variant:
             object.__setattr__(self, "params", _default_params(self.kind, self.bias))
         else:
             object.__setattr__(self, "params", tuple(self.params))
+        self._init_sequence_and_packing()
         valid = _VALID_IO[self.kind]
         if self.input not in valid["input"]:
             raise InvalidArgument(
@@ -219,6 +243,12 @@ class Variant:
                 f"Variant {self.name!r}: output={self.output!r} is not valid for a {self.kind} layer; "
                 f"expected one of {', '.join(valid['output'])}"
             )
+        for name, low in (("min_batch_dims", 0), ("min_features", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise InvalidArgument(f"Variant {self.name!r}: {name}={value!r}; expected an int >= {low}")
+        if not isinstance(self.divisible_only, bool):
+            raise InvalidArgument(f"Variant {self.name!r}: divisible_only={self.divisible_only!r}; expected a bool")
         if self.input_grad not in INPUT_GRADS:
             raise InvalidArgument(
                 f"Variant {self.name!r}: input_grad={self.input_grad!r}; expected one of {', '.join(INPUT_GRADS)}"
@@ -232,16 +262,98 @@ class Variant:
                 "add a ParamSpec for the bias or pass bias=False"
             )
 
+    def _init_sequence_and_packing(self) -> None:
+        if isinstance(self.sequence_dim, bool) or not isinstance(self.sequence_dim, int) or self.sequence_dim == -1:
+            raise InvalidArgument(
+                f"Variant {self.name!r}: sequence_dim={self.sequence_dim!r}; expected an int naming a dim before "
+                "the feature dim (default -2; -1 is the feature dim)"
+            )
+        if self.packed is None:
+            # A packed placement declared on the weight's ParamSpec is the variant's packing too.
+            weight = self.param("weight")
+            parts = getattr(weight.placement, "parts", None) if weight is not None else None
+            if self.kind == "column" and parts is not None and weight.placement.dim % 2 == 0:  # type: ignore[union-attr]
+                object.__setattr__(self, "packed", tuple(parts))
+            return
+        packed = self.packed
+        if isinstance(packed, int) and not isinstance(packed, bool):
+            packed = (1,) * packed  # K equal parts
+        try:
+            packed = tuple(packed)
+            Shard(0, parts=packed)
+        except (TypeError, InvalidArgument):
+            raise InvalidArgument(
+                f"Variant {self.name!r}: packed={self.packed!r}; expected K (equal parts) or part sizes/proportions "
+                "such as (8, 2, 2)"
+            ) from None
+        if self.kind != "column":
+            raise InvalidArgument(f"Variant {self.name!r}: packed={packed} applies to column layers only")
+        object.__setattr__(self, "packed", packed)
+        specs = []
+        for spec in self.params or ():
+            if isinstance(spec.placement, Shard) and spec.placement.dim % 2 == 0:
+                spec = dataclasses.replace(spec, placement=Shard(spec.placement.dim, parts=packed))
+            specs.append(spec)
+        object.__setattr__(self, "params", tuple(specs))
+
     # -- placements -------------------------------------------------------------------------
     @property
     def input_placement(self) -> Placement:
         """Placement of the layer input over the tp group."""
+        if self.input == "sequence-sharded":
+            return Shard(self.sequence_dim)
         return Shard(-1) if self.input == "sharded" else Replicate()
 
     @property
     def output_placement(self) -> Placement:
-        """Placement of the layer output over the tp group."""
-        return {"sharded": Shard(-1), "partial": Partial()}.get(self.output or "", Replicate())
+        """Placement of the layer output over the tp group (a packed column's shards are per part)."""
+        if self.output == "sequence-sharded":
+            return Shard(self.sequence_dim)
+        if self.output == "sharded":
+            return Shard(-1, parts=self.packed) if self.packed else Shard(-1)
+        return {"partial": Partial()}.get(self.output or "", Replicate())
+
+    def sequence_dim_of(self, ndim: int) -> int | None:
+        """The (non-negative) sequence dim of an ``ndim``-dim input, when the variant is
+        sequence-parallel and the input has one (None otherwise)."""
+        if "sequence-sharded" not in (self.input, self.output):
+            return None
+        d = self.sequence_dim + ndim if self.sequence_dim < 0 else self.sequence_dim
+        return d if 0 <= d < ndim - 1 else None
+
+    def min_sequence_batch_dims(self) -> int:
+        """How many leading batch dims an input needs to have a sequence dim (0: not sequence-parallel)."""
+        if "sequence-sharded" not in (self.input, self.output):
+            return 0
+        # sequence_dim -2 needs one batch dim (a 2-D input), -3 two; d >= 0 needs d + 1.
+        return -self.sequence_dim - 1 if self.sequence_dim < 0 else self.sequence_dim + 1
+
+    def layout_kwargs(self, out_features: int) -> dict[str, Any]:
+        """Extra builder keywords of a packed or sequence-parallel variant, for builders that take them:
+        ``parts`` (the packed part sizes for ``out_features``) and ``sequence_dim``. A builder gets
+        each one only when its signature names it (or takes ``**kwargs``), so plain builders keep working."""
+        extra: dict[str, Any] = {}
+        if self.packed:
+            from tpsim.placement import part_sizes
+
+            try:
+                extra["parts"] = part_sizes(out_features, Shard(0, parts=self.packed))
+            except InvalidArgument:
+                pass  # out_features is no multiple of the proportions: the builder decides alone
+        if "sequence-sharded" in (self.input, self.output):
+            extra["sequence_dim"] = self.sequence_dim
+        if not extra:
+            return extra
+        import inspect
+
+        try:
+            params = inspect.signature(self.build).parameters.values()
+        except (TypeError, ValueError):
+            return {}
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            return extra
+        names = {p.name for p in params}
+        return {k: v for k, v in extra.items() if k in names}
 
     def param(self, master: str) -> ParamSpec | None:
         """The spec of the ``"weight"`` or ``"bias"`` parameter (None when there is none)."""
@@ -271,7 +383,23 @@ class Variant:
         )
         if not self.bias:
             text += "; no bias (bias-free cases only)"
+        restrictions = self.restrictions()
+        if restrictions:
+            text += "; " + "; ".join(restrictions)
         return text
+
+    def restrictions(self) -> tuple[str, ...]:
+        """The declared case restrictions in words (empty when there are none), for reports."""
+        out = []
+        if self.min_batch_dims:
+            out.append(f"inputs with at least {self.min_batch_dims} batch dim(s) only")
+        if self.min_features > 1:
+            out.append(f"feature sizes of at least {self.min_features} only")
+        if self.divisible_only:
+            out.append("divisible cases only: the divisibility property does not apply")
+        if not self.subgroups:
+            out.append("tp groups spanning the whole world only (subgroups=False: it does not take a tp group)")
+        return tuple(out)
 
     def replace(self, **changes: Any) -> Variant:
         """A copy with ``changes`` applied (validation runs again)."""
@@ -290,8 +418,12 @@ class Variant:
         master_weight: torch.Tensor,
         master_bias: torch.Tensor | None,
         dtype: torch.dtype,
+        on_built: Callable[[nn.Module], None] | None = None,
     ) -> nn.Module:
-        """Build the layer of ``rank`` and load the master values into it (see :func:`load_master`)."""
+        """Build the layer of ``rank`` and load the master values into it (see :func:`load_master`).
+
+        ``on_built(module)`` runs between construction and loading (the harness reads the layer's own
+        initialisation there, e.g. to check that replicated parameters agree across ranks)."""
         if bias and not self.bias:
             raise InvalidArgument(f"variant {self.name!r} has no bias; bias=True cannot be built")
         module = self.build(
@@ -304,11 +436,14 @@ class Variant:
             master_weight=master_weight,
             master_bias=master_bias,
             dtype=dtype,
+            **self.layout_kwargs(out_features),
         )
         if not isinstance(module, nn.Module):
             raise InvalidArgument(
                 f"the builder of variant {self.name!r} returned {type(module).__name__}; expected an nn.Module"
             )
+        if on_built is not None:
+            on_built(module)
         load_master(module, self, rank=rank, world_size=world_size, masters={"weight": master_weight, "bias": master_bias})
         return module
 
@@ -318,13 +453,40 @@ class Variant:
 
 
 def get_param(module: nn.Module, name: str) -> torch.Tensor | None:
-    """The tensor at attribute path ``name`` (None when absent or None)."""
+    """The tensor at attribute path ``name`` (None when absent or None).
+
+    A DTensor parameter (``torch.distributed.tensor.parallel``) reports its *global* shape, while a
+    :class:`ParamSpec` describes what one rank stores: for one, this returns its local shard (an
+    alias: writes go through to the parameter) with the local shard of its grad as ``.grad``.
+    """
     obj: Any = module
     for part in name.split("."):
         obj = getattr(obj, part, None)
         if obj is None:
             return None
-    return obj if isinstance(obj, torch.Tensor) else None
+    if not isinstance(obj, torch.Tensor):
+        return None
+    return _local_shard(obj) if _is_dtensor(obj) else obj
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    # Checked by type only when torch.distributed.tensor is importable (it is absent from some builds).
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return isinstance(tensor, DTensor)
+
+
+def _local_shard(param: Any) -> torch.Tensor:
+    with torch.no_grad():
+        # detach(): a new tensor object over the same storage, so setting its .grad below leaves the
+        # DTensor's own local tensor untouched.
+        local = param.to_local().detach()
+    grad = param.grad
+    if grad is not None:
+        local.grad = (grad.to_local() if _is_dtensor(grad) else grad).detach()
+    return local
 
 
 def stored_shape(spec: ParamSpec, master_shape: tuple[int, ...], world_size: int) -> tuple[int, ...]:

@@ -7,8 +7,9 @@ world of ``world_size`` processes and returns a :class:`tpsim.WorldResult`.
   the processes of a world are kept: a pool per ``(backend, world_size)`` initialises
   ``torch.distributed`` once (rendezvous through a ``FileStore`` in a fresh temp dir: no port,
   so parallel pytest-xdist workers never collide) and then runs one submitted function after
-  another. At most :data:`MAX_POOLS` pools live at once (least recently used goes first); an
-  atexit hook ends them.
+  another. At most :data:`MAX_POOLS` pools and :data:`MAX_POOL_WORKERS` idle worker processes
+  live at once (least recently used pools go first; a single pool larger than the worker bound
+  is still kept, alone); an atexit hook ends them all.
 * **Failures end the pool.** A rank that raises, dies or hangs makes the world unusable (its
   peers may be stuck in, or half-way through, a collective), so the pool is killed and reaped
   at once — not at gloo's timeout — and the next call starts a fresh one.
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_POOLS",
+    "MAX_POOL_WORKERS",
     "PROCESS_BACKENDS",
     "live_worker_pids",
     "ensure_pool",
@@ -64,8 +66,28 @@ __all__ = [
 #: Backends served by real processes.
 PROCESS_BACKENDS = ("gloo", "nccl")
 
-#: Pools kept alive at once; each holds world_size processes with torch loaded (~300 MB each).
-MAX_POOLS = 2
+
+def _env_count(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
+    if raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise InvalidArgument(f"environment variable {name}={raw!r} must be a whole number >= 1")
+    return value
+
+
+#: Pools kept alive at once (environment: ``TPSIM_MAX_POOLS``). A search draws several world
+#: sizes in turn; with fewer pools than sizes each draw restarted a pool (seconds, instead of
+#: ~0.02 s per example on a reused one).
+MAX_POOLS = _env_count("TPSIM_MAX_POOLS", 6)
+#: Worker processes kept alive at once over all pools (environment: ``TPSIM_MAX_POOL_WORKERS``);
+#: each has torch loaded (~300 MB resident), so this bounds the memory idle pools hold. The
+#: default holds, e.g., the pools of world sizes 1-4 (10 workers) plus one of size 6.
+MAX_POOL_WORKERS = _env_count("TPSIM_MAX_POOL_WORKERS", 16)
 
 #: After one rank failed, how long ranks still running their own code get to report their own
 #: error before the world is stopped (ranks blocked in a collective are not waited for).
@@ -311,20 +333,31 @@ def _discard(key: tuple[str, int]) -> None:
         pool.kill()
 
 
+def _trim(pools: int, workers: int) -> None:
+    """End least recently used pools until ``pools`` more pools and ``workers`` more workers
+    fit within MAX_POOLS and MAX_POOL_WORKERS. With ``pools=0`` (a pool was just reused) the
+    most recent pool, the one in use, always stays."""
+    while len(_POOLS) > 1 or (pools and _POOLS):
+        if (len(_POOLS) + pools <= MAX_POOLS
+                and sum(k[1] for k in _POOLS) + workers <= MAX_POOL_WORKERS):
+            return
+        _, oldest = _POOLS.popitem(last=False)
+        oldest.kill()
+
+
 def _pool_for(backend: str, world_size: int) -> _Pool:
     key = (backend, world_size)
     pool = _POOLS.get(key)
     if pool is not None:
         if pool.healthy():
             _POOLS.move_to_end(key)
+            _trim(0, 0)  # the bounds may have been lowered since (tests, a caller's config)
             return pool
         if os.getpid() != pool.owner_pid:
             _POOLS.clear()  # inherited through fork: forget the parent's pools, never touch them
         else:
             _discard(key)
-    while len(_POOLS) >= MAX_POOLS:
-        _, oldest = _POOLS.popitem(last=False)
-        oldest.kill()
+    _trim(1, world_size)  # room for the new pool and its workers
     if not _ATEXIT_REGISTERED[0]:
         atexit.register(shutdown_pools)
         _ATEXIT_REGISTERED[0] = True

@@ -47,7 +47,7 @@ class WorldBroken(Exception):
         self.faulty_ranks = faulty_ranks
 
 
-@dataclass
+@dataclass(slots=True)  # slots: attribute access on every hand-off
 class RankSlot:
     """Scheduler-side record of one rank."""
 
@@ -136,16 +136,33 @@ class Scheduler:
                 raise self.broken
             if ready():
                 return
-            slot.state = BLOCKED
-            slot.waiting_on = waiting_on
-            nxt = self._next_ready(rank)
-            if nxt is None:
-                self._declare_stuck(slot)
-                raise self.broken  # type: ignore[misc]
-            slot.saved = ProcessLocalState.capture()
-            self._give(nxt)
-            self._wait_baton(slot)
-            slot.waiting_on = None
+            self.block(slot, waiting_on)
+
+    def block(self, slot: RankSlot, waiting_on: Any) -> None:
+        """Park ``slot``'s rank once: hand the baton on and wait until it comes back.
+
+        The caller re-checks its condition afterwards (a rank is woken for any change).
+        Raises WorldBroken when no other rank can run.
+        """
+        slot.state = BLOCKED
+        slot.waiting_on = waiting_on
+        # _next_ready, inlined (hot path): the next rank after this one in ring order.
+        slots = self.slots
+        n = self.world_size
+        r = slot.rank
+        nxt = None
+        for _ in range(n - 1):
+            r = r + 1 if r + 1 < n else 0
+            if slots[r].state == READY:
+                nxt = r
+                break
+        if nxt is None:
+            self._declare_stuck(slot)
+            raise self.broken  # type: ignore[misc]
+        slot.saved = ProcessLocalState.capture()
+        self._give(nxt)
+        self._wait_baton(slot)
+        slot.waiting_on = None
 
     def wake(self, rank: int) -> None:
         """Mark a blocked rank ready (it runs when the baton reaches it)."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 __all__ = ["CollectiveCall", "Trace"]
 
 
-@dataclass(eq=True)
+@dataclass(eq=True, slots=True)
 class CollectiveCall:
     """One collective as issued by one rank.
 
@@ -20,7 +20,8 @@ class CollectiveCall:
     (``all_reduce #3 on group tp`` is the third call on that group). ``shapes`` and
     ``dtypes`` describe the tensors the rank contributed (inputs), in call order.
     (Not frozen: a frozen dataclass's ``__init__`` costs several microseconds, and one is
-    made per collective on the in-process hot path. Treat it as read-only.)
+    made per collective on the in-process hot path. Treat it as read-only. Slotted: smaller
+    and quicker to make; world size 256 records hundreds of thousands of them.)
     """
 
     rank: int

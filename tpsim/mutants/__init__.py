@@ -43,6 +43,20 @@ from tpsim.mutants.column import (
     ColumnWrongSplitDim,
     CorrectColumn,
 )
+from tpsim.mutants.gallery import (
+    ColumnBackwardContiguousCopy,
+    ColumnViewFlatten,
+    RowContiguousCopyReduce,
+    RowReplicaInitDiverges,
+    RowWrongGroup,
+)
+from tpsim.mutants.packed import (
+    CorrectPackedGateUp,
+    CorrectPackedQKV,
+    PackedDivisibilityOnTotal,
+    PackedGateUpContiguous,
+    PackedQKVContiguous,
+)
 from tpsim.mutants.row import (
     CorrectRow,
     RowBiasBeforeReduce,
@@ -52,11 +66,16 @@ from tpsim.mutants.row import (
     RowHalfPrecisionReduce,
     RowNoReduceWithoutBias,
 )
+from tpsim.mutants.sequence import (
+    CorrectSequenceRow,
+    SequenceRowBiasGradNotReduced,
+    SequenceRowScatterBatchDim,
+)
 from tpsim.mutants.tp_rank import CorrectTpRankColumn, CorrectTpRankRow
 from tpsim.placement import Replicate, Shard
 from tpsim.variant import ParamSpec, Variant
 
-__all__ = ["CATALOG", "CORRECT", "TPSIM_VARIANTS", "Mutant", "master_weight_variant", "tp_rank_variant"]
+__all__ = ["CATALOG", "CORRECT", "CORRECT_PACKED_AND_SEQUENCE", "TPSIM_VARIANTS", "Mutant", "master_weight_variant", "tp_rank_variant"]
 
 _MODULE = "tpsim.mutants"
 
@@ -133,9 +152,11 @@ class Mutant:
 
 
 def _mutant(name: str, cls: type[nn.Module], kind: str, diagnosis: str, *, output: str | None = None,
-            needs: str = "") -> tuple[Mutant, Variant]:
+            needs: str = "", **changes: Any) -> tuple[Mutant, Variant]:
     attr = name.replace("-", "_")
     variant = master_weight_variant(cls, kind, name=attr, output=output)
+    if changes:  # e.g. packed=(1, 1): the variant's declared layout
+        variant = variant.replace(**changes)
     return Mutant(name, variant.target or "", variant, diagnosis, _first_paragraph(cls.__doc__), needs), variant
 
 
@@ -154,6 +175,16 @@ correct_column_gathered = master_weight_variant(
     _CorrectColumnGathered, "column", name="correct_column_gathered", output="gathered"
 )
 correct_row = master_weight_variant(CorrectRow, "row", name="correct_row")
+correct_packed_gate_up = master_weight_variant(CorrectPackedGateUp, "column", name="correct_packed_gate_up").replace(
+    packed=(1, 1))
+correct_packed_qkv = master_weight_variant(CorrectPackedQKV, "column", name="correct_packed_qkv").replace(
+    packed=(8, 2, 2))
+correct_sequence_row = master_weight_variant(CorrectSequenceRow, "row", name="correct_sequence_row",
+                                             output="sequence-sharded")
+#: Correct packed and sequence-parallel forms (issue 12): they must pass too (tests/test_packed.py,
+#: tests/test_sequence_parallel.py check them; kept out of CORRECT to keep that list's 500-example
+#: runs as they were).
+CORRECT_PACKED_AND_SEQUENCE: list[Variant] = [correct_packed_gate_up, correct_packed_qkv, correct_sequence_row]
 correct_tp_rank_column = tp_rank_variant(CorrectTpRankColumn, "column", name="correct_tp_rank_column")
 correct_tp_rank_row = tp_rank_variant(CorrectTpRankRow, "row", name="correct_tp_rank_row")
 
@@ -198,6 +229,28 @@ _ENTRIES = [
             needs="input that is not 2-D"),
     _mutant("column-bias-default-dtype", ColumnBiasDefaultDtype, "column", "exception",
             needs="bias, a dtype other than float32"),
+    # Packed weights and sequence parallelism (issue 12); each docstring cites its report.
+    _mutant("packed-gate-up-contiguous", PackedGateUpContiguous, "column", "packed-shard-layout",
+            needs="world size >= 2", packed=(1, 1)),
+    _mutant("packed-qkv-gqa-contiguous", PackedQKVContiguous, "column", "packed-shard-layout",
+            needs="world size >= 2", packed=(8, 2, 2)),
+    _mutant("packed-divisibility-on-total", PackedDivisibilityOnTotal, "column", "divisibility-unchecked",
+            needs="a packed part not divisible by the world size while their sum is", packed=(1, 1)),
+    _mutant("sequence-scatter-batch-dim", SequenceRowScatterBatchDim, "row", "wrong-shard-dim",
+            output="sequence-sharded", needs="3-D (or deeper) input, world size >= 2"),
+    _mutant("sequence-bias-grad-not-reduced", SequenceRowBiasGradNotReduced, "row", "grad-not-reduced",
+            output="sequence-sharded", needs="bias, world size >= 2, a sequence longer than one token per rank"),
+    # The gallery of published bugs (issue 11, tpsim/mutants/gallery.py); each docstring cites its report.
+    _mutant("row-wrong-group", RowWrongGroup, "row", "wrong-group", needs="tp_size < world_size"),
+    _mutant("row-contiguous-copy-reduce", RowContiguousCopyReduce, "row", "missing-reduction",
+            needs="transposed (sequence-first) or strided input, world size >= 2"),
+    _mutant("column-backward-contiguous-copy", ColumnBackwardContiguousCopy, "column", "grad-not-reduced",
+            needs="transposed or strided upstream gradient, world size >= 2"),
+    _mutant("column-view-flatten", ColumnViewFlatten, "column", "exception",
+            needs="non-contiguous input with 2 or more batch dims"),
+    (lambda v: (Mutant("row-replica-init-diverges", v.target or "", v, "replica-divergence",
+                       _first_paragraph(RowReplicaInitDiverges.__doc__), "bias, tp size >= 2"), v))(
+        tp_rank_variant(RowReplicaInitDiverges, "row", name="row_replica_init_diverges")),
 ]
 
 #: Every catalogued mutant, in a stable order.
