@@ -95,3 +95,16 @@ def test_no_assert_statements_in_library_code() -> None:
                 if isinstance(node, ast.Assert):
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not offenders, offenders
+
+
+def test_readme_documents_every_diagnosis() -> None:
+    from tpsim.diagnosis import DIAGNOSES
+
+    readme = (ROOT / "README.md").read_text()
+    missing = [name for name in DIAGNOSES if f"`{name}`" not in readme]
+    assert not missing, f"README.md does not document the diagnoses {missing}"
+
+
+def test_readme_has_no_unfilled_placeholders() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert not re.findall(r"^[A-Z_]{10,}$", readme, re.M)
