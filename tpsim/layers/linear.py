@@ -178,6 +178,31 @@ def check_options(options: dict[str, Any], allowed: Sequence[str], owner: str) -
 # ------------------------------------------------------------------------------ the layers
 
 
+def _from_dense(cls: Any, linear: Any, group: Group, options: dict[str, Any], *, shard_bias: bool) -> Any:
+    """Build ``cls``'s shard of a dense ``nn.Linear``: skip the random init, copy the master slices.
+
+    A column layer shards its bias with the weight; a row layer keeps the full bias (added once,
+    after the reduction).
+    """
+    check_dense(linear, cls.__name__)
+    check_options(options, cls.OPTIONS, cls.__name__)
+    with skip_init():
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            group=group,
+            dtype=linear.weight.dtype,
+            device=linear.weight.device,
+            **options,
+        )
+    with torch.no_grad():
+        layer.weight.copy_(layer.shard(linear.weight))
+        if layer.bias is not None:
+            layer.bias.copy_(layer.shard(linear.bias) if shard_bias else linear.bias)
+    return layer
+
+
 class ColumnParallelLinear(nn.Module):
     """``y = x Wᵀ + b`` with ``W``'s output features (rows) sharded over the tensor-parallel group.
 
@@ -303,23 +328,7 @@ class ColumnParallelLinear(nn.Module):
         ``options`` are the constructor's keyword options (``gather_output``, ``parts``,
         ``sequence_parallel``, ``sequence_dim``).
         """
-        check_dense(linear, cls.__name__)
-        check_options(options, cls.OPTIONS, cls.__name__)
-        with skip_init():
-            layer = cls(
-                linear.in_features,
-                linear.out_features,
-                linear.bias is not None,
-                group=group,
-                dtype=linear.weight.dtype,
-                device=linear.weight.device,
-                **options,
-            )
-        with torch.no_grad():
-            layer.weight.copy_(layer.shard(linear.weight))
-            if layer.bias is not None:
-                layer.bias.copy_(layer.shard(linear.bias))
-        return layer
+        return _from_dense(cls, linear, group, options, shard_bias=True)
 
     @torch.no_grad()
     def to_dense(self) -> nn.Linear:
@@ -449,23 +458,7 @@ class RowParallelLinear(nn.Module):
         ``options`` are the constructor's keyword options (``input_is_parallel``,
         ``sequence_parallel``, ``sequence_dim``).
         """
-        check_dense(linear, cls.__name__)
-        check_options(options, cls.OPTIONS, cls.__name__)
-        with skip_init():
-            layer = cls(
-                linear.in_features,
-                linear.out_features,
-                linear.bias is not None,
-                group=group,
-                dtype=linear.weight.dtype,
-                device=linear.weight.device,
-                **options,
-            )
-        with torch.no_grad():
-            layer.weight.copy_(layer.shard(linear.weight))
-            if layer.bias is not None:
-                layer.bias.copy_(linear.bias)
-        return layer
+        return _from_dense(cls, linear, group, options, shard_bias=False)
 
     @torch.no_grad()
     def to_dense(self) -> nn.Linear:
