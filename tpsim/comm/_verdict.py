@@ -73,7 +73,7 @@ def _load_error(outcome: Outcome) -> BaseException | None:
         return None
     try:
         exc = pickle.loads(outcome.error)
-    except Exception:
+    except Exception:  # a class this process cannot rebuild: the text traceback still reports it
         return None
     return exc if isinstance(exc, BaseException) else None
 

@@ -37,6 +37,15 @@ def _shape(normalized_shape: int | Sequence[int], owner: str) -> tuple[int, ...]
     return shape
 
 
+def _copy_affine(src: nn.Module, dst: nn.Module) -> None:
+    """Copy the affine parameters both norms have (a missing bias, e.g. RMSNorm's, is skipped)."""
+    with torch.no_grad():
+        for name in ("weight", "bias"):
+            value, target = getattr(src, name, None), getattr(dst, name, None)
+            if value is not None and target is not None:
+                target.copy_(value)
+
+
 class _SequenceParallelNorm(nn.Module):
     """Shared set-up: replicated affine parameters whose grads are all-reduced when sequence-parallel."""
 
@@ -96,11 +105,7 @@ class _SequenceParallelNorm(nn.Module):
             )
 
     def _copy_into(self, dense: nn.Module) -> None:
-        with torch.no_grad():
-            if self.weight is not None:
-                dense.weight.copy_(self.weight)
-            if self.bias is not None:
-                dense.bias.copy_(self.bias)
+        _copy_affine(self, dense)
 
     def extra_repr(self) -> str:
         return (
@@ -157,11 +162,7 @@ class LayerNorm(_SequenceParallelNorm):
             device=None if ref is None else ref.device,
             **options,
         )
-        with torch.no_grad():
-            if norm.weight is not None and layer.weight is not None:
-                layer.weight.copy_(norm.weight)
-            if norm.bias is not None and layer.bias is not None:
-                layer.bias.copy_(norm.bias)
+        _copy_affine(norm, layer)
         return layer
 
     def to_dense(self) -> nn.LayerNorm:
@@ -222,9 +223,7 @@ class RMSNorm(_SequenceParallelNorm):
             device=None if ref is None else ref.device,
             **options,
         )
-        with torch.no_grad():
-            if norm.weight is not None and layer.weight is not None:
-                layer.weight.copy_(norm.weight)
+        _copy_affine(norm, layer)
         return layer
 
     def to_dense(self) -> nn.RMSNorm:
