@@ -62,6 +62,14 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(result, fh, indent=1, default=str)
     with open(os.path.join(args.out, "bench.md"), "w", encoding="utf-8") as fh:
         fh.write(report.markdown(result, images))
+    readme = os.path.join(sections.ROOT, "README.md")
+    if os.path.abspath(args.out) == os.path.join(sections.ROOT, "docs") and not args.quick and os.path.exists(readme):
+        # the README's performance section quotes docs/bench.md: regenerate them together
+        with open(readme, encoding="utf-8") as fh:
+            text = fh.read()
+        with open(readme, "w", encoding="utf-8") as fh:
+            fh.write(report.update_readme(text, report.markdown(result, images)))
+        print(f"[bench] updated the Performance section of {readme}")
     for h in result["headline"]:
         print(f"[bench] ws={h['world_size']}: inproc/floor={h['inproc_over_floor']}, "
               f"threaded/inproc={h['threaded_over_inproc']}")

@@ -40,19 +40,42 @@ def _ratio(a: Any, b: Any) -> str:
     return "—" if a is None or b is None or b == 0 else f"{a / b:.2f}x"
 
 
+def _at(sec: dict[str, Any], backend: str, ws: Any) -> Any:
+    """``sec[backend][ws]``; JSON turned the world-size keys into strings."""
+    series = sec.get(backend) or {}
+    return series.get(ws, series.get(str(ws)))
+
+
 def headline(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """inproc/floor and threaded/inproc at the headline world sizes."""
+    """inproc/floor, inproc/compute and threaded/inproc at the headline world sizes."""
     step = result.get("step")
     if not step:
         return []
     sec = step["seconds"]
     rows = []
     for ws in step["headline"]:
-        f, i, t = (sec[b].get(ws, sec[b].get(str(ws))) for b in ("floor", "inproc", "threaded"))
-        rows.append({"world_size": ws, "floor_s": f, "inproc_s": i, "threaded_s": t,
+        f, c, i, t = (_at(sec, b, ws) for b in ("floor", "compute", "inproc", "threaded"))
+        rows.append({"world_size": ws, "floor_s": f, "compute_s": c, "inproc_s": i, "threaded_s": t,
                      "inproc_over_floor": None if i is None or not f else i / f,
+                     "inproc_over_compute": None if i is None or not c else i / c,
                      "threaded_over_inproc": None if t is None or not i else t / i})
     return rows
+
+
+def worst_over_floor(result: dict[str, Any], low: int = 2, high: int = 128) -> tuple[int, float] | None:
+    """The world size in [low, high] where inproc is furthest from the floor, and that ratio."""
+    step = result.get("step")
+    if not step:
+        return None
+    ratios = []
+    for ws in step["sizes"]:
+        f, i = _at(step["seconds"], "floor", ws), _at(step["seconds"], "inproc", ws)
+        if low <= int(ws) <= high and f and i:
+            ratios.append((i / f, int(ws)))
+    if not ratios:
+        return None
+    ratio, ws = max(ratios)
+    return ws, ratio
 
 
 def markdown(result: dict[str, Any], images: dict[str, str]) -> str:
@@ -78,25 +101,42 @@ def markdown(result: dict[str, Any], images: dict[str, str]) -> str:
             "",
             f"Issue 3's workload: {step['steps']} steps of a column-parallel linear forward+backward per rank "
             "(B=8, I=O=64 per rank, float32, autograd), one all_gather of the output and one all_reduce of the "
-            "input grad per step; loop seconds (max over ranks). *floor*: the same arithmetic for every rank, "
-            "rank after rank, in one thread. *threaded*: torch's internal `multi_threaded_pg` (a comparison, "
+            "input grad per step; loop seconds (max over ranks). *floor* (issue 3's): the same arithmetic for "
+            "every rank, rank after rank, in one thread, every rank receiving what the collectives deliver "
+            "(its own copy of the gathered output and of the summed grad). *compute*: the same without "
+            "delivery, each collective's result built once for nobody: a lower bound no backend can reach, "
+            "shown for transparency. *threaded*: torch's internal `multi_threaded_pg` (a comparison, "
             "imported only by the benchmark). One intra-op thread everywhere.",
+            "",
+            f"Each number is the fastest of {step.get('repeats', 1)} runs for floor, compute and inproc, run "
+            "interleaved in one process per world size (floor, compute, inproc, floor, ...), and of "
+            f"{step.get('alone_repeats', step.get('repeats', 1))} for threaded and gloo, in processes of their "
+            "own. A run of "
+            f"{step.get('repeat_below_s', 10):g} s or more is not repeated. Every run's time is in bench.json "
+            "(`step.samples`).",
             "",
             "### Headline",
             "",
-            "| world size | floor s | inproc s | threaded s | inproc / floor | threaded / inproc |",
-            "|---:|---:|---:|---:|---:|---:|",
+            "| world size | floor s | inproc s | threaded s | inproc / floor | inproc / compute | threaded / inproc |",
+            "|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for h in headline(result):
             out.append(f"| {h['world_size']} | {_s(h['floor_s'])} | {_s(h['inproc_s'])} | {_s(h['threaded_s'])} | "
-                       f"{_s(h['inproc_over_floor'])}x | {_s(h['threaded_over_inproc'])}x |".replace("—x", "—"))
+                       f"{_ratio(h['inproc_s'], h['floor_s'])} | {_ratio(h['inproc_s'], h['compute_s'])} | "
+                       f"{_ratio(h['threaded_s'], h['inproc_s'])} |")
+        worst = worst_over_floor(result)
+        if worst is not None:
+            out += ["", f"Furthest from the floor between world sizes 2 and 128: **{worst[1]:.2f}x** at world size "
+                        f"{worst[0]} (issue 3's target: within 3x at every size)."]
         out += ["", "### All sizes", "",
-                "| world size | floor s | inproc s | threaded s | gloo s | inproc/floor | threaded/inproc | gloo/inproc |",
-                "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                "| world size | floor s | compute s | inproc s | threaded s | gloo s | inproc/floor | inproc/compute "
+                "| threaded/inproc | gloo/inproc |",
+                "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         sec = step["seconds"]
         for ws in step["sizes"]:
-            f, i, t, g = (sec[b].get(ws, sec[b].get(str(ws))) for b in ("floor", "inproc", "threaded", "gloo"))
-            out.append(f"| {ws} | {_s(f)} | {_s(i)} | {_s(t)} | {_s(g)} | {_ratio(i, f)} | {_ratio(t, i)} | {_ratio(g, i)} |")
+            f, c, i, t, g = (_at(sec, b, ws) for b in ("floor", "compute", "inproc", "threaded", "gloo"))
+            out.append(f"| {ws} | {_s(f)} | {_s(c)} | {_s(i)} | {_s(t)} | {_s(g)} | {_ratio(i, f)} | {_ratio(i, c)} "
+                       f"| {_ratio(t, i)} | {_ratio(g, i)} |")
         for backend, why in step["skipped"].items():
             out.append(f"\n*{backend}*: {why}.")
         if "step" in images:
@@ -221,8 +261,8 @@ def plots(result: dict[str, Any], out_dir: str, prefix: str) -> dict[str, str]:
     step = result.get("step")
     if step:
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        for backend, marker in (("floor", "o"), ("inproc", "s"), ("threaded", "^"), ("gloo", "D")):
-            pts = [(int(ws), v) for ws, v in step["seconds"][backend].items() if v is not None]
+        for backend, marker in (("floor", "o"), ("compute", "."), ("inproc", "s"), ("threaded", "^"), ("gloo", "D")):
+            pts = [(int(ws), v) for ws, v in (step["seconds"].get(backend) or {}).items() if v is not None]
             if pts:
                 pts.sort()
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=backend)
@@ -267,3 +307,55 @@ def plots(result: dict[str, Any], out_dir: str, prefix: str) -> dict[str, str]:
             plt.close(fig)
             made["props"] = name
     return made
+
+
+def _md_section(md: str, title: str) -> str:
+    import re
+
+    m = re.search(r"^#+ " + re.escape(title) + r"\n(.*?)(?=^#+ |\Z)", md, re.S | re.M)
+    return m.group(1).strip() if m else ""
+
+
+def _tables(text: str) -> str:
+    return "\n".join(line for line in text.splitlines() if line.startswith("|"))
+
+
+def readme_performance(md: str) -> str:
+    """The README's "Performance" section body, from a rendered docs/bench.md."""
+    worst = [line for line in _md_section(md, "Headline").splitlines() if line.startswith("Furthest from the floor")]
+    return f"""Measured by `python -m bench` (or `tox -e bench`), which regenerates [docs/bench.md](docs/bench.md),
+the plots and this section; every ratio compares runs taken side by side in one run. {md.splitlines()[2]}
+
+Collective step (issue 3's workload: 200 steps of a column-parallel linear forward+backward,
+one all_gather and one all_reduce per step) — inproc vs the single-thread floor (the same
+arithmetic in one thread, rank after rank, every rank receiving the collectives' results), vs
+the same without delivering results (*compute*) and vs torch's internal threaded process group;
+fastest of several interleaved runs each:
+
+{_tables(_md_section(md, "Headline"))}
+
+{worst[0] if worst else ""}
+
+![collective step vs world size](docs/bench_step.png)
+
+Property examples per second:
+
+{_tables(_md_section(md, "Property examples per second"))}
+
+Fault detection latency (fault kind × backend):
+
+{_tables(_md_section(md, "Fault detection latency"))}
+
+Mutant catch table, lab-note-scale MLP, peak memory and the DTensor path: [docs/bench.md](docs/bench.md);
+every catalogued mutant with its mechanism and public reports: [docs/bugs.md](docs/bugs.md).
+"""
+
+
+def update_readme(readme: str, md: str) -> str:
+    """``readme`` with its "## Performance" section replaced by :func:`readme_performance`."""
+    import re
+
+    pattern = re.compile(r"(^## Performance\n\n)(.*?)(?=^## )", re.S | re.M)
+    if not pattern.search(readme):
+        raise ValueError("README has no '## Performance' section followed by another '## ' section")
+    return pattern.sub(lambda m: m.group(1) + readme_performance(md) + "\n", readme, count=1)

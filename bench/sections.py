@@ -28,6 +28,10 @@ class Config:
     step_sizes: tuple[int, ...]
     step_steps: int
     step_limit_s: float
+    #: interleaved rounds per world size for floor, compute and inproc; each keeps its fastest
+    step_repeats: int
+    #: rounds for threaded and gloo (slower, and not the headline ratio's denominator)
+    step_alone_repeats: int
     gloo_max_ws: int
     prop_examples: int
     prop_world_sizes: tuple[int, ...]
@@ -51,6 +55,8 @@ FULL = Config(
     step_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256),
     step_steps=200,
     step_limit_s=60.0,
+    step_repeats=5,
+    step_alone_repeats=3,
     gloo_max_ws=8,
     prop_examples=30,
     prop_world_sizes=(1, 2, 3, 4),
@@ -69,6 +75,8 @@ QUICK = Config(
     step_sizes=(2,),
     step_steps=5,
     step_limit_s=60.0,
+    step_repeats=1,
+    step_alone_repeats=1,
     gloo_max_ws=0,
     prop_examples=3,
     prop_world_sizes=(1, 2),
@@ -103,11 +111,43 @@ def subprocess_json(args: list[str], limit: float) -> dict[str, Any] | None:
 # --- 1. collective step vs world size ------------------------------------------------------------
 
 
+#: measured in one process per world size, interleaved: the ratios between them are the headline
+SIDE_BY_SIDE = ("floor", "compute", "inproc")
+#: one process each (torch's threaded group takes over the group registry; gloo starts workers)
+ALONE = ("threaded", "gloo")
+#: a run this long is not repeated: its one sample stands
+REPEAT_BELOW_S = 25.0
+
+
 def step(cfg: Config) -> dict[str, Any]:
-    """Issue 3's workload per backend and world size (``bench.workload``); None = skipped/too slow."""
-    rows: dict[str, dict[int, float | None]] = {b: {} for b in ("floor", "inproc", "threaded", "gloo")}
+    """Issue 3's workload per backend and world size (``bench.workload``); None = skipped/too slow.
+
+    floor, compute and inproc run interleaved in one process per world size, ``cfg.step_repeats``
+    rounds, fastest kept; threaded and gloo run in processes of their own, ``cfg.step_alone_repeats``
+    rounds. The machine is shared: a burst of load then spoils one sample, not a ratio.
+    """
+    backends = SIDE_BY_SIDE + ALONE
+    rows: dict[str, dict[int, float | None]] = {b: {} for b in backends}
+    samples: dict[str, dict[int, list[float]]] = {b: {} for b in backends}
     skipped: dict[str, str] = {}
-    for backend in rows:
+
+    def run(group: tuple[str, ...], ws: int, repeats: int) -> dict[str, Any] | None:
+        # A run over the limit is killed; repeats only happen for runs under REPEAT_BELOW_S.
+        args = ["bench.workload", "--backend", *group, "--world-size", str(ws), "--steps", str(cfg.step_steps),
+                "--repeats", str(repeats), "--repeat-below", str(REPEAT_BELOW_S)]
+        return subprocess_json(args, len(group) * (cfg.step_limit_s + (repeats - 1) * REPEAT_BELOW_S))
+
+    for ws in cfg.step_sizes:
+        group = tuple(b for b in SIDE_BY_SIDE if b not in skipped)
+        result = run(group, ws, cfg.step_repeats) if group else None
+        for b in SIDE_BY_SIDE:
+            rows[b][ws] = None if result is None else result["loop_s"].get(b)
+            if result is not None and b in result["samples"]:
+                samples[b][ws] = result["samples"][b]
+        if group and result is None:
+            for b in group:
+                skipped[b] = f"world size {ws} ran past its time limit; larger sizes skipped"
+    for backend in ALONE:
         for ws in cfg.step_sizes:
             if backend in skipped:
                 rows[backend][ws] = None
@@ -117,9 +157,8 @@ def step(cfg: Config) -> dict[str, Any]:
                 skipped[backend] = (f"world sizes above {cfg.gloo_max_ws} not run (2-core machine)" if cfg.gloo_max_ws
                                     else "not run in this configuration")
                 continue
-            args = ["bench.workload", "--backend", backend, "--world-size", str(ws), "--steps", str(cfg.step_steps)]
             try:
-                result = subprocess_json(args, cfg.step_limit_s)
+                result = run((backend,), ws, cfg.step_alone_repeats)
             except RuntimeError as err:
                 if backend != "threaded":
                     raise
@@ -130,8 +169,11 @@ def step(cfg: Config) -> dict[str, Any]:
                 rows[backend][ws] = None
                 skipped[backend] = f"world size {ws} ran past {cfg.step_limit_s:.0f} s; larger sizes skipped"
                 continue
-            rows[backend][ws] = result["loop_s"]
-    return {"steps": cfg.step_steps, "sizes": list(cfg.step_sizes), "seconds": rows, "skipped": skipped,
+            rows[backend][ws] = result["loop_s"][backend]
+            samples[backend][ws] = result["samples"][backend]
+    return {"steps": cfg.step_steps, "sizes": list(cfg.step_sizes), "repeats": cfg.step_repeats,
+            "alone_repeats": cfg.step_alone_repeats,
+            "repeat_below_s": REPEAT_BELOW_S, "seconds": rows, "samples": samples, "skipped": skipped,
             "headline": list(cfg.headline)}
 
 

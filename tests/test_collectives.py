@@ -329,3 +329,30 @@ def test_functional_collectives_run_on_inproc():
 def test_world_size_256_works():
     out = tpsim.run(rank_all_reduce, 256, args=("SUM",))
     torch.testing.assert_close(out[255], sum(_rank_input(r) for r in range(256)), rtol=0, atol=0)
+
+
+def test_inproc_sets_old_objects_aside_from_the_gc_only_while_it_runs():
+    import gc
+
+    def rank_freeze_count():
+        dist.barrier()
+        return gc.get_freeze_count()
+
+    gc.collect()
+    assert gc.get_freeze_count() == 0
+    during = tpsim.run(rank_freeze_count, 2)
+    assert min(during) > 1000  # the process's objects (torch's modules and all) were set aside
+    assert gc.get_freeze_count() == 0  # and handed back afterwards
+    # a process that froze objects itself keeps exactly its own freeze
+    gc.freeze()
+    try:
+        mine = gc.get_freeze_count()
+        # (frozen objects can still be freed: the count may drop, never grow)
+        assert max(tpsim.run(rank_freeze_count, 2)) <= mine
+        assert 0 < gc.get_freeze_count() <= mine
+    finally:
+        gc.unfreeze()
+    # and an error inside the world hands them back too
+    with pytest.raises(tpsim.RankError):
+        tpsim.run(rank_raises, 3)
+    assert gc.get_freeze_count() == 0

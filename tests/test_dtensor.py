@@ -123,6 +123,32 @@ def test_dtensor_collectives_are_traced():
         assert result.trace.count("all_reduce", rank) == 2, result.trace.ops(rank)
 
 
+def rank_funcol_results(n: int):
+    """Functional-collective results returned as they are, detached and nested in containers."""
+    import torch.distributed._functional_collectives as funcol
+
+    r, ws = dist.get_rank(), dist.get_world_size()
+    mine = torch.arange(n, dtype=torch.float64) + 100 * r
+    summed = funcol.all_reduce(mine, "sum", dist.group.WORLD)
+    gathered = funcol.all_gather_tensor(mine, 0, dist.group.WORLD)
+    return {"summed": summed.detach(), "nested": [(gathered.detach(),)], "ws": ws}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gloo_worker_waits_functional_collectives(backend):
+    # detach() of an AsyncCollectiveTensor stays un-waited; the value a rank returns must hold the
+    # collective's result all the same (on gloo the worker waits before pickling it back).
+    ws, n = 3, 64
+    expected_sum = sum(torch.arange(n, dtype=torch.float64) + 100 * r for r in range(ws))
+    expected_gather = torch.cat([torch.arange(n, dtype=torch.float64) + 100 * r for r in range(ws)])
+    for _ in range(3):  # a reused pool too
+        for v in tpsim.run(rank_funcol_results, ws, backend=backend, args=(n,), timeout=60):
+            if backend == "gloo":  # waited in the worker: plain tensors arrive
+                assert type(v["summed"]) is torch.Tensor and type(v["nested"][0][0]) is torch.Tensor
+            assert torch.equal(v["summed"], expected_sum)
+            assert torch.equal(v["nested"][0][0], expected_gather)
+
+
 # --- the variant adapters pass `tpsim check` ------------------------------------------------------
 
 

@@ -111,9 +111,8 @@ def rank_sp_pair(hidden, intermediate, activation, bias, norm_kind, dtype_name, 
             parts = [raw[f"w1.{what}"]] + ([raw[f"w3.{what}"]] if f"w3.{what}" in raw else [])
             grads[f"fc1.{what}"] = torch.cat(parts, 0)
     placements = {n: str(p.grad.placements) for n, p in block.named_parameters() if n.startswith("norm.")}
-    # clone(), not just detach(): DTensor's reduce-scatter output is an AsyncCollectiveTensor and
-    # detach() is a view that does not wait for it (on gloo, via tpsim's worker pool, the un-waited
-    # buffer would be shipped back: see docs/dtensor.md); clone() waits.
+    # clone(): DTensor's reduce-scatter output is an AsyncCollectiveTensor and detach() alone is a
+    # view that stays un-waited (tpsim's gloo worker waits returned ones: see docs/dtensor.md).
     results["dtensor"] = {"out": out.detach().clone(), "dx": xd.grad, "grads": grads, "norm_grad_placements": placements}
     return results
 

@@ -100,6 +100,23 @@ def _reset_process_state() -> None:
     torch.set_grad_enabled(True)
 
 
+def _waited(value: Any) -> Any:
+    """``value`` with every functional-collective result waited for.
+
+    DTensor and ``torch.distributed._functional_collectives`` return ``AsyncCollectiveTensor``s,
+    and view ops such as ``detach()`` keep them un-waited. Pickling reads the storage without
+    going through torch's dispatcher, so it would ship the buffer before the collective wrote
+    it; in a process of its own the rank would have waited as soon as it read the data.
+    """
+    fc = sys.modules.get("torch.distributed._functional_collectives")
+    act = getattr(fc, "AsyncCollectiveTensor", None)
+    if act is None:  # never imported: nothing can be pending
+        return value
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(act, lambda t: t.wait(), value)
+
+
 def execute(
     rank: int,
     fn: Callable[..., Any],
@@ -126,7 +143,7 @@ def execute(
             return failure_outcome(rank, exc, session)
     session.status.set("idle", session.last_call)
     try:
-        value_bytes = dumps(value)
+        value_bytes = dumps(_waited(value))
     except Exception as exc:
         return failure_outcome(
             rank, exc, session,
