@@ -2,7 +2,8 @@
 
 Run it with one command from the repository root::
 
-    python -m bench            # full run (minutes), writes docs/bench.md, docs/bench.json, docs/bench_*.png
+    python -m bench            # full run (~15 min), writes docs/bench.md, docs/bench.json, docs/bench_*.png
+                               # and the README's "Performance" section (tests check the two agree)
     python -m bench --quick    # a tiny configuration (seconds), e.g. ``--out /tmp/b``
 
 Sections (see ``docs/bench.md`` for the tables they produce):
