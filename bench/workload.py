@@ -61,6 +61,8 @@ def _sgd(w: torch.Tensor) -> None:
 
 
 WARMUP = 3
+#: a backend whose run took this many seconds is not run again by :func:`measure_interleaved`
+REPEAT_BELOW_S = 10.0
 
 
 def rank_loop(steps: int) -> float:
@@ -198,7 +200,7 @@ def measure(backend: str, world_size: int, steps: int) -> dict[str, Any]:
 
 
 def measure_interleaved(backends: list[str], world_size: int, steps: int, repeats: int = 1,
-                        repeat_below_s: float = 10.0) -> dict[str, Any]:
+                        repeat_below_s: float = REPEAT_BELOW_S) -> dict[str, Any]:
     """``repeats`` rounds of every backend in turn; each backend keeps its fastest loop.
 
     A backend whose run took ``repeat_below_s`` seconds or more is not run again (its one
@@ -229,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=1, help="interleaved rounds; each backend keeps its fastest")
-    parser.add_argument("--repeat-below", type=float, default=10.0, metavar="SECONDS",
-                        help="a backend whose run took this long is not run again (default 10)")
+    parser.add_argument("--repeat-below", type=float, default=REPEAT_BELOW_S, metavar="SECONDS",
+                        help=f"a backend whose run took this long is not run again (default {REPEAT_BELOW_S:g})")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # every backend gets the same intra-op threads: one, as each rank of a 2-core box
     print(json.dumps(measure_interleaved(args.backend, args.world_size, args.steps, args.repeats,
