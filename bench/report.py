@@ -145,7 +145,7 @@ def markdown(result: dict[str, Any], images: dict[str, str]) -> str:
     props = result.get("props")
     if props:
         out += ["## Property examples per second", "",
-                f"`properties.checks.check_case` (one world run + every property) on `{props['variant']}`, "
+                f"`tpsim.props.checks.check_case` (one world run + every property) on `{props['variant']}`, "
                 "generated divisible cases at world sizes 1–4, each backend in a fresh process. *first example* "
                 "is the first case at a world size: for gloo it includes starting that world's worker pool, "
                 "reused afterwards.", "",
@@ -173,7 +173,7 @@ def markdown(result: dict[str, Any], images: dict[str, str]) -> str:
             out.append(mut["note"])
         else:
             out += [f"Every mutant in `tpsim.mutants.CATALOG` ({len(mut['rows'])} in this run): "
-                    f"`properties.search.search(mutant.variant, max_examples={mut['max_examples']}, seed=0, "
+                    f"`tpsim.props.search.search(mutant.variant, max_examples={mut['max_examples']}, seed=0, "
                     "database=None)` on inproc. *examples to catch*: the example number at which the intended "
                     "diagnosis first appeared (`Failure.found_after`); *examples*/*seconds*: the whole search "
                     "including shrinking; *needs*: what a case must have for the bug to show.", "",
@@ -213,7 +213,7 @@ def markdown(result: dict[str, Any], images: dict[str, str]) -> str:
         if flt.get("note"):
             out.append(flt["note"])
         else:
-            out += [f"`properties.faults.fault_detection` on `{flt['variant']}`, {flt['case']}, collective timeout "
+            out += [f"`tpsim.props.faults.fault_detection` on `{flt['variant']}`, {flt['case']}, collective timeout "
                     f"{flt['rows'][0]['timeout_s'] if flt['rows'] else '?'} s. *latency*: from the run's start until "
                     "the fault surfaced (an error, or a result the properties reject).", "",
                     "| backend | fault | detected | outcome | latency s | wall s |", "|---|---|:-:|---|---:|---:|"]

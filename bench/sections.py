@@ -181,7 +181,7 @@ def step(cfg: Config) -> dict[str, Any]:
 
 
 def _layer_cases(n: int, sizes: tuple[int, ...], seed: int = 0) -> list[Any]:
-    from properties.case import Case
+    from tpsim.props.case import Case
 
     rng = random.Random(seed)
     out = []
@@ -202,7 +202,7 @@ def props_worker(backend: str, n: int, sizes: tuple[int, ...], target: str) -> d
     - *interleaved*: world sizes in the order a search draws them (``interleaved_per_example_s``):
       on gloo a world-size change may need a pool (tpsim keeps a few, least recently used).
     """
-    from properties.checks import check_case
+    from tpsim.props.checks import check_case
     from tpsim.target import resolve_target
 
     variant = resolve_target(target)[0]
@@ -247,8 +247,8 @@ def props(cfg: Config) -> dict[str, Any]:
 def mutants(cfg: Config) -> dict[str, Any]:
     """For each catalogued mutant: examples and seconds until the search reports its diagnosis."""
     try:
-        from properties.search import search
         from tpsim.mutants import CATALOG
+        from tpsim.props.search import search
     except ImportError as err:
         return {"rows": [], "note": f"skipped: {err}"}
     rows = []
@@ -318,8 +318,8 @@ def _labmlp_one(cfg: Config, label: str, activation: str, options: dict[str, Any
     import torch
 
     import tpsim
-    from properties.tolerance import tolerance
     from tpsim.layers import DenseMLP
+    from tpsim.props.tolerance import tolerance
 
     h, f, tp = cfg.lab_hidden, cfg.lab_intermediate, 2
     torch.manual_seed(0)
@@ -376,9 +376,9 @@ def labmlp(cfg: Config) -> dict[str, Any]:
 def faults(cfg: Config) -> dict[str, Any]:
     """Detection latency: seconds from the run's start until the fault surfaces, per kind and backend."""
     try:
-        from properties.case import Case
-        from properties.faults import fault_detection
         from tpsim.faults import Corrupt, Crash, Delay, Drop, Mismatch
+        from tpsim.props.case import Case
+        from tpsim.props.faults import fault_detection
         from tpsim.target import resolve_target
     except ImportError as err:
         return {"rows": [], "note": f"skipped: {err}"}

@@ -15,8 +15,8 @@ import textwrap
 
 import pytest
 
-from properties.case import load_case
 from tpsim.cli import main
+from tpsim.props.case import load_case
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SKILL = "examples/skill_convention.py"

@@ -30,14 +30,14 @@ from hypothesis import strategies as st
 from torch.distributed.device_mesh import DeviceMesh
 
 import tpsim
-from properties.case import Case
-from properties.checks import check_case
-from properties.search import search
-from properties.strategies import cases
-from properties.tolerance import tolerance
 from tpsim.cli import main as cli_main
 from tpsim.errors import InvalidArgument
 from tpsim.layers import DenseMLP, ParallelMLP
+from tpsim.props.case import Case
+from tpsim.props.checks import check_case
+from tpsim.props.search import search
+from tpsim.props.strategies import cases
+from tpsim.props.tolerance import tolerance
 from tpsim.target import resolve_target
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -33,9 +33,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import tpsim
-from properties.tolerance import tolerance
 from tpsim.layers import DenseMLP, LayerNorm, ParallelMLP, RMSNorm
 from tpsim.layers.mlp import GATED_ACTIVATIONS
+from tpsim.props.tolerance import tolerance
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")

@@ -1,4 +1,4 @@
-"""The fault-detection property (properties/faults.py) on the built-in layers, and its strategy."""
+"""The fault-detection property (tpsim/props/faults.py) on the built-in layers, and its strategy."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from properties.case import Case
-from properties.faults import FaultNotSurfaced, check_faults, fault_detection, fault_plans
 from tpsim.errors import InvalidArgument
 from tpsim.faults import FAULT_KINDS, Corrupt, Delay, Drop, Fault, Mismatch, parse_plan
+from tpsim.props.case import Case
+from tpsim.props.faults import FaultNotSurfaced, check_faults, fault_detection, fault_plans
 from tpsim.target import resolve_target
 
 COLUMN = "tpsim.builtin_variants:column"

@@ -8,10 +8,10 @@ import os
 
 import pytest
 
-from properties.case import Case
-from properties.checks import check_case
-from properties.search import search
 from tpsim.mutants import CATALOG, gallery
+from tpsim.props.case import Case
+from tpsim.props.checks import check_case
+from tpsim.props.search import search
 
 CATCH_BUDGET = 200
 GALLERY = {

@@ -12,11 +12,11 @@ import time
 import pytest
 import torch
 
-from properties.mlp import TPSIM_MLP, check_mlp
-from properties.sequence import declared_mlps, search_mlp
 from tpsim.cli import main
 from tpsim.layers.mlp import DenseMLP
 from tpsim.placement import Replicate, Shard
+from tpsim.props.mlp import TPSIM_MLP, check_mlp
+from tpsim.props.sequence import declared_mlps, search_mlp
 
 
 def _mlp(**changes):

@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from properties.search import search
 from tpsim import builtin_variants
 from tpsim.diagnosis import DIAGNOSES
 from tpsim.mutants import CATALOG, CORRECT
+from tpsim.props.search import search
 
 #: Budget for catching a mutant: every one is caught well within it (the table shows how fast).
 CATCH_BUDGET = 200

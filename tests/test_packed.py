@@ -7,14 +7,14 @@ import json
 import pytest
 import torch
 
-from properties.case import Case
-from properties.checks import check_case
-from properties.search import search
 from tpsim import builtin_variants
 from tpsim.cli import main
 from tpsim.errors import InvalidArgument
 from tpsim.mutants import CATALOG, CORRECT_PACKED_AND_SEQUENCE
 from tpsim.placement import Shard, assemble, part_sizes, shard_shape, shard_tensor
+from tpsim.props.case import Case
+from tpsim.props.checks import check_case
+from tpsim.props.search import search
 
 MUTANTS = {m.name: m for m in CATALOG}
 

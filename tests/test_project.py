@@ -44,7 +44,7 @@ def test_torch_pin_admits_no_newer_release() -> None:
     assert "PIP_CONSTRAINT = {toxinidir}/constraints.txt" in tox
 
 
-@pytest.mark.parametrize("module", ["tpsim", "tpsim.layers", "tpsim.faults", "tpsim.mutants", "properties"])
+@pytest.mark.parametrize("module", ["tpsim", "tpsim.layers", "tpsim.faults", "tpsim.mutants", "tpsim.props"])
 def test_public_all_resolves(module: str) -> None:
     mod = importlib.import_module(module)
     exported = set(mod.__all__)
@@ -53,7 +53,7 @@ def test_public_all_resolves(module: str) -> None:
     assert not missing, f"{module}.__all__ names missing attributes: {missing}"
 
 
-@pytest.mark.parametrize("module", ["tpsim", "tpsim.layers", "properties"])
+@pytest.mark.parametrize("module", ["tpsim", "tpsim.layers", "tpsim.props"])
 def test_package_exports_exactly_all(module: str) -> None:
     # The thin public packages re-export from private modules: everything public is in __all__.
     mod = importlib.import_module(module)
@@ -76,20 +76,20 @@ def _imports(path: pathlib.Path) -> set[str]:
 
 def test_layers_never_import_the_harness() -> None:
     for path in (ROOT / "tpsim" / "layers").rglob("*.py"):
-        bad = {n for n in _imports(path) if n.startswith(("tpsim", "properties")) and not n.startswith("tpsim.layers")}
+        bad = {n for n in _imports(path) if n.startswith("tpsim") and not n.startswith("tpsim.layers")}
         assert not bad, f"{path.relative_to(ROOT)} imports the harness: {sorted(bad)}"
 
 
 def test_backends_never_import_layers_or_properties() -> None:
     for path in (ROOT / "tpsim" / "comm").rglob("*.py"):
-        bad = {n for n in _imports(path) if n.startswith(("tpsim.layers", "properties"))}
+        bad = {n for n in _imports(path) if n.startswith(("tpsim.layers", "tpsim.props"))}
         assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
 
 
 def test_no_assert_statements_in_library_code() -> None:
     # `python -O` strips asserts: input checks must raise real exceptions.
     offenders = []
-    for package in ("tpsim", "properties"):
+    for package in ("tpsim",):
         for path in (ROOT / package).rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.Assert):

@@ -1,5 +1,5 @@
 """The property suite's building blocks: strategies, cases and case files, tolerances, the named
-property functions, and the search engine's API (properties/)."""
+property functions, and the search engine's API (tpsim/props/)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ import torch
 from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
 
-from properties import (
+from tpsim import builtin_variants
+from tpsim.errors import InvalidArgument
+from tpsim.mutants import CATALOG, correct_row
+from tpsim.props import (
     PROPERTIES,
     SCHEMA_VERSION,
     Case,
@@ -30,10 +33,7 @@ from properties import (
     training_equivalence,
     weight_grad_equivalence,
 )
-from properties.tolerance import FACTOR, eps, tolerance
-from tpsim import builtin_variants
-from tpsim.errors import InvalidArgument
-from tpsim.mutants import CATALOG, correct_row
+from tpsim.props.tolerance import FACTOR, eps, tolerance
 
 MUTANTS = {m.name: m for m in CATALOG}
 QUICK = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
@@ -78,7 +78,7 @@ def test_cases_cover_the_space_the_issue_names() -> None:
 
 
 def test_cases_shrink_to_the_smallest_readable_example() -> None:
-    # Unsharded dims shrink to a multiple of the world size too (see properties.strategies).
+    # Unsharded dims shrink to a multiple of the world size too (see tpsim.props.strategies).
     minimal = _reaches(lambda c: c.world_size > 2 and c.bias)
     assert minimal == Case(
         world_size=3, in_features=3, out_features=3, batch_shape=(), dtype="float64", bias=True, seed=0,

@@ -8,10 +8,10 @@ import pytest
 import torch.nn.functional as F
 from torch import nn
 
-from properties.mlp import TPSIM_MLP, MLPVariant, check_mlp
 from tpsim.errors import InvalidArgument
 from tpsim.mutants.column import ColumnNoBackwardReduce, CorrectColumn
 from tpsim.mutants.row import CorrectRow, RowBiasBeforeReduce
+from tpsim.props.mlp import TPSIM_MLP, MLPVariant, check_mlp
 
 
 def test_lab_note_scale_mlp_is_equivalent_forward_and_backward() -> None:

@@ -1,7 +1,7 @@
-"""``properties.suite.property_tests``: the one line a user drops into a test module.
+"""``tpsim.props.suite.property_tests``: the one line a user drops into a test module.
 
-The first line below is the whole usage: pytest collects ``TestTpsimLayers::test_<property>[<variant>]``
-for every property and every variant ``tpsim.layers`` declares.
+The project's own use of it, over every variant ``tpsim.layers`` declares, is in
+``properties/test_layer_core.py``; these tests check the one-liner's behaviour.
 """
 
 from __future__ import annotations
@@ -10,12 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from properties import PROPERTIES, PropertyFailed
-from properties.suite import property_tests
 from tpsim.errors import InvalidArgument
 from tpsim.mutants import CATALOG
-
-TestTpsimLayers = property_tests("tpsim.layers", max_examples=25, seed=5)
+from tpsim.props import PROPERTIES, PropertyFailed
+from tpsim.props.suite import property_tests
 
 
 def _request(backend: str = "inproc") -> SimpleNamespace:
@@ -26,7 +24,7 @@ def _request(backend: str = "inproc") -> SimpleNamespace:
 
 
 def test_one_test_per_property() -> None:
-    names = sorted(n for n in vars(TestTpsimLayers) if n.startswith("test_"))
+    names = sorted(n for n in vars(property_tests("tpsim.layers", max_examples=5)) if n.startswith("test_"))
     assert names == sorted("test_" + p.replace("-", "_") for p in PROPERTIES)
 
 

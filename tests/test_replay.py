@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from properties.case import SCHEMA_VERSION, Case, load_case, save_case
 from tpsim.cli import main
+from tpsim.props.case import SCHEMA_VERSION, Case, load_case, save_case
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BUGGY = "examples/skill_convention.py:BuggyRowParallelLinear"

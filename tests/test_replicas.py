@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 import torch
 
-from properties.case import Case
-from properties.checks import check_case
-from properties.search import search
 from tpsim.mutants import correct_tp_rank_row, row_replica_init_diverges, tp_rank_variant
 from tpsim.mutants.tp_rank import CorrectTpRankRow
+from tpsim.props.case import Case
+from tpsim.props.checks import check_case
+from tpsim.props.search import search
 
 
 class SeededRandomBiasRow(CorrectTpRankRow):

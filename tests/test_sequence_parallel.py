@@ -7,18 +7,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from properties.case import Case
-from properties.checks import check_case
-from properties.search import search
-from properties.sequence import NormVariant, search_norm
-from properties.strategies import cases
-from properties.world import is_divisible
 from tpsim import builtin_variants
 from tpsim.cli import main
 from tpsim.errors import InvalidArgument
 from tpsim.mutants import CATALOG, CORRECT_PACKED_AND_SEQUENCE
 from tpsim.mutants.sequence import CorrectSequenceNorm, SequenceNormNoGradReduce
 from tpsim.placement import Shard
+from tpsim.props.case import Case
+from tpsim.props.checks import check_case
+from tpsim.props.search import search
+from tpsim.props.sequence import NormVariant, search_norm
+from tpsim.props.strategies import cases
+from tpsim.props.world import is_divisible
 
 MUTANTS = {m.name: m for m in CATALOG}
 SP_ROW = builtin_variants.row_sequence_parallel

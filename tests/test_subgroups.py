@@ -14,15 +14,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from properties.case import Case
-from properties.checks import check_case
-from properties.groups import candidate_sets, tp_groups
-from properties.search import search
-from properties.strategies import cases
 from tpsim import builtin_variants
 from tpsim.cli import main
 from tpsim.errors import InvalidArgument
 from tpsim.mutants import CORRECT, correct_row, row_wrong_group
+from tpsim.props.case import Case
+from tpsim.props.checks import check_case
+from tpsim.props.groups import candidate_sets, tp_groups
+from tpsim.props.search import search
+from tpsim.props.strategies import cases
 from tpsim.target import resolve_target
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), os.pardir, "examples")

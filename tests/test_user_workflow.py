@@ -14,7 +14,7 @@ import pytest
 pytest_plugins = ["pytester"]
 
 USER_TESTS = """
-from properties.suite import property_tests
+from tpsim.props.suite import property_tests
 
 TestRowLayer = property_tests("{target}", max_examples=40, seed=0, world_sizes=(1, 2, 3))
 """

@@ -175,7 +175,7 @@ TPSIM_VARIANTS = [
     row_sequence_parallel,
 ]
 
-#: The MLPs ``tpsim check tpsim.layers`` also checks against the dense MLP (see properties.mlp), as
+#: The MLPs ``tpsim check tpsim.layers`` also checks against the dense MLP (see tpsim.props.mlp), as
 #: plain data (this module must not import the harness): name, activation, sequence parallelism.
 TPSIM_MLPS = [
     {"name": "ParallelMLP(swiglu)", "activation": "swiglu", "sequence_parallel": False},

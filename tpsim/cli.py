@@ -421,8 +421,8 @@ FAULT_DIAGNOSIS = "fault-not-surfaced"
 def _fault_failures(variant: Any, args: argparse.Namespace) -> tuple[list[Any], int]:
     """Run ``variant`` under generated fault plans of ``args.faults`` kinds; return the failures
     (one per plan whose fault was not surfaced) and the number of plans run."""
-    from properties.faults import check_faults
     from tpsim.diagnosis import Failure
+    from tpsim.props.faults import check_faults
 
     sizes = tuple(ws for ws in args.world_sizes if ws >= 2) or (2,)
     reports = check_faults(
@@ -447,7 +447,7 @@ def _fault_failures(variant: Any, args: argparse.Namespace) -> tuple[list[Any], 
 
 
 def _save(failure: Any, variant: Any, cases_dir: str, backend: str, argv: Sequence[str]) -> None:
-    from properties.case import save_failure
+    from tpsim.props.case import save_failure
 
     command = "tpsim " + " ".join(shlex.quote(a) for a in argv)
     save_failure(failure, variant, cases_dir, backend=backend, command=command)
@@ -457,7 +457,7 @@ def _declared_mlps(args: argparse.Namespace, options: dict[str, Any]) -> list[An
     """The MLPs a bare module target declares (none when options adapt the linear variants)."""
     if any(v is not None for v in options.values()) or getattr(args, "tp_sizes", None):
         return []
-    from properties.sequence import declared_mlps
+    from tpsim.props.sequence import declared_mlps
 
     return declared_mlps(args.target)
 
@@ -465,10 +465,10 @@ def _declared_mlps(args: argparse.Namespace, options: dict[str, Any]) -> list[An
 def _check_mlps(args: argparse.Namespace, mlps: list[Any], out: TextIO, width: int) -> list[_VariantResult]:
     """The MLPs a bare module target declares (``TPSIM_MLPS``; ``tpsim.layers``: the gated
     ``ParallelMLP``, with and without sequence parallelism), checked against the dense MLP on a
-    few small cases each (:func:`properties.sequence.search_mlp`). Skipped when options adapt the
+    few small cases each (:func:`tpsim.props.sequence.search_mlp`). Skipped when options adapt the
     linear variants or tp sizes are given. Their cases are not saved (``tpsim replay`` replays
     linear-layer cases)."""
-    from properties.sequence import MLP_MAX_EXAMPLES, search_mlp
+    from tpsim.props.sequence import MLP_MAX_EXAMPLES, search_mlp
 
     results = []
     for mlp in mlps:
@@ -515,7 +515,7 @@ def _check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: Text
     except InvalidArgument as e:
         raise UsageError(f"cannot check {args.target!r}: {e}", prog="tpsim check") from None
 
-    from properties.search import search
+    from tpsim.props.search import search
 
     settings = {
         "backend": args.backend,
@@ -655,8 +655,8 @@ def _replay_target(case: Any, found: dict[str, Any]) -> str:
 
 def _replay_faults(variant: Any, case: Any, backend: str, timeout: float) -> list[Any]:
     """The fault-detection property on a case that carries its fault plan."""
-    from properties.faults import FaultNotSurfaced, fault_detection
     from tpsim.diagnosis import Failure
+    from tpsim.props.faults import FaultNotSurfaced, fault_detection
 
     try:
         fault_detection(variant, case, backend=backend, timeout=min(timeout, FAULT_TIMEOUT))
@@ -668,9 +668,9 @@ def _replay_faults(variant: Any, case: Any, backend: str, timeout: float) -> lis
 
 
 def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from properties.case import load_case
-    from properties.checks import check_case
     from tpsim.errors import InvalidArgument
+    from tpsim.props.case import load_case
+    from tpsim.props.checks import check_case
     from tpsim.target import resolve_variant
 
     try:

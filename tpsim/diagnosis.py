@@ -63,7 +63,7 @@ diagnosis                  what the harness saw (and the usual cause)
 =========================  ===================================================================
 
 Each recogniser is a pure function of float64 tensors and a per-element tolerance (see
-:mod:`properties.tolerance`), tested on synthetic tensors without running any world
+:mod:`tpsim.props.tolerance`), tested on synthetic tensors without running any world
 (tests/test_properties_diagnosis.py). :class:`Failure` is what reports list and case files record.
 """
 
@@ -139,7 +139,7 @@ class Failure:
     - ``property``: the property's name (``forward-equivalence``, ...);
     - ``diagnosis``: a key of :data:`DIAGNOSES` (stable: scripts match on it);
     - ``message``: one paragraph saying what was wrong, with the numbers (no traceback);
-    - ``case``: the (minimal, when it comes from a search) :class:`properties.case.Case`;
+    - ``case``: the (minimal, when it comes from a search) :class:`tpsim.props.case.Case`;
     - ``case_file``: the path the case was saved to (None until saved);
     - ``rank``: the rank the evidence comes from, when one rank stands out (always set for
       ``exception``: the first rank that raised);

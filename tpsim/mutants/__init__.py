@@ -6,7 +6,7 @@ changes one thing, the way real code goes wrong; its class docstring says the me
 intended diagnosis. :data:`CATALOG` lists them as :class:`Mutant` records for tests and the
 benchmark::
 
-    from properties.search import search
+    from tpsim.props.search import search
     from tpsim.mutants import CATALOG
 
     for m in CATALOG:

@@ -1,6 +1,6 @@
 """The properties: claims checked on one case, each a named function usable from pytest.
 
-Per-case properties (all fed by one world run, :func:`properties.world.observe`):
+Per-case properties (all fed by one world run, :func:`tpsim.props.world.observe`):
 
 - :func:`forward_equivalence` — the output, assembled by the variant's output placement (sharded:
   concatenated; gathered/reduced: every rank's; partial: summed over ranks, as the caller's
@@ -34,20 +34,6 @@ from typing import Any
 
 import torch
 
-from properties.case import Case
-from properties.groups import column_grad_summands, column_output_shards, tp_groups, wrong_group
-from properties.groups import row_summands as group_row_summands
-from properties.tolerance import tolerance
-from properties.world import (
-    LR,
-    TRAIN_STEPS,
-    Observation,
-    Reference,
-    VariantRaised,
-    non_divisible_sizes,
-    observe,
-    reference,
-)
 from tpsim.diagnosis import (
     Diagnosis,
     Failure,
@@ -62,6 +48,20 @@ from tpsim.diagnosis import (
 )
 from tpsim.errors import CollectiveError, InvalidArgument
 from tpsim.placement import Replicate, Shard, assemble, shard_tensor
+from tpsim.props.case import Case
+from tpsim.props.groups import column_grad_summands, column_output_shards, tp_groups, wrong_group
+from tpsim.props.groups import row_summands as group_row_summands
+from tpsim.props.tolerance import tolerance
+from tpsim.props.world import (
+    LR,
+    TRAIN_STEPS,
+    Observation,
+    Reference,
+    VariantRaised,
+    non_divisible_sizes,
+    observe,
+    reference,
+)
 from tpsim.variant import LayoutError, Variant
 
 __all__ = [
@@ -670,7 +670,7 @@ def _names_the_size(err: BaseException, sizes: Sequence[int]) -> bool:
 def _divisibility(variant: Variant, obs: Observation) -> Failure | None:
     case, ws = obs.case, obs.case.world_size
     tp = case.tp_size or ws
-    # Sharded feature dims, packed parts and the sequence length (see properties.world).
+    # Sharded feature dims, packed parts and the sequence length (see tpsim.props.world).
     offending = non_divisible_sizes(variant, case)
     size_name = "world_size" if tp == ws else "tp_size"
     what = ", ".join(f"{n}={v}" for n, v in offending.items()) + f" is not divisible by {size_name}={tp}"
@@ -793,7 +793,7 @@ def _evaluate_groups(variant: Variant, obs: Observation, wanted: Sequence[str]) 
 
 
 def _wrong_group(variant: Variant, obs: Observation, groups: list[list[int]]) -> dict[str, dict[str, Any]]:
-    """Per property, a recognised collective over the wrong set of ranks (see :mod:`properties.groups`)."""
+    """Per property, a recognised collective over the wrong set of ranks (see :mod:`tpsim.props.groups`)."""
     case, values, m = obs.case, obs.values or [], obs.masters
     ws, tp = case.world_size, case.tp_size
     f64 = torch.float64

@@ -3,7 +3,7 @@
 The lab note's check at its own scale (hidden 4096, intermediate 11008, tp 2, float32) runs in
 seconds on the in-process backend::
 
-    from properties.mlp import TPSIM_MLP, check_mlp
+    from tpsim.props.mlp import TPSIM_MLP, check_mlp
     failures = check_mlp(TPSIM_MLP, hidden=4096, intermediate=11008, world_size=2, dtype="float32")
 
 An :class:`MLPVariant` describes a ``fc1 -> activation -> fc2`` MLP the Megatron way: ``fc1``
@@ -13,7 +13,7 @@ input's gradient must be complete on every rank. ``params`` maps each parameter'
 on the built module to its master name and placement, so other module layouts can be described.
 
 Tolerance: first-order error propagation through the composition, with the bound of
-:mod:`properties.tolerance` (``C * eps * sqrt(K + ws) * M``) where ``K = hidden + intermediate +
+:mod:`tpsim.props.tolerance` (``C * eps * sqrt(K + ws) * M``) where ``K = hidden + intermediate +
 rows`` and each ``M`` is the magnitude of the exact computation with every factor replaced by its
 absolute value and the activation's error amplification bounded by ``|act'| <= 1.13`` and
 ``|act''| <= 0.8`` (true for GELU and SiLU; only these smooth activations are supported, since
@@ -32,12 +32,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import tpsim
-from properties.case import DTYPES
-from properties.checks import BIAS_GRAD, FORWARD, INPUT_GRAD, WEIGHT_GRAD
-from properties.tolerance import tolerance
 from tpsim.diagnosis import Failure, close, mismatch, rank_summands, scale_factor
 from tpsim.errors import InvalidArgument, RankError
 from tpsim.placement import Placement, Replicate, Shard, shard_tensor
+from tpsim.props.case import DTYPES
+from tpsim.props.checks import BIAS_GRAD, FORWARD, INPUT_GRAD, WEIGHT_GRAD
+from tpsim.props.tolerance import tolerance
 from tpsim.variant import get_param
 
 __all__ = ["MLPVariant", "MLP_ACTIVATIONS", "TPSIM_MLP", "check_mlp"]
@@ -128,7 +128,7 @@ def _build_tpsim(hidden: int, intermediate: int, bias: bool, *, group: Any, dtyp
 
 
 #: tpsim's own :class:`tpsim.layers.ParallelMLP`.
-TPSIM_MLP = MLPVariant("ParallelMLP", _build_tpsim, target="properties.mlp:TPSIM_MLP")
+TPSIM_MLP = MLPVariant("ParallelMLP", _build_tpsim, target="tpsim.props.mlp:TPSIM_MLP")
 
 
 def _masters(hidden: int, intermediate: int, bias: bool, dtype: torch.dtype, seed: int,

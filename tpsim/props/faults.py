@@ -9,7 +9,7 @@
 - a corrupted contribution is never silently passed: with ``checksum=True`` the run raises naming
   the corrupting rank; without it, either the result is bit-identical to the clean run (the
   collective ignored that contribution) or it differs and the equivalence properties
-  (:mod:`properties.checks`) fail on it — a difference they pass is reported;
+  (:mod:`tpsim.props.checks`) fail on it — a difference they pass is reported;
 - no worker process or rank thread outlives the run.
 
 :func:`check_faults` runs a variant under generated plans (``tpsim check TARGET --faults ...``)
@@ -32,10 +32,10 @@ from hypothesis import seed as hyp_seed
 from hypothesis import strategies as st
 
 import tpsim
-from properties.case import Case
-from properties.world import Observation, is_divisible, make_masters, rank_main
 from tpsim.errors import InvalidArgument, RankError
 from tpsim.faults import FAULT_KINDS, Corrupt, Crash, Delay, Drop, Fault, Mismatch, parse_plan
+from tpsim.props.case import Case
+from tpsim.props.world import Observation, is_divisible, make_masters, rank_main
 from tpsim.variant import Variant
 
 __all__ = [
@@ -178,7 +178,7 @@ def fault_plans(
 
 
 def _payload(variant: Variant, case: Case, backend: str) -> dict[str, Any]:
-    # Mirrors properties.world.observe (which takes no fault plan yet).
+    # Mirrors tpsim.props.world.observe (which takes no fault plan yet).
     payload: dict[str, Any] = {"case": case, "masters": make_masters(case), "divisible": is_divisible(variant, case)}
     if backend == "inproc":
         payload["variant"] = variant
@@ -320,7 +320,7 @@ def _detect(variant: Variant, case: Case, plan: tuple[Fault, ...], *, backend: s
     if isinstance(fault, Delay):
         return report(False, "result", f"{fault} (within the timeout) changed the result")
     # A corrupted result: the equivalence properties must catch it.
-    from properties.checks import evaluate
+    from tpsim.props.checks import evaluate
 
     obs = Observation(case, is_divisible(variant, case), values=result.values, masters=payload["masters"])
     failures = evaluate(variant, obs)

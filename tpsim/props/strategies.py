@@ -21,14 +21,14 @@ A variant's declared restrictions (``min_batch_dims``, ``min_features``, ``divis
 :meth:`tpsim.variant.Variant.restrictions`) narrow these draws.
 World sizes: ``DEFAULT_WORLD_SIZES`` (1-8), or ``THOROUGH_WORLD_SIZES`` (up to 16) when the
 environment sets ``TPSIM_THOROUGH=1`` (tpsim's ``thorough`` Hypothesis profile does).
-Dtypes: float64, float32, bfloat16, float16; tolerances per dtype in :mod:`properties.tolerance`.
+Dtypes: float64, float32, bfloat16, float16; tolerances per dtype in :mod:`tpsim.props.tolerance`.
 
 Tensor-parallel subgroups (``subgroups=True`` or ``tp_sizes``): the tp size is drawn after the
 world size — with ``subgroups`` the whole world half the time (shrinking prefers it) and a proper
 divisor otherwise, with ``tp_sizes`` one of those that divide the world (worlds none divides are
-not drawn) — and the groups' layout (consecutive or strided, see :mod:`properties.groups`) when
+not drawn) — and the groups' layout (consecutive or strided, see :mod:`tpsim.props.groups`) when
 there are several groups of several ranks. Every sharded size above then divides by (or is cut
-over) the tp size, not the world size. Memory layouts (``layouts``, see :mod:`properties.layouts`):
+over) the tp size, not the world size. Memory layouts (``layouts``, see :mod:`tpsim.props.layouts`):
 one of contiguous (shrinking prefers it) and the non-contiguous layouts that fit the batch shape,
 equally likely.
 """
@@ -40,9 +40,9 @@ from collections.abc import Sequence
 
 from hypothesis import strategies as st
 
-from properties.case import DTYPES, Case
-from properties.layouts import INPUT_LAYOUTS, needs_batch
 from tpsim.errors import InvalidArgument
+from tpsim.props.case import DTYPES, Case
+from tpsim.props.layouts import INPUT_LAYOUTS, needs_batch
 from tpsim.variant import Variant
 
 __all__ = [
@@ -225,7 +225,7 @@ def cases(
     ``subgroups=True`` also draws tp groups smaller than the world; ``tp_sizes`` draws the tp size
     from these (each world size is split into groups of one of them that divides it); neither: one
     tp group spanning the world. ``layouts``: memory layouts to draw from (default contiguous only;
-    :data:`properties.layouts.INPUT_LAYOUTS` for all). A variant with ``subgroups=False`` always
+    :data:`tpsim.props.layouts.INPUT_LAYOUTS` for all). A variant with ``subgroups=False`` always
     gets one group spanning the world.
 
     ``bias`` forces bias on/off (None: both; a variant without bias support: off).

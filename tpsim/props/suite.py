@@ -2,7 +2,7 @@
 
 Put this in a test module (e.g. ``tests/test_my_layer.py``)::
 
-    from properties.suite import property_tests
+    from tpsim.props.suite import property_tests
 
     TestMyColumn = property_tests("mypkg.layers:MyColumnVariant", max_examples=200)
 
@@ -13,11 +13,11 @@ pytest then collects one test per property — ``TestMyColumn::test_forward_equi
 module: ``property_tests("mypkg.layers")`` checks every variant it declares, as
 ``tpsim check mypkg.layers`` does).
 
-The first of these tests runs one :func:`properties.search.search` per variant (cached for the
+The first of these tests runs one :func:`tpsim.props.search.search` per variant (cached for the
 rest of the session, so the properties share the generated cases); each test then fails with its
 property's minimal case and diagnosis, or passes. ``variant_or_target`` is a
 :class:`~tpsim.variant.Variant`, a list of them, or a ``tpsim check`` TARGET string; the keyword
-arguments are :func:`~properties.search.search`'s (``world_sizes``, ``dtypes``, ``max_examples``,
+arguments are :func:`~tpsim.props.search.search`'s (``world_sizes``, ``dtypes``, ``max_examples``,
 ``seed``, ``backend``, ``timeout``, ``database``), plus ``target_options`` (a dict of
 ``convention``/``kind``/``input``/``output``/``input_grad``, as the CLI flags) for plain classes.
 Without ``backend`` the tests use the ``--tpsim-backend`` option of tpsim's pytest plugin (default
@@ -29,10 +29,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from properties.case import save_failure
-from properties.checks import PROPERTIES, PropertyFailed
-from properties.search import SearchReport, search
 from tpsim.errors import InvalidArgument
+from tpsim.props.case import save_failure
+from tpsim.props.checks import PROPERTIES, PropertyFailed
+from tpsim.props.search import SearchReport, search
 from tpsim.variant import Variant
 
 __all__ = ["property_tests", "reproduction"]
@@ -66,7 +66,7 @@ def reproduction(failure: Any) -> str:
         return f"tpsim replay {failure.case_file}    (add --backend gloo to confirm on real process groups)"
     case = json.dumps(json.dumps(failure.case.to_dict(), sort_keys=True))
     return (
-        "import json; from properties.case import Case; from properties.checks import check_case\n"
+        "import json; from tpsim.props.case import Case; from tpsim.props.checks import check_case\n"
         f"check_case(VARIANT, Case.from_dict(json.loads({case})))  # VARIANT: your variant"
     )
 

@@ -3,7 +3,7 @@
 - :func:`declared_mlps` / :func:`search_mlp`: the MLPs a target module declares (``TPSIM_MLPS``;
   :mod:`tpsim.builtin_variants` declares the gated ``ParallelMLP``, with and without sequence
   parallelism), each checked on a handful of small cases against the dense float64 MLP with
-  :func:`properties.mlp.check_mlp`. ``tpsim check tpsim.layers`` runs them after its linear variants.
+  :func:`tpsim.props.mlp.check_mlp`. ``tpsim check tpsim.layers`` runs them after its linear variants.
 - :class:`NormVariant` / :func:`check_norm` / :func:`search_norm`: a norm (LayerNorm) replicated
   across the tp group and run on sequence-sharded activations. Each rank is given its slice of the
   sequence; the output and input grad must be that slice of the dense norm's, and every replicated
@@ -32,14 +32,14 @@ import torch.nn.functional as F
 from torch import nn
 
 import tpsim
-from properties.case import DTYPES
-from properties.checks import BIAS_GRAD, FORWARD, INPUT_GRAD, WEIGHT_GRAD
-from properties.mlp import TPSIM_MLP, MLPVariant, check_mlp
-from properties.search import SearchReport
-from properties.tolerance import tolerance
 from tpsim.diagnosis import Failure, close, mismatch, rank_summands, scale_factor
 from tpsim.errors import InvalidArgument, RankError
 from tpsim.placement import Shard, shard_tensor
+from tpsim.props.case import DTYPES
+from tpsim.props.checks import BIAS_GRAD, FORWARD, INPUT_GRAD, WEIGHT_GRAD
+from tpsim.props.mlp import TPSIM_MLP, MLPVariant, check_mlp
+from tpsim.props.search import SearchReport
+from tpsim.props.tolerance import tolerance
 from tpsim.variant import get_param
 
 __all__ = [
@@ -178,7 +178,7 @@ def check_norm(variant: NormVariant, *, hidden: int, world_size: int, batch_shap
                dtype: str = "float64", seed: int = 0, backend: str = "inproc", timeout: float = 10.0) -> list[Failure]:
     """Run the norm once; return the failures of forward, input-grad and parameter-grad equivalence.
 
-    Tolerance: the bound of :mod:`properties.tolerance` with reduction length ``hidden + rows``
+    Tolerance: the bound of :mod:`tpsim.props.tolerance` with reduction length ``hidden + rows``
     (the statistics reduce over ``hidden``, a parameter grad over the rows) on magnitudes taken
     from the float64 reference's absolute values (a norm's output is O(1) by construction).
     """

@@ -1,15 +1,15 @@
 """The search engine: Hypothesis generates cases for a variant, every property is checked on each,
 and each failure comes back shrunk to its minimal case with a diagnosis.
 
-This is what ``tpsim check`` and :func:`properties.suite.property_tests` call::
+This is what ``tpsim check`` and :func:`tpsim.props.suite.property_tests` call::
 
-    from properties.search import search
+    from tpsim.props.search import search
     report = search(variant, max_examples=200, seed=0)
     for failure in report.failures:
         print(failure.describe())
 
 How it works: one Hypothesis test (``@given(cases(variant, ...))``, run programmatically) checks
-every property of each case (:func:`properties.checks.check_case`: one world run per case). A case
+every property of each case (:func:`tpsim.props.checks.check_case`: one world run per case). A case
 that fails raises an exception whose *type* is specific to the first failing property and its
 diagnosis, so Hypothesis treats each ``(property, diagnosis)`` as a distinct bug: it keeps
 generating a little longer to find more of them, then shrinks each one on its own to the smallest
@@ -40,12 +40,12 @@ import hypothesis
 from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
 
-from properties.case import Case
-from properties.checks import DIVISIBILITY, PROPERTIES, check_case
-from properties.layouts import INPUT_LAYOUTS
-from properties.strategies import cases
 from tpsim.diagnosis import Failure
 from tpsim.errors import InvalidArgument
+from tpsim.props.case import Case
+from tpsim.props.checks import DIVISIBILITY, PROPERTIES, check_case
+from tpsim.props.layouts import INPUT_LAYOUTS
+from tpsim.props.strategies import cases
 from tpsim.variant import Variant
 
 __all__ = ["DEFAULT_DTYPES", "DEFAULT_WORLD_SIZES", "SearchReport", "check_case", "search"]
@@ -209,13 +209,13 @@ def search(
     ``backend``: ``inproc`` | ``gloo`` | ``nccl`` (gloo/nccl need a variant with a ``target``
     their worker processes can import). ``timeout``: seconds any one world run may block in a
     collective before it counts as stuck. ``properties``: names from
-    :data:`properties.checks.PROPERTIES` (default: all; without ``divisibility`` only divisible
+    :data:`tpsim.props.checks.PROPERTIES` (default: all; without ``divisibility`` only divisible
     cases are generated). ``on_example(n, case)`` is called before the n-th case runs (1-based).
     ``database``: see the module docstring. ``tp_sizes``: tp group sizes to split each world into
     (each world size is split into groups of a tp size that divides it; default: the whole world half
     the time, a proper divisor otherwise, as ``subgroups=True``); ``subgroups=False`` (and no
     ``tp_sizes``): one tp group spanning the world. ``layouts``: memory layouts of the inputs and
-    upstream grads to draw from (default: all of :data:`properties.layouts.INPUT_LAYOUTS`).
+    upstream grads to draw from (default: all of :data:`tpsim.props.layouts.INPUT_LAYOUTS`).
 
     Raises :class:`tpsim.InvalidArgument` for bad options and re-raises harness errors (backend
     unavailable, ...); anything the variant does wrong, exceptions included, is a failure.

@@ -4,7 +4,7 @@ A case is data (DESIGN.md): world size, tp size, in/out features, batch shape, i
 layout, dtype, bias, seed, fault plan — plus which variant and property it was found with, so
 that ``tpsim replay CASE.json`` re-runs exactly that example. The tensors (master weight, bias,
 inputs, upstream grads) are not stored: they are re-drawn from ``seed`` (see
-:func:`properties.world.make_masters`), bit for bit.
+:func:`tpsim.props.world.make_masters`), bit for bit.
 
 File format (``schema_version`` 1)::
 
@@ -57,9 +57,9 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 
-#: Memory layouts of the generated input and upstream grads (see :mod:`properties.layouts`).
+#: Memory layouts of the generated input and upstream grads (see :mod:`tpsim.props.layouts`).
 INPUT_LAYOUTS = ("contiguous", "transposed", "strided", "expanded")
-#: How tp groups smaller than the world are laid out (see :mod:`properties.groups`).
+#: How tp groups smaller than the world are laid out (see :mod:`tpsim.props.groups`).
 TP_LAYOUTS = ("consecutive", "strided")
 
 
@@ -77,8 +77,8 @@ def _int(value: Any, name: str, minimum: int) -> int:
 class Case:
     """One example. ``tp_size`` defaults to ``world_size`` (one tp group spanning the world); a
     smaller ``tp_size`` splits the world into ``world_size // tp_size`` tp groups laid out by
-    ``tp_layout`` (``consecutive`` or ``strided``, see :mod:`properties.groups`); ``input_layout``
-    is the memory layout of the inputs and upstream grads (see :mod:`properties.layouts`)."""
+    ``tp_layout`` (``consecutive`` or ``strided``, see :mod:`tpsim.props.groups`); ``input_layout``
+    is the memory layout of the inputs and upstream grads (see :mod:`tpsim.props.layouts`)."""
 
     world_size: int
     in_features: int
@@ -146,7 +146,7 @@ class Case:
         if self.tp_size != self.world_size:
             text += f" tp_size={self.tp_size} tp_layout={self.tp_layout}"
         if self.input_layout != "contiguous":
-            from properties.layouts import layout_info
+            from tpsim.props.layouts import layout_info
 
             info = layout_info((*self.batch_shape, self.in_features), self.input_layout)
             text += f" input_layout={self.input_layout} (input shape {info['shape']} strides {info['strides']})"
@@ -226,7 +226,7 @@ def save_case(case: Case, directory: str, *, found: dict[str, Any] | None = None
     }
     if case.input_layout != "contiguous":
         # Informational (readers ignore it): the memory layout the case's tensors had.
-        from properties.layouts import layout_info
+        from tpsim.props.layouts import layout_info
 
         doc["layout"] = {
             "input": layout_info((*case.batch_shape, case.in_features), case.input_layout),
@@ -255,7 +255,7 @@ def _jsonable(value: Any) -> Any:
 def save_failure(failure: Any, variant: Any, directory: str = CASES_DIR, *, backend: str, command: str) -> str:
     """Save ``failure``'s minimal case (completed with its variant's target) and return the path.
 
-    Used by ``tpsim check`` and by :func:`properties.suite.property_tests`, so a failure found
+    Used by ``tpsim check`` and by :func:`tpsim.props.suite.property_tests`, so a failure found
     either way replays with ``tpsim replay PATH``. Sets ``failure.case`` and ``failure.case_file``.
     """
     case = failure.case

@@ -3,7 +3,7 @@
 Every per-case property reads the same :class:`Observation`: one world run per case, in which each
 rank builds the variant from the master values, runs ``TRAIN_STEPS`` steps of forward, backward
 and SGD, and returns (as tensors) its step-0 output, input grad and parameter grads and its final
-parameters. The comparison happens in the parent process (:mod:`properties.checks`), so the ranks
+parameters. The comparison happens in the parent process (:mod:`tpsim.props.checks`), so the ranks
 do no extra collectives and the same code serves every backend.
 
 The rank function :func:`rank_main` is module-level and takes picklable arguments, so gloo/nccl
@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 
 import tpsim
-from properties.case import Case
-from properties.groups import tp_groups
-from properties.layouts import apply_layout, expand_values
 from tpsim.errors import InvalidArgument, RankError
 from tpsim.placement import Replicate, Shard, part_sizes, shard_tensor
+from tpsim.props.case import Case
+from tpsim.props.groups import tp_groups
+from tpsim.props.layouts import apply_layout, expand_values
 from tpsim.target import resolve_variant
 from tpsim.variant import LayoutError, Variant, get_param
 
@@ -101,7 +101,7 @@ def make_masters(case: Case) -> Masters:
     for _ in range(case.world_size // (case.tp_size or case.world_size)):
         inputs, grads = [], []
         for _ in range(TRAIN_STEPS):
-            # An expanded layout needs rows that repeat along the first batch dim (properties.layouts).
+            # An expanded layout needs rows that repeat along the first batch dim (tpsim.props.layouts).
             inputs.append(expand_values(draw(*case.batch_shape, case.in_features), case.input_layout))
             grads.append(expand_values(draw(*case.batch_shape, case.out_features), case.input_layout))
         data.append((inputs, grads))
@@ -321,7 +321,7 @@ def observe(variant: Variant, case: Case, *, backend: str = "inproc", timeout: f
 @dataclass
 class Reference:
     """The float64 dense reference of a case: step-0 output and grads, final parameters, and the
-    per-element magnitudes tolerances scale with (see :mod:`properties.tolerance`)."""
+    per-element magnitudes tolerances scale with (see :mod:`tpsim.props.tolerance`)."""
 
     x: torch.Tensor
     y: torch.Tensor

@@ -1,0 +1,50 @@
+"""tpsim's property suite: Hypothesis strategies, cases, the properties checked on them, and the search.
+
+- :mod:`tpsim.props.case` — :class:`Case` and its versioned JSON case file;
+- :mod:`tpsim.props.strategies` — Hypothesis strategies generating cases for a variant;
+- :mod:`tpsim.props.tolerance` — the documented tolerance formula;
+- :mod:`tpsim.props.world` — one world run per case and the float64 dense reference;
+- :mod:`tpsim.props.checks` — the properties, one named function each, and :func:`check_case`;
+- :mod:`tpsim.props.search` — :func:`search`: generate, check, shrink, diagnose (what ``tpsim check`` runs);
+- :mod:`tpsim.props.suite` — :func:`property_tests`: the suite as pytest tests in one line;
+- :mod:`tpsim.props.mlp` — forward/gradient equivalence of a parallel MLP (lab-note scale).
+"""
+
+from tpsim.props.case import SCHEMA_VERSION, Case, CaseFileError, load_case, save_case
+from tpsim.props.checks import (
+    PROPERTIES,
+    PropertyFailed,
+    bias_grad_equivalence,
+    check_case,
+    divisibility,
+    forward_equivalence,
+    input_grad_equivalence,
+    replica_consistency,
+    training_equivalence,
+    weight_grad_equivalence,
+)
+from tpsim.props.search import SearchReport, search
+from tpsim.props.strategies import cases
+from tpsim.props.suite import property_tests
+
+__all__ = [
+    "PROPERTIES",
+    "SCHEMA_VERSION",
+    "Case",
+    "CaseFileError",
+    "PropertyFailed",
+    "SearchReport",
+    "bias_grad_equivalence",
+    "cases",
+    "check_case",
+    "divisibility",
+    "forward_equivalence",
+    "input_grad_equivalence",
+    "load_case",
+    "property_tests",
+    "replica_consistency",
+    "save_case",
+    "search",
+    "training_equivalence",
+    "weight_grad_equivalence",
+]
