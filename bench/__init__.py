@@ -8,12 +8,14 @@ Run it with one command from the repository root::
 
 Sections (see ``docs/bench.md`` for the tables they produce):
 
-- ``step``: issue 3's collective-step workload (a column-linear forward+backward loop, one all_gather
+- ``step``: the collective-step workload (a column-linear forward+backward loop, one all_gather
   and one all_reduce per step) vs world size, on inproc, torch's internal threaded process group
   (comparison only; imported here and nowhere else), gloo and two single-thread references: the
   floor (every rank receives the collectives' results) and compute (results built once, for nobody);
   floor, compute and inproc run interleaved in one process per world size, fastest of several runs;
-- ``props``: property examples per second per backend, gloo world start-up vs per-example cost;
+- ``props``: property examples per second per backend, gloo world start-up vs per-example cost, and
+  inproc isolated (what ``tpsim check`` runs) measured side by side with plain inproc on the same
+  cases (``python -m bench --only props --out DIR`` runs just this section);
 - ``mutants``: examples and seconds for the search to catch every mutant in ``tpsim.mutants.CATALOG``
   (read when the section runs, so new mutants appear without a change here);
 - ``labmlp``: the lab-note MLP (hidden 4096, intermediate 11008, tp 2, float32) checked on inproc vs

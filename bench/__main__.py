@@ -29,7 +29,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=os.path.join(sections.ROOT, "docs"), help="output folder (default: docs/)")
     parser.add_argument("--only", nargs="+", choices=sorted(sections.SECTIONS),
                         help="run only these sections; the others are kept from DIR/bench.json when it exists")
+    parser.add_argument("--render", action="store_true",
+                        help="measure nothing: re-render DIR/bench.md, the plots and the README's Performance "
+                        "section from DIR/bench.json (after a change to the report's wording or plots)")
     args = parser.parse_args(argv)
+    if args.render:
+        with open(os.path.join(args.out, "bench.json"), encoding="utf-8") as fh:
+            rendered = json.load(fh)
+        _write(rendered, args.out)
+        return 0
     cfg = sections.QUICK if args.quick else sections.FULL
     os.makedirs(args.out, exist_ok=True)
     warnings.simplefilter("ignore")
@@ -57,24 +65,29 @@ def main(argv: list[str] | None = None) -> int:
     result["total_s"] = result.get("total_s", 0.0) * bool(args.only) + time.perf_counter() - started
     result["load"] = {"start": load_start, "end": _load()}
     result["headline"] = report.headline(result)
-    images = report.plots(result, args.out, "bench")
     with open(os.path.join(args.out, "bench.json"), "w", encoding="utf-8") as fh:
         json.dump(result, fh, indent=1, default=str)
-    with open(os.path.join(args.out, "bench.md"), "w", encoding="utf-8") as fh:
+    _write(result, args.out)
+    for h in result["headline"]:
+        print(f"[bench] ws={h['world_size']}: inproc/floor={h['inproc_over_floor']}, "
+              f"threaded/inproc={h['threaded_over_inproc']}")
+    print(f"[bench] wrote {os.path.join(args.out, 'bench.md')} in {result['total_s']:.0f} s")
+    return 0
+
+
+def _write(result: dict, out: str) -> None:
+    """Plots, bench.md and (for the full run into docs/) the README's Performance section."""
+    images = report.plots(result, out, "bench")
+    with open(os.path.join(out, "bench.md"), "w", encoding="utf-8") as fh:
         fh.write(report.markdown(result, images))
     readme = os.path.join(sections.ROOT, "README.md")
-    if os.path.abspath(args.out) == os.path.join(sections.ROOT, "docs") and not args.quick and os.path.exists(readme):
+    if os.path.abspath(out) == os.path.join(sections.ROOT, "docs") and not result.get("quick") and os.path.exists(readme):
         # the README's performance section quotes docs/bench.md: regenerate them together
         with open(readme, encoding="utf-8") as fh:
             text = fh.read()
         with open(readme, "w", encoding="utf-8") as fh:
             fh.write(report.update_readme(text, report.markdown(result, images)))
         print(f"[bench] updated the Performance section of {readme}")
-    for h in result["headline"]:
-        print(f"[bench] ws={h['world_size']}: inproc/floor={h['inproc_over_floor']}, "
-              f"threaded/inproc={h['threaded_over_inproc']}")
-    print(f"[bench] wrote {os.path.join(args.out, 'bench.md')} in {result['total_s']:.0f} s")
-    return 0
 
 
 if __name__ == "__main__":

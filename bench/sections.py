@@ -120,7 +120,7 @@ REPEAT_BELOW_S = 25.0
 
 
 def step(cfg: Config) -> dict[str, Any]:
-    """Issue 3's workload per backend and world size (``bench.workload``); None = skipped/too slow.
+    """The collective-step workload per backend and world size (``bench.workload``); None = skipped/too slow.
 
     floor, compute and inproc run interleaved in one process per world size, ``cfg.step_repeats``
     rounds, fastest kept; threaded and gloo run in processes of their own, ``cfg.step_alone_repeats``
@@ -194,6 +194,12 @@ def _layer_cases(n: int, sizes: tuple[int, ...], seed: int = 0) -> list[Any]:
     return out
 
 
+#: The props section's row measured beside plain inproc, in the same process on the same cases.
+ISOLATED = "inproc isolated"
+#: Rounds of the grouped pass when plain and isolated inproc are compared (fastest of each kept).
+ISOLATION_ROUNDS = 3
+
+
 def props_worker(backend: str, n: int, sizes: tuple[int, ...], target: str) -> dict[str, Any]:
     """In a fresh process, two passes over the same cases:
 
@@ -201,44 +207,76 @@ def props_worker(backend: str, n: int, sizes: tuple[int, ...], target: str) -> d
       its world (gloo: the worker pool) and the rest reuse it (``first_s``, ``per_example_s``);
     - *interleaved*: world sizes in the order a search draws them (``interleaved_per_example_s``):
       on gloo a world-size change may need a pool (tpsim keeps a few, least recently used).
+
+    For ``inproc`` every case also runs isolated (``isolate=True``, what ``tpsim check`` does) right
+    before or after its plain run, so both see the same cases under the same machine load; that row
+    is returned under ``also[ISOLATED]``, its first example paying for starting the worker. The
+    grouped pass then runs :data:`ISOLATION_ROUNDS` rounds (the order of the two flips each round):
+    ``fastest_per_example_s`` is the mean over cases of each case's fastest round, which a busy
+    machine disturbs far less than a single pass.
     """
     from tpsim.props.checks import check_case
     from tpsim.target import resolve_target
 
     variant = resolve_target(target)[0]
-    cases = _layer_cases(n + len(sizes), sizes)
-    first: dict[int, float] = {}
-    per_example: list[float] = []
+    cases = sorted(_layer_cases(n + len(sizes), sizes), key=lambda c: c.world_size)
+    modes = [(backend, False)] + ([(ISOLATED, True)] if backend == "inproc" else [])
+    rounds = ISOLATION_ROUNDS if len(modes) > 1 else 1
+    first: dict[str, dict[int, float]] = {label: {} for label, _ in modes}
+    times: dict[str, list[list[float]]] = {label: [[] for _ in cases] for label, _ in modes}
     failures = 0
-    for case in sorted(cases, key=lambda c: c.world_size):
-        start = time.perf_counter()
-        failures += bool(check_case(variant, case, backend=backend, timeout=60))
-        elapsed = time.perf_counter() - start
-        if case.world_size not in first:
-            first[case.world_size] = elapsed
-        else:
-            per_example.append(elapsed)
-    interleaved = None
+    for rnd in range(rounds):
+        for i, case in enumerate(cases):
+            for label, isolate in (modes if rnd % 2 == 0 else modes[::-1]):
+                start = time.perf_counter()
+                failures += bool(check_case(variant, case, backend=backend, timeout=60, isolate=isolate))
+                elapsed = time.perf_counter() - start
+                if rnd == 0 and case.world_size not in first[label]:
+                    first[label][case.world_size] = elapsed
+                times[label][i].append(elapsed)
+    firsts = {i for i, case in enumerate(cases) if i == 0 or cases[i - 1].world_size != case.world_size}
+    interleaved: dict[str, float | None] = {label: None for label, _ in modes}
     if len(sizes) > 1:
-        start = time.perf_counter()
-        for case in cases:
-            failures += bool(check_case(variant, case, backend=backend, timeout=60))
-        interleaved = (time.perf_counter() - start) / len(cases)
-    mean = sum(per_example) / max(len(per_example), 1)
-    return {"backend": backend, "examples": len(per_example), "per_example_s": mean,
-            "examples_per_s": 1.0 / mean if mean else None, "first_s": first,
-            "interleaved_per_example_s": interleaved, "failures": failures}
+        spent = {label: 0.0 for label, _ in modes}
+        for case in _layer_cases(n + len(sizes), sizes):
+            for label, isolate in modes:
+                start = time.perf_counter()
+                failures += bool(check_case(variant, case, backend=backend, timeout=60, isolate=isolate))
+                spent[label] += time.perf_counter() - start
+        interleaved = {label: t / len(cases) for label, t in spent.items()}
+
+    def row(label: str) -> dict[str, Any]:
+        kept = [t for i, t in enumerate(times[label]) if i not in firsts]
+        mean = sum(t[0] for t in kept) / max(len(kept), 1)
+        fastest = sum(min(t) for t in kept) / max(len(kept), 1)
+        return {"backend": label, "examples": len(kept), "per_example_s": mean,
+                "examples_per_s": 1.0 / mean if mean else None, "first_s": first[label],
+                "interleaved_per_example_s": interleaved[label], "failures": failures, "rounds": rounds,
+                "fastest_per_example_s": fastest if rounds > 1 else None}
+
+    out = row(backend)
+    if len(modes) > 1:
+        out["also"] = {label: row(label) for label, _ in modes[1:]}
+    return out
 
 
 def props(cfg: Config) -> dict[str, Any]:
-    """Examples/s of ``check_case`` on tpsim's ColumnParallelLinear per backend; gloo start-up cost."""
+    """Examples/s of ``check_case`` on tpsim's ColumnParallelLinear per backend (inproc also isolated,
+    measured side by side with it); gloo start-up cost."""
     out = {}
     for backend in cfg.backends:
         sizes = ",".join(str(s) for s in cfg.prop_world_sizes)
         result = subprocess_json(["bench.props", backend, str(cfg.prop_examples), sizes,
                                   "tpsim.layers:ColumnParallelLinear"], 600)
+        also = result.pop("also", {}) if result else {}
         out[backend] = result
-    return {"variant": "tpsim.layers:ColumnParallelLinear", "backends": out}
+        out.update(also)
+    iso, plain = out.get(ISOLATED), out.get("inproc")
+    overhead = None
+    if iso and plain and iso.get("fastest_per_example_s") and plain.get("fastest_per_example_s"):
+        # examples/s of isolated over plain, minus one (negative: isolation is slower)
+        overhead = plain["fastest_per_example_s"] / iso["fastest_per_example_s"] - 1.0
+    return {"variant": "tpsim.layers:ColumnParallelLinear", "backends": out, "isolation_examples_per_s_change": overhead}
 
 
 # --- 3. mutants ----------------------------------------------------------------------------------
@@ -365,7 +403,7 @@ def _labmlp_one(cfg: Config, label: str, activation: str, options: dict[str, Any
 
 def labmlp(cfg: Config) -> dict[str, Any]:
     """The lab-note MLP checked on inproc (tp 2, float32) vs the dense MLP's own forward+backward:
-    the plain gelu MLP and the gated (swiglu) one with sequence parallelism (issue 12)."""
+    the plain gelu MLP and the gated (swiglu) one with sequence parallelism."""
     rows = [_labmlp_one(cfg, label, act, options) for label, act, options in LAB_CONFIGS]
     return {"rows": rows, "equal": all(r["equal"] for r in rows)}
 

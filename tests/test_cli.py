@@ -56,10 +56,13 @@ def test_check_tpsim_layers_passes_every_variant(capsys, tmp_path) -> None:
     code, out, err = run(capsys, "check", "tpsim.layers", *FAST, "--cases-dir", str(tmp_path))
     assert code == 0, out + err
     lines = out.splitlines()
-    assert lines[0].startswith("tpsim check tpsim.layers: 10 variants on inproc, world sizes 1,2,3")
+    # tpsim.layers grows with the layer core: its linear layers and MLPs at least, every one passing
+    n = sum(1 for line in lines if line.startswith("PASS "))
+    assert n >= len(LAYER_NAMES) and not any(line.startswith("FAIL ") for line in lines), out
+    assert lines[0].startswith(f"tpsim check tpsim.layers: {n} variants on inproc, world sizes 1,2,3")
     for name in LAYER_NAMES:
         assert any(line.startswith("PASS ") and f" {name} " in line for line in lines), (name, out)
-    assert lines[-1].startswith("all properties hold: 10 variants, ")
+    assert lines[-1].startswith(f"all properties hold: {n} variants, ")
     assert err == ""  # no progress: stderr is not a terminal here
     assert list(tmp_path.iterdir()) == []  # nothing failed, nothing saved
 
@@ -70,7 +73,8 @@ def test_check_json_report_of_a_passing_target(capsys, tmp_path) -> None:
     doc = json.loads(out)  # stdout is exactly one JSON document
     assert doc["passed"] is True
     assert doc["failures"] == []
-    assert [v["name"] for v in doc["variants"]] == LAYER_NAMES
+    names = [v["name"] for v in doc["variants"]]
+    assert [n for n in names if n in LAYER_NAMES] == LAYER_NAMES
     assert doc["examples"] == sum(v["examples"] for v in doc["variants"])
     assert all(v["examples"] >= 10 and v["passed"] for v in doc["variants"])
     assert doc["settings"]["world_sizes"] == [1, 2, 3]
@@ -239,9 +243,9 @@ def test_no_command_is_a_usage_error(capsys) -> None:
         ("missing/layer.py:Layer", ["target file 'missing/layer.py' does not exist"]),
         ("tpsim.layers:NoSuchLayer", ["declares no variant named 'NoSuchLayer'", "ColumnParallelLinear"]),
         (f"{SKILL}:NoSuchClass", ["has no attribute 'NoSuchClass'"]),
-        (f"{SKILL}:torch", ["is module, not a tpsim Variant or an nn.Module class"]),
+        (f"{SKILL}:torch", ["is module, not a tpsim Variant", "or an nn.Module class"]),
         ("tpsim.errors", ["declares no variants"]),
-        ("examples/skill_convention.py:_SumOverRanks", ["not a tpsim Variant or an nn.Module class"]),
+        ("examples/skill_convention.py:_SumOverRanks", ["not a tpsim Variant", "or an nn.Module class"]),
     ],
 )
 def test_targets_that_cannot_be_resolved_exit_2_naming_the_target(capsys, target, expected) -> None:
@@ -339,7 +343,7 @@ def test_python_dash_m_tpsim_check(tmp_path) -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env(),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "all properties hold: 10 variants" in proc.stdout
+    assert "all properties hold: " in proc.stdout and " FAIL " not in proc.stdout
     assert proc.stderr == ""
 
 

@@ -36,7 +36,7 @@ def test_conventions_are_detected_from_the_constructor() -> None:
 
 
 def test_neither_convention_names_both_choices() -> None:
-    with pytest.raises(InvalidArgument, match=r"fits neither convention; pass --convention master-weight\|tp-rank"):
+    with pytest.raises(InvalidArgument, match=r"fits no convention\..*pass --convention master-weight\|tp-rank\|group"):
         detect_convention(torch.nn.Linear)
 
 

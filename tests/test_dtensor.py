@@ -1,4 +1,4 @@
-"""PyTorch's DTensor tensor parallelism on tpsim's backends (issue 8).
+"""PyTorch's DTensor tensor parallelism on tpsim's backends.
 
 - DTensor itself (``init_device_mesh``, ``parallelize_module`` with ``ColwiseParallel`` /
   ``RowwiseParallel``) runs inside ``tpsim.run`` on inproc and gloo and matches the dense module;

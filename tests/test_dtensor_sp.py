@@ -1,4 +1,4 @@
-"""Differential property (issue 12 item 6): tpsim's sequence-parallel layers against PyTorch's.
+"""Differential property: tpsim's sequence-parallel layers against PyTorch's.
 
 A norm -> MLP block (``LayerNorm``/``RMSNorm``, plain or gated MLP) is built once densely; tpsim's
 ``LayerNorm``/``RMSNorm(sequence_parallel=True)`` + ``ParallelMLP(..., sequence_parallel=True)``

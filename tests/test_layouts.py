@@ -1,4 +1,4 @@
-"""Memory layouts (issue 11): the layouts themselves, every collective on non-contiguous views on
+"""Memory layouts: the layouts themselves, every collective on non-contiguous views on
 inproc and gloo, correct variants on non-contiguous inputs, and the contiguous-twin message.
 
 Rank functions are module-level so gloo worker processes can unpickle them. Expected values are

@@ -108,3 +108,202 @@ def test_readme_documents_every_diagnosis() -> None:
 def test_readme_has_no_unfilled_placeholders() -> None:
     readme = (ROOT / "README.md").read_text()
     assert not re.findall(r"^[A-Z_]{10,}$", readme, re.M)
+
+
+# -- the import graph ------------------------------------------------------------------------------
+
+MODULE_LEVEL, FUNCTION_LEVEL, TYPE_ONLY = "module", "function", "type"
+
+
+def _module_of(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _tpsim_modules() -> dict[str, pathlib.Path]:
+    return {_module_of(p): p for p in sorted((ROOT / "tpsim").rglob("*.py"))}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, known: set[str]) -> list[str]:
+    """The tpsim modules an import statement imports (``from pkg import sub`` names ``pkg.sub``)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name.split(".")[0] == "tpsim"]
+    base = node.module or ""
+    if node.level:  # relative: resolved against this module's package
+        package = module.split(".") if is_package else module.split(".")[:-1]
+        package = package[: len(package) - (node.level - 1)]
+        base = ".".join(package + ([base] if base else []))
+    if base.split(".")[0] != "tpsim":
+        return []
+    found = []
+    for alias in node.names:
+        sub = f"{base}.{alias.name}"
+        found.append(sub if sub in known else base)
+    return found
+
+
+def import_graph() -> dict[str, dict[str, str]]:
+    """``module -> {imported tpsim module: kind}`` for every module of the tpsim package.
+
+    kind is ``module`` (runs when the module is imported, including inside ``try``/``if`` at module
+    level and in class bodies), ``function`` (inside a function: runs when it is called) or ``type``
+    (under ``if TYPE_CHECKING:``: never runs). A dotted import's parent packages are not edges:
+    Python imports them first in any case, so every package ``__init__`` would sit on every cycle.
+    A module imported both ways keeps the strongest kind (module > function > type).
+    """
+    modules = _tpsim_modules()
+    known = set(modules)
+    graph: dict[str, dict[str, str]] = {}
+    for module, path in modules.items():
+        edges: dict[str, str] = {}
+        _collect(ast.parse(path.read_text()), MODULE_LEVEL, module, path.name == "__init__.py", known, edges)
+        graph[module] = edges
+    return graph
+
+
+_STRENGTH = {MODULE_LEVEL: 0, FUNCTION_LEVEL: 1, TYPE_ONLY: 2}
+
+
+def _collect(node: ast.AST, kind: str, module: str, is_package: bool, known: set[str], edges: dict[str, str]) -> None:
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        for target in _targets(node, module, is_package, known):
+            if target != module and (target not in edges or _STRENGTH[kind] < _STRENGTH[edges[target]]):
+                edges[target] = kind
+        return
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and kind == MODULE_LEVEL:
+        kind = FUNCTION_LEVEL
+    if isinstance(node, ast.If) and _is_type_checking(node.test):
+        for child in node.body:
+            _collect(child, TYPE_ONLY, module, is_package, known, edges)
+        for child in node.orelse:
+            _collect(child, kind, module, is_package, known, edges)
+        return
+    for child in ast.iter_child_nodes(node):
+        _collect(child, kind, module, is_package, known, edges)
+
+
+def format_graph(graph: dict[str, dict[str, str]]) -> str:
+    """One line per module: ``a -> b, c, d (fn), e (type)``; ``(fn)``: imported inside a function."""
+    mark = {MODULE_LEVEL: "", FUNCTION_LEVEL: " (fn)", TYPE_ONLY: " (type)"}
+    order = {MODULE_LEVEL: 0, FUNCTION_LEVEL: 1, TYPE_ONLY: 2}
+    lines = []
+    for module in sorted(graph):
+        edges = sorted(graph[module].items(), key=lambda item: (order[item[1]], item[0]))
+        lines.append(f"{module} -> " + (", ".join(f"{t}{mark[k]}" for t, k in edges) or "(nothing)"))
+    return "\n".join(lines)
+
+
+def module_level_cycles(graph: dict[str, dict[str, str]]) -> list[list[str]]:
+    """Every cycle of module-level imports, as one representative path per strongly connected part."""
+    adjacency = {m: sorted(t for t, k in edges.items() if k == MODULE_LEVEL) for m, edges in graph.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    parts: list[list[str]] = []
+
+    def connect(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in adjacency.get(v, ()):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                parts.append(sorted(part))
+
+    for v in sorted(adjacency):
+        if v not in index:
+            connect(v)
+    cycles = []
+    for part in parts:  # a path around the part, for the message
+        members = set(part)
+        path, v = [part[0]], part[0]
+        while True:
+            v = next(w for w in adjacency[v] if w in members)
+            if v in path:
+                cycles.append(path[path.index(v):] + [v])
+                break
+            path.append(v)
+    return cycles
+
+
+def test_import_graph_is_printed_and_has_no_module_level_cycle() -> None:
+    graph = import_graph()
+    print("\nimport graph of the tpsim package (module-level imports; (fn): inside a function; "
+          "(type): typing only)")
+    print(format_graph(graph))
+    cycles = module_level_cycles(graph)
+    assert not cycles, "module-level import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_import_graph_sees_every_kind_of_import(tmp_path: pathlib.Path) -> None:
+    # The graph builder itself can fail: a cycle planted in a copy of a module is found.
+    graph = import_graph()
+    assert graph["tpsim.runner"]["tpsim.comm.result"] == MODULE_LEVEL
+    assert graph["tpsim.runner"]["tpsim.comm.inproc"] == FUNCTION_LEVEL
+    planted = {m: dict(e) for m, e in graph.items()}
+    planted["tpsim.comm.result"]["tpsim.runner"] = MODULE_LEVEL
+    assert ["tpsim.comm.result", "tpsim.runner", "tpsim.comm.result"] in module_level_cycles(planted)
+
+
+def test_backends_never_import_the_runner() -> None:
+    # The runner dispatches to the backends; a backend importing it back was the old circle.
+    graph = import_graph()
+    for module, edges in graph.items():
+        if module.startswith("tpsim.comm."):
+            assert "tpsim.runner" not in edges, f"{module} imports tpsim.runner ({edges['tpsim.runner']}-level)"
+
+
+def test_only_tpsim_is_installed_top_level(tmp_path: pathlib.Path) -> None:
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    include = config["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert set(include) == {"tpsim", "tpsim.*"}, include
+    # Build the wheel from a copy of the tree (a build writes build/ and *.egg-info next to the
+    # sources) that keeps every top-level directory a stray package could come from.
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".git", "__pycache__", "*.egg-info", ".tox", ".hypothesis", ".pytest_cache", ".ruff_cache", "build",
+        "dist", ".tpsim", "tpsim-cases", "*.png"))
+    assert (src / "properties").is_dir() and (src / "tests").is_dir()
+    out = tmp_path / "wheel"
+    proc = subprocess.run(
+        [sys.executable, "-c", f"from setuptools import build_meta; print(build_meta.build_wheel({str(out)!r}))"],
+        cwd=src, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    wheel = out / proc.stdout.strip().splitlines()[-1]
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        top_level = next(n for n in names if n.endswith(".dist-info/top_level.txt"))
+        assert zf.read(top_level).decode().split() == ["tpsim"]
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"tpsim"}, tops
+
+
+if __name__ == "__main__":  # python tests/test_project.py prints the import graph
+    print(format_graph(import_graph()))

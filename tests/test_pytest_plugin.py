@@ -70,6 +70,7 @@ def test_bad_world_sizes_option_is_a_usage_error(pytester: pytest.Pytester) -> N
     result.stderr.fnmatch_lines(["*--tpsim-world-sizes='2,x'*comma-separated integers*"])
 
 
+@pytest.mark.gloo
 def test_gloo_backend_option(pytester: pytest.Pytester) -> None:
     result = _user_suite(
         pytester,

@@ -138,7 +138,8 @@ def test_fixing_the_layer_makes_its_replay_pass(tmp_path) -> None:
     assert "PASS every property holds on this case now" in after.stdout
 
 
-def test_a_relative_target_replays_from_another_directory(capsys, tmp_path, monkeypatch) -> None:
+def _found_in_work(capsys, tmp_path, monkeypatch) -> str:
+    """A case found from ``tmp/work`` (target ``layers_here.py``, relative), saved in ``tmp/cases``."""
     work = tmp_path / "work"
     work.mkdir()
     shutil.copy(ROOT / "examples" / "skill_convention.py", work / "layers_here.py")
@@ -146,11 +147,53 @@ def test_a_relative_target_replays_from_another_directory(capsys, tmp_path, monk
     code, out, _ = run(capsys, "check", "layers_here.py:BuggyRowParallelLinear", *FAST, "--report", "json",
                        "--cases-dir", str(tmp_path / "cases"))
     assert code == 1
-    path = json.loads(out)["failures"][0]["case_file"]
-    monkeypatch.chdir(tmp_path)  # layers_here.py is not here: the case file's recorded cwd finds it
+    return json.loads(out)["failures"][0]["case_file"]
+
+
+def test_replay_prints_the_file_it_imports(capsys, buggy_case) -> None:
+    code, out, _ = run(capsys, "replay", buggy_case)
+    assert code == 1
+    assert f"  imports:  {ROOT / 'examples' / 'skill_convention.py'}" in out.splitlines()
+    code, out, _ = run(capsys, "replay", buggy_case, "--report", "json")
+    assert json.loads(out)["target_file"] == str(ROOT / "examples" / "skill_convention.py")
+
+
+def test_a_target_outside_the_working_and_case_directories_needs_a_flag(capsys, tmp_path, monkeypatch) -> None:
+    # found.cwd is informational: it does not make replay import code from there by itself.
+    path = _found_in_work(capsys, tmp_path, monkeypatch)
+    monkeypatch.chdir(tmp_path)  # layers_here.py is in tmp/work: neither here nor beside the case file
+    line = _one_line_error(*run(capsys, "replay", path))
+    assert f"names the target file {str(tmp_path / 'work' / 'layers_here.py')!r}, outside the current directory" in line
+    assert "--allow-outside-target" in line
+    code, out, err = run(capsys, "replay", path, "--allow-outside-target")
+    assert code == 1, out + err
+    assert f"  imports:  {tmp_path / 'work' / 'layers_here.py'}" in out.splitlines()
+    assert "FAILED forward-equivalence: bias-duplication" in out
+
+
+def test_a_target_beside_the_case_file_replays_from_anywhere(capsys, tmp_path, monkeypatch) -> None:
+    path = _found_in_work(capsys, tmp_path, monkeypatch)
+    shutil.copy(tmp_path / "work" / "layers_here.py", tmp_path / "cases" / "layers_here.py")
+    monkeypatch.chdir(tmp_path)
     code, out, err = run(capsys, "replay", path)
     assert code == 1, out + err
-    assert "FAILED forward-equivalence: bias-duplication" in out
+    assert f"  imports:  {tmp_path / 'cases' / 'layers_here.py'}" in out.splitlines()
+
+
+def test_an_absolute_target_elsewhere_is_refused(capsys, tmp_path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.copy(ROOT / "examples" / "skill_convention.py", elsewhere / "evil.py")
+    case = Case(world_size=2, in_features=2, out_features=2, bias=True,
+                target=f"{elsewhere / 'evil.py'}:BuggyRowParallelLinear", variant="BuggyRowParallelLinear")
+    path = save_case(case, str(tmp_path / "cases"))
+    line = _one_line_error(*run(capsys, "replay", path))
+    assert "outside the current directory and the case file's directory" in line
+    link = tmp_path / "cases" / "link.py"  # a link beside the case file still points outside
+    link.symlink_to(elsewhere / "evil.py")
+    path = save_case(case.replace(target="link.py:BuggyRowParallelLinear"), str(tmp_path / "cases"))
+    line = _one_line_error(*run(capsys, "replay", path))
+    assert "outside the current directory" in line
 
 
 def test_replay_of_a_fault_case(capsys, tmp_path) -> None:
@@ -250,3 +293,45 @@ def test_saved_case_file_round_trips(buggy_case) -> None:
     assert case.to_dict()["target"] == BUGGY
     assert found["command"].startswith(f"tpsim check {BUGGY}")
     assert found["cwd"] == str(ROOT)
+
+
+@pytest.mark.parametrize(
+    "field, value, expected",
+    [
+        ("seed", 2**80, "seed=1208925819614629174706176 must be an int <= 18446744073709551615"),
+        ("world_size", 10**6, "world_size=1000000 is above the inproc limit"),
+        ("faults", [{"kind": "meteor", "rank": 1, "at_call": 1}], "meteor"),
+        ("faults", [{"kind": "drop", "rank": 5, "at_call": 1}], "rank=5 is not a rank of a world of world_size=2"),
+        ("dtype", ["float32"], "dtype=['float32']; expected one of float64"),
+        ("in_features", 10**9, "would have 2000000000 elements"),
+        ("batch_shape", [True], "batch_shape entry=True must be an int >= 1"),
+        ("options", {"packed": {"a": 1}}, "option packed={'a': 1} must be"),
+        ("target", 7, "target=7 must be a string or null"),
+        ("input_layout", None, "input_layout=None; expected one of contiguous"),
+    ],
+)
+def test_malformed_fields_exit_2_with_the_reason(capsys, tmp_path, field, value, expected) -> None:
+    # Hand-edited or hostile case files: every bad field is a one-line usage error, never an
+    # internal error, and nothing runs.
+    doc = _valid_doc()
+    doc["case"][field] = value
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(doc))
+    line = _one_line_error(*run(capsys, "replay", str(path)))
+    assert expected in line, line
+
+
+def test_case_file_that_is_not_utf8(capsys, tmp_path) -> None:
+    path = tmp_path / "latin1.json"
+    path.write_bytes(json.dumps(_valid_doc()).encode().replace(b'"RowParallelLinear"', b'"Row\xe9"'))
+    line = _one_line_error(*run(capsys, "replay", str(path)))
+    assert "is not UTF-8 text (byte " in line
+
+
+def test_case_file_nested_too_deeply_or_too_large(capsys, tmp_path) -> None:
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    assert "nested too deeply" in _one_line_error(*run(capsys, "replay", str(deep)))
+    big = tmp_path / "big.json"
+    big.write_text(" " * (2 << 20) + "{}")
+    assert "larger than 1048576 bytes" in _one_line_error(*run(capsys, "replay", str(big)))

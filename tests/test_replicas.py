@@ -1,4 +1,4 @@
-"""Replica consistency at construction (issue 11): every rank is seeded alike before the build, and
+"""Replica consistency at construction: every rank is seeded alike before the build, and
 replicated parameters a layer initialises itself must be bit-identical across its tp group right
 after construction, before the harness loads the master values."""
 

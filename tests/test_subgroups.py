@@ -1,4 +1,4 @@
-"""Tensor-parallel subgroups (issue 11): a world split into tp groups, each with its own data.
+"""Tensor-parallel subgroups: a world split into tp groups, each with its own data.
 
 tpsim's own layers and the correct variants of examples/ pass with world 4 / tp 2 and world 8 /
 tp 2 and 4 in both layouts; a layer that reduces over the wrong set of ranks is diagnosed

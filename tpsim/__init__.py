@@ -5,33 +5,62 @@ The public API is re-exported here; the modules behind it are private to the pac
 """
 
 from tpsim import faults
+from tpsim.attention_variant import AttentionVariant
+from tpsim.comm.board import mark_phase
 from tpsim.comm.trace import CollectiveCall, Trace
-from tpsim.errors import BackendUnavailable, CollectiveError, InvalidArgument, RankError, TpsimError
+from tpsim.errors import (
+    BackendUnavailable,
+    CollectiveError,
+    InvalidArgument,
+    RankCrashed,
+    RankDied,
+    RankError,
+    RankExited,
+    SharedModuleState,
+    TpsimError,
+)
+from tpsim.module_variant import ModuleVariant
 from tpsim.placement import Partial, Placement, Replicate, Shard
 from tpsim.runner import BACKENDS, DEFAULT_TIMEOUT, WorldResult, run, run_world
 from tpsim.variant import ParamSpec, Variant
+from tpsim.vocab_variant import CrossEntropyVariant, EmbeddingVariant
 
 __version__ = "0.1.0"
+
+# Target files are importable by their tpsim_target_... names in every process that imports tpsim
+# (rank-local target modules and classes unpickled in worker processes).
+from tpsim._target_files import install_finder as _install_finder  # noqa: E402
+
+_install_finder()
 
 __all__ = [
     "BACKENDS",
     "DEFAULT_TIMEOUT",
+    "AttentionVariant",
     "BackendUnavailable",
     "CollectiveCall",
     "CollectiveError",
+    "CrossEntropyVariant",
+    "EmbeddingVariant",
     "InvalidArgument",
+    "ModuleVariant",
     "ParamSpec",
     "Partial",
     "Placement",
+    "RankCrashed",
+    "RankDied",
     "RankError",
+    "RankExited",
     "Replicate",
     "Shard",
+    "SharedModuleState",
     "TpsimError",
     "Trace",
     "Variant",
     "WorldResult",
     "__version__",
     "faults",
+    "mark_phase",
     "run",
     "run_world",
 ]

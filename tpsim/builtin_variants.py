@@ -11,25 +11,50 @@ default placements: column weight/bias ``S(0)``, row weight ``S(1)`` and bias ``
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
+import torch
 from torch import nn
 
-from tpsim.layers import ColumnParallelLinear, RowParallelLinear
+from tpsim.attention_variant import AttentionVariant, from_dense_builder
+from tpsim.layers import (
+    ColumnParallelLinear,
+    ParallelAttention,
+    ParallelMLP,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_linear_cross_entropy,
+)
+from tpsim.layers.linear import skip_init
+from tpsim.module_variant import ModuleVariant
 from tpsim.variant import Variant
+from tpsim.vocab_variant import CrossEntropyVariant, EmbeddingVariant
 
 __all__ = [
-    "TPSIM_MLPS",
+    "TPSIM_MODULES",
     "TPSIM_VARIANTS",
+    "TPSIM_VOCAB",
+    "attention",
+    "attention_sequence_parallel",
     "column",
     "column_gate_up",
     "column_gathered",
     "column_qkv_gathered",
     "column_qkv_gqa",
     "column_sequence_parallel",
+    "mlp_gelu",
+    "mlp_swiglu",
+    "mlp_swiglu_sequence_parallel",
+    "mlp_variant",
     "row",
     "row_scatter",
     "row_sequence_parallel",
+    "vocab_cross_entropy",
+    "vocab_embedding",
+    "vocab_embedding_padded",
+    "vocab_linear_cross_entropy",
 ]
 
 # Worker processes (gloo/nccl) re-resolve a variant from its target and name.
@@ -89,7 +114,7 @@ row_scatter = Variant(
 
 
 
-# --- packed weights and sequence parallelism (issue 12) -------------------------------------------
+# --- packed weights and sequence parallelism ----------------------------------------------------
 
 
 def _packed_column(gather_output: bool):
@@ -175,9 +200,94 @@ TPSIM_VARIANTS = [
     row_sequence_parallel,
 ]
 
-#: The MLPs ``tpsim check tpsim.layers`` also checks against the dense MLP (see tpsim.props.mlp), as
-#: plain data (this module must not import the harness): name, activation, sequence parallelism.
-TPSIM_MLPS = [
-    {"name": "ParallelMLP(swiglu)", "activation": "swiglu", "sequence_parallel": False},
-    {"name": "ParallelMLP(swiglu, sequence_parallel=True)", "activation": "swiglu", "sequence_parallel": True},
-]
+# --- whole modules: the MLPs -----------------------------------------------------------------------
+
+
+def _mlp(activation: str, sequence_parallel: bool = False, initialise: bool = True):
+    def build(hidden: int, ffn: int, *, group: Any, dtype: Any) -> nn.Module:
+        with skip_init() if not initialise else contextlib.nullcontext():
+            return ParallelMLP(hidden, ffn, activation=activation, group=group, dtype=dtype,
+                               sequence_parallel=sequence_parallel)
+
+    return build
+
+
+def mlp_variant(activation: str = "swiglu", *, sequence_parallel: bool = False, initialise: bool = True) -> ModuleVariant:
+    """A module variant of :class:`tpsim.layers.ParallelMLP` (sizes ``hidden``, ``ffn``).
+
+    ``initialise=False`` builds it without drawing its parameters (the harness loads them all):
+    constructing the lab note's MLP (4096 x 11008) draws the full master weights on every rank,
+    seconds of work, so the lab-scale check leaves that out (and with it the comparison of
+    replicated parameters right after construction)."""
+    sp = ", sequence_parallel=True" if sequence_parallel else ""
+    return ModuleVariant(
+        name=f"ParallelMLP({activation}{sp})",
+        build=_mlp(activation, sequence_parallel, initialise),
+        sizes=("hidden", "ffn"),
+        input="sequence-sharded" if sequence_parallel else "replicated",
+        output="sequence-sharded" if sequence_parallel else "replicated",
+        initialised=initialise,
+        description=f"tpsim.layers.ParallelMLP(activation={activation!r}{sp}): fc1 column-parallel"
+        + (" (gate and up packed, each sharded on its own)" if activation in ("swiglu", "geglu") else "")
+        + ", fc2 row-parallel" + (", all-gather in and reduce-scatter out" if sequence_parallel else ""),
+        target=_TARGET,
+    )
+
+
+mlp_gelu = mlp_variant("gelu")
+mlp_swiglu = mlp_variant("swiglu")
+mlp_swiglu_sequence_parallel = mlp_variant("swiglu", sequence_parallel=True)
+
+#: The modules ``tpsim check tpsim.layers`` checks after its linear variants: each is checked against
+#: itself on a one-rank tp group (tpsim.props.module), shrunk and saved like every variant.
+TPSIM_MODULES = [mlp_gelu, mlp_swiglu, mlp_swiglu_sequence_parallel]
+
+
+# --- vocab-parallel layers (the embedding and cross-entropy families, tpsim.props.vocab) --------------
+
+
+def _embedding(padding_multiple: int):
+    def build(num_embeddings: int, embedding_dim: int, *, group: Any, dtype: Any, weight: Any) -> nn.Module:
+        dense = nn.Embedding(num_embeddings, embedding_dim, dtype=dtype, device="meta").to_empty(device=weight.device)
+        with torch.no_grad():
+            dense.weight.copy_(weight)
+        # from_dense: the layer's own slicing and padding are what is checked
+        return VocabParallelEmbedding.from_dense(dense, group=group, padding_multiple=padding_multiple)
+
+    return build
+
+
+vocab_embedding = EmbeddingVariant(
+    name="VocabParallelEmbedding", build=_embedding(1), target=_TARGET,
+    description="tpsim.layers.VocabParallelEmbedding: table rows sharded (padded to a multiple of the tp size), "
+    "ids of other ranks masked, one all-reduce",
+)
+vocab_embedding_padded = EmbeddingVariant(
+    name="VocabParallelEmbedding(padding_multiple=4)", build=_embedding(4), padding_multiple=4, target=_TARGET,
+    description="tpsim.layers.VocabParallelEmbedding with Megatron's make_vocab_size_divisible_by=4",
+)
+vocab_cross_entropy = CrossEntropyVariant(
+    name="vocab_parallel_cross_entropy", fn=vocab_parallel_cross_entropy, target=_TARGET,
+    description="tpsim.layers.vocab_parallel_cross_entropy: all-reduce MAX, one all-reduce SUM, local backward",
+)
+vocab_linear_cross_entropy = CrossEntropyVariant(
+    name="vocab_parallel_linear_cross_entropy", fn=vocab_parallel_linear_cross_entropy, input="hidden",
+    target=_TARGET,
+    description="tpsim.layers.vocab_parallel_linear_cross_entropy: the vocab-parallel output layer and its loss",
+)
+
+#: The vocab-parallel variants ``tpsim check tpsim.layers`` checks (embedding and cross-entropy families).
+TPSIM_VOCAB = [vocab_embedding, vocab_embedding_padded, vocab_cross_entropy, vocab_linear_cross_entropy]
+
+# --- head-sharded attention (the attention family, tpsim.props.attention) ------------------------------
+
+attention = AttentionVariant(
+    name="ParallelAttention", build=from_dense_builder(ParallelAttention), target=_TARGET,
+    description="tpsim.layers.ParallelAttention: packed QKV column-parallel by heads (GQA, key/value heads "
+    "replicated when fewer than ranks), attention per local head, out-projection row-parallel",
+)
+attention_sequence_parallel = AttentionVariant(
+    name="ParallelAttention(sequence_parallel=True)", build=from_dense_builder(ParallelAttention),
+    sequence_parallel=True, target=_TARGET,
+    description="tpsim.layers.ParallelAttention(sequence_parallel=True): all-gather in, reduce-scatter out",
+)

@@ -20,6 +20,7 @@ The contract (options, exit codes, JSON report, case files) is documented in doc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -30,29 +31,52 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-__all__ = ["DEFAULT_CASES_DIR", "EXIT_FAILED", "EXIT_INTERNAL", "EXIT_OK", "EXIT_USAGE", "main"]
+from tpsim import diagnosis
+from tpsim.conventions import CONVENTIONS
+from tpsim.faults import FAULT_KINDS
+from tpsim.module_variant import MODULE_KIND, MODULE_OUTPUTS
+from tpsim.props.case import CASES_DIR, DTYPES
+from tpsim.props.faults import FAULT_DETECTION
+from tpsim.props.search import DEFAULT_MAX_EXAMPLES, DEFAULT_WORLD_SIZES
+from tpsim.runner import BACKENDS, DEFAULT_TIMEOUT
+from tpsim.variant import INPUT_GRADS, INPUTS, KINDS, OUTPUTS, PARAM_GRADS
+from tpsim.vocab_variant import CROSS_ENTROPY_KIND, EMBEDDING_KIND
+
+__all__ = ["DEFAULT_CASES_DIR", "EXIT_CODES", "EXIT_FAILED", "EXIT_INTERNAL", "EXIT_INTERRUPTED", "EXIT_OK",
+           "EXIT_USAGE", "build_parser", "main"]
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERNAL = 3
 
+EXIT_INTERRUPTED = 130
+#: What each exit code means, short and in full (the help's epilog and docs/cli.md come from it).
+EXIT_CODES: dict[int, tuple[str, str]] = {
+    EXIT_OK: ("all properties hold", "every property holds (check) / the case passes now (replay)"),
+    EXIT_FAILED: ("a property failed", "a property failed; an exception raised inside the variant, on any rank, is "
+                  "a failure (diagnosis `exception`, with the rank and its traceback), not a usage error"),
+    EXIT_USAGE: ("usage, import or environment error", "usage error, a target that cannot be imported or resolved, "
+                 "a backend that cannot run here, a world too large for this machine, a missing/corrupt/newer-schema "
+                 "case file: one line on stderr, nothing on stdout"),
+    EXIT_INTERNAL: ("internal error", "internal error of tpsim itself (a traceback on stderr; please report it)"),
+    EXIT_INTERRUPTED: ("interrupted", "interrupted (Ctrl-C): what was found so far is reported and its cases are "
+                       "saved"),
+}
+
+# Every choice list and default below comes from the library module that owns it, so the
+# command line can never disagree with what the library accepts or does by default.
 #: Where failing cases are saved unless ``--cases-dir`` says otherwise.
-DEFAULT_CASES_DIR = os.path.join(".tpsim", "cases")
-
-BACKEND_CHOICES = ("inproc", "gloo", "nccl")
-CONVENTION_CHOICES = ("master-weight", "tp-rank")
-KIND_CHOICES = ("column", "row")
-INPUT_CHOICES = ("replicated", "sharded", "sequence-sharded")
-OUTPUT_CHOICES = ("sharded", "gathered", "partial", "reduced", "sequence-sharded")
-INPUT_GRAD_CHOICES = ("complete", "partial")
+DEFAULT_CASES_DIR = CASES_DIR
+BACKEND_CHOICES = BACKENDS
+CONVENTION_CHOICES = CONVENTIONS
+KIND_CHOICES = (*KINDS, MODULE_KIND, EMBEDDING_KIND, CROSS_ENTROPY_KIND)
+INPUT_CHOICES = INPUTS
+OUTPUT_CHOICES = tuple(dict.fromkeys((*OUTPUTS, *MODULE_OUTPUTS)))
+INPUT_GRAD_CHOICES = INPUT_GRADS
+DTYPE_CHOICES = tuple(DTYPES)
 REPORT_CHOICES = ("text", "json")
-DTYPE_CHOICES = ("float64", "float32", "bfloat16", "float16")
-
-DEFAULT_WORLD_SIZES = (1, 2, 3, 4, 8)
 _WS_TEXT = ",".join(map(str, DEFAULT_WORLD_SIZES))
-DEFAULT_MAX_EXAMPLES = 100
-DEFAULT_TIMEOUT = 10.0
 
 
 class UsageError(Exception):
@@ -130,6 +154,10 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _braces(choices: Sequence[str]) -> str:
+    return "{" + ",".join(choices) + "}"
+
+
 def _choice(choices: Sequence[str]) -> Callable[[str], str]:
     # Our own check instead of argparse's ``choices``: argparse names the option, this names the
     # value and every choice, on one line.
@@ -141,14 +169,22 @@ def _choice(choices: Sequence[str]) -> Callable[[str], str]:
     return parse
 
 
-def _build_parser() -> _Parser:
+_NO_ISOLATE_HELP = (
+    "run inproc worlds in this process instead of a supervised worker process. By default they are "
+    "isolated: a rank that exits, segfaults, aborts, runs out of memory or hangs in native code is reported "
+    "(rank-exited, rank-crashed) instead of ending tpsim, at a small cost in speed (see docs/design.md)"
+)
+
+
+def build_parser() -> _Parser:
+    """The ``tpsim`` argument parser (docs/cli.md's option tables are generated from it)."""
     from tpsim import __version__
 
     parser = _Parser(
         prog="tpsim",
         description="Check tensor-parallel layer variants against the dense nn.Linear; replay failing cases.",
-        epilog="Exit codes: 0 all properties hold, 1 a property failed, 2 usage/import error, 3 internal error. "
-        "See docs/cli.md.",
+        epilog="Exit codes: " + ", ".join(f"{code} {short}" for code, (short, _) in EXIT_CODES.items())
+        + ". See docs/cli.md.",
     )
     parser.add_argument("--version", action="version", version=f"tpsim {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -166,18 +202,23 @@ def _build_parser() -> _Parser:
         "tpsim.layers checks tpsim's own layers)",
     )
     adapt = check.add_argument_group("how a plain nn.Module class is sharded (see docs/cli.md)")
-    adapt.add_argument("--convention", type=_choice(CONVENTION_CHOICES), metavar="{master-weight,tp-rank}",
-                       help="constructor convention (detected from the signature when unambiguous)")
-    adapt.add_argument("--kind", type=_choice(KIND_CHOICES), metavar="{column,row}",
-                       help="column- or row-parallel (detected from the class name when it says)")
-    adapt.add_argument("--input", type=_choice(INPUT_CHOICES), metavar="{replicated,sharded,sequence-sharded}",
+    adapt.add_argument("--convention", type=_choice(CONVENTION_CHOICES), metavar=_braces(CONVENTION_CHOICES),
+                       help="constructor convention, detected from the signature when unambiguous: master-weight "
+                       "(in_features, out_features, bias, master_weight), tp-rank (in_features, out_features, tp_size, "
+                       "tp_rank[, tp_group]) or group (Megatron style: input_size, output_size, *, bias, gather_output, "
+                       "skip_bias_add, process_group|group|tp_group; forward may return (output, bias)); a forced "
+                       "convention that does not fit the constructor is a usage error (README: Check your own layer)")
+    adapt.add_argument("--kind", type=_choice(KIND_CHOICES), metavar=_braces(KIND_CHOICES),
+                       help="column- or row-parallel (detected from the class name when it says); module: a "
+                       "whole module; embedding / cross-entropy: a vocab-parallel embedding class or loss function")
+    adapt.add_argument("--input", type=_choice(INPUT_CHOICES), metavar=_braces(INPUT_CHOICES),
                        help="what each rank is given (default: column replicated, row sharded)")
     adapt.add_argument("--output", type=_choice(OUTPUT_CHOICES),
-                       metavar="{sharded,gathered,partial,reduced,sequence-sharded}",
+                       metavar=_braces(OUTPUT_CHOICES),
                        help="what each rank returns; partial: the harness sums the ranks' outputs, as the "
                        "caller's all-reduce would")
     adapt.add_argument("--input-grad", dest="input_grad", type=_choice(INPUT_GRAD_CHOICES),
-                       metavar="{complete,partial}",
+                       metavar=_braces(INPUT_GRAD_CHOICES),
                        help="complete (default): every rank holds the full grad of a replicated input; "
                        "partial: the caller reduces it")
     adapt.add_argument("--packed", type=_packed, default=None, metavar="K|P,P,...",
@@ -186,9 +227,22 @@ def _build_parser() -> _Parser:
     adapt.add_argument("--sequence-dim", dest="sequence_dim", type=_sequence_dim, default=None, metavar="D",
                        help="the sequence dim of a sequence-sharded input/output (default -2, the dim before the "
                        "features; dim 0 of a 2-D input)")
+    real = check.add_argument_group("what a real job does per process or in its trainer (any target)")
+    real.add_argument("--rank-local", dest="rank_local", action="append", default=None, metavar="MODULE",
+                      help="make MODULE's globals per rank on inproc, as they are per process in a real job (a "
+                      "library's parallel state); repeatable; a target file is named by its path "
+                      "(--rank-local path/to/layers.py). Automatic for the module that defines a checked class, "
+                      "the module a declared variant comes from, and the library presets; without it a module "
+                      "global that ranks share is reported (exit 2) with this fix")
+    real.add_argument("--param-grad", dest="param_grad", action="append", type=_param_grad, default=None,
+                      metavar="NAME=partial",
+                      help="the grad of the replicated parameter NAME is left as per-rank summands for the trainer to "
+                      "sum (Megatron's sequence-parallel bias and norms; a parameter marked "
+                      "param.sequence_parallel = True is partial without this): the ranks' grads must add up to "
+                      "the dense grad, training applies that sum, and replicas must agree after it; repeatable")
     run = check.add_argument_group("the search")
     run.add_argument("--backend", type=_choice(BACKEND_CHOICES), default="inproc",
-                     metavar="{inproc,gloo,nccl}", help="where ranks run (default: inproc)")
+                     metavar=_braces(BACKEND_CHOICES), help="where ranks run (default: inproc)")
     run.add_argument("--world-sizes", dest="world_sizes", type=_int_list(1),
                      default=DEFAULT_WORLD_SIZES, metavar="N,N,...",
                      help=f"world sizes to draw from (default: {_WS_TEXT})")
@@ -205,11 +259,12 @@ def _build_parser() -> _Parser:
                      help="seed of the search (default: random); the same seed generates the same cases")
     run.add_argument("--timeout", type=_seconds, default=DEFAULT_TIMEOUT, metavar="S",
                      help=f"seconds any collective wait may block (default: {DEFAULT_TIMEOUT:g})")
+    run.add_argument("--no-isolate", dest="isolate", action="store_false", help=_NO_ISOLATE_HELP)
     run.add_argument("--faults", type=_fault_kinds, default=None, metavar="KIND,...",
-                     help="also inject faults of these kinds (drop, crash, delay, corrupt, mismatch) beneath the "
+                     help=f"also inject faults of these kinds ({', '.join(FAULT_KINDS)}) beneath the "
                      "process group and check that the variant reports them (see docs/cli.md)")
     out = check.add_argument_group("output")
-    out.add_argument("--report", type=_choice(REPORT_CHOICES), default="text", metavar="{text,json}",
+    out.add_argument("--report", type=_choice(REPORT_CHOICES), default="text", metavar=_braces(REPORT_CHOICES),
                      help="json: a JSON report on stdout (default: text)")
     out.add_argument("--cases-dir", dest="cases_dir", default=DEFAULT_CASES_DIR, metavar="DIR",
                      help=f"where failing cases are saved (default: {DEFAULT_CASES_DIR})")
@@ -222,11 +277,15 @@ def _build_parser() -> _Parser:
     )
     replay.add_argument("case_file", metavar="CASE.json", help="a case file written by tpsim check")
     replay.add_argument("--backend", type=_choice(BACKEND_CHOICES), default=None,
-                        metavar="{inproc,gloo,nccl}", help="where ranks run (default: inproc)")
+                        metavar=_braces(BACKEND_CHOICES), help="where ranks run (default: inproc)")
     replay.add_argument("--timeout", type=_seconds, default=DEFAULT_TIMEOUT, metavar="S",
                         help=f"seconds any collective wait may block (default: {DEFAULT_TIMEOUT:g})")
-    replay.add_argument("--report", type=_choice(REPORT_CHOICES), default="text", metavar="{text,json}",
+    replay.add_argument("--no-isolate", dest="isolate", action="store_false", help=_NO_ISOLATE_HELP)
+    replay.add_argument("--report", type=_choice(REPORT_CHOICES), default="text", metavar=_braces(REPORT_CHOICES),
                         help="json: a JSON report on stdout (default: text)")
+    replay.add_argument("--allow-outside-target", dest="allow_outside_target", action="store_true",
+                        help="import a target file outside the current directory and the case file's directory "
+                        "(a case file is data: by default it cannot make tpsim import code from elsewhere)")
     return parser
 
 
@@ -242,9 +301,10 @@ def _case_dict(case: Any) -> Any:
     return case.to_dict() if hasattr(case, "to_dict") else case
 
 
-def _failure_dict(failure: Any) -> dict[str, Any]:
+def _failure_dict(failure: Any, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """A failure as the JSON report lists it (``property``, ``diagnosis``, ``message``, ``case``,
-    ``case_file`` first; then ``variant``, ``rank``, ``replay``, ``details``)."""
+    ``case_file`` first; then ``variant``, ``rank``, ``replay``, ``details``; ``extra``: what the
+    command adds, e.g. ``output`` (what the ranks printed) and ``case_file_note``)."""
     base: dict[str, Any] = {}
     for method in ("to_dict", "to_json"):
         fn = getattr(failure, method, None)
@@ -268,6 +328,7 @@ def _failure_dict(failure: Any) -> dict[str, Any]:
         out.setdefault(key, value)
     if out["case_file"]:
         out["replay"] = _replay_command(out["case_file"])
+    out.update(extra or {})
     return _jsonable(out)
 
 
@@ -293,17 +354,44 @@ def _describe_case(case: Any) -> str:
 
 
 def _failure_block(failure: Any, out: TextIO, *, replaying: bool = False) -> None:
-    """What a person reads: property, diagnosis, message, minimal case, case file, replay
-    (when replaying, the case and its file are already in the heading)."""
-    print(f"  FAILED {failure.property}: {failure.diagnosis}", file=out)
+    """What a person reads: property, diagnosis, message, minimal case, then (once saved, see
+    :func:`_case_file_block`) case file and replay; when replaying, the case and its file are
+    already in the heading."""
+    print(f"  FAILED {failure.property}: {getattr(failure, 'label', failure.diagnosis)}", file=out)
     message = failure.message
     tb = getattr(failure, "traceback", None)
     if tb and tb.strip() not in message:
         message = f"{message}\n--- traceback on rank {failure.rank} ---\n{tb.rstrip()}"
     print(_indent(message, "    "), file=out)
+    consequences = getattr(failure, "consequences", None) or []
+    if consequences:
+        # One cause, one report: what failed because of it on the same case.
+        print("    consequences of the same cause:", file=out)
+        for c in consequences:
+            print(f"      {c.property}: {c.label} — {c.message.splitlines()[0]}", file=out)
     if replaying:
         return
     print(f"    minimal case: {_describe_case(failure.case)}", file=out)
+
+
+def _printed_block(printed: dict[str, str], out: TextIO, keep: int = 20) -> None:
+    """What the ranks printed while the failing case ran (its last ``keep`` lines per rank)."""
+    printed = {label: text for label, text in printed.items() if text.strip()}
+    if not printed:
+        return
+    print("    printed while the case ran:", file=out)
+    for label, text in printed.items():
+        lines = text.rstrip().splitlines()
+        if len(lines) > keep:
+            print(f"      {label} | ... ({len(lines) - keep} lines before)", file=out)
+        for line in lines[-keep:]:
+            print(f"      {label} | {line}", file=out)
+
+
+def _case_file_block(failure: Any, note: str | None, out: TextIO) -> None:
+    """The saved case file and the commands that replay it (or why there is no file)."""
+    if note:
+        print(f"    note:         {note}", file=out)
     case_file = getattr(failure, "case_file", None)
     if case_file:
         print(f"    case file:    {case_file}", file=out)
@@ -361,6 +449,7 @@ class _VariantResult:
     seconds: float
     failures: list[Any] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    verdicts: dict[str, Any] = field(default_factory=dict)
 
 
 def _nccl_check(world_size: int, prog: str) -> None:
@@ -383,6 +472,17 @@ def _packed(text: str) -> tuple[int, ...]:
             "of part proportions (e.g. 8,2,2 for grouped-query Q,K,V)"
         )
     return (1,) * values[0] if len(values) == 1 else tuple(values)
+
+
+def _param_grad(text: str) -> tuple[str, str]:
+    name, sep, mode = text.partition("=")
+    name, mode = name.strip(), mode.strip()
+    if not sep or not name or mode not in PARAM_GRADS:
+        raise argparse.ArgumentTypeError(
+            f"invalid value {text!r}; expected NAME=partial, the attribute path of a parameter (e.g. bias=partial, "
+            "norm.weight=partial)"
+        )
+    return name, mode
 
 
 def _sequence_dim(text: str) -> int:
@@ -414,8 +514,8 @@ def _fault_kinds(text: str) -> tuple[str, ...]:
 #: A fault run deliberately stalls ranks; these bound what ``--faults`` adds to a check.
 FAULT_MAX_EXAMPLES = 20
 FAULT_TIMEOUT = 2.0
-FAULT_PROPERTY = "fault-detection"
-FAULT_DIAGNOSIS = "fault-not-surfaced"
+FAULT_PROPERTY = FAULT_DETECTION
+FAULT_DIAGNOSIS = diagnosis.FAULT_NOT_SURFACED
 
 
 def _fault_failures(variant: Any, args: argparse.Namespace) -> tuple[list[Any], int]:
@@ -446,53 +546,55 @@ def _fault_failures(variant: Any, args: argparse.Namespace) -> tuple[list[Any], 
     return failures, len(reports)
 
 
-def _save(failure: Any, variant: Any, cases_dir: str, backend: str, argv: Sequence[str]) -> None:
-    from tpsim.props.case import save_failure
+class _CaseSaver:
+    """Saves each failure's minimal case; never raises, so a found failure is never lost to a disk.
 
-    command = "tpsim " + " ".join(shlex.quote(a) for a in argv)
-    save_failure(failure, variant, cases_dir, backend=backend, command=command)
+    Tries ``--cases-dir`` first; when that cannot be written (no permission, read-only, a path
+    too long, disk full) the case goes to a private temporary directory, made once per command,
+    and :meth:`save` returns the note that says so. When even that fails the note says why and
+    the failure is still reported, its minimal case described in full.
+    """
+
+    def __init__(self, cases_dir: str, backend: str, argv: Sequence[str]) -> None:
+        self.cases_dir = cases_dir
+        self.backend = backend
+        self.command = "tpsim " + " ".join(shlex.quote(a) for a in argv)
+        self._fallback: str | None = None
+
+    def _save_to(self, failure: Any, variant: Any, directory: str) -> None:
+        from tpsim.props.case import save_failure
+
+        save_failure(failure, variant, directory, backend=self.backend, command=self.command)
+
+    def save(self, failure: Any, variant: Any) -> str | None:
+        """Save ``failure``'s case (sets ``failure.case_file``); return a note when it is not
+        where ``--cases-dir`` says, else None."""
+        try:
+            self._save_to(failure, variant, self.cases_dir)
+            return None
+        except Exception as err:  # noqa: BLE001 - any reason to fail to save must not lose the report
+            reason = _os_reason(err)
+        try:
+            if self._fallback is None:
+                import tempfile
+
+                self._fallback = tempfile.mkdtemp(prefix="tpsim-cases-")
+            self._save_to(failure, variant, self._fallback)
+        except Exception as err2:  # noqa: BLE001
+            failure.case_file = None
+            return (f"the case file could not be saved in --cases-dir {self.cases_dir!r} ({reason}) nor in a "
+                    f"temporary directory ({_os_reason(err2)}); the minimal case above is the whole example")
+        return f"--cases-dir {self.cases_dir!r} cannot be written ({reason}); saved in {self._fallback} instead"
 
 
-def _declared_mlps(args: argparse.Namespace, options: dict[str, Any]) -> list[Any]:
-    """The MLPs a bare module target declares (none when options adapt the linear variants)."""
-    if any(v is not None for v in options.values()) or getattr(args, "tp_sizes", None):
-        return []
-    from tpsim.props.sequence import declared_mlps
-
-    return declared_mlps(args.target)
-
-
-def _check_mlps(args: argparse.Namespace, mlps: list[Any], out: TextIO, width: int) -> list[_VariantResult]:
-    """The MLPs a bare module target declares (``TPSIM_MLPS``; ``tpsim.layers``: the gated
-    ``ParallelMLP``, with and without sequence parallelism), checked against the dense MLP on a
-    few small cases each (:func:`tpsim.props.sequence.search_mlp`). Skipped when options adapt the
-    linear variants or tp sizes are given. Their cases are not saved (``tpsim replay`` replays
-    linear-layer cases)."""
-    from tpsim.props.sequence import MLP_MAX_EXAMPLES, search_mlp
-
-    results = []
-    for mlp in mlps:
-        report = search_mlp(mlp, world_sizes=args.world_sizes, dtypes=args.dtypes,
-                            max_examples=min(args.max_examples, MLP_MAX_EXAMPLES), seed=args.seed,
-                            backend=args.backend, timeout=args.timeout)
-        result = _VariantResult(mlp, report.passed, report.examples, report.seconds, list(report.failures),
-                                list(report.notes))
-        results.append(result)
-        if args.report == "text":
-            status = "PASS" if result.passed else "FAIL"
-            print(f"{status} {mlp.name:<{width}}  {result.examples:>4} examples  {result.seconds:6.1f}s", file=out)
-            for note in result.notes:
-                print(f"     note: {note}", file=out)
-            for failure in result.failures:
-                _failure_block(failure, out)
-            out.flush()
-    return results
+def _os_reason(err: BaseException) -> str:
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror
+    return f"{type(err).__name__}: {err}"
 
 
 def _check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: TextIO) -> int:
     from tpsim.comm._torchrun import launched_world
-    from tpsim.errors import InvalidArgument
-    from tpsim.target import resolve_target
 
     launched = launched_world() if args.backend in ("gloo", "nccl") else None
     if launched is not None:
@@ -506,16 +608,59 @@ def _check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: Text
         if rank != 0:
             out = err = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the command
             args.cases_dir = os.path.join(args.cases_dir, f"rank{rank}")
+    _check_world_size(max(args.world_sizes), args.backend, "tpsim check", "--world-sizes")
     if args.backend == "nccl":
         _nccl_check(max(args.world_sizes), "tpsim check")
+    from tpsim.capture import StdoutCapture
+
+    if args.report != "json":
+        # What the checked code prints (a library's init messages, its warnings inside ranks) is
+        # captured as well: hidden when the check passes, shown with its rank under a failure.
+        with StdoutCapture() as capture:
+            return _run_check(args, argv, capture.terminal(out), err, capture)[0]
+
+    # stdout must hold the JSON report alone: whatever the checked code prints (Python, native
+    # code, worker processes) is captured meanwhile and attached to the failure it belongs to.
+    with StdoutCapture() as capture:
+        code, doc = _run_check(args, argv, out, err, capture)
+        outside = capture.outside()
+    if outside:
+        doc["output"] = outside
+    json.dump(doc, out, indent=2)
+    out.write("\n")
+    return code
+
+
+def _case_key(case: Any) -> str:
+    """Identifies a case's example in the captured output, whatever the report added to it
+    (property, target, variant, options)."""
+    data = dict(case.to_dict()) if hasattr(case, "to_dict") else {"case": case}
+    for key in ("property", "target", "variant", "options"):
+        data.pop(key, None)
+    return json.dumps(data, sort_keys=True, default=str)
+
+
+def _run_check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: TextIO,
+               capture: Any) -> tuple[int, dict[str, Any]]:
+    """Check every variant of the target; return the exit code and the JSON report.
+
+    The text report is printed as results come, each failure before its case is saved (saving
+    cannot lose it: :class:`_CaseSaver`). Ctrl-C stops the check: what was found so far is
+    reported and saved, and the exit code is :data:`EXIT_INTERRUPTED`.
+    """
+    from tpsim.errors import InvalidArgument
+    from tpsim.props.family import family_of, resolve_target
+    from tpsim.props.search import SearchInterrupted, search
+
     options = {k: getattr(args, k) for k in ("convention", "kind", "input", "output", "input_grad", "packed",
                                              "sequence_dim")}
+    # Repeatable flags as tuples (options must be hashable: they key the resolver's cache).
+    options["rank_local"] = tuple(args.rank_local) if args.rank_local else None
+    options["param_grad"] = tuple(args.param_grad) if args.param_grad else None
     try:
         variants = resolve_target(args.target, **options)
     except InvalidArgument as e:
         raise UsageError(f"cannot check {args.target!r}: {e}", prog="tpsim check") from None
-
-    from tpsim.props.search import search
 
     settings = {
         "backend": args.backend,
@@ -529,8 +674,7 @@ def _check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: Text
         "cases_dir": args.cases_dir,
     }
     text = args.report == "text"
-    mlps = _declared_mlps(args, options)
-    total = len(variants) + len(mlps)
+    total = len(variants)
     if text:
         print(
             f"tpsim check {args.target}: {total} variant{'s' if total != 1 else ''} on {args.backend}, "
@@ -542,115 +686,228 @@ def _check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: Text
             + (f", faults {','.join(args.faults)}" if args.faults else ""),
             file=out,
         )
-    width = max(len(v.name) for v in [*variants, *mlps])
+        out.flush()
+    width = max(len(v.name) for v in variants)
+    saver = _CaseSaver(args.cases_dir, args.backend, argv)
     results: list[_VariantResult] = []
+    extras: dict[int, dict[str, Any]] = {}  # id(failure) -> what the JSON report adds to it
+    interrupted = False
     start = time.monotonic()
-    for variant in variants:
-        progress = _Progress(variant.name, args.max_examples, err)
-        started_v = time.monotonic()
-        kwargs: dict[str, Any] = dict(
-            world_sizes=args.world_sizes,
-            tp_sizes=args.tp_sizes,
-            dtypes=args.dtypes,
-            max_examples=args.max_examples,
-            seed=args.seed,
-            backend=args.backend,
-            timeout=args.timeout,
-            on_example=progress,
-        )
-        try:
-            report = search(variant, **kwargs)
+    try:
+        for variant in variants:
+            progress = _Progress(variant.name, args.max_examples, err)
+
+            def on_example(n: int, case: Any, progress: _Progress = progress) -> None:
+                progress(n, case)
+                if capture is not None:
+                    capture.next_example(_case_key(case))
+
+            started_v = time.monotonic()
+            try:
+                report = search(variant, world_sizes=args.world_sizes, tp_sizes=args.tp_sizes, dtypes=args.dtypes,
+                                max_examples=args.max_examples, seed=args.seed, backend=args.backend,
+                                timeout=args.timeout, on_example=on_example,
+                                isolate=args.isolate and variant.target is not None)
+            except SearchInterrupted as stop:
+                report, interrupted = stop.report, True
+            except InvalidArgument as e:
+                raise UsageError(f"cannot check {variant.name!r}: {e}", prog="tpsim check") from None
+            finally:
+                progress.close()
+                if capture is not None:
+                    capture.end_example()
             failures, examples = list(report.failures), int(report.examples)
-            if args.faults:
-                fault_failures, fault_examples = _fault_failures(variant, args)
-                failures += fault_failures
-                examples += fault_examples
-        except InvalidArgument as e:
-            raise UsageError(f"cannot check {variant.name!r}: {e}", prog="tpsim check") from None
-        finally:
-            progress.close()
-        for failure in failures:
-            if getattr(failure, "variant", None) is None:
-                failure.variant = variant.name
-            _save(failure, variant, args.cases_dir, args.backend, argv)
-        notes = list(dict.fromkeys([*variant.notes, *getattr(report, "notes", ())]))
-        seconds_v = time.monotonic() - started_v
-        result = _VariantResult(variant, not failures, examples, seconds_v, failures, notes)
-        results.append(result)
-        if text:
-            status = "PASS" if result.passed else "FAIL"
-            print(f"{status} {variant.name:<{width}}  {result.examples:>4} examples  {result.seconds:6.1f}s", file=out)
-            for note in notes:
-                print(f"     note: {note}", file=out)
-            for failure in failures:
-                _failure_block(failure, out)
-            out.flush()
-    results += _check_mlps(args, mlps, out, width)
+            if args.faults and not interrupted and variant.kind in KINDS:
+                try:
+                    fault_failures, fault_examples = _fault_failures(variant, args)
+                    failures += fault_failures
+                    examples += fault_examples
+                except KeyboardInterrupt:
+                    interrupted = True
+                except InvalidArgument as e:
+                    raise UsageError(f"cannot check {variant.name!r}: {e}", prog="tpsim check") from None
+            notes = list(dict.fromkeys([*variant.notes, *getattr(report, "notes", ())]))
+            if args.faults and variant.kind not in KINDS:
+                notes.append("--faults checks single layers: fault plans were not run on this module")
+            result = _VariantResult(variant, not failures, examples, time.monotonic() - started_v, failures, notes,
+                                    dict(getattr(report, "verdicts", None) or {}))
+            results.append(result)
+            _report_variant(result, width, saver, capture, extras, out if text else None)
+            if interrupted:
+                break
+    except KeyboardInterrupt:
+        # Between searches: every result above is already reported and saved.
+        interrupted = True
     seconds = time.monotonic() - start
     passed = all(r.passed for r in results)
     examples = sum(r.examples for r in results)
     all_failures = [f for r in results for f in r.failures]
+    plural = "s" if len(results) != 1 else ""
     if text:
-        if passed:
-            print(f"all properties hold: {len(results)} variant{'s' if len(results) != 1 else ''}, "
-                  f"{examples} examples, {seconds:.1f}s", file=out)
+        if interrupted:
+            print(f"interrupted: {len(all_failures)} failing propert{'ies' if len(all_failures) != 1 else 'y'} found "
+                  f"so far in {len(results)} of {total} variant{'s' if total != 1 else ''} ({examples} examples, "
+                  f"{seconds:.1f}s)" + ("; their cases are saved above" if all_failures else ""), file=out)
+        elif passed:
+            print(f"all properties hold: {len(results)} variant{plural}, {examples} examples, {seconds:.1f}s", file=out)
         else:
             bad = sum(1 for r in results if not r.passed)
-            print(f"{len(all_failures)} failing propert{'ies' if len(all_failures) != 1 else 'y'} in {bad} of "
-                  f"{len(results)} variant{'s' if len(results) != 1 else ''} ({examples} examples, {seconds:.1f}s); "
+            # The summary counts causes; the consequences listed under each are not counted again.
+            props = len({(id(r), g.property) for r in results for f in r.failures
+                         for g in (f, *(getattr(f, "consequences", None) or []))})
+            print(f"{len(all_failures)} cause{'s' if len(all_failures) != 1 else ''} of failure ({props} failing "
+                  f"propert{'ies' if props != 1 else 'y'}) in {bad} of "
+                  f"{len(results)} variant{plural} ({examples} examples, {seconds:.1f}s); "
                   f"replay a case with the command above", file=out)
-    else:
-        doc = {
-            "tpsim_version": _version(),
-            "command": "check",
-            "target": args.target,
-            "settings": settings,
-            "passed": passed,
-            "examples": examples,
-            "seconds": round(seconds, 3),
-            "failures": [_failure_dict(f) for f in all_failures],
-            "variants": [
-                {
-                    "name": r.variant.name,
-                    "target": r.variant.target,
-                    "description": r.variant.describe(),
-                    "kind": r.variant.kind,
-                    "input": r.variant.input,
-                    "output": r.variant.output,
-                    "input_grad": r.variant.input_grad,
-                    "bias": r.variant.bias,
-                    "passed": r.passed,
-                    "examples": r.examples,
-                    "seconds": round(r.seconds, 3),
-                    "notes": r.notes,
-                    # The full failures are listed once, above; here what identifies each.
-                    "failures": [
-                        {"property": f.property, "diagnosis": f.diagnosis, "case_file": f.case_file}
-                        for f in r.failures
-                    ],
-                }
-                for r in results
-            ],
-        }
-        json.dump(doc, out, indent=2)
-        out.write("\n")
-    return EXIT_OK if passed else EXIT_FAILED
+    if interrupted:
+        print("tpsim check: interrupted", file=err)
+    doc = {
+        "tpsim_version": _version(),
+        "command": "check",
+        "target": args.target,
+        "settings": settings,
+        "passed": passed and not interrupted,
+        "interrupted": interrupted,
+        "examples": examples,
+        "seconds": round(seconds, 3),
+        "failures": [_failure_dict(f, extras.get(id(f))) for f in all_failures],
+        "variants": [
+            {
+                "name": r.variant.name,
+                "target": r.variant.target,
+                "description": r.variant.describe(),
+                "family": family_of(r.variant).name,
+                "kind": r.variant.kind,
+                "input": r.variant.input,
+                "output": r.variant.output,
+                "input_grad": r.variant.input_grad,
+                "bias": r.variant.bias,
+                "passed": r.passed,
+                "examples": r.examples,
+                "seconds": round(r.seconds, 3),
+                "notes": r.notes,
+                # The full failures are listed once, above; here what identifies each.
+                "failures": [
+                    {"property": f.property, "diagnosis": f.diagnosis, "case_file": f.case_file}
+                    for f in r.failures
+                ],
+                # Every property's verdict (pass / fail / not-applicable, with its diagnoses).
+                "verdicts": r.verdicts,
+            }
+            for r in results
+        ],
+    }
+    if interrupted:
+        return EXIT_INTERRUPTED, doc
+    return (EXIT_OK if passed else EXIT_FAILED), doc
+
+
+def _report_variant(result: _VariantResult, width: int, saver: _CaseSaver, capture: Any,
+                    extras: dict[int, dict[str, Any]], out: TextIO | None) -> None:
+    """Print one variant's result (``out`` None: the JSON report prints it all at the end), then
+    save each failure's case: the failure is on the screen before anything can go wrong."""
+    if out is not None:
+        status = "PASS" if result.passed else "FAIL"
+        print(f"{status} {result.variant.name:<{width}}  {result.examples:>4} examples  {result.seconds:6.1f}s",
+              file=out)
+        for note in result.notes:
+            print(f"     note: {note}", file=out)
+    for failure in result.failures:
+        if getattr(failure, "variant", None) is None:
+            failure.variant = result.variant.name
+        extra: dict[str, Any] = {}
+        if capture is not None:
+            printed = capture.output_for(_case_key(failure.case))
+            if printed:
+                extra["output"] = printed
+        if out is not None:
+            _failure_block(failure, out)
+            if extra.get("output"):
+                _printed_block(extra["output"], out)
+            out.flush()
+        note = saver.save(failure, result.variant)
+        if note:
+            extra["case_file_note"] = note
+        if out is not None:
+            _case_file_block(failure, note, out)
+            out.flush()
+        extras[id(failure)] = extra
 
 
 # --- replay --------------------------------------------------------------------------------------
 
 
-def _replay_target(case: Any, found: dict[str, Any]) -> str:
-    """The case's target, with a relative file path made absolute when it only exists relative to
-    the directory the case was found from."""
+def _is_inside(path: str, directory: str) -> bool:
+    real, base = os.path.realpath(path), os.path.realpath(directory)
+    return real == base or real.startswith(base.rstrip(os.sep) + os.sep)
+
+
+def _replay_target(case: Any, case_file: str, found: dict[str, Any], allow_outside: bool) -> tuple[str, str | None]:
+    """The target to resolve and the file it imports (None when the target cannot be located
+    without importing it).
+
+    A case file is data, so it does not decide what code runs: a target *file* is imported only
+    from the current directory or the case file's own directory (a relative path is looked up in
+    that order; symbolic links are followed before the check). ``allow_outside`` lifts the limit,
+    also for a relative path that only exists under the directory the case was found in
+    (``found.cwd``, otherwise informational). A dotted module is imported the usual way (the
+    current directory, then the installed packages): the case file cannot change where.
+    """
     target = case.target
     module_part, sep, attr = target.partition(":")
     is_path = module_part.endswith(".py") or "/" in module_part or os.sep in module_part
-    if is_path and not os.path.isabs(module_part) and not os.path.exists(module_part):
-        origin = found.get("cwd")
-        if isinstance(origin, str) and os.path.exists(os.path.join(origin, module_part)):
-            return os.path.join(origin, module_part) + sep + attr
-    return target
+    if not is_path:
+        import contextlib
+        import importlib.util
+        import io
+        import warnings
+
+        try:
+            # find_spec imports the parent packages: what they print and warn (a library's notes
+            # about accelerators it did not find) is noise here, as in a check.
+            with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+                warnings.simplefilter("ignore")
+                spec = importlib.util.find_spec(module_part)
+        except (ImportError, ValueError):  # resolving it says why, as for a check
+            spec = None
+        return target, getattr(spec, "origin", None)
+    cwd, case_dir = os.getcwd(), os.path.dirname(os.path.abspath(case_file))
+    places = [cwd, case_dir]
+    candidates = [module_part] if os.path.isabs(module_part) else [os.path.join(p, module_part) for p in places]
+    existing = [c for c in candidates if os.path.isfile(c)]
+    inside = [c for c in existing if any(_is_inside(c, p) for p in places)]
+    if inside:
+        return os.path.realpath(inside[0]) + sep + attr, os.path.realpath(inside[0])
+    origin = found.get("cwd")
+    if isinstance(origin, str) and not os.path.isabs(module_part) and os.path.isfile(os.path.join(origin, module_part)):
+        existing.append(os.path.join(origin, module_part))
+    if existing and allow_outside:
+        return os.path.realpath(existing[0]) + sep + attr, os.path.realpath(existing[0])
+    if existing:
+        raise UsageError(
+            f"case file {case_file!r} names the target file {os.path.realpath(existing[0])!r}, outside the current "
+            f"directory and the case file's directory; replay imports target files only from there (pass "
+            "--allow-outside-target to import it anyway)",
+            prog="tpsim replay",
+        )
+    raise UsageError(
+        f"cannot replay {case_file!r}: target file {module_part!r} is in neither the current directory ({cwd}) nor "
+        f"the case file's directory ({case_dir})"
+        + (f"; the case was found in {origin}" if isinstance(origin, str) else ""),
+        prog="tpsim replay",
+    )
+
+
+def _check_world_size(world_size: int, backend: str, prog: str, what: str) -> None:
+    """Refuse a world too large for ``backend`` here before any rank starts (exit 2); the limit
+    and its override are the backends' (:func:`tpsim.comm.limits.check_world_size`)."""
+    from tpsim.comm.limits import check_world_size
+    from tpsim.errors import InvalidArgument
+
+    try:
+        check_world_size(world_size, backend)
+    except InvalidArgument as e:
+        raise UsageError(f"{what}: {e}", prog=prog) from None
 
 
 def _replay_faults(variant: Any, case: Any, backend: str, timeout: float) -> list[Any]:
@@ -670,8 +927,7 @@ def _replay_faults(variant: Any, case: Any, backend: str, timeout: float) -> lis
 def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from tpsim.errors import InvalidArgument
     from tpsim.props.case import load_case
-    from tpsim.props.checks import check_case
-    from tpsim.target import resolve_variant
+    from tpsim.props.family import family_of_case, resolve_variant
 
     try:
         case, found = load_case(args.case_file)
@@ -684,18 +940,28 @@ def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             prog="tpsim replay",
         )
     backend = args.backend or "inproc"
+    _check_world_size(case.world_size, backend, "tpsim replay", f"case file {args.case_file!r}")
     if backend == "nccl":
         _nccl_check(case.world_size, "tpsim replay")
-    target = _replay_target(case, found)
+    target, imports = _replay_target(case, args.case_file, found, args.allow_outside_target)
     try:
         variant = resolve_variant(target, case.variant, case.options)
     except InvalidArgument as e:
         raise UsageError(f"cannot replay {args.case_file!r}: {e}", prog="tpsim replay") from None
     start = time.monotonic()
-    if case.faults or case.property == FAULT_PROPERTY:
-        failures = _replay_faults(variant, case, backend, args.timeout)
-    else:
-        failures = check_case(variant, case, backend=backend, timeout=args.timeout)
+    capture = None
+    if args.report == "json":
+        from tpsim.capture import StdoutCapture
+
+        capture = StdoutCapture()  # stdout holds the JSON report alone (see _check)
+    with capture or contextlib.nullcontext():
+        if getattr(case, "faults", ()) or case.property == FAULT_PROPERTY:
+            failures = _replay_faults(variant, case, backend, args.timeout)
+        else:
+            # The case's family (linear layer, whole module, ...) checks it.
+            failures = family_of_case(case).check_case(variant, case, backend=backend, timeout=args.timeout,
+                                                       isolate=args.isolate and variant.target is not None)
+    printed = capture.outside() if capture is not None else {}
     seconds = time.monotonic() - start
     for failure in failures:
         failure.case_file = args.case_file
@@ -709,6 +975,7 @@ def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             "command": "replay",
             "case_file": args.case_file,
             "target": case.target,
+            "target_file": imports,
             "variant": case.variant,
             "backend": backend,
             "passed": not failures,
@@ -716,16 +983,20 @@ def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             "seconds": round(seconds, 3),
             "recorded": _jsonable(found),
             "reproduced": reproduced,
-            "failures": [_failure_dict(f) for f in failures],
+            "failures": [_failure_dict(f, {"output": printed} if printed else None) for f in failures],
         }
+        if printed and not failures:
+            doc["output"] = printed
         json.dump(doc, out, indent=2)
         out.write("\n")
         return EXIT_FAILED if failures else EXIT_OK
     where = f" on {found['backend']}" if found.get("backend") else ""
     print(f"tpsim replay {args.case_file}: {case.variant} ({case.target}) on {backend}", file=out)
+    print(f"  imports:  {imports or case.target}", file=out)
     print(f"  case:     {case.describe()}", file=out)
     if recorded[0]:
-        print(f"  recorded: {recorded[0]}: {recorded[1]}{where}", file=out)
+        label = f"{found['sublayer']}: {recorded[1]}" if found.get("sublayer") else recorded[1]
+        print(f"  recorded: {recorded[0]}: {label}{where}", file=out)
     if not failures:
         print(f"PASS every property holds on this case now ({seconds:.1f}s)", file=out)
         return EXIT_OK
@@ -752,9 +1023,22 @@ def _version() -> str:
     return __version__
 
 
+def _shared_state_message(err: Exception) -> str:
+    """The error's message, naming a target file by its path where it says ``--rank-local``
+    (a file is imported under a generated module name the user never typed)."""
+    text = str(err)
+    module = getattr(err, "module", "") or ""
+    if module.startswith("tpsim_target_"):
+        path = getattr(sys.modules.get(module), "__file__", None)
+        if path:
+            rel = os.path.relpath(path)
+            text = text.replace(f"--rank-local {module}", f"--rank-local {shlex.quote(rel)}")
+    return text
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``tpsim`` command with ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
-    from tpsim.errors import BackendUnavailable
+    from tpsim.errors import BackendUnavailable, SharedModuleState
 
     argv = list(sys.argv[1:] if argv is None else argv)
     out, err = sys.stdout, sys.stderr
@@ -763,7 +1047,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        parser = _build_parser()
+        parser = build_parser()
         try:
             args = parser.parse_args(argv)
         except SystemExit as exit_:  # --help / --version
@@ -781,9 +1065,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BackendUnavailable as e:  # e.g. a process group that cannot start here
         print(f"tpsim: error: {e}", file=err)
         return EXIT_USAGE
+    except SharedModuleState as e:  # inproc ranks shared a module global: the fix is the user's to choose
+        print(f"tpsim: error: {_shared_state_message(e)}", file=err)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         print("tpsim: interrupted", file=err)
-        return 130
+        return EXIT_INTERRUPTED
     except Exception:
         print("tpsim: internal error (a bug in tpsim; please report it with this traceback):", file=err)
         traceback.print_exc(file=err)

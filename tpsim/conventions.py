@@ -1,6 +1,6 @@
 """Adapters that turn a plain ``nn.Module`` class into a :class:`~tpsim.variant.Variant`.
 
-Two constructor conventions are common in the wild and are recognised from the signature:
+Three constructor conventions are common in the wild and are recognised from the signature:
 
 ``master-weight``: ``cls(in_features, out_features, bias, master_weight)``
     The layer reads its rank and world size from the default process group and slices the
@@ -8,59 +8,156 @@ Two constructor conventions are common in the wild and are recognised from the s
     slicing is part of what is checked); the bias is zero-initialised and the harness loads the
     master bias into it by its placement (column: this rank's shard, row: the whole bias).
     Weight stored ``[out/ws, in]`` (column) / ``[out, in/ws]`` (row). Defaults: column output
-    ``sharded``, row output ``partial`` (the caller all-reduces). A constructor without ``bias``
-    runs bias-free cases only.
+    ``sharded``, row output ``partial`` (the caller all-reduces).
 
 ``tp-rank``: ``cls(in_features, out_features, tp_size, tp_rank[, tp_group][, bias])``
     The layer initialises its own weights randomly; the harness overwrites them with the master
     shards. Weight stored transposed: ``[in, out/ws]`` (column) / ``[in/ws, out]`` (row).
-    A class without a ``bias`` parameter runs bias-free cases only. Defaults: column output
-    ``sharded``, row output ``reduced`` (its forward all-reduces).
+    Defaults: column output ``sharded``, row output ``reduced`` (its forward all-reduces).
+
+``group`` (Megatron's): ``cls(input_size, output_size, *, bias=True, gather_output=False,
+skip_bias_add=False, process_group=None)``
+    The tp group is passed by keyword (``process_group``, ``group`` or ``tp_group``); the sizes
+    are ``input_size``/``output_size`` or ``in_features``/``out_features``. The layer initialises
+    its own weights; the harness overwrites them with the master shards, stored ``[out/ws, in]``
+    (column) / ``[out, in/ws]`` (row). Megatron's option keywords follow the placements:
+    ``gather_output`` is passed as ``output == "gathered"``, ``input_is_parallel`` as
+    ``input != "replicated"``, ``sequence_parallel`` as "a placement is sequence-sharded" (whose
+    sequence dim is then 0 by default: Megatron's inputs are sequence-first ``[s, b, h]``); a
+    required ``skip_bias_add`` gets False. Defaults come from the signature: column output
+    ``gathered`` when ``gather_output`` defaults to True, else ``sharded``; row input ``sharded``
+    unless ``input_is_parallel`` defaults to False; row output ``reduced``.
+
+Every convention accepts a ``forward`` that returns ``(output, bias_or_None)`` (Megatron's
+``skip_bias_add``: the bias is left to the caller): tpsim adds the returned bias before comparing.
+
+The bias comes from the built module as well as the signature: a constructor with a ``bias`` flag
+gets biased and bias-free cases; one without builds a probe layer once (a one-rank world, tp size 1)
+and, when the built module has a ``bias`` parameter, runs biased cases only with the master bias
+loaded into it (its own init is overwritten), else bias-free cases only.
+
+The module that defines the class is rank-local (each inproc rank thread sees its own copy of its
+globals, as each rank process does in a real job), so a module-global tp group is not shared.
 
 The kind (column/row) is read from the class name when it contains exactly one of "column" or
-"row"; otherwise pass ``kind=``.
+"row"; otherwise pass ``kind=``. A convention forced with ``convention=`` must fit the
+constructor: the arguments that do not fit are named in an :class:`~tpsim.InvalidArgument`.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from tpsim.errors import InvalidArgument
 from tpsim.placement import Replicate, Shard
 from tpsim.variant import KINDS, ParamSpec, Variant
 
-__all__ = ["CONVENTIONS", "detect_convention", "detect_kind", "from_master_weight_class", "from_tp_rank_class", "variant_from_class"]
+__all__ = [
+    "CONVENTIONS",
+    "GROUP_KEYWORDS",
+    "HOW_TO_CHECK",
+    "add_returned_bias",
+    "detect_convention",
+    "detect_kind",
+    "from_group_class",
+    "from_master_weight_class",
+    "from_tp_rank_class",
+    "own_module_state",
+    "variant_from_class",
+]
 
-CONVENTIONS = ("master-weight", "tp-rank")
+CONVENTIONS = ("master-weight", "tp-rank", "group")
+#: Keywords a ``group``-convention constructor takes its tp group by, in the order they are looked for.
+GROUP_KEYWORDS = ("process_group", "group", "tp_group")
+#: The size names of the ``group`` convention (one pair, passed by position).
+_SIZE_NAMES = (("input_size", "output_size"), ("in_features", "out_features"))
+#: Megatron option keywords the ``group`` convention sets from the placements.
+_GROUP_OPTIONS = ("gather_output", "input_is_parallel", "sequence_parallel", "skip_bias_add")
+#: Where users are sent when a class fits no convention.
+HOW_TO_CHECK = "README.md, section 'Check your own layer' (three ways in: a plain class, a Variant, a pytest one-liner)"
+#: Modules never made rank-local automatically: tpsim's own (stateless) and torch's.
+_NOT_RANK_LOCAL = ("tpsim", "torch", "__main__", "builtins")
 
 
-def _signature_names(cls: type) -> list[str]:
+@dataclass(frozen=True)
+class _Signature:
+    """What the adapters need to know about a constructor."""
+
+    names: tuple[str, ...]
+    positional: int  # how many parameters accept a positional argument
+    var_positional: bool
+    var_keyword: bool
+    required: tuple[str, ...]  # parameters without a default
+    defaults: dict[str, Any]
+
+    def has(self, name: str) -> bool:
+        return name in self.names
+
+    def render(self) -> str:
+        return ", ".join(self.names)
+
+
+def _signature(cls: type) -> _Signature:
     try:
         sig = inspect.signature(cls.__init__)
     except (TypeError, ValueError) as err:
         raise InvalidArgument(f"cannot read the constructor signature of {cls.__qualname__}: {err}") from err
-    return [n for n in sig.parameters if n != "self"]
+    params = [p for n, p in sig.parameters.items() if n != "self"]
+    kinds = inspect.Parameter
+    named = [p for p in params if p.kind not in (kinds.VAR_POSITIONAL, kinds.VAR_KEYWORD)]
+    return _Signature(
+        names=tuple(p.name for p in named),
+        positional=sum(p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD) for p in named),
+        var_positional=any(p.kind is kinds.VAR_POSITIONAL for p in params),
+        var_keyword=any(p.kind is kinds.VAR_KEYWORD for p in params),
+        required=tuple(p.name for p in named if p.default is inspect.Parameter.empty),
+        defaults={p.name: p.default for p in named if p.default is not inspect.Parameter.empty},
+    )
+
+
+def _size_names(sig: _Signature) -> tuple[str, str] | None:
+    for pair in _SIZE_NAMES:
+        if all(sig.has(n) for n in pair):
+            return pair
+    return None
+
+
+def _group_keyword(sig: _Signature) -> str | None:
+    return next((k for k in GROUP_KEYWORDS if sig.has(k)), None)
+
+
+def _fitting(sig: _Signature) -> list[str]:
+    found = []
+    if sig.has("master_weight"):
+        found.append("master-weight")
+    if sig.has("tp_size") and sig.has("tp_rank"):
+        found.append("tp-rank")
+    if not found and _group_keyword(sig) is not None and _size_names(sig) is not None:
+        found.append("group")
+    return found
 
 
 def detect_convention(cls: type) -> str:
-    """``"master-weight"`` or ``"tp-rank"`` from the constructor's parameter names.
+    """``"master-weight"``, ``"tp-rank"`` or ``"group"`` from the constructor's parameter names.
 
-    Raises :class:`tpsim.InvalidArgument` when the signature fits neither or both.
+    Raises :class:`tpsim.InvalidArgument` when the signature fits none or several.
     """
-    names = _signature_names(cls)
-    found = []
-    if "master_weight" in names:
-        found.append("master-weight")
-    if "tp_size" in names and "tp_rank" in names:
-        found.append("tp-rank")
+    sig = _signature(cls)
+    found = _fitting(sig)
     if len(found) != 1:
-        what = "both conventions" if found else "neither convention"
+        what = "both the master-weight and tp-rank conventions" if found else "no convention"
         raise InvalidArgument(
-            f"cannot tell the convention of {cls.__qualname__}({', '.join(names)}): it fits {what}; "
-            "pass --convention master-weight|tp-rank, or describe it with a tpsim Variant"
+            f"cannot tell the convention of {cls.__qualname__}({sig.render()}): it fits {what}. "
+            "tpsim recognises (in_features, out_features, bias, master_weight) [master-weight], "
+            "(in_features, out_features, tp_size, tp_rank[, tp_group]) [tp-rank] and "
+            "(input_size, output_size, *, ..., process_group|group|tp_group) [group]; "
+            f"pass --convention {'|'.join(CONVENTIONS)}, or describe the layer with a tpsim Variant: see {HOW_TO_CHECK}"
         )
     return found[0]
 
@@ -84,6 +181,128 @@ def _resolve_kind(cls: type, kind: str | None) -> str:
     return kind
 
 
+def _misfit(sig: _Signature, positional: int, keywords: Iterable[str]) -> list[str]:
+    """Why a call ``cls(<positional args>, **keywords)`` does not fit ``sig`` (empty: it fits)."""
+    keywords = list(keywords)
+    problems = []
+    if sig.positional < positional and not sig.var_positional:
+        problems.append(f"it takes {sig.positional} positional argument(s), the convention passes {positional} "
+                        "(in_features, out_features)")
+    unexpected = [k for k in keywords if not sig.has(k) and not sig.var_keyword]
+    if unexpected:
+        problems.append(f"it has no parameter {', '.join(unexpected)}")
+    bound = set(sig.names[: min(positional, sig.positional)]) | set(keywords)
+    missing = [n for n in sig.required if n not in bound]
+    if missing:
+        problems.append(f"it requires {', '.join(missing)}, which the convention does not pass")
+    return problems
+
+
+def _check_fit(cls: type, convention: str, sig: _Signature, keywords: Iterable[str]) -> None:
+    problems = _misfit(sig, 2, keywords)
+    if problems:
+        raise InvalidArgument(
+            f"--convention {convention} does not fit {cls.__qualname__}({sig.render()}): {'; '.join(problems)}. "
+            f"Drop --convention to detect it, or describe the layer with a tpsim Variant: see {HOW_TO_CHECK}"
+        )
+
+
+def add_returned_bias(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)``, accepting Megatron's ``(output, bias_or_None)``: a returned bias (left to the
+    caller under ``skip_bias_add``) is added to the output, as the caller would."""
+    out = module(x)
+    if not isinstance(out, tuple):
+        return out
+    if len(out) != 2 or not isinstance(out[0], torch.Tensor):
+        raise TypeError(
+            f"{type(module).__name__}.forward returned a tuple of {len(out)} item(s); expected a tensor or "
+            "(output, bias_or_None)"
+        )
+    output, bias = out
+    if bias is None:
+        return output
+    if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != tuple(output.shape[-1:]):
+        shape = list(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise ValueError(
+            f"{type(module).__name__}.forward returned a bias of shape {shape} with an output of shape "
+            f"{list(output.shape)}: the caller cannot add it (skip_bias_add with a gathered output returns "
+            "this rank's bias shard)"
+        )
+    return output + bias
+
+
+def own_module_state(module: str | None) -> tuple[str, ...]:
+    """``(module,)`` when ``module``'s globals belong to the checked code (made rank-local on inproc:
+    in a real job each rank is a process with its own); ``()`` for tpsim's and torch's own modules."""
+    if not module or module.split(".")[0] in _NOT_RANK_LOCAL:
+        return ()
+    return (module,)
+
+
+def _rank_local(cls: type) -> tuple[str, ...]:
+    return own_module_state(getattr(cls, "__module__", None))
+
+
+# --- the bias, read from the built module -----------------------------------------------------------
+
+
+def _inside_rank() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _probe_bias(build: Callable[..., nn.Module]) -> bool | None:
+    """Whether the layer ``build`` constructs has a ``bias`` parameter: one probe build on a one-rank
+    in-process world (tp size 1, 2 x 2 features). None when the constructor raises there."""
+    import torch.distributed as dist
+
+    import tpsim
+
+    def probe() -> bool:
+        module = build(2, 2, False, group=dist.group.WORLD, rank=0, world_size=1,
+                       master_weight=torch.zeros(2, 2), master_bias=None, dtype=torch.float32)
+        return isinstance(getattr(module, "bias", None), nn.Parameter)
+
+    try:
+        return bool(tpsim.run(probe, 1, backend="inproc", timeout=30.0)[0])
+    except Exception:  # noqa: BLE001 - the real runs report what the constructor does
+        return None
+
+
+def _bias_setup(cls: type, sig: _Signature, build: Callable[..., nn.Module]) -> tuple[bool, bool, tuple[str, ...]]:
+    """``(bias, always_bias, notes)`` of a plain class: from the ``bias`` flag, else the built module."""
+    if sig.has("bias"):
+        return True, False, ()
+    if _inside_rank():
+        # Re-resolved inside a rank (a gloo/nccl worker): the parent probed and drew the cases;
+        # the builder handles either kind of case.
+        return True, False, ()
+    if _probe_bias(build):
+        return True, True, (
+            f"{cls.__qualname__} has no bias flag but always builds a bias: biased cases only, with the master "
+            "bias loaded into it",
+        )
+    return False, False, (f"{cls.__qualname__} has no bias parameter: bias-free cases only",)
+
+
+def _zero_unflagged_bias(module: nn.Module, bias: bool, has_flag: bool) -> None:
+    # A layer that always has a bias computes the bias-free layer when that bias is zero: what a
+    # bias-free case of it means (the search draws biased cases only where it can tell).
+    if not bias and not has_flag:
+        param = getattr(module, "bias", None)
+        if isinstance(param, torch.Tensor):
+            with torch.no_grad():
+                param.zero_()
+
+
+def _placements(kind: str) -> tuple[Shard, Shard | Replicate]:
+    return (Shard(0), Shard(0)) if kind == "column" else (Shard(1), Replicate())
+
+
+# --- the three conventions ----------------------------------------------------------------------
+
+
 def from_master_weight_class(
     cls: type,
     *,
@@ -92,31 +311,36 @@ def from_master_weight_class(
     output: str | None = None,
     input_grad: str = "complete",
     name: str | None = None,
+    forced: bool = False,
 ) -> Variant:
     """A variant for a class with constructor ``(in_features, out_features, bias, master_weight)``.
 
     The builder passes ``in_features``/``out_features`` by position and ``bias``/``master_weight``
-    by name; a constructor without a ``bias`` parameter gives a bias-free variant.
+    by name; a constructor without a ``bias`` parameter is probed for a built bias (module docstring).
     """
     kind = _resolve_kind(cls, kind)
-    has_bias = "bias" in _signature_names(cls)
+    sig = _signature(cls)
+    has_flag = sig.has("bias")
+    if forced:
+        _check_fit(cls, "master-weight", sig, ["master_weight", *(["bias"] if has_flag else [])])
 
     def build(in_features, out_features, bias, *, group, rank, world_size, master_weight, master_bias, dtype):
         # The convention reads rank/world size from the default group: nothing else to pass.
         # A clone, so a layer that slices the master without copying cannot alias the harness's tensor.
         kwargs: dict[str, Any] = {"master_weight": master_weight.clone()}
-        if has_bias:
+        if has_flag:
             kwargs["bias"] = bias
-        return cls(in_features, out_features, **kwargs)
+        module = cls(in_features, out_features, **kwargs)
+        _zero_unflagged_bias(module, bias, has_flag)
+        return module
 
-    weight = Shard(0) if kind == "column" else Shard(1)
-    bias_placement = Shard(0) if kind == "column" else Replicate()
+    has_bias, always, notes = _bias_setup(cls, sig, build)
+    weight, bias_placement = _placements(kind)
     # The weight is sliced by the layer itself (load=False: its shape is checked, its values are
     # what the properties test); the zero-initialised bias gets the master bias by its placement.
     params = [ParamSpec("weight", "weight", weight, load=False)]
     if has_bias:
         params.append(ParamSpec("bias", "bias", bias_placement, load=True))
-    notes = () if has_bias else (f"{cls.__qualname__} has no bias parameter: bias-free cases only",)
     return Variant(
         name=name or cls.__qualname__,
         kind=kind,
@@ -126,11 +350,14 @@ def from_master_weight_class(
         input_grad=input_grad,
         params=tuple(params),
         bias=has_bias,
+        always_bias=always,
+        forward=add_returned_bias,
         description=f"{cls.__module__}.{cls.__qualname__} (master-weight convention)",
         notes=notes,
         # The convention reads rank and world size from the default group: it cannot shard over a
         # tp group smaller than the world.
         subgroups=False,
+        rank_local=_rank_local(cls),
     )
 
 
@@ -142,30 +369,34 @@ def from_tp_rank_class(
     output: str | None = None,
     input_grad: str = "complete",
     name: str | None = None,
+    forced: bool = False,
 ) -> Variant:
     """A variant for a class with constructor ``(in_features, out_features, tp_size, tp_rank[, tp_group])``."""
     kind = _resolve_kind(cls, kind)
-    names = _signature_names(cls)
-    has_group = "tp_group" in names
-    has_bias = "bias" in names
+    sig = _signature(cls)
+    has_group = sig.has("tp_group")
+    has_flag = sig.has("bias")
+    if forced:
+        _check_fit(cls, "tp-rank", sig, ["tp_size", "tp_rank", *(["tp_group"] if has_group else []),
+                                         *(["bias"] if has_flag else [])])
 
     def build(in_features, out_features, bias, *, group, rank, world_size, master_weight, master_bias, dtype):
         kwargs: dict[str, Any] = {"tp_size": world_size, "tp_rank": rank}
         if has_group:
             kwargs["tp_group"] = group
-        if has_bias:
+        if has_flag:
             kwargs["bias"] = bias
         module = cls(in_features, out_features, **kwargs)
+        _zero_unflagged_bias(module, bias, has_flag)
         # The convention initialises in the default dtype; the harness loads master values in
         # the case's dtype, so convert first (the values are overwritten anyway).
         return module.to(dtype)
 
-    weight = Shard(0) if kind == "column" else Shard(1)
-    bias_placement = Shard(0) if kind == "column" else Replicate()
+    has_bias, always, notes = _bias_setup(cls, sig, build)
+    weight, bias_placement = _placements(kind)
     params = [ParamSpec("weight", "weight", weight, transposed=True, load=True)]
     if has_bias:
         params.append(ParamSpec("bias", "bias", bias_placement, load=True))
-    notes = () if has_bias else (f"{cls.__qualname__} has no bias parameter: bias-free cases only",)
     return Variant(
         name=name or cls.__qualname__,
         kind=kind,
@@ -175,9 +406,97 @@ def from_tp_rank_class(
         input_grad=input_grad,
         params=tuple(params),
         bias=has_bias,
+        always_bias=always,
+        forward=add_returned_bias,
         description=f"{cls.__module__}.{cls.__qualname__} (tp-rank convention)",
         notes=notes,
+        rank_local=_rank_local(cls),
     )
+
+
+def from_group_class(
+    cls: type,
+    *,
+    kind: str | None = None,
+    input: str | None = None,
+    output: str | None = None,
+    input_grad: str = "complete",
+    name: str | None = None,
+    forced: bool = False,
+) -> Variant:
+    """A variant for a Megatron-style class ``(input_size, output_size, *, bias=True,
+    gather_output=False, skip_bias_add=False, process_group=None)`` (see the module docstring)."""
+    kind = _resolve_kind(cls, kind)
+    sig = _signature(cls)
+    group_kw = _group_keyword(sig)
+    has_flag = sig.has("bias")
+    options = [k for k in _GROUP_OPTIONS if sig.has(k)]
+    if forced or group_kw is None:
+        if group_kw is None:
+            raise InvalidArgument(
+                f"--convention group does not fit {cls.__qualname__}({sig.render()}): it has no "
+                f"{'/'.join(GROUP_KEYWORDS)} keyword to pass the tp group by; see {HOW_TO_CHECK}"
+            )
+        _check_fit(cls, "group", sig, [group_kw, *(["bias"] if has_flag else []), *options])
+    defaults = sig.defaults
+    if kind == "column":
+        gathered = "gather_output" in defaults and bool(defaults["gather_output"])
+        output = output or ("gathered" if gathered else "sharded")
+        input = input or "replicated"
+    else:
+        parallel = defaults.get("input_is_parallel", True) is not False
+        input = input or ("sharded" if parallel else "replicated")
+        output = output or "reduced"
+    sequence = "sequence-sharded" in (input, output)
+    if sequence and not sig.has("sequence_parallel"):
+        raise InvalidArgument(
+            f"{cls.__qualname__}({sig.render()}) has no sequence_parallel keyword, so it cannot run with a "
+            "sequence-sharded input/output; drop --input/--output sequence-sharded or describe it with a Variant"
+        )
+    settings: dict[str, Any] = {}
+    if "gather_output" in options:
+        settings["gather_output"] = output == "gathered"
+    if "input_is_parallel" in options:
+        settings["input_is_parallel"] = input != "replicated"
+    if "sequence_parallel" in options:
+        settings["sequence_parallel"] = sequence
+    if "skip_bias_add" in options and "skip_bias_add" not in defaults:
+        settings["skip_bias_add"] = False  # required: tpsim adds a returned bias either way
+
+    def build(in_features, out_features, bias, *, group, rank, world_size, master_weight, master_bias, dtype):
+        kwargs: dict[str, Any] = {group_kw: group, **settings}
+        if has_flag:
+            kwargs["bias"] = bias
+        module = cls(in_features, out_features, **kwargs)
+        _zero_unflagged_bias(module, bias, has_flag)
+        # Its own init, in the default dtype: converted, then overwritten with the master shards.
+        return module.to(dtype)
+
+    has_bias, always, notes = _bias_setup(cls, sig, build)
+    weight, bias_placement = _placements(kind)
+    params = [ParamSpec("weight", "weight", weight, load=True)]
+    if has_bias:
+        params.append(ParamSpec("bias", "bias", bias_placement, load=True))
+    return Variant(
+        name=name or cls.__qualname__,
+        kind=kind,
+        build=build,
+        input=input,
+        output=output,
+        input_grad=input_grad,
+        params=tuple(params),
+        bias=has_bias,
+        always_bias=always,
+        forward=add_returned_bias,
+        description=f"{cls.__module__}.{cls.__qualname__} (group convention, tp group by {group_kw}=)",
+        notes=notes,
+        # Megatron's tensors are sequence-first [s, b, h]: the sequence dim is 0 (--sequence-dim overrides).
+        sequence_dim=0 if sequence else -2,
+        rank_local=_rank_local(cls),
+    )
+
+
+_ADAPTERS = {"master-weight": from_master_weight_class, "tp-rank": from_tp_rank_class, "group": from_group_class}
 
 
 def variant_from_class(
@@ -190,12 +509,14 @@ def variant_from_class(
     input_grad: str | None = None,
     name: str | None = None,
 ) -> Variant:
-    """A variant for a plain ``nn.Module`` class of either convention (detected when not given)."""
+    """A variant for a plain ``nn.Module`` class of any convention (detected when not given; a given
+    convention must fit the constructor)."""
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise InvalidArgument(f"{cls!r} is not an nn.Module class")
+    forced = convention is not None
     if convention is None:
         convention = detect_convention(cls)
     if convention not in CONVENTIONS:
         raise InvalidArgument(f"convention={convention!r}; expected one of {', '.join(CONVENTIONS)}")
-    adapter = from_master_weight_class if convention == "master-weight" else from_tp_rank_class
-    return adapter(cls, kind=kind, input=input, output=output, input_grad=input_grad or "complete", name=name)
+    return _ADAPTERS[convention](cls, kind=kind, input=input, output=output, input_grad=input_grad or "complete",
+                                 name=name, forced=forced)

@@ -1,126 +1,498 @@
-"""Diagnoses: stable names for the ways a sharded layer goes wrong, recognised from the numbers.
+"""Diagnoses: stable names for the ways a sharded layer goes wrong, each given only on positive evidence.
 
-A property that fails compares per-rank tensors with the float64 dense reference; the recognisers
-here look for the signature of a known mechanism and name it. When nothing matches, the diagnosis
-is ``mismatch`` with the maximum absolute and relative error and where. Names are stable: scripts
-match on them (``tpsim check --report json``), so a name is never reused for something else.
+A property that fails compares per-rank tensors with the float64 dense reference; a *recogniser*
+looks for the evidence of one known mechanism and names it. When no recogniser finds its evidence
+the diagnosis is ``mismatch``, with the element that violates the bound most and the best hint.
+Names are stable: scripts match on them (``tpsim check --report json``), so a name is never reused
+for something else.
 
-=========================  ===================================================================
-diagnosis                  what the harness saw (and the usual cause)
-=========================  ===================================================================
-``bias-duplication``       the output is off by exactly ``(world_size-1) * bias``: every rank
-                           added the full bias to its summand before the reduction (add it once,
-                           after the reduction)
-``bias-missing``           the output is off by exactly ``-bias``: the bias is never added
-``wrong-shard-dim``        a tensor was split or gathered along the wrong dim: a parameter has
-                           the shape of the master cut along its other dim, or the output holds
-                           the right values concatenated along a batch dim, or a sequence-sharded
-                           output/grad is sliced along the batch dim instead of the sequence dim
-                           (a reduce-scatter on the wrong dim: vllm #30610, ROCm/aiter #3395)
-``wrong-shard-order``      a rank holds another rank's shard: the output's feature blocks are
-                           permuted or repeated (a reversed or node-local rank order)
-``packed-shard-layout``    a packed column weight (gate/up, Q/K/V) was split contiguously: a
-                           rank's output (or weight grad) is its contiguous ``1/ws`` slice of
-                           the packed dim instead of its shard of every part (vllm #3775)
-``missing-reduction``      a rank returned only its own summand ``x_r W_rᵀ``: the all-reduce
-                           over the tp group is missing
-``double-reduction``       the output is exactly ``world_size`` times the dense one: it was
-                           reduced twice (e.g. a layer that reduces, declared ``partial``)
-``grad-not-reduced``       each rank's gradient (of a replicated input or parameter) is only its
-                           summand: the ranks' grads differ and add up to the dense grad; the
-                           backward all-reduce is missing; for a replicated parameter the
-                           report names it (under sequence parallelism: a norm weight or a row
-                           bias used on one slice of the sequence per rank; NeMo #7184)
-``grad-scaled``            a gradient is the dense one times a constant (``1/world_size``:
-                           averaged instead of summed, or a value divided by the world size in
-                           forward; ``world_size``: reduced twice)
-``grad-missing``           a tensor that takes part in the forward has no gradient on some rank
-``bias-grad-rank0-only``   only rank 0's bias received its gradient, the others got none or
-                           zeros: the bias is added on rank 0 only, so the replicas drift apart
-``replica-divergence``     a tensor that must be identical on every rank (a reduced output, a
-                           complete input grad, a replicated parameter or its grad) differs,
-                           or a replicated parameter differs right after construction (every
-                           rank seeded alike: its init is not synchronised; NeMo Automodel #1291)
-``divisibility-unchecked`` a size that does not divide by the tp size was accepted (silently
-                           truncated or padded), refused on some ranks only (the others failed
-                           in a collective), or refused with an error naming neither the sizes
-                           nor divisibility
-``precision-loss``         the error is too large for the case's dtype but within the rounding
-                           of a narrower one: part of the computation or communication runs in
-                           lower precision (e.g. a float16 all-reduce)
-``shape-error``            a rank's tensor (output, grad, parameter) has the wrong shape, in no
-                           recognised pattern
-``wrong-group``            with tp groups smaller than the world: a result is the sum (or the
-                           concatenation) over another set of ranks than the rank's tp group —
-                           the whole world, its data-parallel group, or its group in the other
-                           mesh layout, which the report names (Megatron-LM #7452)
-``exception``              the variant raised on some rank: the report names the first rank
-                           that raised (``Failure.rank``), the phase (build, forward, backward,
-                           SGD step) and carries its traceback (``Failure.traceback``)
-``mismatch``               the values differ in no recognised pattern: the message gives the max
-                           absolute error, the index where it occurs (got vs expected) and the
-                           max relative error
-=========================  ===================================================================
+The registry
+------------
 
-Each recogniser is a pure function of float64 tensors and a per-element tolerance (see
-:mod:`tpsim.props.tolerance`), tested on synthetic tensors without running any world
-(tests/test_properties_diagnosis.py). :class:`Failure` is what reports list and case files record.
+Every diagnosis is one :class:`DiagnosisSpec` in :data:`REGISTRY`, registered once below as a
+module constant (``BIAS_DUPLICATION = register(DiagnosisSpec("bias-duplication", ...))``). A spec
+says:
+
+- ``properties``: the properties it can explain (``forward-equivalence``, ...);
+- ``doc``: one line for the docs tables (:func:`diagnosis_table`);
+- ``evidence``: the positive evidence that must be seen to give the name — written here, next to
+  the definition, and checked by the recogniser that gives it;
+- ``mutant``: a catalogued mutant (:data:`tpsim.mutants.CATALOG`) that shows it, or None for the
+  harness's own outcomes (``exception``, ``mismatch``, ``fault-not-surfaced``; the reason is in
+  ``evidence``);
+- ``consequences``: the other properties that fail on the same case *because of* this cause (one
+  cause, one report: :func:`group_causes` lists them under it).
+
+Adding a diagnosis is one registry entry here, one recogniser (a function decorated with
+``@recogniser(NAME)``, e.g. in :mod:`tpsim.props.checks`) and one mutant in :mod:`tpsim.mutants`;
+tests/test_diagnosis_registry.py checks that every entry has all three and that no code reports an
+unregistered name. docs/design.md shows the recipe.
+
+:class:`Failure` is what reports list and case files record. The numeric patterns recognisers use
+are pure functions in :mod:`tpsim.patterns` (re-exported here for older imports).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
+from tpsim.patterns import (
+    bias_multiple,
+    block_mapping,
+    close,
+    rank_summands,
+    regathered_dim,
+    scale_factor,
+    worst_violation,
+)
+
 __all__ = [
     "DIAGNOSES",
+    "RECOGNISERS",
+    "REGISTRY",
     "Diagnosis",
+    "DiagnosisSpec",
     "Failure",
-    "block_mapping",
     "bias_multiple",
+    "block_mapping",
     "close",
+    "diagnosis_table",
+    "follows_from",
+    "group_causes",
     "mismatch",
+    "rank_summands",
+    "recogniser",
     "regathered_dim",
+    "register",
     "scale_factor",
+    "spec",
 ]
 
-#: Every diagnosis name tpsim reports, with what it means. Names are stable (scripts match them).
-DIAGNOSES: dict[str, str] = {
-    "bias-duplication": "the output is off by exactly (world_size-1)*bias: every rank added the full bias "
-    "to its summand before the reduction",
-    "bias-missing": "the output is off by exactly -bias: the bias was never added",
-    "wrong-shard-dim": "a tensor was split or gathered along the wrong dim (its values are the expected "
-    "ones, re-cut along another dim)",
-    "wrong-shard-order": "a rank holds another rank's shard (blocks of the result are permuted or repeated)",
-    "packed-shard-layout": "a packed weight (gate/up, Q/K/V) was split as one contiguous block: a rank holds a "
-    "contiguous slice of the packed dim instead of its shard of every packed part",
-    "missing-reduction": "each rank returned only its own summand: the reduction over the tp group is missing",
-    "double-reduction": "the result is world_size times the expected one: it was reduced twice",
-    "grad-not-reduced": "each rank's gradient is only its summand: the backward all-reduce is missing",
-    "grad-scaled": "a gradient is off by a constant factor (e.g. 1/world_size: averaged instead of summed, "
-    "or world_size: reduced twice)",
-    "grad-missing": "a tensor that takes part in the forward received no gradient on some rank",
-    "bias-grad-rank0-only": "only rank 0's bias received its gradient (the bias was added on rank 0 only)",
-    "replica-divergence": "a tensor that must be identical on every rank of the tp group differs across ranks",
-    "wrong-group": "a result is a reduction (or gather) over another set of ranks than the layer's tp group "
-    "(e.g. the whole world): a collective runs on the wrong process group",
-    "divisibility-unchecked": "a size that does not divide by the tp size was accepted (silently truncated or "
-    "padded, or failing in a collective) instead of raising a clear error on every rank",
-    "precision-loss": "the error is too large for the case's dtype but within rounding of a lower precision: "
-    "something was computed or communicated in a narrower dtype",
-    "shape-error": "a rank's tensor has the wrong shape",
-    "exception": "the variant raised an exception on some rank (the rank and its traceback are reported)",
-    "mismatch": "the values differ from the dense reference in no recognised pattern (max abs/rel error and "
-    "where are reported)",
-}
+# Property names the registry refers to (defined with their checks in tpsim.props; repeated here
+# as plain strings because this module sits below the property engine).
+_FORWARD = "forward-equivalence"
+_INPUT_GRAD = "input-grad-equivalence"
+_WEIGHT_GRAD = "weight-grad-equivalence"
+_BIAS_GRAD = "bias-grad-equivalence"
+_REPLICA = "replica-consistency"
+_TRAINING = "training-equivalence"
+_DIVISIBILITY = "divisibility"
+_FAULTS = "fault-detection"
+_PER_CASE = (_FORWARD, _INPUT_GRAD, _WEIGHT_GRAD, _BIAS_GRAD, _REPLICA, _TRAINING)
+_GRADS = (_INPUT_GRAD, _WEIGHT_GRAD, _BIAS_GRAD)
+
+
+@dataclass(frozen=True)
+class DiagnosisSpec:
+    """One diagnosis: its stable ``name``, the ``properties`` it explains, its one-line ``doc``, the
+    positive ``evidence`` that must be seen to give it, the catalogued ``mutant`` that shows it
+    (None for harness outcomes, the reason in ``evidence``) and the properties that fail as its
+    ``consequences`` on the same case (see the module docstring)."""
+
+    name: str
+    properties: tuple[str, ...]
+    doc: str
+    evidence: str
+    mutant: str | None
+    consequences: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name or self.name != self.name.strip().lower() or " " in self.name:
+            raise ValueError(f"DiagnosisSpec(name={self.name!r}): expected a lower-case name with dashes")
+        for attr in ("properties", "consequences"):
+            value = getattr(self, attr)
+            if isinstance(value, str) or not all(isinstance(p, str) for p in value):
+                raise ValueError(f"DiagnosisSpec({self.name!r}, {attr}={value!r}): expected a tuple of property names")
+            object.__setattr__(self, attr, tuple(value))
+        if not self.properties:
+            raise ValueError(f"DiagnosisSpec({self.name!r}): properties is empty; name the properties it explains")
+        if not self.doc.strip() or not self.evidence.strip():
+            raise ValueError(f"DiagnosisSpec({self.name!r}): doc and evidence must say something")
+
+
+#: Every registered diagnosis, by name, in registration order.
+REGISTRY: dict[str, DiagnosisSpec] = {}
+
+#: The recognisers of each diagnosis (functions decorated with :func:`recogniser`), by name.
+RECOGNISERS: dict[str, list[Callable[..., Any]]] = {}
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def register(spec: DiagnosisSpec) -> str:
+    """Add ``spec`` to :data:`REGISTRY` and return its name (for a module constant).
+
+    Raises ValueError when the name is taken: names are stable and never reused."""
+    if not isinstance(spec, DiagnosisSpec):
+        raise TypeError(f"register(spec={spec!r}): expected a DiagnosisSpec")
+    if spec.name in REGISTRY:
+        raise ValueError(f"diagnosis {spec.name!r} is already registered; pick another name")
+    REGISTRY[spec.name] = spec
+    return spec.name
+
+
+def spec(name: str) -> DiagnosisSpec:
+    """The registered spec of ``name``; ValueError naming the registered ones otherwise."""
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"diagnosis {name!r} is not registered; expected one of {sorted(REGISTRY)}") from None
+
+
+def recogniser(*names: str) -> Callable[[_F], _F]:
+    """Mark a function as the recogniser of the diagnoses ``names`` (registered ones only).
+
+    A recogniser looks for its diagnosis's ``evidence`` and returns a :class:`Diagnosis` (or a
+    :class:`Failure`) when it sees it, None otherwise."""
+    for name in names:
+        spec(name)
+
+    def mark(fn: _F) -> _F:
+        for name in names:
+            RECOGNISERS.setdefault(name, []).append(fn)
+        return fn
+
+    return mark
+
+
+def diagnosis_table() -> list[tuple[str, str]]:
+    """``(name, doc)`` of every registered diagnosis, in registration order (for docs tables)."""
+    return [(s.name, s.doc) for s in REGISTRY.values()]
+
+
+class _Docs(Mapping[str, str]):
+    """Read-only name -> doc view of :data:`REGISTRY` (the older ``DIAGNOSES`` dict)."""
+
+    def __getitem__(self, name: str) -> str:
+        return REGISTRY[name].doc
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(REGISTRY)
+
+    def __len__(self) -> int:
+        return len(REGISTRY)
+
+    def __repr__(self) -> str:
+        return f"DIAGNOSES({dict(self)!r})"
+
+
+#: Every diagnosis name tpsim reports, with its doc (a read-only view of :data:`REGISTRY`).
+DIAGNOSES: Mapping[str, str] = _Docs()
+
+
+# --- the registry --------------------------------------------------------------------------------
+# Each entry: what it means, the evidence that must be seen to name it, the mutant that shows it,
+# and what else fails on the same case because of it. Recognisers check exactly this evidence.
+
+BIAS_DUPLICATION = register(DiagnosisSpec(
+    "bias-duplication", (_FORWARD,),
+    "the output is off by exactly (world_size-1)*bias: every rank added the full bias to its summand "
+    "before the reduction (add it once, after the reduction)",
+    "output - dense output = c * bias (broadcast over the leading dims) within tolerance, with "
+    "c = world_size - 1, world_size >= 2 and a bias in the case",
+    "row-bias-before-reduce",
+    consequences=(_TRAINING,),
+))
+BIAS_MISSING = register(DiagnosisSpec(
+    "bias-missing", (_FORWARD,),
+    "the output is off by exactly -bias: the bias is never added",
+    "output - dense output = -bias (broadcast over the leading dims) within tolerance, with a non-zero "
+    "bias in the case",
+    "column-ignores-bias",
+    consequences=(_BIAS_GRAD, _REPLICA, _TRAINING),
+))
+WRONG_SHARD_DIM = register(DiagnosisSpec(
+    "wrong-shard-dim", (_FORWARD,) + _GRADS,
+    "a tensor was split or gathered along the wrong dim: a parameter has the shape of the master cut "
+    "along its other dim, the output holds the right values concatenated along a batch dim, or a "
+    "sequence-sharded output/grad is sliced along the batch dim instead of the sequence dim",
+    "a rank's tensor equals the dense one re-cut along another dim (same values within tolerance, in "
+    "the shape of that cut), every rank holds its Shard(d) slice for a d other than the declared one, "
+    "or a parameter's stored shape is the master's cut along its other dim",
+    "column-wrong-split-dim",
+    consequences=(_INPUT_GRAD, _WEIGHT_GRAD, _BIAS_GRAD, _REPLICA, _TRAINING),
+))
+WRONG_SHARD_ORDER = register(DiagnosisSpec(
+    "wrong-shard-order", (_FORWARD,) + _GRADS,
+    "a rank holds another rank's shard: blocks of the result are permuted or repeated (a reversed or "
+    "node-local rank order)",
+    "each of the ws blocks of the result along its sharded dim equals some block of the dense result "
+    "within tolerance, not all in place; or rank r's tensor equals rank j's expected slice (j != r)",
+    "column-reversed-shards",
+    consequences=(_INPUT_GRAD, _WEIGHT_GRAD, _BIAS_GRAD, _REPLICA, _TRAINING),
+))
+PACKED_SHARD_LAYOUT = register(DiagnosisSpec(
+    "packed-shard-layout", (_FORWARD, _WEIGHT_GRAD, _BIAS_GRAD),
+    "a packed weight (gate/up, Q/K/V) was split as one contiguous block: a rank holds a contiguous "
+    "slice of the packed dim instead of its shard of every packed part",
+    "every rank's piece equals its contiguous 1/ws slice of the packed dim of the dense result within "
+    "tolerance (instead of its shard of each part), with ws >= 2",
+    "packed-gate-up-contiguous",
+    consequences=(_INPUT_GRAD, _WEIGHT_GRAD, _BIAS_GRAD, _TRAINING),
+))
+MISSING_REDUCTION = register(DiagnosisSpec(
+    "missing-reduction", (_FORWARD,),
+    "each rank returned only its own summand: the reduction over the tp group is missing",
+    "a rank's output equals its own summand x_r W_r^T (with or without the bias) within tolerance, "
+    "for a layer whose declared output is the sum of those summands, with ws >= 2",
+    "row-no-reduce-without-bias",
+    consequences=(_REPLICA, _TRAINING),
+))
+DOUBLE_REDUCTION = register(DiagnosisSpec(
+    "double-reduction", (_FORWARD,),
+    "the result is world_size times the expected one: it was reduced twice (e.g. a layer that "
+    "reduces, declared or wrapped as partial)",
+    "the output equals world_size * the dense x W^T (the bias, if any, added once or world_size "
+    "times) within tolerance, with ws >= 2",
+    "row-reduce-twice",
+    consequences=(_TRAINING,),
+))
+GRAD_NOT_REDUCED = register(DiagnosisSpec(
+    "grad-not-reduced", _GRADS,
+    "each rank's gradient (of a replicated input or parameter) is only its summand: the ranks' grads "
+    "differ and add up to the dense grad; the backward all-reduce is missing (for a parameter whose "
+    "trainer reduces it, declare ParamSpec(grad='partial'))",
+    "the ranks' grads of a replicated tensor whose grad is declared complete differ from each other "
+    "and their rank-order sum equals the dense grad within tolerance (ws >= 2)",
+    "column-no-backward-reduce",
+    consequences=(_REPLICA, _TRAINING),
+))
+GRAD_SCALED = register(DiagnosisSpec(
+    "grad-scaled", _GRADS,
+    "a gradient is the dense one times a constant (1/world_size: averaged instead of summed, or a "
+    "value divided by the world size in forward; world_size: reduced twice)",
+    "the grad equals c * the dense grad within tolerance * max(1, |c|) for one constant c != 1 (for "
+    "one-element tensors only c in {world_size, 1/world_size} counts: one number is a multiple of any other)",
+    "row-bias-divided",
+    consequences=(_TRAINING,),
+))
+GRAD_MISSING = register(DiagnosisSpec(
+    "grad-missing", _GRADS,
+    "a tensor that takes part in the forward has no gradient on some rank",
+    "after backward, .grad of the rank's input or of a parameter the variant declares is None",
+    "row-weight-data",
+    consequences=(_REPLICA, _TRAINING),
+))
+BIAS_GRAD_RANK0_ONLY = register(DiagnosisSpec(
+    "bias-grad-rank0-only", (_BIAS_GRAD,),
+    "only rank 0's bias received its gradient, the others got none or zeros: the bias is added on "
+    "rank 0 only, so the replicas drift apart",
+    "a replicated bias whose grad on rank 0 equals the dense grad within tolerance while every other "
+    "rank's is None or all zeros (ws >= 2)",
+    "row-bias-rank0-only",
+    consequences=(_REPLICA, _TRAINING),
+))
+REPLICA_DIVERGENCE = register(DiagnosisSpec(
+    "replica-divergence", (_REPLICA,),
+    "a tensor that must be identical on every rank (a reduced output, a complete input grad, a "
+    "replicated parameter or its grad) differs across ranks, or a replicated parameter differs right "
+    "after construction (every rank seeded alike: its init is not synchronised)",
+    "a tensor the variant declares replicated is not bit-identical across the tp group's ranks (its "
+    "grad after the trainer's sum, for a grad declared partial)",
+    "row-replica-init-diverges",
+    consequences=(_TRAINING,),
+))
+WRONG_GROUP = register(DiagnosisSpec(
+    "wrong-group", (_FORWARD, _INPUT_GRAD),
+    "a result is a reduction (or gather) over another set of ranks than the layer's tp group (e.g. "
+    "the whole world): a collective runs on the wrong process group",
+    "with tp_size < world_size, every rank's result equals the reduction (or gather) over one "
+    "candidate set of ranks (the world, the data-parallel groups, the other layout's tp groups) "
+    "within that set's tolerance",
+    "row-wrong-group",
+    consequences=(_INPUT_GRAD, _REPLICA, _TRAINING),
+))
+DIVISIBILITY_UNCHECKED = register(DiagnosisSpec(
+    "divisibility-unchecked", (_DIVISIBILITY,),
+    "a size that does not divide by the tp size was accepted (silently truncated or padded, or "
+    "failing in a collective) instead of raising a clear error on every rank",
+    "for a case whose sharded sizes do not divide by the tp size: some rank returned an output, not "
+    "every rank raised, or a rank's error names neither the offending sizes nor divisibility",
+    "column-floor-division",
+))
+PRECISION_LOSS = register(DiagnosisSpec(
+    "precision-loss", (_FORWARD,) + _GRADS + (_TRAINING,),
+    "the result was computed or communicated in a narrower dtype than the case's: recomputing the "
+    "reference in that dtype explains it, the declared dtype does not",
+    "the declared dtype's tolerance rejects the result, while an emulation of the computation in a "
+    "narrower dtype (the result rounded to it, or the ranks' summands reduced in it) is within that "
+    "dtype's tolerance and explains it far better: its residual is at most a quarter of the residual "
+    "against the dense reference (RMS over the elements)",
+    "row-half-precision-reduce",
+    # A cast to a narrower dtype on the forward path rounds the gradient flowing back through it too.
+    consequences=_GRADS + (_TRAINING,),
+))
+SHAPE_ERROR = register(DiagnosisSpec(
+    "shape-error", (_FORWARD,) + _GRADS + (_TRAINING,),
+    "a rank's tensor (output, grad, parameter) has the wrong shape",
+    "the shape of a rank's tensor differs from the one its placement implies, and no re-cut of the "
+    "dense result along another dim matches it (that would be wrong-shard-dim)",
+    "row-flatten-no-restore",
+    consequences=_GRADS + (_REPLICA, _TRAINING),
+))
+WRONG_DTYPE = register(DiagnosisSpec(
+    "wrong-dtype", (_FORWARD,) + _GRADS,
+    "a rank's output or gradient has another floating dtype than the case's (e.g. float32 returned "
+    "for a float16 or float64 case): part of the layer computes or communicates in a dtype it never casts back from",
+    "the dtype of the rank's tensor differs from the case's dtype (checked before any value: a wider "
+    "dtype can hide a lower-precision bug, a narrower one looks like rounding)",
+    "row-reduce-float32",
+    consequences=(_INPUT_GRAD, _WEIGHT_GRAD, _BIAS_GRAD, _REPLICA, _TRAINING),
+))
+OUTPUT_DETACHED = register(DiagnosisSpec(
+    "output-detached", (_FORWARD,),
+    "the forward output is detached from the autograd graph although the input requires grad: a "
+    "collective (or a copy) runs outside autograd, so nothing flows back through the layer",
+    "on some rank the returned tensor has grad_fn None and requires_grad False while the rank's input "
+    "requires grad (recorded by the rank before backward, which would raise)",
+    "column-gather-no-autograd",
+    consequences=(_INPUT_GRAD, _WEIGHT_GRAD, _BIAS_GRAD, _REPLICA, _TRAINING),
+))
+EXCEPTION = register(DiagnosisSpec(
+    "exception", _PER_CASE,
+    "the variant raised an exception on some rank: the report names the first rank that raised, the "
+    "phase (build, forward, backward, SGD step) and carries its traceback",
+    "a harness outcome, no pattern: a rank's build, forward or backward raised (the exception, its "
+    "rank and phase are the evidence). No single mutant defines it: any raising code shows it "
+    "(column-bias-default-dtype and column-view-flatten in the catalog do)",
+    None,
+    consequences=_PER_CASE,
+))
+MISMATCH = register(DiagnosisSpec(
+    "mismatch", _PER_CASE,
+    "the values differ from the dense reference in no recognised pattern: the message quotes the "
+    "element that violates the tolerance most (got vs expected, its bound) and the best hint",
+    "the fallback, a harness outcome: the tolerance rejects the result and no recogniser found its "
+    "evidence. No mutant defines it (a mutant with a mechanism gets that mechanism's name)",
+    None,
+))
+FAULT_NOT_SURFACED = register(DiagnosisSpec(
+    "fault-not-surfaced", (_FAULTS,),
+    "under a fault plan, the fault was neither reported (an error naming the injected rank, the "
+    "collective and its call) nor harmless nor caught by an equivalence property",
+    "a harness outcome of the fault-detection property (tpsim/props/faults.py): the run with the "
+    "plan returned a result that differs from the clean run while every equivalence property passes "
+    "on it, raised without naming the injected rank and call, overran its time bound or left a rank "
+    "behind. It tests the backends' fault reporting, so no layer mutant defines it "
+    "(tests/test_faults_property.py shows it)",
+    None,
+))
+
+RANK_EXITED = register(DiagnosisSpec(
+    "rank-exited", _PER_CASE + (_DIVISIBILITY,),
+    "a rank ended its process instead of returning or raising (os._exit, sys.exit, exit() from native "
+    "code): the report names the rank, its phase (build, forward, backward, SGD step) and the exit status",
+    "a harness outcome: the rank raised SystemExit, or (on an isolated inproc world, or gloo) the process "
+    "running it ended with an exit status while that rank held the baton. No catalogued mutant: the "
+    "catalog runs in-process, where such a mutant would end the test run (tests/test_isolation.py "
+    "writes them as hostile rank functions)",
+    None,
+    consequences=_PER_CASE,
+))
+RANK_CRASHED = register(DiagnosisSpec(
+    "rank-crashed", _PER_CASE + (_DIVISIBILITY,),
+    "a rank crashed: its process was killed by a signal (segfault, abort(), the out-of-memory killer) "
+    "or it ran out of memory; the report names the rank, its phase and the signal or allocation",
+    "a harness outcome: the rank raised MemoryError or torch's \"can't allocate memory\", or (on an "
+    "isolated inproc world, or gloo) the process running it was killed by a signal while that rank held "
+    "the baton. No catalogued mutant, for the reason given for rank-exited",
+    None,
+    consequences=_PER_CASE,
+))
+
+# Vocab-parallel embeddings and cross-entropies (recognisers: tpsim/props/vocab/checks.py).
+VOCAB_MASK_MISSING = register(DiagnosisSpec(
+    "vocab-mask-missing", (_FORWARD,),
+    "an embedding's output for an id also holds a row of every rank that does not own the id: the "
+    "ranks look up ids outside their vocabulary range (shifted and clamped into it) without zeroing "
+    "those rows before the all-reduce",
+    "embedding output - dense lookup = sum, over the ranks r that do not own the id, of rank r's stored "
+    "row at local index 0 or at the id clamped into r's range, within tolerance, with tp >= 2",
+    "embedding-unmasked-ids",
+    consequences=(_WEIGHT_GRAD,),
+))
+LABEL_SMOOTHING_PER_SHARD = register(DiagnosisSpec(
+    "label-smoothing-per-shard", (_FORWARD,),
+    "with label smoothing, each rank's loss averages the smoothing term over its own vocabulary shard "
+    "instead of the whole vocabulary, so the ranks' losses differ (Megatron-LM #737)",
+    "label_smoothing > 0, tp >= 2, and every rank's loss equals the smoothed loss recomputed with the "
+    "mean log-probability taken over that rank's shard only (as F.cross_entropy smooths, or as Megatron "
+    "does with the shard's size as the vocabulary size), within tolerance",
+    "cross-entropy-smoothing-per-shard",
+    consequences=(_INPUT_GRAD, _REPLICA),
+))
+MAX_NOT_REDUCED = register(DiagnosisSpec(
+    "max-not-reduced", (_FORWARD,),
+    "the softmax over a sharded vocabulary shifted each rank's logits by that rank's own maximum: the "
+    "all-reduce MAX of the logits' maximum is missing, so the shards' exponentials are summed with "
+    "different shifts",
+    "tp >= 2 and the loss equals the cross-entropy recomputed with every logit shifted by the maximum of "
+    "its own rank's shard (log sum_j exp(x_j - m_rank(j)) - (x_t - m_rank(t)), smoothed the same way), "
+    "within tolerance",
+    "cross-entropy-local-max",
+    consequences=(_INPUT_GRAD,),
+))
+LOSS_OFF_BY_LOG_TP = register(DiagnosisSpec(
+    "loss-off-by-log-tp", (_FORWARD,),
+    "the loss is the dense one plus exactly log(tp): a vocab-parallel cross-entropy was given the "
+    "gathered logits as if they were a shard, so it saw every logit tp times (Megatron-LM #7452)",
+    "tp >= 2 and every non-ignored token's loss equals the dense loss + log(tp) within tolerance "
+    "(a reduced loss: the same offset summed or averaged)",
+    "cross-entropy-gathered-logits",
+    consequences=(_INPUT_GRAD,),
+))
+VOCAB_PADDING_IN_SOFTMAX = register(DiagnosisSpec(
+    "vocab-padding-in-softmax", (_FORWARD,),
+    "the padding columns of a vocabulary padded to a multiple of the tp size took part in the softmax: "
+    "the loss is a cross-entropy over the padded vocabulary (Megatron-LM #1754)",
+    "the vocabulary does not divide by the tp size and the loss equals the cross-entropy recomputed over "
+    "the padded logits as the ranks held them (padding columns included), within tolerance",
+    "cross-entropy-padding-in-softmax",
+    consequences=(_INPUT_GRAD,),
+))
+
+# Head-sharded attention (recognisers: tpsim/props/attention/checks.py).
+QKV_HEAD_MISMATCH = register(DiagnosisSpec(
+    "qkv-head-mismatch", (_FORWARD,),
+    "a rank's query heads attend with key/value heads of another group: Q, K and V were not split "
+    "along the same heads",
+    "at least as many key/value heads as ranks; every rank holds its own query heads, but some rank's "
+    "K/V rows are master heads other than the ones its query heads use (read from the rows it stores), "
+    "and the output equals the attention recomputed with that pairing of query and key/value heads, "
+    "within tolerance",
+    "attention-kv-heads-round-robin",
+    consequences=(_INPUT_GRAD, _WEIGHT_GRAD, _BIAS_GRAD),
+))
+KV_HEADS_NOT_REPLICATED = register(DiagnosisSpec(
+    "kv-heads-not-replicated", (_FORWARD,),
+    "with fewer key/value heads than ranks (grouped-query attention), a rank holds a key/value head its "
+    "query heads do not use instead of the replica of their own",
+    "fewer key/value heads than ranks; every rank holds its own query heads, but some rank's K/V rows are "
+    "another head than the one its query heads use (read from the rows it stores), and the output equals "
+    "the attention recomputed with that pairing, within tolerance",
+    "attention-kv-not-replicated",
+    consequences=(_INPUT_GRAD, _WEIGHT_GRAD, _BIAS_GRAD),
+))
+ATTENTION_SCALE = register(DiagnosisSpec(
+    "attention-scale", (_FORWARD,),
+    "the attention scores are scaled by a tp-dependent factor times 1/sqrt(head_dim): the softmax scale "
+    "was computed from a local (per-rank) size instead of the head dim",
+    "tp >= 2 and every rank's output equals the attention recomputed with its softmax scale multiplied by "
+    "c in {sqrt(tp), 1/sqrt(tp), tp, 1/tp}, within that recomputation's tolerance",
+    "attention-local-head-dim-scale",
+    consequences=(_INPUT_GRAD, _WEIGHT_GRAD, _BIAS_GRAD),
+))
+
+# --- diagnoses and failures ----------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Diagnosis:
-    """A named explanation: ``name`` (a key of :data:`DIAGNOSES`), a one-paragraph ``message``,
+    """A named explanation: ``name`` (a registered diagnosis), a one-paragraph ``message``,
     and ``details`` (numbers such as ``max_abs``, ``max_rel``, ``where``, ``factor``)."""
 
     name: str
@@ -128,8 +500,8 @@ class Diagnosis:
     details: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.name not in DIAGNOSES:
-            raise ValueError(f"Diagnosis(name={self.name!r}) is not one of {sorted(DIAGNOSES)}")
+        if self.name not in REGISTRY:
+            raise ValueError(f"Diagnosis(name={self.name!r}) is not one of {sorted(REGISTRY)}")
 
 
 @dataclass
@@ -137,7 +509,7 @@ class Failure:
     """One failed property on one case: what a report lists and a case file records.
 
     - ``property``: the property's name (``forward-equivalence``, ...);
-    - ``diagnosis``: a key of :data:`DIAGNOSES` (stable: scripts match on it);
+    - ``diagnosis``: a registered diagnosis name (stable: scripts match on it);
     - ``message``: one paragraph saying what was wrong, with the numbers (no traceback);
     - ``case``: the (minimal, when it comes from a search) :class:`tpsim.props.case.Case`;
     - ``case_file``: the path the case was saved to (None until saved);
@@ -147,7 +519,11 @@ class Failure:
     - ``details``: numbers behind the message (``max_abs``, ``max_rel``, ``where``, ``factor``...);
     - ``variant``: the variant's name;
     - ``found_after``: how many examples a search had run when this property first failed with
-      this diagnosis (None outside a search).
+      this diagnosis (None outside a search);
+    - ``sublayer``: which sublayer of a module the failure comes from (None for a single layer);
+      rendered ``fc2: bias-duplication``;
+    - ``consequences``: failures of other properties on the same case that follow from this one's
+      cause (see :func:`group_causes`); a report counts this failure once, as one cause.
     """
 
     property: str
@@ -160,14 +536,29 @@ class Failure:
     variant: str | None = None
     traceback: str | None = None
     found_after: int | None = None
+    sublayer: str | None = None
+    consequences: list[Failure] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        """``diagnosis``, prefixed by the sublayer when there is one (``fc2: bias-duplication``)."""
+        return f"{self.sublayer}: {self.diagnosis}" if self.sublayer else self.diagnosis
 
     def to_json(self) -> dict[str, Any]:
-        """JSON-ready dict: every field above, the case as its dict (:meth:`Case.to_dict`)."""
+        """JSON-ready dict: every field above, the case as its dict (:meth:`Case.to_dict`); each
+        consequence as its own dict (its case left out when it is this failure's case)."""
         case = self.case.to_dict() if hasattr(self.case, "to_dict") else self.case
+        consequences = []
+        for c in self.consequences:
+            data = c.to_json()
+            if c.case is self.case or c.case == self.case:
+                data.pop("case")
+            consequences.append(data)
         return {
             "variant": self.variant,
             "property": self.property,
             "diagnosis": self.diagnosis,
+            "sublayer": self.sublayer,
             "message": self.message,
             "rank": self.rank,
             "traceback": self.traceback,
@@ -175,14 +566,16 @@ class Failure:
             "case_file": self.case_file,
             "found_after": self.found_after,
             "details": _jsonable(self.details),
+            "consequences": consequences,
         }
 
     #: Older name of :meth:`to_json`.
     to_dict = to_json
 
     def describe(self) -> str:
-        """Human-readable block: ``property: diagnosis``, the message, the case, the traceback."""
-        lines = [f"{self.property}: {self.diagnosis}", f"  {self.message}"]
+        """Human-readable block: ``property: diagnosis``, the message, the case, the traceback and
+        the consequences of the same cause."""
+        lines = [f"{self.property}: {self.label}", f"  {self.message}"]
         if self.case is not None:
             lines.append(f"  case: {self.case.describe() if hasattr(self.case, 'describe') else self.case}")
         if self.case_file:
@@ -190,6 +583,9 @@ class Failure:
         if self.traceback:
             lines.append(f"  traceback on rank {self.rank}:")
             lines.extend("    " + line for line in self.traceback.rstrip().splitlines())
+        if self.consequences:
+            lines.append("  consequences of the same cause:")
+            lines.extend(f"    {c.property}: {c.label} — {c.message}" for c in self.consequences)
         return "\n".join(lines)
 
 
@@ -205,163 +601,77 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-# --- recognisers ---------------------------------------------------------------------------------
+# --- one cause, one report -----------------------------------------------------------------------
 
 
-def close(actual: torch.Tensor, expected: torch.Tensor, tol: torch.Tensor) -> bool:
-    """Same shape and ``|actual - expected| <= tol`` everywhere (NaN never matches)."""
-    if actual.shape != expected.shape:
+def follows_from(cause: Failure, other: Failure) -> bool:
+    """Whether ``other`` (a failure on the same case) follows from ``cause``: its property is one
+    of the consequences the registry lists for ``cause``'s diagnosis, it comes from the same
+    sublayer (or a later one: ``cause.sublayer`` None covers them all), and it is not ``cause``'s
+    own property."""
+    if other is cause or other.property == cause.property:
         return False
-    diff = (actual.to(torch.float64) - expected.to(torch.float64)).abs()
-    return bool((diff <= tol).all())
+    if cause.sublayer is not None and other.sublayer not in (None, cause.sublayer):
+        return False
+    return other.property in spec(cause.diagnosis).consequences
 
 
-def mismatch(actual: torch.Tensor, expected: torch.Tensor, *, what: str) -> Diagnosis:
-    """The fallback: max absolute and relative error and the index where the absolute one peaks."""
+def group_causes(failures: Sequence[Failure]) -> list[Failure]:
+    """Fold the failures of one case into causes: each failure that :func:`follows_from` an earlier
+    cause is moved into that cause's ``consequences`` (listed there, never dropped); the rest are
+    the causes, in their original order. Idempotent."""
+    causes: list[Failure] = []
+    for f in failures:
+        owner = next((c for c in causes if follows_from(c, f)), None)
+        if owner is None:
+            causes.append(f)
+        else:
+            owner.consequences.append(f)
+            owner.consequences.extend(f.consequences)
+            f.consequences = []
+    return causes
+
+
+# --- the fallback --------------------------------------------------------------------------------
+
+
+@recogniser(MISMATCH)
+def mismatch(actual: torch.Tensor, expected: torch.Tensor, *, what: str, tol: torch.Tensor | None = None,
+             hint: str = "") -> Diagnosis:
+    """The fallback diagnosis: no recogniser saw its evidence.
+
+    With ``tol`` (the per-element bound) the message quotes the element that violates the bound by
+    the largest factor — got, expected, its error and its bound — then the max absolute and
+    relative errors; without it, the element of the max absolute error. ``hint`` (e.g. "within
+    bfloat16 rounding") is appended as a hint, never as a name."""
     a = actual.to(torch.float64)
     e = expected.to(torch.float64)
+    if a.shape != e.shape:
+        return Diagnosis(MISMATCH, f"{what} has shape {list(a.shape)}, expected {list(e.shape)}", {})
     diff = (a - e).abs()
     if diff.numel() == 0:
-        return Diagnosis("mismatch", f"{what} differs from the dense reference", {})
+        return Diagnosis(MISMATCH, f"{what} differs from the dense reference", {})
     diff = torch.where(torch.isnan(diff), torch.full_like(diff, float("inf")), diff)
     flat = int(torch.argmax(diff))
-    where = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape)) if diff.dim() else ()
+    where_abs = [int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape)] if diff.dim() else []
     max_abs = float(diff.reshape(-1)[flat])
-    rel = diff / e.abs().clamp_min(torch.finfo(torch.float64).tiny)
-    max_rel = float(rel.max())
-    got = float(a.reshape(-1)[flat]) if a.numel() else float("nan")
-    want = float(e.reshape(-1)[flat]) if e.numel() else float("nan")
-    return Diagnosis(
-        "mismatch",
-        f"{what} differs from the dense reference: max abs error {max_abs:.3g} at index {list(where)} "
-        f"(got {got:.6g}, expected {want:.6g}); max rel error {max_rel:.3g}",
-        {"max_abs": max_abs, "max_rel": max_rel, "where": list(where)},
-    )
-
-
-def scale_factor(
-    actual: torch.Tensor, expected: torch.Tensor, tol: torch.Tensor, *, known: Sequence[float] = ()
-) -> float | None:
-    """``c`` (not ~1) such that ``actual ~= c * expected`` within ``tol * max(1, |c|)``, else None.
-
-    A single element is a multiple of any other, so for one-element tensors only a factor in
-    ``known`` (e.g. ``world_size`` or ``1/world_size``) counts as evidence.
-    """
-    if actual.shape != expected.shape or actual.numel() == 0:
-        return None
-    a = actual.to(torch.float64).reshape(-1)
-    e = expected.to(torch.float64).reshape(-1)
-    denom = float(e @ e)
-    if denom == 0.0:
-        return None
-    c = float(a @ e) / denom
-    if abs(c - 1.0) < 1e-3 or c != c:
-        return None
-    if a.numel() == 1 and not any(abs(c - k) <= 1e-3 * max(1.0, abs(k)) for k in known):
-        return None
-    if bool(((a - c * e).abs() <= tol.reshape(-1) * max(1.0, abs(c))).all()):
-        return c
-    return None
-
-
-def bias_multiple(diff: torch.Tensor, bias: torch.Tensor, tol: torch.Tensor) -> float | None:
-    """``c`` such that ``diff ~= c * bias`` broadcast over the leading dims, else None (c == 0 too)."""
-    if diff.numel() == 0 or bias.numel() == 0 or diff.shape[-1:] != bias.shape:
-        return None
-    b = bias.to(torch.float64).expand_as(diff).reshape(-1)
-    d = diff.to(torch.float64).reshape(-1)
-    denom = float(b @ b)
-    if denom == 0.0:
-        return None
-    c = float(d @ b) / denom
-    if abs(c) < 1e-3 or c != c:
-        return None
-    if bool(((d - c * b).abs() <= tol.reshape(-1) * max(1.0, abs(c))).all()):
-        return c
-    return None
-
-
-def block_mapping(
-    actual: torch.Tensor, expected: torch.Tensor, tol: torch.Tensor, *, dim: int, parts: int
-) -> list[int] | None:
-    """For ``parts`` equal blocks along ``dim``: which expected block each actual block equals.
-
-    Returns the list (``mapping[i] = j``: block i holds expected block j), or None when shapes
-    differ, the size does not divide, or some block matches no expected block.
-    """
-    if actual.shape != expected.shape or parts < 2 or actual.dim() == 0:
-        return None
-    size = actual.shape[dim]
-    if size % parts or size == 0:
-        return None
-    a_blocks = actual.chunk(parts, dim=dim)
-    e_blocks = expected.chunk(parts, dim=dim)
-    t_blocks = tol.chunk(parts, dim=dim)
-    mapping = []
-    for i, blk in enumerate(a_blocks):
-        found = None
-        # Prefer the identity so a correct block is never reported as another one.
-        for j in [i] + [k for k in range(parts) if k != i]:
-            if close(blk, e_blocks[j], torch.maximum(t_blocks[i], t_blocks[j])):
-                found = j
-                break
-        if found is None:
-            return None
-        mapping.append(found)
-    return mapping
-
-
-def regathered_dim(
-    actual: torch.Tensor, expected: torch.Tensor, *, dim: int, parts: int, tol_scalar: float
-) -> int | None:
-    """The dim ``d`` (≠ ``dim``) such that ``actual`` equals ``expected``'s ``parts`` blocks along
-    ``dim`` concatenated along ``d`` instead (a gather or split along the wrong dim), else None."""
-    if parts < 2 or expected.dim() == 0 or expected.shape[dim] % parts:
-        return None
-    blocks = expected.chunk(parts, dim=dim)
-    nd = expected.dim()
-    for d in range(-nd, nd):
-        if d % nd == dim % nd:
-            continue
-        candidate = torch.cat(blocks, dim=d)
-        if candidate.shape == actual.shape and bool(
-            ((actual.to(torch.float64) - candidate).abs() <= tol_scalar).all()
-        ):
-            return d % nd
-    # Also the one-extra-dim form: blocks stacked along a new leading dim and flattened into dim 0.
-    return None
-
-
-def rank_summands(per_rank: Sequence[torch.Tensor], expected: torch.Tensor, tol: torch.Tensor) -> bool:
-    """True when the ranks' tensors differ yet sum to ``expected``: each holds only its summand.
-
-    Identical tensors that sum to ``expected`` (every rank holds ``expected / ws``) are not
-    summands but a scaled result (``grad-scaled``), so some pair of ranks must differ.
-    """
-    if len(per_rank) < 2 or any(t.shape != expected.shape for t in per_rank):
-        return False
-    total = torch.zeros_like(expected, dtype=torch.float64)
-    for t in per_rank:
-        total = total + t.to(torch.float64)
-    if not close(total, expected, tol * len(per_rank)):
-        return False
-    if all(close(t, expected, tol) for t in per_rank):
-        return False
-    first = per_rank[0].to(torch.float64)
-    return any(not close(t, first, tol) for t in per_rank[1:])
-
-
-def lower_precision(
-    actual: torch.Tensor,
-    expected: torch.Tensor,
-    dtype: torch.dtype,
-    tol_for: Callable[[torch.dtype], torch.Tensor],
-) -> torch.dtype | None:
-    """The widest dtype narrower than ``dtype`` whose tolerance accepts ``actual``, else None."""
-    order = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
-    if dtype not in order:
-        return None
-    for candidate in order[order.index(dtype) + 1 :]:
-        if close(actual, expected, tol_for(candidate)):
-            return candidate
-    return None
+    max_rel = float((diff / e.abs().clamp_min(torch.finfo(torch.float64).tiny)).max())
+    details: dict[str, Any] = {"max_abs": max_abs, "max_rel": max_rel, "where_max_abs": where_abs}
+    worst = worst_violation(a, e, tol) if tol is not None else None
+    if worst is not None and tol is not None:
+        got, want = float(a[worst]), float(e[worst])
+        err = float(diff[worst])
+        bound = float(tol.to(torch.float64).expand_as(diff)[worst])
+        details.update(where=list(worst), got=got, expected=want, error=err, bound=bound)
+        text = (f"{what} differs from the dense reference beyond its tolerance: at index {list(worst)} got {got:.6g}, "
+                f"expected {want:.6g} (error {err:.3g} > bound {bound:.3g}, the worst violation relative to its "
+                f"bound); max abs error {max_abs:.3g} at index {where_abs}; max rel error {max_rel:.3g}")
+    else:
+        got, want = float(a.reshape(-1)[flat]), float(e.reshape(-1)[flat])
+        details["where"] = where_abs
+        text = (f"{what} differs from the dense reference: max abs error {max_abs:.3g} at index {where_abs} "
+                f"(got {got:.6g}, expected {want:.6g}); max rel error {max_rel:.3g}")
+    if hint:
+        text += f" ({hint})"
+        details["hint"] = hint
+    return Diagnosis(MISMATCH, text, details)

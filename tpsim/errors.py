@@ -6,11 +6,17 @@ refines, so ``except RuntimeError`` / ``except ValueError`` in user code keeps w
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "BackendUnavailable",
     "CollectiveError",
     "InvalidArgument",
+    "RankCrashed",
+    "RankDied",
     "RankError",
+    "RankExited",
+    "SharedModuleState",
     "TpsimError",
 ]
 
@@ -38,10 +44,23 @@ class BackendUnavailable(TpsimError, RuntimeError):
 class RankError(TpsimError, RuntimeError):
     """A rank of a world failed: it raised, crashed or exited abnormally.
 
-    ``rank`` is the failing rank (global rank in the world); ``remote_traceback`` is the
-    traceback text captured on that rank (also part of the message); ``errors`` maps every
-    failed rank to its own error when the runner collected more than one.
+    Declared fields (all survive pickling, so gloo workers can send these back):
+
+    - ``rank``: the failing rank (global rank in the world);
+    - ``summary``: the message without the rank's traceback;
+    - ``remote_traceback``: the traceback text captured on that rank (also part of the message);
+    - ``errors``: every failed rank's own error, when the runner collected more than one;
+    - ``trace``: the collective calls every rank issued before the world failed (a
+      :class:`tpsim.Trace`; ranks whose process died before reporting are missing from it);
+    - ``faults_fired``: ``(fault, call)`` for every fault of the run's plan that acted.
     """
+
+    rank: int
+    summary: str
+    remote_traceback: str
+    errors: dict[int, BaseException]
+    trace: Any
+    faults_fired: list[tuple[Any, Any]]
 
     def __init__(
         self,
@@ -50,6 +69,8 @@ class RankError(TpsimError, RuntimeError):
         rank: int,
         remote_traceback: str = "",
         errors: dict[int, BaseException] | None = None,
+        trace: Any = None,
+        faults_fired: list[tuple[Any, Any]] | None = None,
     ) -> None:
         text = message
         if remote_traceback:
@@ -58,9 +79,11 @@ class RankError(TpsimError, RuntimeError):
         self.rank = rank
         self.summary = message
         self.remote_traceback = remote_traceback
-        self.errors: dict[int, BaseException] = dict(errors or {})
+        self.errors = dict(errors or {})
+        self.trace = trace
+        self.faults_fired = list(faults_fired or [])
 
-    def __reduce__(self):  # keep the attributes across pickling (gloo workers send these)
+    def __reduce__(self) -> tuple[Any, ...]:  # keep the fields across pickling (gloo workers send these)
         return (_rebuild, (type(self), self.__dict__.copy(), self.args))
 
 
@@ -69,9 +92,22 @@ class CollectiveError(RankError):
 
     Raised on a rank that waits in a collective which can never finish (a peer exited,
     raised, called a different collective, or passed a mismatched shape/dtype/op), or
-    whose bounded wait timed out. ``collective`` is the op name (e.g. ``all_reduce``),
-    ``call_index`` its 1-based position among this rank's calls on ``group``.
+    whose bounded wait timed out. Declared fields besides :class:`RankError`'s:
+
+    - ``collective``: the op name (e.g. ``all_reduce``), None when no collective is known;
+    - ``call_index``: its 1-based position among this rank's calls on ``group`` (the rule of
+      :mod:`tpsim.comm.ops`), None when no collective is known;
+    - ``group``: the group's name as traces show it (``world``, a ``group_desc``, ``[0,1]``);
+    - ``faulty_ranks``: the ranks to blame (deviating or missing members);
+    - ``world_intact``: every member refused the same collective at the same point after a
+      completed fingerprint exchange, so the world (a gloo pool) is still usable.
     """
+
+    collective: str | None
+    call_index: int | None
+    group: str | None
+    faulty_ranks: tuple[int, ...]
+    world_intact: bool
 
     def __init__(
         self,
@@ -84,15 +120,92 @@ class CollectiveError(RankError):
         faulty_ranks: tuple[int, ...] = (),
         remote_traceback: str = "",
         errors: dict[int, BaseException] | None = None,
+        trace: Any = None,
+        faults_fired: list[tuple[Any, Any]] | None = None,
+        world_intact: bool = False,
     ) -> None:
-        super().__init__(message, rank=rank, remote_traceback=remote_traceback, errors=errors)
+        super().__init__(message, rank=rank, remote_traceback=remote_traceback, errors=errors, trace=trace,
+                         faults_fired=faults_fired)
         self.collective = collective
         self.call_index = call_index
         self.group = group
         self.faulty_ranks = tuple(faulty_ranks)
+        self.world_intact = world_intact
 
 
-def _rebuild(cls, state, args):
+class RankDied(RankError):
+    """A rank ended abnormally instead of returning or raising: it exited, crashed or ran out of memory.
+
+    On ``inproc`` this needs an isolated world (``isolate=True``): there the ranks run in a worker
+    process that dies instead of the caller. Declared fields besides :class:`RankError`'s:
+
+    - ``phase``: the phase the rank had marked last (``build``, ``forward``, ``backward``, ``step``;
+      see :func:`tpsim.comm.board.mark_phase`), None when it marked none or it is unknown;
+    - ``step``: the 0-based SGD step of that phase, None when not given;
+    - ``cause``: one line saying what ended it (``os._exit(0) or exit(0) from native code``,
+      ``sys.exit(3)``, ``signal SIGSEGV (segmentation fault)``, ``out of memory: ...``);
+    - ``exitcode``: the exit status the rank gave (``os._exit``/``sys.exit``), None for a signal;
+    - ``signal``: the number of the signal that ended the process, None when it exited.
+    """
+
+    phase: str | None
+    step: int | None
+    cause: str
+    exitcode: int | None
+    signal: int | None
+
+    def __init__(self, message: str, *, rank: int, phase: str | None = None, step: int | None = None,
+                 cause: str = "", exitcode: int | None = None, signal: int | None = None,
+                 remote_traceback: str = "", errors: dict[int, BaseException] | None = None,
+                 trace: Any = None, faults_fired: list[tuple[Any, Any]] | None = None) -> None:
+        super().__init__(message, rank=rank, remote_traceback=remote_traceback, errors=errors, trace=trace,
+                         faults_fired=faults_fired)
+        self.phase = phase
+        self.step = step
+        self.cause = cause
+        self.exitcode = exitcode
+        self.signal = signal
+
+
+class RankExited(RankDied):
+    """A rank ended its process on purpose: ``os._exit(n)``, ``sys.exit(n)``, ``exit()`` from native code."""
+
+
+class RankCrashed(RankDied):
+    """A rank's process was killed by a signal (a segfault, ``abort()``, the out-of-memory killer) or the
+    rank ran out of memory."""
+
+
+class SharedModuleState(TpsimError, RuntimeError):
+    """Ranks of an ``inproc`` world shared a module global that each would own in its own process.
+
+    On ``inproc`` the ranks are threads of one process, so a module global that a library keeps
+    per process (its tensor-parallel group, a buffer) is one object for every rank. tpsim raises
+    this when one rank rebinds such a global and another rank then depends on it. Declared fields:
+    ``module`` (its name), ``attribute`` (the global's name), ``ranks`` (the ranks involved, the
+    one that rebound it first) and ``cause`` (the failure it led to, when there was one). The fix
+    is in the message: declare the module rank-local (``rank_local=(module,)`` /
+    ``--rank-local MODULE``), or run on a backend with one process per rank (``gloo``).
+    """
+
+    module: str
+    attribute: str
+    ranks: tuple[int, ...]
+    cause: BaseException | None
+
+    def __init__(self, message: str, *, module: str, attribute: str, ranks: tuple[int, ...],
+                 cause: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.module = module
+        self.attribute = attribute
+        self.ranks = tuple(ranks)
+        self.cause = cause
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.__dict__.copy(), self.args))
+
+
+def _rebuild(cls: type[BaseException], state: dict[str, Any], args: tuple[Any, ...]) -> BaseException:
     err = cls.__new__(cls)
     Exception.__init__(err, *args)
     err.__dict__.update(state)

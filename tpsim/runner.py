@@ -11,11 +11,11 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
-from tpsim.comm.trace import Trace
-from tpsim.errors import InvalidArgument
+from tpsim.comm.result import WorldResult
+from tpsim.errors import InvalidArgument, RankError
 
 __all__ = ["BACKENDS", "DEFAULT_TIMEOUT", "WorldResult", "run", "run_world"]
 
@@ -24,17 +24,6 @@ BACKENDS = ("inproc", "gloo", "nccl")
 
 #: Seconds any single collective wait may block before the world is declared stuck.
 DEFAULT_TIMEOUT = 30.0
-
-
-@dataclass
-class WorldResult:
-    """What a finished world returns: ``values[r]`` is rank r's return value."""
-
-    values: list[Any]
-    trace: Trace = field(default_factory=Trace)
-    backend: str = "inproc"
-    #: ``(fault, call)`` for every fault of the plan that acted, and the call it acted on.
-    faults_fired: list[tuple[Any, Any]] = field(default_factory=list)
 
 
 def _check_args(world_size: Any, backend: Any, timeout: Any) -> None:
@@ -62,6 +51,9 @@ def run_world(
     timeout: float = DEFAULT_TIMEOUT,
     faults: Sequence[Any] = (),
     checksum: bool | None = None,
+    isolate: bool = False,
+    rank_local: Sequence[str | ModuleType] = (),
+    watch: Sequence[str | ModuleType] = (),
 ) -> WorldResult:
     """Run ``fn(*args, **kwargs)`` on every rank; return values and the collective trace.
 
@@ -76,15 +68,42 @@ def run_world(
     consumes it; a difference (e.g. a ``Corrupt`` fault) fails that collective on every member
     with a :class:`tpsim.CollectiveError` naming the rank whose contribution changed.
 
+    ``rank_local`` names modules whose globals each rank must own, as it would in its own
+    process (a library's parallel state: ``("fairscale.nn.model_parallel.initialize",)``). On
+    ``inproc`` each rank starts from the module as it was when the world started and its globals
+    are swapped in at every hand-off; the module is put back afterwards. On ``gloo``/``nccl`` every
+    rank is its own process already: the names are checked and nothing else happens. ``watch``
+    adds modules to those whose globals inproc watches for sharing between ranks (by default the
+    modules ``fn`` and its arguments come from, and their packages): a global one rank rebinds and
+    another then relies on raises :class:`tpsim.SharedModuleState` naming it and the fix.
+
     Raises :class:`tpsim.RankError` (a RuntimeError) when a rank raised or died, with the
     failing rank's traceback in the message, or :class:`tpsim.CollectiveError` when a
     collective could not complete (never a hang: every wait is bounded by ``timeout``).
     A rank dropped by the fault plan never yields a value: the run raises even if every other
-    rank finished.
+    rank finished. A rank that calls ``sys.exit`` or runs out of memory raises
+    :class:`tpsim.RankExited` / :class:`tpsim.RankCrashed` (:class:`tpsim.RankError` subclasses).
+
+    ``isolate=True`` runs an ``inproc`` world in a supervised worker process
+    (:mod:`tpsim.comm.isolate`), so a rank's ``os._exit``, segfault, ``abort()`` or out-of-memory
+    death raises :class:`tpsim.RankExited` / :class:`tpsim.RankCrashed` naming the rank and its
+    phase instead of ending this process, and a rank stuck in native code is abandoned with the
+    worker. ``fn`` must then be a top-level function and its arguments and results picklable.
+    (gloo and nccl ranks are processes already: there it changes nothing.)
+
+    World sizes above the backend's limit on this machine are refused before anything starts
+    (:func:`tpsim.comm.limits.check_world_size`; override: ``TPSIM_MAX_WORLD_SIZE``).
     """
     if not callable(fn):
         raise InvalidArgument(f"fn={fn!r} must be callable")
     _check_args(world_size, backend, timeout)
+    if not isinstance(isolate, bool):
+        raise InvalidArgument(f"isolate={isolate!r} must be True or False")
+    from tpsim.comm import _torchrun, deaths
+    from tpsim.comm.limits import check_world_size
+
+    if backend == "inproc" or _torchrun.launched_world() is None:  # a launched world exists already
+        check_world_size(world_size, backend)
     from tpsim.faults import check_plan, parse_plan
 
     plan = parse_plan(faults)
@@ -94,17 +113,33 @@ def run_world(
     elif not isinstance(checksum, bool):
         raise InvalidArgument(f"checksum={checksum!r} must be True, False or None (None: TPSIM_CHECKSUM decides)")
     kwargs = dict(kwargs or {})
-    if backend == "inproc":
-        from tpsim.comm.inproc import run_inproc
+    from tpsim.comm.modstate import resolve_modules
 
-        return run_inproc(fn, world_size, args=tuple(args), kwargs=kwargs, timeout=float(timeout), faults=plan,
-                          checksum=checksum)
-    from tpsim.comm.procs import run_processes
+    local = resolve_modules(rank_local, "rank_local")  # checked on every backend: a typo is an error anywhere
+    watched = resolve_modules(watch, "watch")
+    try:
+        if backend == "inproc" and isolate:
+            from tpsim.comm.isolate import run_isolated
 
-    return run_processes(
-        fn, world_size, backend=backend, args=tuple(args), kwargs=kwargs, timeout=float(timeout), faults=plan,
-        checksum=checksum,
-    )
+            return run_isolated(fn, world_size, args=tuple(args), kwargs=kwargs, timeout=float(timeout),
+                                faults=plan, checksum=checksum, rank_local=[m.__name__ for m in local],
+                                watch=[m.__name__ for m in watched])
+        if backend == "inproc":
+            from tpsim.comm.inproc import run_inproc
+
+            return run_inproc(fn, world_size, args=tuple(args), kwargs=kwargs, timeout=float(timeout), faults=plan,
+                              checksum=checksum, rank_local=local, watch=watched)
+        from tpsim.comm.procs import run_processes
+
+        return run_processes(
+            fn, world_size, backend=backend, args=tuple(args), kwargs=kwargs, timeout=float(timeout), faults=plan,
+            checksum=checksum,
+        )
+    except RankError as err:
+        death = deaths.classify(err)  # a rank's sys.exit / MemoryError: a death, as on an isolated world
+        if death is err:
+            raise
+        raise death from err
 
 
 def run(
@@ -117,6 +152,9 @@ def run(
     timeout: float = DEFAULT_TIMEOUT,
     faults: Sequence[Any] = (),
     checksum: bool | None = None,
+    isolate: bool = False,
+    rank_local: Sequence[str | ModuleType] = (),
+    watch: Sequence[str | ModuleType] = (),
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks and return the per-rank values.
 
@@ -130,5 +168,5 @@ def run(
     """
     return run_world(
         fn, world_size, backend=backend, args=args, kwargs=kwargs, timeout=timeout, faults=faults,
-        checksum=checksum,
+        checksum=checksum, isolate=isolate, rank_local=rank_local, watch=watch,
     ).values

@@ -72,6 +72,7 @@ __all__ = [
     "INPUT_GRADS",
     "KINDS",
     "OUTPUTS",
+    "PARAM_GRADS",
     "Builder",
     "LayoutError",
     "ParamSpec",
@@ -85,6 +86,8 @@ INPUTS = ("replicated", "sharded", "sequence-sharded")
 #: Output placements a variant can declare.
 OUTPUTS = ("sharded", "gathered", "partial", "reduced", "sequence-sharded")
 INPUT_GRADS = ("complete", "partial")
+#: Who completes a replicated parameter's grad (see :class:`ParamSpec`): the layer, or the trainer.
+PARAM_GRADS = ("complete", "partial")
 
 _VALID_IO = {
     "column": {"input": ("replicated", "sequence-sharded"), "output": ("sharded", "gathered")},
@@ -141,6 +144,15 @@ class ParamSpec:
     ``"weight"`` or ``"bias"``; ``placement`` is in master coordinates (weight ``[out, in]``);
     ``transposed`` means the module stores the 2-D shard transposed (e.g. ``[in, out/ws]``);
     ``load`` means the harness copies master values into it after construction.
+
+    ``grad`` says who completes a *replicated* parameter's gradient: ``"complete"`` (the default:
+    the layer reduces it, every rank holds the whole dense grad after backward) or ``"partial"``
+    (each rank holds its summand and the trainer sums them over the tp group, as Megatron's
+    ``finalize_model_grads`` does for parameters marked ``sequence_parallel``). For a partial grad
+    the harness checks that the rank-order sum of the summands equals the dense grad, applies that
+    sum before each SGD step (so training equivalence sees what the trainer does) and checks that
+    the replicas agree after it. A parameter the built module marks ``param.sequence_parallel =
+    True`` (Megatron's marker) is partial without a declaration.
     """
 
     name: str
@@ -148,6 +160,7 @@ class ParamSpec:
     placement: Placement
     transposed: bool = False
     load: bool = True
+    grad: str = "complete"
 
     def __post_init__(self) -> None:
         if self.master not in ("weight", "bias"):
@@ -158,11 +171,21 @@ class ParamSpec:
             )
         if self.transposed and self.master != "weight":
             raise InvalidArgument(f"ParamSpec(name={self.name!r}): only a weight can be stored transposed")
+        if self.grad not in PARAM_GRADS:
+            raise InvalidArgument(
+                f"ParamSpec(name={self.name!r}, grad={self.grad!r}): expected one of {', '.join(PARAM_GRADS)}"
+            )
+        if self.grad == "partial" and not isinstance(self.placement, Replicate):
+            raise InvalidArgument(
+                f"ParamSpec(name={self.name!r}, grad='partial') with placement {self.placement}: only a replicated "
+                "parameter's grad can be left partial for the trainer to sum (a sharded one is complete on its rank)"
+            )
 
     def describe(self) -> str:
-        """Short form, e.g. ``weight S(0)`` or ``weight S(1) stored transposed``."""
+        """Short form, e.g. ``weight S(0)``, ``weight S(1) stored transposed`` or ``bias R grad partial``."""
         text = f"{self.name} {self.placement}"
-        return text + (" stored transposed" if self.transposed else "")
+        text += " stored transposed" if self.transposed else ""
+        return text + (" grad partial" if self.grad == "partial" else "")
 
 
 def _default_params(kind: str, has_bias: bool) -> tuple[ParamSpec, ...]:
@@ -213,6 +236,21 @@ class Variant:
     #: its builder is given). False for layers that read their rank from the default group (the
     #: master-weight convention): only ``tp_size == world_size`` cases are generated, and reports say so.
     subgroups: bool = True
+    #: The most leading batch dims an input may have (None: no limit beyond the strategies' own, 3).
+    #: A library that takes only 2-D and 3-D inputs (Megatron-core) declares ``min_batch_dims=1,
+    #: max_batch_dims=2``.
+    max_batch_dims: int | None = None
+    #: The smallest tp group the layer supports: smaller tp sizes (and worlds that only they divide)
+    #: are not drawn. Megatron-core's config refuses sequence parallelism without tensor
+    #: parallelism, so its sequence-parallel layers declare 2.
+    min_tp_size: int = 1
+    #: The layer always has a bias (its constructor cannot leave it out): biased cases only. Set by
+    #: the conventions when a class without a ``bias`` flag builds a ``bias`` parameter.
+    always_bias: bool = False
+    #: Modules whose globals are per rank, as in a real job where every rank is a process: passed to
+    #: :func:`tpsim.run` as ``rank_local`` (on inproc each rank thread sees its own copy of their
+    #: globals; process backends have this already). Module names, e.g. ``("fairscale.nn.model_parallel.initialize",)``.
+    rank_local: tuple[str, ...] = ()
     target: str | None = None
     options: tuple[tuple[str, Any], ...] = field(default=())
 
@@ -247,6 +285,7 @@ class Variant:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise InvalidArgument(f"Variant {self.name!r}: {name}={value!r}; expected an int >= {low}")
+        self._check_batch_and_tp_limits()
         if not isinstance(self.divisible_only, bool):
             raise InvalidArgument(f"Variant {self.name!r}: divisible_only={self.divisible_only!r}; expected a bool")
         if self.input_grad not in INPUT_GRADS:
@@ -261,6 +300,38 @@ class Variant:
                 f"Variant {self.name!r}: bias=True but params name {masters.count('bias')} biases; "
                 "add a ParamSpec for the bias or pass bias=False"
             )
+
+    def _check_batch_and_tp_limits(self) -> None:
+        low = self.max_batch_dims
+        if low is not None and (isinstance(low, bool) or not isinstance(low, int) or low < self.min_batch_dims):
+            raise InvalidArgument(
+                f"Variant {self.name!r}: max_batch_dims={low!r}; expected None or an int >= min_batch_dims "
+                f"({self.min_batch_dims})"
+            )
+        if low is not None and low < self.min_sequence_batch_dims():
+            raise InvalidArgument(
+                f"Variant {self.name!r}: max_batch_dims={low} leaves no room for the sequence dim "
+                f"(sequence_dim={self.sequence_dim} needs {self.min_sequence_batch_dims()} batch dim(s))"
+            )
+        if not isinstance(self.always_bias, bool) or (self.always_bias and not self.bias):
+            raise InvalidArgument(
+                f"Variant {self.name!r}: always_bias={self.always_bias!r} with bias={self.bias!r}; expected a bool, "
+                "and True only for a variant with a bias"
+            )
+        tp = self.min_tp_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise InvalidArgument(f"Variant {self.name!r}: min_tp_size={tp!r}; expected an int >= 1")
+        names = self.rank_local
+        if isinstance(names, str):
+            names = (names,)  # one module name: a tuple of one, not a tuple of characters
+        names = tuple(names)
+        bad = [n for n in names if not isinstance(n, str) or not n or n.strip() != n]
+        if bad:
+            raise InvalidArgument(
+                f"Variant {self.name!r}: rank_local={self.rank_local!r}; expected module names such as "
+                "('mypkg.parallel_state',)"
+            )
+        object.__setattr__(self, "rank_local", tuple(dict.fromkeys(names)))
 
     def _init_sequence_and_packing(self) -> None:
         if isinstance(self.sequence_dim, bool) or not isinstance(self.sequence_dim, int) or self.sequence_dim == -1:
@@ -393,6 +464,12 @@ class Variant:
         out = []
         if self.min_batch_dims:
             out.append(f"inputs with at least {self.min_batch_dims} batch dim(s) only")
+        if self.always_bias:
+            out.append("biased cases only (the layer always has a bias)")
+        if self.max_batch_dims is not None:
+            out.append(f"inputs with at most {self.max_batch_dims} batch dim(s) only")
+        if self.min_tp_size > 1:
+            out.append(f"tp groups of at least {self.min_tp_size} ranks only")
         if self.min_features > 1:
             out.append(f"feature sizes of at least {self.min_features} only")
         if self.divisible_only:
@@ -404,6 +481,24 @@ class Variant:
     def replace(self, **changes: Any) -> Variant:
         """A copy with ``changes`` applied (validation runs again)."""
         return dataclasses.replace(self, **changes)
+
+    def with_param_grads(self, grads: Mapping[str, str]) -> Variant:
+        """A copy whose parameters' ``grad`` semantics are overridden, e.g. ``{"bias": "partial"}``
+        (``tpsim check --param-grad bias=partial``). Keys are parameter names (``ParamSpec.name``) or
+        master names (``"weight"``/``"bias"``); values ``"complete"`` or ``"partial"``."""
+        if not isinstance(grads, Mapping):
+            raise InvalidArgument(f"with_param_grads(grads={grads!r}): expected a mapping such as {{'bias': 'partial'}}")
+        specs = list(self.params or ())
+        for key, value in grads.items():
+            hits = [i for i, s in enumerate(specs) if key in (s.name, s.master)]
+            if not hits:
+                names = sorted({s.name for s in specs} | {s.master for s in specs})
+                raise InvalidArgument(
+                    f"variant {self.name!r} has no parameter {key!r} to set grad={value!r} on; expected one of {names}"
+                )
+            for i in hits:
+                specs[i] = dataclasses.replace(specs[i], grad=value)
+        return self.replace(params=tuple(specs))
 
     # -- building ---------------------------------------------------------------------------
     def instantiate(

@@ -10,20 +10,16 @@ from __future__ import annotations
 import dataclasses
 import zlib
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from tpsim.comm.trace import CollectiveCall
 from tpsim.faults import Corrupt, Fault, InjectedCrash, Mismatch
 
-__all__ = ["RankFaults", "checksum", "corrupt_", "crash", "mismatched_call", "verdict_on_signatures"]
+__all__ = ["RankFaults", "checksum", "corrupt_", "crash", "mismatched_call"]
 
 #: Ops a mismatch of kind "op" turns a call into: a barrier, or an all_reduce in place of a barrier.
 _OTHER_OP = {"barrier": "all_reduce"}
-
-#: Point-to-point ops (counted as calls, but not collectives of the whole group).
-P2P_OPS = frozenset({"send", "recv"})
 
 
 class RankFaults:
@@ -47,14 +43,9 @@ class RankFaults:
         return None
 
 
-def describe_fault(fault: Fault, call: CollectiveCall) -> str:
-    """``Drop(rank=1, at_call=3) at all_reduce #3 on group world``."""
-    return f"{fault} at {call.describe()}"
-
-
 def crash(fault: Fault, call: CollectiveCall) -> InjectedCrash:
     """The exception a :class:`tpsim.faults.Crash` raises on its rank."""
-    return InjectedCrash(f"rank {call.rank} crashed on purpose (fault plan: {describe_fault(fault, call)})")
+    return InjectedCrash(f"rank {call.rank} crashed on purpose (fault plan: {fault} at {call.describe()})")
 
 
 # -- corruption -------------------------------------------------------------------------------------
@@ -152,27 +143,3 @@ def mismatched_call(fault: Mismatch, call: CollectiveCall) -> None:
         dtypes = call.dtypes or ("float32",)
         other = "float32" if dtypes[0] == "float64" else "float64"
         call.dtypes = (other, *dtypes[1:])
-
-
-def verdict_on_signatures(
-    signatures: dict[int, Any], injected: set[int]
-) -> tuple[tuple[int, ...], int | None]:
-    """Which members deviate from the agreed signature: ``(faulty ranks, a reference rank)``.
-
-    ``signatures`` maps rank -> signature. The agreed signature is the most common one; a tie is
-    broken against ranks a fault plan is known to have tampered with (``injected``), then toward
-    the lowest rank's signature. Returns ``((), None)`` when everyone agrees.
-    """
-    if len(set(map(repr, signatures.values()))) <= 1:
-        return (), None
-    groups: dict[str, list[int]] = {}
-    for rank, sig in sorted(signatures.items()):
-        groups.setdefault(repr(sig), []).append(rank)
-
-    def score(members: list[int]) -> tuple[int, int, int]:
-        clean = sum(1 for r in members if r not in injected)
-        return (len(members), clean, -min(members))
-
-    agreed = max(groups.values(), key=score)
-    faulty = tuple(sorted(r for r in signatures if r not in agreed))
-    return faulty, min(agreed)

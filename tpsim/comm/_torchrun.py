@@ -19,7 +19,7 @@ import os
 import pickle
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,10 +28,8 @@ from tpsim.comm._payload import dumps
 from tpsim.comm._tracing import BACKEND_NAMES, register_backends
 from tpsim.comm._verdict import Unfinished, settle
 from tpsim.comm._worker import Outcome, execute, failure_outcome
-from tpsim.errors import BackendUnavailable, InvalidArgument, RankError
-
-if TYPE_CHECKING:
-    from tpsim.runner import WorldResult
+from tpsim.comm.result import WorldResult
+from tpsim.errors import BackendUnavailable, InvalidArgument
 
 __all__ = ["launched_world", "run_launched"]
 
@@ -69,7 +67,6 @@ def run_launched(
 ) -> WorldResult:
     """Run ``fn`` on this rank of the launched world; return every rank's value (see module doc)."""
     from tpsim.comm.procs import margin, nccl_unavailable_reason
-    from tpsim.runner import WorldResult
 
     launched = launched_world()
     if launched is None:
@@ -133,19 +130,16 @@ def run_launched(
             outcomes[r] = pickle.loads(store.get(key))
         else:
             unfinished[r] = Unfinished(state="unknown")
-    fired = [item for o in outcomes.values() for item in o.fired]
-    try:
-        values, trace = settle(
-            world_size=world_size,
-            backend=backend,
-            outcomes=outcomes,
-            exits={},
-            unfinished=unfinished,
-            limit=limit,
-            timed_out=timed_out,
-            fired=fired,
-        )
-    except RankError as err:
-        err.faults_fired = fired  # type: ignore[attr-defined]
-        raise
+    fired = sorted((item for o in outcomes.values() for item in o.fired), key=lambda item: item[1].rank)
+    values, trace = settle(
+        world_size=world_size,
+        backend=backend,
+        outcomes=outcomes,
+        exits={},
+        unfinished=unfinished,
+        limit=limit,
+        timed_out=timed_out,
+        fired=fired,
+        timeout=timeout,
+    )
     return WorldResult(values=values, trace=trace, backend=backend, faults_fired=fired)

@@ -5,8 +5,11 @@ methods of :class:`TracingProcessGroup`, which
 
 1. records a :class:`~tpsim.comm.trace.CollectiveCall` in the active :class:`RankSession`
    (op name, group, 1-based call index on that group, input shapes/dtypes, reduce op, peer);
-2. hands the call to :meth:`TracingProcessGroup.intercept` — the single per-call hook point
-   (the fault layer of issue 6 overrides it to drop, crash, delay, corrupt or mismatch);
+2. refuses a call whose own buffers are wrong (:func:`tpsim.comm.ops.buffer_problem`, the rule
+   inproc uses), then hands it to :meth:`TracingProcessGroup.intercept`, the single per-call hook
+   point where the fault plan acts (drop, crash, delay, corrupt, mismatch) and where the members
+   exchange fingerprints of the call before issuing it (mismatches are refused by name, not left
+   to hang);
 3. runs the real backend op on contiguous stand-ins where the caller passed non-contiguous
    tensors (gloo writes e.g. ``scatter`` outputs in storage order, pytorch #192920), copying
    the results back before anyone can read them;
@@ -33,18 +36,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tpsim.comm._inject import (
-    P2P_OPS,
-    RankFaults,
-    checksum,
-    corrupt_,
-    crash,
-    describe_fault,
-    mismatched_call,
-    verdict_on_signatures,
-)
+from tpsim.comm import ops
+from tpsim.comm._inject import RankFaults, checksum, corrupt_, crash, mismatched_call
 from tpsim.comm.trace import CollectiveCall
-from tpsim.errors import CollectiveError
+from tpsim.errors import CollectiveError, InvalidArgument
 from tpsim.faults import Corrupt, Crash, Delay, Drop, Fault, Mismatch
 
 #: Exit status of a worker process that a Drop fault ended (the parent also reads its status slot).
@@ -52,6 +47,9 @@ DROP_EXIT_CODE = 87
 
 #: Bytes of one rank's collective fingerprint (see TracingProcessGroup._verify).
 _FINGERPRINT_BYTES = 768
+
+#: Environment variable that turns the fingerprint exchange off (``0``) or on (anything else).
+VERIFY_ENV = "TPSIM_VERIFY_COLLECTIVES"
 
 __all__ = [
     "BACKEND_NAMES",
@@ -136,11 +134,13 @@ class RankSession:
         #: Checksum every contribution at the call and as handed to the backend (see tpsim.run).
         self.checksum = checksum
         #: Exchange a fingerprint of every collective first, so mismatches are refused by name
-        #: instead of left to the backend (undefined on gloo). On with a plan or checksums.
+        #: instead of left to the backend (undefined on gloo: a hang, a crash or wrong numbers).
+        #: On by default; ``TPSIM_VERIFY_COLLECTIVES=0`` turns it off (a fault plan or checksums
+        #: keep it on: they are reported through it).
         if verify is None:
             import os
 
-            verify = bool(self.faults) or checksum or os.environ.get("TPSIM_VERIFY_COLLECTIVES", "0") not in ("", "0")
+            verify = bool(self.faults) or checksum or os.environ.get(VERIFY_ENV, "1") not in ("", "0")
         self.verify = verify
         self.calls: list[CollectiveCall] = []
         #: The call whose wait failed first on this rank (None while collectives succeed).
@@ -171,7 +171,7 @@ class RankSession:
                 group_ranks=group_ranks,
                 call_index=index,
                 shapes=tuple(tuple(t.shape) for t in tensors),
-                dtypes=tuple(_dtype_name(t.dtype) for t in tensors),
+                dtypes=tuple(ops.dtype_name(t.dtype) for t in tensors),
                 reduce_op=reduce_op,
                 peer=peer,
             )
@@ -225,17 +225,6 @@ _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
 def backend_message(exc: BaseException) -> str:
     """A backend error's text without the C++ source location gloo puts in front of it."""
     return _SOURCE_PREFIX.sub("", str(exc).strip())
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _reduce_op_name(op: Any) -> str | None:
-    """``ReduceOp`` (or its ``RedOpType``) -> ``"SUM"``; None when the op carries none."""
-    kind = getattr(op, "op", op)  # ReduceOp wraps a RedOpType in .op
-    name = getattr(kind, "name", None)
-    return str(name) if name is not None else (str(kind).rsplit(".", 1)[-1] if kind is not None else None)
 
 
 def _flat(obj: Any) -> list[torch.Tensor]:
@@ -503,7 +492,6 @@ class TracingProcessGroup(dist.ProcessGroup):
         tensors: list[torch.Tensor],
         issue: Callable[[], Any],
         fix: _Contiguous | None = None,
-        signature: str = "",
     ) -> Any:
         """Issue one recorded collective; return the backend's work handle.
 
@@ -513,17 +501,18 @@ class TracingProcessGroup(dist.ProcessGroup):
         real dead peer), a Crash raises, a Delay sleeps, a Corrupt perturbs ``tensors`` (and the
         stand-ins ``fix`` made of them) before they are sent, a Mismatch changes what this rank
         claims to issue. With the session's ``verify`` on, the group first exchanges fingerprints
-        of the call (op, shapes, dtypes, checksums) and every member refuses a disagreement with
-        the same :class:`tpsim.CollectiveError`, naming the deviating rank(s).
+        of the call (op, call index, signature, checksums) and every member refuses a disagreement
+        with the same :class:`tpsim.CollectiveError`, naming the deviating rank(s).
         """
         session = current_session()
         if session is None or call is None:
             return issue()
         crc = checksum(tensors) if session.checksum else 0
         note = ""
+        signature = ops.signature_of(call)
         fault = session.rank_faults.next_call(call) if session.rank_faults.faults else None
         if fault is not None:
-            note = describe_fault(fault, call)
+            note = ops.fault_note(fault, call)
             if isinstance(fault, Drop):
                 session.status.set("dropped", call)
                 _die(DROP_EXIT_CODE)
@@ -540,18 +529,22 @@ class TracingProcessGroup(dist.ProcessGroup):
                         fix.resync()
             elif isinstance(fault, Mismatch):
                 mismatched_call(fault, call)
-        if session.verify and call.op not in P2P_OPS and self.size() > 1:
+                signature = ops.mismatched_signature(signature, ops.signature_of(call), fault.what)
+        if session.verify and call.op not in ops.P2P_OPS and self.size() > 1:
             sent = checksum(fix.sent(tensors) if fix is not None else tensors) if session.checksum else 0
-            signature = signature or _signature(call)
-            if isinstance(fault, Mismatch):  # even where the op's signature ignores shapes (scatter)
-                signature += f" (altered {fault.what})"
-            self._verify(call, session, signature, crc, sent, note)
+            self._verify(call, session, ops.describe_signature(call.op, signature), crc, sent, note)
         return issue()
 
     def _verify(self, call: CollectiveCall, session: RankSession, signature: str, crc: int, sent: int,
                 note: str) -> None:
-        """Exchange fingerprints of this call with the group; raise the same verdict on every member."""
-        text = "\x1f".join([call.op, signature, f"{crc:x}", f"{sent:x}", note]).encode("utf-8", "replace")
+        """Exchange fingerprints of this call with the group; raise the same verdict on every member.
+
+        Like ``TORCH_DISTRIBUTED_DEBUG=DETAIL``: one all_gather of a fixed-size record (op, call
+        index, signature, checksums, fault note) on the real group before the call itself, bounded by
+        the group's timeout. Every member sees every record, so every member reaches the same verdict.
+        """
+        fields = [call.op, str(call.call_index), signature, f"{crc:x}", f"{sent:x}", note]
+        text = "\x1f".join(fields).encode("utf-8", "replace")
         buf = torch.zeros(_FINGERPRINT_BYTES, dtype=torch.uint8)
         buf[: min(len(text), _FINGERPRINT_BYTES)] = torch.frombuffer(bytearray(text[:_FINGERPRINT_BYTES]),
                                                                      dtype=torch.uint8)
@@ -563,44 +556,30 @@ class TracingProcessGroup(dist.ProcessGroup):
             self.inner.allgather([everyone], [mine], _opts("AllgatherOptions")).wait()
         except Exception as exc:
             raise TracedWork(None, call, session)._failure(exc) from exc
-        prints = {}
+        prints: dict[int, list[str]] = {}
         for i, t in enumerate(everyone):
-            raw = bytes(t.cpu().tolist()).rstrip(b"\x00").decode("utf-8", "replace").split("\x1f")
-            raw += [""] * (5 - len(raw))
+            raw = t.cpu().numpy().tobytes().rstrip(b"\x00").decode("utf-8", "replace").split("\x1f")
+            raw += [""] * (len(fields) - len(raw))
             prints[self._peer(i)] = raw
-        where = f"{call.describe()}"
-        faulty, ref = verdict_on_signatures({r: p[1] for r, p in prints.items()}, session.injected_ranks)
-        if faulty:
-            ref_op = prints[ref][0]
-            parts = []
-            for r in faulty:
-                op, sig = prints[r][0], prints[r][1]
-                if op != ref_op:
-                    text_r = f"rank {r} called {op} #{call.call_index} while rank {ref} called {ref_op} #{call.call_index}"
-                else:
-                    text_r = f"rank {r} passed {sig} while rank {ref} passed {prints[ref][1]}"
-                if prints[r][4]:
-                    text_r += f" (injected by the fault plan: {prints[r][4]})"
-                parts.append(text_r)
-            self._refuse(call, session, f"{ref_op} #{call.call_index} on group {call.group}: mismatched collective: "
-                         + "; ".join(parts), faulty, ref_op)
-        bad = [r for r, p in prints.items() if p[2] != p[3]]
+        members = {}
+        for r, (op, index, sig, _, _, rnote) in prints.items():
+            members[r] = ops.Member(op, int(index) if index.isdigit() else 0, sig, rnote)
+        if len({(m.op, m.signature) for m in members.values()}) > 1:
+            message, faulty, ref = ops.mismatch_message(call.group, members, session.injected_ranks)
+            self._refuse(call, session, message, faulty, members[ref].op, members[ref].call_index)
+        bad = [(r, int(p[3] or "0", 16), int(p[4] or "0", 16), p[5]) for r, p in sorted(prints.items()) if p[3] != p[4]]
         if bad:
-            parts = [f"rank {r}'s contribution changed after it called {prints[r][0]} (crc32 0x{prints[r][2]} at "
-                     f"the call, 0x{prints[r][3]} as sent)"
-                     + (f"; injected by the fault plan: {prints[r][4]}" if prints[r][4] else "") for r in bad]
-            self._refuse(call, session, f"{where}: checksum mismatch: " + "; ".join(parts)
-                         + ". The result would be corrupted on every member.", tuple(bad), call.op)
+            first = members[min(members)]
+            self._refuse(call, session, ops.checksum_message(first.op, first.call_index, call.group, bad),
+                         tuple(r for r, *_ in bad), first.op, first.call_index)
 
     def _refuse(self, call: CollectiveCall, session: RankSession, message: str, faulty: Sequence[int],
-                op: str) -> None:
+                op: str, index: int) -> None:
         if session.failed_call is None:
             session.failed_call = call
-        err = CollectiveError(message, rank=call.rank, collective=op, call_index=call.call_index,
-                              group=call.group, faulty_ranks=tuple(faulty))
         # Every member refuses at the same point after a completed exchange: the world stays usable.
-        err.world_intact = True  # type: ignore[attr-defined]
-        raise err
+        raise CollectiveError(message, rank=call.rank, collective=op, call_index=index, group=call.group,
+                              faulty_ranks=tuple(faulty), world_intact=True)
 
     def _collective(
         self,
@@ -611,7 +590,7 @@ class TracingProcessGroup(dist.ProcessGroup):
         *,
         reduce_op: Any = None,
         peer: int | None = None,
-        signature: str = "",
+        problem: str | None = None,
     ) -> TracedWork:
         session = current_session()
         tensors = _flat(inputs)
@@ -622,11 +601,15 @@ class TracingProcessGroup(dist.ProcessGroup):
                 self.trace_label,
                 self._global_ranks,
                 tensors,
-                reduce_op=_reduce_op_name(reduce_op) if reduce_op is not None else None,
+                reduce_op=ops.reduce_op_name(reduce_op) if reduce_op is not None else None,
                 peer=peer,
             )
         try:
-            inner = self.intercept(call, tensors, issue, fix, signature)
+            if problem is not None:  # this member's own buffers are wrong: refused here, as on inproc
+                rank = call.rank if call is not None else self._peer(self.rank())
+                where = call.describe() if call is not None else op
+                raise InvalidArgument(f"{where}: on rank {rank}, {problem}")
+            inner = self.intercept(call, tensors, issue, fix)
         except BaseException:
             if session is not None and call is not None:
                 session.left(call)  # refused at issue time: the rank is not blocked in it
@@ -637,6 +620,10 @@ class TracingProcessGroup(dist.ProcessGroup):
             # (work.wait, get_future, a C++ wait_tensor): correctness over overlap.
             work.wait()
         return work
+
+    def _problem(self, op: str, inputs: Any, outputs: Any, root: int | None = None,
+                 splits: tuple[Sequence[int], Sequence[int]] | None = None) -> str | None:
+        return ops.buffer_problem(op, self.size(), self.rank(), root, inputs, outputs, splits)
 
     def _peer(self, group_rank: int) -> int:
         """Global rank of ``group_rank`` in this group (as traces report peers)."""
@@ -667,7 +654,8 @@ class TracingProcessGroup(dist.ProcessGroup):
         opts = _opts("AllgatherOptions") if opts is None else opts
         fix = _Contiguous()
         outs, ins = fix.write(output_tensors), fix.read(input_tensors)
-        return self._collective("all_gather", input_tensors, lambda: self.inner.allgather(outs, ins, opts), fix)
+        return self._collective("all_gather", input_tensors, lambda: self.inner.allgather(outs, ins, opts), fix,
+                                problem=self._problem("all_gather", input_tensors, output_tensors))
 
     def allgather_coalesced(
         self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor], opts: Any = None
@@ -684,7 +672,8 @@ class TracingProcessGroup(dist.ProcessGroup):
         fix = _Contiguous()
         out, inp = fix.write(output), fix.read(input)
         return self._collective(
-            "all_gather_into_tensor", [input], lambda: self.inner._allgather_base(out, inp, opts), fix
+            "all_gather_into_tensor", [input], lambda: self.inner._allgather_base(out, inp, opts), fix,
+            problem=self._problem("all_gather_into_tensor", input, output),
         )
 
     all_gather_single = _allgather_base  # torch >= 2.13 name of the same op
@@ -703,7 +692,9 @@ class TracingProcessGroup(dist.ProcessGroup):
             # gloo has no coalesced form: one op per tensor, in the same order on every rank.
             return _AllWork([self.inner._allgather_base(o, i, opts) for o, i in zip(outs, ins, strict=True)])
 
-        return self._collective("all_gather_into_tensor", inputs, issue, fix)
+        problem = next((q for o, i in zip(outputs, inputs, strict=False)
+                        if (q := self._problem("all_gather_into_tensor", i, o)) is not None), None)
+        return self._collective("all_gather_into_tensor", inputs, issue, fix, problem=problem)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
@@ -715,7 +706,7 @@ class TracingProcessGroup(dist.ProcessGroup):
         outs, ins = fix.write(output_tensors), fix.read(input_tensors)
         return self._collective(
             "reduce_scatter", input_tensors, lambda: self.inner.reduce_scatter(outs, ins, opts), fix,
-            reduce_op=opts.reduceOp,
+            reduce_op=opts.reduceOp, problem=self._problem("reduce_scatter", input_tensors, output_tensors),
         )
 
     def _reduce_scatter_base(self, outputTensor: torch.Tensor, inputTensor: torch.Tensor, opts: Any = None) -> TracedWork:
@@ -724,7 +715,7 @@ class TracingProcessGroup(dist.ProcessGroup):
         out, inp = fix.write(outputTensor), fix.read(inputTensor)
         return self._collective(
             "reduce_scatter_tensor", [inputTensor], lambda: self.inner._reduce_scatter_base(out, inp, opts), fix,
-            reduce_op=opts.reduceOp,
+            reduce_op=opts.reduceOp, problem=self._problem("reduce_scatter_tensor", inputTensor, outputTensor),
         )
 
     reduce_scatter_single = _reduce_scatter_base  # torch >= 2.13 name of the same op
@@ -742,7 +733,10 @@ class TracingProcessGroup(dist.ProcessGroup):
                 return native(outs, ins, opts)
             return _AllWork([self.inner._reduce_scatter_base(o, i, opts) for o, i in zip(outs, ins, strict=True)])
 
-        return self._collective("reduce_scatter_tensor", inputs, issue, fix, reduce_op=opts.reduceOp)
+        problem = next((q for o, i in zip(outputs, inputs, strict=False)
+                        if (q := self._problem("reduce_scatter_tensor", i, o)) is not None), None)
+        return self._collective("reduce_scatter_tensor", inputs, issue, fix, reduce_op=opts.reduceOp,
+                                problem=problem)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
@@ -763,7 +757,8 @@ class TracingProcessGroup(dist.ProcessGroup):
         # The root contributes the scatter list; the other ranks only a buffer to receive into.
         shown = input_tensors if _flat(input_tensors) else output_tensors
         return self._collective(
-            "scatter", shown, lambda: self.inner.scatter(outs, ins, opts), fix, peer=self._peer(opts.rootRank)
+            "scatter", shown, lambda: self.inner.scatter(outs, ins, opts), fix, peer=self._peer(opts.rootRank),
+            problem=self._problem("scatter", input_tensors, output_tensors, opts.rootRank),
         )
 
     def gather(
@@ -773,7 +768,8 @@ class TracingProcessGroup(dist.ProcessGroup):
         fix = _Contiguous()
         outs, ins = fix.write(output_tensors), fix.read(input_tensors)
         return self._collective(
-            "gather", input_tensors, lambda: self.inner.gather(outs, ins, opts), fix, peer=self._peer(opts.rootRank)
+            "gather", input_tensors, lambda: self.inner.gather(outs, ins, opts), fix, peer=self._peer(opts.rootRank),
+            problem=self._problem("gather", input_tensors, output_tensors, opts.rootRank),
         )
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TracedWork:
@@ -791,7 +787,8 @@ class TracingProcessGroup(dist.ProcessGroup):
         opts = dist.AllToAllOptions() if opts is None else opts
         fix = _Contiguous()
         outs, ins = fix.write(output_tensors), fix.read(input_tensors)
-        return self._collective("all_to_all", input_tensors, lambda: self.inner.alltoall(outs, ins, opts), fix)
+        return self._collective("all_to_all", input_tensors, lambda: self.inner.alltoall(outs, ins, opts), fix,
+                                problem=self._problem("all_to_all", input_tensors, output_tensors))
 
     def alltoall_base(
         self,
@@ -808,6 +805,7 @@ class TracingProcessGroup(dist.ProcessGroup):
         return self._collective(
             "all_to_all_single", [input],
             lambda: self.inner.alltoall_base(out, inp, out_splits, in_splits, opts), fix,
+            problem=self._problem("all_to_all_single", input, output, splits=(out_splits, in_splits)),
         )
 
     all_to_all_single = alltoall_base  # torch >= 2.13 name of the same op
@@ -920,22 +918,6 @@ def _create_nccl(opts: Any, backend_options: Any) -> TracingProcessGroup:
         device_type="cuda",
         backend_name=BACKEND_NAMES["nccl"],
     )
-
-
-def _signature(call: CollectiveCall) -> str:
-    """What members of one collective must agree on (as the inproc backend checks it)."""
-    if call.op == "scatter":
-        return f"root {call.peer}"
-    if call.op == "all_to_all":
-        return f"{len(call.shapes)} tensors, dtypes {list(call.dtypes)}"
-    if call.op == "all_to_all_single":
-        return f"dtypes {list(call.dtypes)}"
-    parts = [f"shapes {[list(s) for s in call.shapes]}", f"dtypes {list(call.dtypes)}"]
-    if call.reduce_op:
-        parts.append(f"op {call.reduce_op}")
-    if call.peer is not None:
-        parts.append(f"root {call.peer}")
-    return ", ".join(parts)
 
 
 def _die(code: int) -> None:

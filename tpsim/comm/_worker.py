@@ -6,7 +6,8 @@ an :class:`Outcome`. :func:`execute` (one run, value or error, plus the collecti
 shared with torchrun mode, where the "worker" is the launched process itself.
 
 Nothing here may outlive the parent: SIGINT is ignored (Ctrl-C is the parent's to handle; it
-kills the pool), and a watchdog thread exits the process as soon as the parent is gone.
+kills the pool), and the parent-death watch (:mod:`tpsim.comm.lifeline`: the kernel's signal
+plus a watch thread) ends the process as soon as the parent is gone.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ import os
 import pickle
 import signal
 import sys
-import threading
-import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,8 +25,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tpsim.comm import lifeline
 from tpsim.comm._payload import dumps, load_call
 from tpsim.comm._tracing import BACKEND_NAMES, RankSession, StatusSlot, activate, register_backends
+from tpsim.comm.board import Board, install
 from tpsim.comm.trace import CollectiveCall
 from tpsim.errors import CollectiveError
 
@@ -36,10 +37,6 @@ __all__ = ["Outcome", "execute", "failure_outcome", "worker_main"]
 #: Seed of torch's default generator in a fresh process; reset before every run so a pooled
 #: worker draws exactly what a newly started process would.
 _FRESH_SEED = torch.initial_seed()
-
-#: How often the watchdog checks that the parent is still alive (seconds).
-_PARENT_POLL_S = 0.5
-
 
 @dataclass
 class Outcome:
@@ -89,7 +86,7 @@ def failure_outcome(
         failed_call=session.failed_call if session is not None else None,
         calls=list(session.calls) if session is not None else [],
         fired=list(session.rank_faults.fired) if session is not None else [],
-        intact=bool(getattr(exc, "world_intact", False)),
+        intact=isinstance(exc, CollectiveError) and exc.world_intact,
     )
 
 
@@ -157,14 +154,6 @@ def execute(
 # -- the pool process ------------------------------------------------------------------------
 
 
-def _watch_parent(parent_pid: int) -> None:
-    """Exit at once when the parent is gone (killed, crashed): no worker outlives it."""
-    while True:
-        time.sleep(_PARENT_POLL_S)
-        if os.getppid() != parent_pid:
-            os._exit(70)
-
-
 def _destroy_groups_created_since(before: set[Any]) -> None:
     """Drop subgroups a run made (dist.new_group), so runs do not pile up gloo connections."""
     world = dist.distributed_c10d._world
@@ -182,10 +171,20 @@ def worker_main(
     status_buffer: Any,
     parent_pid: int,
     init_timeout: float,
+    board_buffer: Any = None,
+    pdeathsig: bool = False,
 ) -> None:
-    """Body of one pool process: join the world once, then serve runs until told to stop."""
+    """Body of one pool process: join the world once, then serve runs until told to stop.
+
+    ``board_buffer``: this rank's :class:`~tpsim.comm.board.Board` (the phase it marks, read by the
+    pool if the process dies); ``pdeathsig``: the parent thread lives as long as the parent, so the
+    kernel's parent-death signal may be armed (see :mod:`tpsim.comm.lifeline`).
+    """
+    # First, before anything that takes time: a worker must never outlive the parent.
+    lifeline.arm(parent_pid=parent_pid, pdeathsig=pdeathsig)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="tpsim-parent-watch").start()
+    board = Board(board_buffer) if board_buffer is not None else None
+    install(board)
     status = StatusSlot(status_buffer)
     try:
         # Ranks share this machine's cores; one pool of threads each would oversubscribe them.
@@ -215,6 +214,9 @@ def worker_main(
         if message[0] == "stop":
             _exit(0)
         _, payload, hints, timeout, faults, checksum = message
+        if board is not None:  # this process runs one rank: slot 0 of its board
+            board.begin(0, 1)
+            board.handoff(0)
         before = set(dist.distributed_c10d._world.pg_map)
         try:
             fn, args, kwargs = load_call(payload, hints)

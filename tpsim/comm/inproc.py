@@ -25,26 +25,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tpsim.comm import threadworld
-from tpsim.comm._inject import (
-    RankFaults,
-    checksum,
-    corrupt_,
-    crash,
-    describe_fault,
-    mismatched_call,
-    verdict_on_signatures,
+from tpsim.comm import modstate, ops, threadworld
+from tpsim.comm._inject import RankFaults, checksum, corrupt_, crash, mismatched_call
+from tpsim.comm.modstate import ModuleGlobals
+from tpsim.comm.result import WorldResult
+from tpsim.comm.scheduler import (
+    BLOCKED,
+    READY,
+    RUNNING,
+    Scheduler,
+    Wait,
+    WorldBroken,
+    collective_error,
+    format_exception,
 )
-from tpsim.comm.scheduler import BLOCKED, READY, Scheduler, WorldBroken, collective_error, format_exception
 from tpsim.comm.trace import CollectiveCall, Trace
-from tpsim.errors import CollectiveError, InvalidArgument, RankError
+from tpsim.errors import CollectiveError, InvalidArgument
 from tpsim.faults import Corrupt, Crash, Delay, Drop, Fault, InjectedCrash, Mismatch, parse_plan
 
 __all__ = ["BACKEND_NAME", "InprocProcessGroup", "register", "run_inproc"]
 
 BACKEND_NAME = "inproc"
-
-_tls = threading.local()  # .world: the _SimWorld of the running rank thread, .rank
 
 
 # ----------------------------------------------------------------------------------------
@@ -84,29 +85,8 @@ def _reduce_in_rank_order(tensors: Sequence[torch.Tensor], op: Any) -> torch.Ten
     return acc
 
 
-_OP_NAMES: dict[Any, str] = {}
-_SUM = dist.ReduceOp.SUM
-
-
-def _op_name(op: Any) -> str:
-    if op == _SUM:  # the common case, without the wrapper -> enum -> dict lookup below (~3 us)
-        return "SUM"
-    key = getattr(op, "op", op)  # a ReduceOp wraps a RedOpType whose str is "RedOpType.SUM"
-    name = _OP_NAMES.get(key)
-    if name is None:
-        text = str(key)
-        name = _OP_NAMES[key] = text.split(".")[-1] if "." in text else text
-    return name
-
-
-_DTYPE_NAMES: dict[torch.dtype, str] = {}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
-    return name
+_dtype_name = ops.dtype_name
+_DTYPE_NAMES = ops._DTYPE_NAMES  # read directly on the hot path (a dict lookup, no call)
 
 
 def _sig(tensors: Sequence[torch.Tensor]) -> tuple[tuple[tuple[int, ...], ...], tuple[str, ...]]:
@@ -117,8 +97,12 @@ def _sig(tensors: Sequence[torch.Tensor]) -> tuple[tuple[tuple[int, ...], ...], 
 # ----------------------------------------------------------------------------------------
 # One collective instance: the k-th collective of a group, joined by every member
 # ----------------------------------------------------------------------------------------
-class _Instance:
-    """The ``index``-th collective on a group; completed by the last member to arrive."""
+class _Instance(Wait):
+    """The ``index``-th collective on a group; completed by the last member to arrive.
+
+    ``index`` counts collectives only (it decides which calls of the members form one
+    instance); the call indices in records and messages follow :mod:`tpsim.comm.ops`' rule.
+    """
 
     __slots__ = ("arrived", "calls", "compute", "contrib", "crc", "done", "group", "index", "notes", "op",
                  "payloads", "signature", "sigs")
@@ -142,54 +126,49 @@ class _Instance:
 
     # for the scheduler's messages
     @property
-    def group_name(self) -> str:
+    def group_name(self) -> str:  # type: ignore[override]
         return self.group.name
 
     def describe_wait(self, rank: int) -> str:
-        return f"{self.op} #{self.index} on group {self.group.name}"
+        call = self.calls.get(self.group.ranks.index(rank))
+        return call.describe() if call is not None else ops.call_name(self.op, None, self.group.name)
+
+    def call_index(self) -> int | None:
+        """The lowest-ranked arrived member's call index (how messages name the instance)."""
+        return self.calls[min(self.calls)].call_index if self.calls else None
 
     def missing_ranks(self) -> tuple[int, ...]:
         return tuple(g for i, g in enumerate(self.group.ranks) if i not in self.payloads)
 
     def describe_stuck(self, slots: list) -> str:
-        waiting = ",".join(str(self.group.ranks[i]) for i in sorted(self.payloads))
+        waiting = [self.group.ranks[i] for i in sorted(self.payloads)]
         missing = [slots[g].doing() for g in self.missing_ranks()]
         if self.sigs is not None:
             head = self.mismatch_message()[0]
-            return f"{head}; ranks {waiting} waiting; " + "; ".join(missing)
-        return f"{self.op} #{self.index} on group {self.group.name}: ranks {waiting} waiting; " + "; ".join(missing)
+            return f"{head}; ranks {','.join(map(str, waiting))} waiting; " + "; ".join(missing)
+        return ops.departure_message(ops.call_name(self.op, self.call_index(), self.group.name), waiting, missing)
 
     def suspects(self) -> tuple[int, ...]:
         """Ranks to blame when this instance can never complete: deviating or missing members."""
         deviating = self.mismatch_message()[1] if self.sigs is not None else ()
         return tuple(sorted(set(deviating) | set(self.missing_ranks())))
 
-    def mismatch_message(self) -> tuple[str, tuple[int, ...]]:
-        """Explain disagreeing members (majority vote) and return ``(message, faulty global ranks)``."""
+    def mismatch_message(self) -> tuple[str, tuple[int, ...], ops.Member]:
+        """Explain disagreeing members: ``(message, faulty global ranks, the reference member)``."""
         ranks = self.group.ranks
         notes = self.notes or {}
-        by_global = {ranks[m]: sig for m, sig in self.sigs.items()}
-        injected = {ranks[m] for m in notes}
-        faulty, ref = verdict_on_signatures(by_global, injected)
-        if ref is None:  # cannot happen once sigs is set; keep the message sane anyway
-            ref, faulty = min(by_global), ()
-        ref_op, ref_sig = by_global[ref]
-        parts = []
-        for r in faulty:
-            op, sig = by_global[r]
-            if op != ref_op:
-                text = f"rank {r} called {op} #{self.index} while rank {ref} called {ref_op} #{self.index}"
-            else:
-                text = f"rank {r} passed {_describe_sig(sig)} while rank {ref} passed {_describe_sig(ref_sig)}"
-            gr = ranks.index(r)
-            if gr in notes:
-                text += f" (injected by the fault plan: {notes[gr]})"
-            parts.append(text)
-        msg = f"{ref_op} #{self.index} on group {self.group.name}: mismatched collective: " + "; ".join(parts)
-        return msg, tuple(faulty)
+        members = {}
+        injected = set()
+        for m, (op, sig) in (self.sigs or {}).items():
+            call = self.calls[m]
+            members[ranks[m]] = ops.Member(op, call.call_index, ops.describe_signature(op, sig), notes.get(m, ""))
+            if m in notes:
+                injected.add(ranks[m])
+        text, faulty, ref = ops.mismatch_message(self.group.name, members, injected)
+        return text, faulty, members[ref]
 
 
-class _Recv:
+class _Recv(Wait):
     """A pending receive (p2p waits are described like collectives in messages)."""
 
     op = "recv"
@@ -202,15 +181,21 @@ class _Recv:
         self.index = index
 
     @property
-    def group_name(self) -> str:
+    def group_name(self) -> str:  # type: ignore[override]
         return self.group.name
 
     def describe_wait(self, rank: int) -> str:
         src = "any rank" if self.src is None else f"rank {self.group.ranks[self.src]}"
         return f"recv #{self.index} from {src} on group {self.group.name}"
 
+    def call_index(self) -> int | None:
+        return self.index
+
     def missing_ranks(self) -> tuple[int, ...]:
         return () if self.src is None else (self.group.ranks[self.src],)
+
+    def suspects(self) -> tuple[int, ...]:
+        return self.missing_ranks()
 
     def describe_stuck(self, slots: list) -> str:
         me = self.group.ranks[self.me]
@@ -226,6 +211,7 @@ class _GroupState:
         self.ranks = ranks
         self.size = len(ranks)
         self.seq = [0] * len(ranks)  # collectives issued so far, per group rank (matching)
+        self.numbered = [0] * len(ranks)  # calls issued so far, p2p included, per group rank (ops' rule)
         self.pending: dict[int, _Instance] = {}
         self.mail: dict[tuple[int, int, int], deque] = {}  # (src, dst, tag) -> tensors
 
@@ -233,10 +219,12 @@ class _GroupState:
 class _SimWorld:
     """Everything one in-process world shares: scheduler, groups, trace, faults."""
 
-    def __init__(self, world_size: int, timeout: float, faults: Sequence[Any], checksum: bool = False) -> None:
+    def __init__(self, world_size: int, timeout: float, faults: Sequence[Any], checksum: bool = False,
+                 globals: ModuleGlobals | None = None) -> None:
         self.world_size = world_size
         self.timeout = timeout
-        self.sched = Scheduler(world_size, timeout, torch.get_default_dtype())
+        self.globals = globals
+        self.sched = Scheduler(world_size, timeout, torch.get_default_dtype(), globals)
         self.groups: dict[str, _GroupState] = {}
         self.group_lock = threading.Lock()
         self.store = dist.HashStore()
@@ -414,14 +402,14 @@ class InprocProcessGroup(dist.ProcessGroup):
 
     # -- the core: join a collective --------------------------------------------------
     def _join(self, op: str, tensors: Sequence[torch.Tensor], payload: Any, compute: Callable,
-              *, signature: Any = None, reduce_op: Any = None, peer: int | None = None,
-              result: list[torch.Tensor] | None = None) -> _Work:
+              *, reduce_op: Any = None, peer: int | None = None,
+              result: list[torch.Tensor] | None = None, problem: str | None = None) -> _Work:
         sched = self._sched
-        if sched.broken is not None:
-            raise collective_error(sched.broken, self._global_rank)
         slot = self._slot
         if slot.dropped:  # a dropped rank's code may still call (from a finally): it is dead
             raise RankDropped()
+        if slot.thread_ident != threading.get_ident():
+            self._check_helper_thread(op)
         state = self._state
         me = self._group_rank
         if len(tensors) == 1:  # the common case, without _sig's list comprehensions
@@ -430,14 +418,21 @@ class InprocProcessGroup(dist.ProcessGroup):
             dtypes: Any = (_DTYPE_NAMES.get(t.dtype) or _dtype_name(t.dtype),)
         else:
             shapes, dtypes = _sig(tensors)
-        seq = state.seq
-        index = seq[me] = seq[me] + 1
-        op_name = None if reduce_op is None else _op_name(reduce_op)
+        numbered = state.numbered
+        number = numbered[me] = numbered[me] + 1
+        op_name = None if reduce_op is None else ops.reduce_op_name(reduce_op)
         # Positional: CollectiveCall(rank, op, group, group_ranks, call_index, shapes, dtypes,
         # reduce_op, peer), cheaper than keywords on this path.
-        call = CollectiveCall(self._global_rank, op, state.name, state.ranks, index, shapes, dtypes, op_name,
+        call = CollectiveCall(self._global_rank, op, state.name, state.ranks, number, shapes, dtypes, op_name,
                               None if peer is None else state.ranks[peer])
-        slot.calls.append(call)
+        slot.calls.append(call)  # recorded even when it fails below: the rank did issue it
+        if sched.broken is not None:
+            raise collective_error(sched.broken, self._global_rank)
+        if problem is not None:  # this member's own buffers are wrong: it raises, as a real backend does
+            raise InvalidArgument(f"{call.describe()}: on rank {self._global_rank}, {problem}")
+        seq = state.seq
+        index = seq[me] = seq[me] + 1
+        signature = ops.signature(op, shapes, dtypes, op_name, call.peer)
         world = self._world
         crc = checksum(tensors) if world.checksum else 0  # what the caller handed over
         note = None
@@ -445,18 +440,13 @@ class InprocProcessGroup(dist.ProcessGroup):
         if rf is not None:
             fault = rf.next_call(call)
             if fault is not None:
-                note = describe_fault(fault, call)
+                note = ops.fault_note(fault, call)
                 if isinstance(fault, Mismatch):
                     mismatched_call(fault, call)
-                    if signature is None or fault.what == "op":
-                        signature = (call.shapes, call.dtypes, call.reduce_op, peer)
-                    else:
-                        signature = ("altered " + fault.what, signature)
+                    signature = ops.mismatched_signature(signature, ops.signature_of(call), fault.what)
                     op = call.op
                 else:
                     self._inject(fault, call, tensors, slot)
-        if signature is None:
-            signature = (shapes, dtypes, op_name, peer)
         inst = state.pending.get(index)
         if inst is None:
             inst = state.pending[index] = _Instance(state, index, op, signature, compute)
@@ -489,7 +479,7 @@ class InprocProcessGroup(dist.ProcessGroup):
                 inst.compute(inst.payloads)
             except InvalidArgument as err:  # e.g. an unsupported op: every member must hear it
                 world.sched.break_world(WorldBroken(
-                    f"{op} #{index} on group {state.name}: {err}", collective=op, call_index=index,
+                    f"{call.describe()}: {err}", collective=op, call_index=call.call_index,
                     group=state.name, faulty_ranks=()))
                 raise
             finally:
@@ -502,11 +492,44 @@ class InprocProcessGroup(dist.ProcessGroup):
                     s.state = READY
         return _CollectiveWork(self, inst, result if result is not None else list(tensors))
 
+    def _check_helper_thread(self, op: str) -> None:
+        """A thread the rank started issues ``op``: allowed only while the rank itself runs.
+
+        In a real process the helper and the rank's main thread share one process group; here the
+        rank's turn is the baton, so a helper may use it while the main thread waits for it (e.g.
+        joins it), never while the main thread is itself blocked in a collective or waits for its
+        turn. (A helper issuing collectives while the main thread also does cannot be told apart
+        from the first case; the two race, as they would in a real process.)
+        """
+        slot, sched = self._slot, self._sched
+        owner = threadworld.current_owner()
+        if isinstance(owner, _Owner) and owner.world is self._world and owner.rank != self._global_rank:
+            misuse = RuntimeError(
+                f"rank {owner.rank} issued {op} on rank {self._global_rank}'s process group object ({self!r}). A "
+                "process group object belongs to the rank that made it; on the inproc backend the ranks are "
+                "threads of one process, so a group kept in a module global (or handed from rank to rank) "
+                "reaches the other ranks. Make the module that keeps it rank-local (rank_local=(module,) / "
+                "--rank-local MODULE), or run on --backend gloo.")
+            caller = sched.slots[owner.rank]
+            if caller.misuse is None:  # torch's logging wrapper raises its own error over this one
+                caller.misuse = misuse
+            raise misuse
+        if slot.state == RUNNING and sched.holder == self._global_rank:
+            return
+        doing = slot.doing()
+        err = RuntimeError(
+            f"a thread started by rank {self._global_rank} issued {op} while rank {self._global_rank} itself "
+            f"was not running ({doing}). On the inproc backend a rank's helper threads may issue collectives "
+            "only while the rank's own thread waits for them (e.g. in Thread.join or Future.result); "
+            "issue the collective from the rank's thread, or run on backend='gloo'.")
+        if slot.misuse is None:  # the run fails with it even if the helper swallows it
+            slot.misuse = err
+        raise err
+
     def _mismatch(self, inst: _Instance) -> None:
         """Every member arrived but they disagree: blame the minority, break the world."""
-        msg, faulty = inst.mismatch_message()
-        ref_op = msg.split(" #", 1)[0]
-        err = WorldBroken(msg, collective=ref_op, call_index=inst.index, group=inst.group.name,
+        msg, faulty, ref = inst.mismatch_message()
+        err = WorldBroken(msg, collective=ref.op, call_index=ref.call_index, group=inst.group.name,
                           faulty_ranks=faulty)
         self._world.sched.break_world(err)
         raise collective_error(err, self._global_rank)
@@ -517,33 +540,29 @@ class InprocProcessGroup(dist.ProcessGroup):
         for m in sorted(inst.contrib):
             now = checksum(inst.contrib[m])
             if now != inst.crc[m]:
-                rank = self._state.ranks[m]
-                note = (inst.notes or {}).get(m)
-                bad.append((rank, f"rank {rank}'s contribution changed after it called {inst.op} "
-                                  f"(crc32 {inst.crc[m]:#010x} at the call, {now:#010x} when the collective "
-                                  f"read it)" + (f"; injected by the fault plan: {note}" if note else "")))
+                bad.append((self._state.ranks[m], inst.crc[m], now, (inst.notes or {}).get(m, "")))
         if not bad:
             return
-        msg = (f"{inst.op} #{inst.index} on group {inst.group.name}: checksum mismatch: "
-               + "; ".join(text for _, text in bad) + ". The result would be corrupted on every member.")
-        err = WorldBroken(msg, collective=inst.op, call_index=inst.index, group=inst.group.name,
-                          faulty_ranks=tuple(r for r, _ in bad))
+        index = inst.call_index() or inst.index
+        msg = ops.checksum_message(inst.op, index, inst.group.name, bad)
+        err = WorldBroken(msg, collective=inst.op, call_index=index, group=inst.group.name,
+                          faulty_ranks=tuple(r for r, *_ in bad))
         self._world.sched.break_world(err)
         raise collective_error(err, self._global_rank)
 
     def _inject(self, fault: Fault, call: CollectiveCall, tensors: Sequence[torch.Tensor], slot: Any) -> None:
         """Apply a Drop, Crash, Delay or Corrupt fault to ``call`` (just recorded) on this rank."""
+        slot.planned_fault, slot.planned_call = fault, call
         if isinstance(fault, Drop):
             slot.dropped = True
-            slot.end_text = f"was dropped by the fault plan at {call.describe()} ({fault})"
+            slot.planned = ops.DROPPED
             raise RankDropped()
         if isinstance(fault, Crash):
-            slot.end_text = f"crashed (raised InjectedCrash, fault plan {fault}) at {call.describe()}"
+            slot.planned = ops.CRASHED
             raise crash(fault, call)
         if isinstance(fault, Delay):
             # A real stall, holding the baton as a busy rank would; cut short if the world
             # breaks meanwhile (its peers timed out), so the thread never outlives the run.
-            slot.stalled = f"is stalled by the fault plan ({fault}) before {call.describe()}"
             slot.stalled_call = call
             sched = self._world.sched
             end = time.monotonic() + fault.seconds
@@ -554,9 +573,10 @@ class InprocProcessGroup(dist.ProcessGroup):
                         break
                     time.sleep(min(left, 0.01))
             finally:
-                slot.stalled, slot.stalled_call = "", None
+                slot.stalled_call = None
                 sched.last_handoff = time.monotonic()  # the stall was the plan, not a hang
             if sched.broken is not None:
+                slot.planned = ops.STALLED  # the world gave up while this rank was still stalled
                 raise collective_error(sched.broken, self._global_rank)
             return
         if isinstance(fault, Corrupt):
@@ -598,6 +618,10 @@ class InprocProcessGroup(dist.ProcessGroup):
 
         return self._join("broadcast", tensors, tensors, compute, peer=root)
 
+    def _problem(self, op: str, inputs: Any, outputs: Any, root: int | None = None,
+                 splits: tuple[Sequence[int], Sequence[int]] | None = None) -> str | None:
+        return ops.buffer_problem(op, self._state.size, self._group_rank, root, inputs, outputs, splits)
+
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                   opts: Any = None) -> _Work:
         def compute(p: dict[int, tuple]) -> None:
@@ -607,7 +631,8 @@ class InprocProcessGroup(dist.ProcessGroup):
                 torch._foreach_copy_(list(p[r][0][0]), inputs)
 
         return self._join("all_gather", input_tensors, (output_tensors, input_tensors), compute,
-                          result=[t for lst in output_tensors for t in lst])
+                          result=[t for lst in output_tensors for t in lst],
+                          problem=self._problem("all_gather", input_tensors, output_tensors))
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> _Work:
         def compute(p: dict[int, tuple]) -> None:
@@ -615,13 +640,10 @@ class InprocProcessGroup(dist.ProcessGroup):
             flat = torch.cat([p[r][1].reshape(-1) for r in range(n)])
             for r in range(n):
                 out = p[r][0]
-                if out.numel() != flat.numel():
-                    raise InvalidArgument(
-                        f"all_gather_into_tensor: output has {out.numel()} elements on group rank {r}, "
-                        f"expected world size x input = {flat.numel()}")
                 out.copy_(flat.view(out.shape))
 
-        return self._join("all_gather_into_tensor", [input], (output, input), compute, result=[output])
+        return self._join("all_gather_into_tensor", [input], (output, input), compute, result=[output],
+                          problem=self._problem("all_gather_into_tensor", input, output))
 
     _allgather_base = all_gather_single
 
@@ -634,7 +656,10 @@ class InprocProcessGroup(dist.ProcessGroup):
                 for r in range(n):
                     p[r][0][i].copy_(flat.view(p[r][0][i].shape))
 
-        return self._join("all_gather_into_tensor", inputs, (outputs, inputs), compute, result=list(outputs))
+        problem = next((q for o, i in zip(outputs, inputs, strict=False)
+                        if (q := self._problem("all_gather_into_tensor", i, o)) is not None), None)
+        return self._join("all_gather_into_tensor", inputs, (outputs, inputs), compute, result=list(outputs),
+                          problem=problem)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
@@ -661,7 +686,8 @@ class InprocProcessGroup(dist.ProcessGroup):
                 p[r][0][0].copy_(acc)
 
         return self._join("reduce_scatter", [t for lst in input_tensors for t in lst],
-                          (output_tensors, input_tensors), compute, reduce_op=op, result=list(output_tensors))
+                          (output_tensors, input_tensors), compute, reduce_op=op, result=list(output_tensors),
+                          problem=self._problem("reduce_scatter", input_tensors, output_tensors))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> _Work:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
@@ -672,14 +698,10 @@ class InprocProcessGroup(dist.ProcessGroup):
             m = acc.numel() // n
             for r in range(n):
                 out = p[r][0]
-                if out.numel() != m:
-                    raise InvalidArgument(
-                        f"reduce_scatter_tensor: output has {out.numel()} elements on group rank {r}, "
-                        f"expected input / world size = {m}")
                 out.copy_(acc[r * m:(r + 1) * m].view(out.shape))
 
         return self._join("reduce_scatter_tensor", [input], (output, input), compute, reduce_op=op,
-                          result=[output])
+                          result=[output], problem=self._problem("reduce_scatter_tensor", input, output))
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -696,8 +718,10 @@ class InprocProcessGroup(dist.ProcessGroup):
                     out = p[r][0][i]
                     out.copy_(acc[r * m:(r + 1) * m].view(out.shape))
 
+        problem = next((q for o, i in zip(outputs, inputs, strict=False)
+                        if (q := self._problem("reduce_scatter_tensor", i, o)) is not None), None)
         return self._join("reduce_scatter_tensor", inputs, (outputs, inputs), compute, reduce_op=op,
-                          result=list(outputs))
+                          result=list(outputs), problem=problem)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
@@ -712,7 +736,8 @@ class InprocProcessGroup(dist.ProcessGroup):
 
         sent = input_tensors[0] if input_tensors else []
         return self._join("scatter", list(sent) or list(output_tensors), (output_tensors, input_tensors),
-                          compute, signature=("scatter", root), peer=root, result=list(output_tensors))
+                          compute, peer=root, result=list(output_tensors),
+                          problem=self._problem("scatter", input_tensors, output_tensors, root))
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                opts: Any) -> _Work:
@@ -723,9 +748,9 @@ class InprocProcessGroup(dist.ProcessGroup):
             for r in range(len(p)):
                 outs[r].copy_(p[r][1][0])
 
-        return self._join("gather", input_tensors, (output_tensors, input_tensors), compute,
-                          signature=("gather", root, _sig(input_tensors)), peer=root,
-                          result=[t for lst in output_tensors for t in lst])
+        return self._join("gather", input_tensors, (output_tensors, input_tensors), compute, peer=root,
+                          result=[t for lst in output_tensors for t in lst],
+                          problem=self._problem("gather", input_tensors, output_tensors, root))
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                  opts: Any = None) -> _Work:
@@ -735,7 +760,8 @@ class InprocProcessGroup(dist.ProcessGroup):
                 torch._foreach_copy_(list(p[r][0]), [p[k][1][r] for k in range(n)])
 
         return self._join("all_to_all", input_tensors, (output_tensors, input_tensors), compute,
-                          signature=("all_to_all", len(input_tensors)), result=list(output_tensors))
+                          result=list(output_tensors),
+                          problem=self._problem("all_to_all", input_tensors, output_tensors))
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                           input_split_sizes: list[int], opts: Any = None) -> _Work:
@@ -750,14 +776,14 @@ class InprocProcessGroup(dist.ProcessGroup):
                 out = p[r][0]
                 out.copy_(torch.cat([chunks[k][r] for k in range(n)], dim=0).view(out.shape))
 
-        return self._join("all_to_all_single", [input],
-                          (output, input, list(output_split_sizes), list(input_split_sizes)), compute,
-                          signature=("all_to_all_single", str(input.dtype)), result=[output])
+        splits = (list(output_split_sizes), list(input_split_sizes))
+        return self._join("all_to_all_single", [input], (output, input, *splits), compute, result=[output],
+                          problem=self._problem("all_to_all_single", input, output, splits=splits))
 
     alltoall_base = all_to_all_single
 
     def barrier(self, opts: Any = None) -> _Work:
-        return self._join("barrier", [], None, lambda p: None, signature=("barrier",), result=[])
+        return self._join("barrier", [], None, lambda p: None, result=[])
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
         self.barrier().wait()
@@ -765,16 +791,21 @@ class InprocProcessGroup(dist.ProcessGroup):
     # -- point to point (buffered sends, blocking receives) ---------------------------
     def _p2p_call(self, op: str, tensors: list[torch.Tensor], peer: int) -> tuple[int, Fault | None]:
         state = self._state
-        slot = self._world.sched.slots[self._global_rank]
+        slot = self._slot
         if slot.dropped:
             raise RankDropped()
-        index = sum(1 for c in slot.calls if c.group == state.name) + 1
+        if slot.thread_ident != threading.get_ident():
+            self._check_helper_thread(op)
+        me = self._group_rank
+        index = state.numbered[me] = state.numbered[me] + 1
         shapes, dtypes = _sig(tensors)
         call = CollectiveCall(rank=self._global_rank, op=op, group=state.name,
                               group_ranks=state.ranks, call_index=index, shapes=shapes,
                               dtypes=dtypes, peer=None if peer < 0 else state.ranks[peer])
         slot.calls.append(call)
-        rf = self._world.rank_faults[self._global_rank]
+        if self._sched.broken is not None:
+            raise collective_error(self._sched.broken, self._global_rank)
+        rf = self._rf
         fault = rf.next_call(call) if rf is not None else None
         if fault is not None and not isinstance(fault, Mismatch):
             if op == "send" or not isinstance(fault, Corrupt):  # a recv buffer is no contribution
@@ -782,8 +813,6 @@ class InprocProcessGroup(dist.ProcessGroup):
         return index, fault
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> _Work:
-        if self._world.sched.broken is not None:
-            raise collective_error(self._world.sched.broken, self._global_rank)
         _, fault = self._p2p_call("send", tensors, dst)
         sent = [t.detach().clone() for t in tensors]  # the data as it was at send time
         if isinstance(fault, Mismatch):  # at a send, a mismatch changes what is sent
@@ -803,8 +832,6 @@ class InprocProcessGroup(dist.ProcessGroup):
         return self._recv(tensors, None, tag)
 
     def _recv(self, tensors: list[torch.Tensor], src: int | None, tag: int) -> _Work:
-        if self._world.sched.broken is not None:
-            raise collective_error(self._world.sched.broken, self._global_rank)
         state, me = self._state, self._group_rank
         index, _ = self._p2p_call("recv", tensors, -1 if src is None else src)
         pending = _Recv(state, me, src, tag, index)
@@ -838,16 +865,6 @@ class InprocProcessGroup(dist.ProcessGroup):
         return _Work(self, ready, pending, tensors, finish)
 
 
-def _describe_sig(sig: Any) -> str:
-    if isinstance(sig, tuple) and len(sig) == 4 and isinstance(sig[0], tuple):
-        shapes, dtypes, op, _ = sig
-        parts = [f"shapes {[list(s) for s in shapes]}", f"dtypes {list(dtypes)}"]
-        if op:
-            parts.append(f"op {op}")
-        return ", ".join(parts)
-    return repr(sig)
-
-
 # ----------------------------------------------------------------------------------------
 # Backend registration
 # ----------------------------------------------------------------------------------------
@@ -856,30 +873,45 @@ _register_lock = threading.Lock()
 
 
 def _create_pg(opts: Any, backend_options: Any = None) -> InprocProcessGroup:
-    world: _SimWorld | None = getattr(_tls, "world", None)
-    if world is None:
+    owner = threadworld.current_owner()
+    if not isinstance(owner, _Owner):
         raise RuntimeError(
-            "the 'inproc' backend only works inside a rank started by tpsim.run(..., backend='inproc')")
+            "the 'inproc' backend only works inside a rank started by tpsim.run(..., backend='inproc') "
+            "(or a thread such a rank started)")
+    world = owner.world
     ranks = tuple(opts.global_ranks_in_group) or tuple(range(world.world_size))
     state = world.group(str(opts.group_id), ranks)
     state.name = threadworld.group_display_name(None, ranks, world.world_size)
-    return InprocProcessGroup(world, state, int(opts.group_rank), _tls.rank)
+    return InprocProcessGroup(world, state, int(opts.group_rank), owner.rank)
 
 
 def register() -> None:
-    """Register the ``inproc`` backend with torch.distributed (idempotent)."""
+    """Register the ``inproc`` backend with torch.distributed (idempotent).
+
+    Registering only names the backend; the per-thread routing that lets threads act as ranks
+    is installed by each world while it runs (:func:`tpsim.comm.threadworld.installed`).
+    """
     global _registered
     with _register_lock:
         if _registered:
             return
         dist.Backend.register_backend(BACKEND_NAME, _create_pg, extended_api=True, devices=["cpu"])
-        threadworld.install()
         _registered = True
 
 
 # ----------------------------------------------------------------------------------------
 # The runner
 # ----------------------------------------------------------------------------------------
+class _Owner:
+    """Which rank of which world a thread acts for (threadworld's per-thread owner)."""
+
+    __slots__ = ("rank", "world")
+
+    def __init__(self, world: _SimWorld, rank: int) -> None:
+        self.world = world
+        self.rank = rank
+
+
 class _Outcome:
     __slots__ = ("error", "tb", "value")
 
@@ -946,14 +978,13 @@ def _pin(cpu: int | None) -> None:
 
 def _rank_main(world: _SimWorld, rank: int, fn: Callable, args: tuple, kwargs: dict,
                outcome: _Outcome) -> None:
-    _tls.world = world
-    _tls.rank = rank
     _pin(world.cpu)
     # OpenMP's thread count is per calling thread: without this a rank thread would start
     # its own team, whose workers spin on the same pinned CPU (measured: 100x slower ops).
     torch.set_num_threads(1)
-    threadworld.enter_rank_world()
+    threadworld.enter_rank_world(_Owner(world, rank))
     sched = world.sched
+    sched.slots[rank].thread_ident = threading.get_ident()
     note = "returned"
     try:
         sched.enter(rank)
@@ -980,7 +1011,6 @@ def _rank_main(world: _SimWorld, rank: int, fn: Callable, args: tuple, kwargs: d
             note = f"raised {type(exc).__name__}"
     finally:
         threadworld.leave_rank_world()
-        _tls.world = None
         sched.finish(rank, note)
 
 
@@ -1018,25 +1048,32 @@ def _old_objects_frozen() -> Iterator[None]:
 
 
 def run_inproc(fn: Callable[..., Any], world_size: int, *, args: tuple = (), kwargs: dict | None = None,
-               timeout: float = 30.0, faults: Sequence[Any] = (), checksum: bool = False) -> Any:
-    """Run ``fn`` on ``world_size`` rank threads; see :func:`tpsim.run_world`."""
-    from tpsim.runner import WorldResult
+               timeout: float = 30.0, faults: Sequence[Any] = (), checksum: bool = False,
+               rank_local: Sequence[Any] = (), watch: Sequence[Any] = ()) -> WorldResult:
+    """Run ``fn`` on ``world_size`` rank threads; see :func:`tpsim.run_world`.
 
+    ``rank_local`` modules get per-rank globals; ``watch`` modules are watched for shared
+    globals besides those found from ``fn`` and its arguments (:mod:`tpsim.comm.modstate`).
+    """
     register()
     kwargs = kwargs or {}
+    local = modstate.resolve_modules(rank_local, "rank_local")
+    extra = modstate.resolve_modules(watch, "watch")
+    globals = ModuleGlobals(local, modstate.watched_modules(fn, args, kwargs, extra, exclude=local))
     parent_state = threadworld.ProcessLocalState.capture()
     # One intra-op thread while ranks run: the ranks are the parallelism being simulated,
     # and idle OpenMP teams of N rank threads spinning on 2 cores made every small op
     # about 2x slower (measured). Restored afterwards.
     parent_threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    world = _SimWorld(world_size, timeout, faults, checksum)
+    world = _SimWorld(world_size, timeout, faults, checksum, globals)
     outcomes = [_Outcome() for _ in range(world_size)]
     threads = [
         threading.Thread(target=_rank_main, args=(world, r, fn, args, kwargs, outcomes[r]),
                          name=f"tpsim-rank-{r}", daemon=True)
         for r in range(world_size)
     ]
+    threadworld.install()
     with _old_objects_frozen():
         try:
             for t in threads:
@@ -1047,12 +1084,27 @@ def run_inproc(fn: Callable[..., Any], world_size: int, *, args: tuple = (), kwa
                 t.join(timeout=world.timeout)
         finally:
             parent_state.restore()
+            globals.restore_start()
             torch.set_num_threads(parent_threads)
+            if world.sched.finished.is_set():
+                threadworld.uninstall()
+            else:
+                # Rank threads were abandoned (still running): they keep the per-thread routing they
+                # were started under, rather than reach this thread's torch.distributed world, until
+                # the last of them ends.
+                threading.Thread(target=_uninstall_after, args=(threads,), name="tpsim-uninstall-after",
+                                 daemon=True).start()
     trace = Trace({s.rank: list(s.calls) for s in world.sched.slots})
-    fired = world.faults_fired()
+    fired = sorted(world.faults_fired(), key=lambda item: item[1].rank)
     _raise_first_failure(outcomes, world, trace, fired)
     return WorldResult(values=[o.value for o in outcomes], trace=trace, backend=BACKEND_NAME,
                        faults_fired=fired)
+
+
+def _uninstall_after(threads: list[threading.Thread]) -> None:
+    for t in threads:
+        t.join()
+    threadworld.uninstall()
 
 
 def _supervise(world: _SimWorld) -> None:
@@ -1070,62 +1122,64 @@ def _supervise(world: _SimWorld) -> None:
             continue
         running = [s for s in sched.slots if s.state == "running"]
         detail = "; ".join(s.doing() for s in running) or "no rank running"
+        # What the ranks did so far, as far as it is known (an abandoned rank may still add to it).
+        trace = Trace({s.rank: list(s.calls) for s in sched.slots})
+        fired = world.faults_fired()
         if sched.broken is not None:
             err = sched.broken
             raise CollectiveError(
                 f"{err.summary} (still running after that: {detail}; its thread is abandoned)",
                 rank=running[0].rank if running else 0, collective=err.collective,
-                call_index=err.call_index, group=err.group, faulty_ranks=err.faulty_ranks)
+                call_index=err.call_index, group=err.group, faulty_ranks=err.faulty_ranks, trace=trace,
+                faults_fired=fired)
         raise CollectiveError(
             f"the in-process world made no progress for {idle:.1f} s (timeout {world.timeout:g} s); "
             f"{detail}. The rank threads are abandoned (daemon threads).",
             rank=running[0].rank if running else 0,
-            faulty_ranks=tuple(s.rank for s in running),
+            faulty_ranks=tuple(s.rank for s in running), trace=trace, faults_fired=fired,
         )
 
 
 def _raise_first_failure(outcomes: list[_Outcome], world: _SimWorld, trace: Trace,
                          fired: list[tuple[Fault, CollectiveCall]]) -> None:
-    errors = {r: o.error for r, o in enumerate(outcomes) if o.error is not None}
-    dropped = [(f, c) for f, c in fired if isinstance(f, Drop)]
-    if not errors and not dropped:
+    """Raise the world's error when a rank failed or was dropped (precedence: :func:`tpsim.comm.ops.explain`)."""
+    globals = world.globals
+    if globals is not None and globals.conflict is not None:  # two ranks rebound one module global
+        globals.restore_watched()
+        raise globals.conflict
+    slots = world.sched.slots
+    if not any(o.error is not None for o in outcomes) and not any(s.dropped or s.misuse for s in slots):
         return
-    plan = f" [fault plan: {', '.join(describe_fault(f, c) for f, c in fired)}]" if fired else ""
-    if not errors:
-        # Every survivor finished, yet a rank is gone: its value is missing, never silently None.
-        fault, call = dropped[0]
-        err0 = CollectiveError(
-            f"rank {call.rank} was dropped by the fault plan at {call.describe()} and returned no value; "
-            f"the other ranks finished without waiting for it{plan}",
-            rank=call.rank, collective=call.op, call_index=call.call_index, group=call.group,
-            faulty_ranks=tuple(c.rank for _, c in dropped))
-        _attach(err0, trace, fired)
-        raise err0
-    # A rank's own exception is the cause; collective errors on the others are the effect.
-    own = [r for r, e in errors.items() if not isinstance(e, CollectiveError)]
-    if own:
-        r = own[0]
-        exc = errors[r]
-        crash_call = next((c for f, c in fired if isinstance(f, Crash) and c.rank == r), None)
-        if isinstance(exc, InjectedCrash) and crash_call is not None:
-            err: RankError = CollectiveError(
-                f"rank {r} raised {type(exc).__name__}: {exc}{plan}", rank=r, collective=crash_call.op,
-                call_index=crash_call.call_index, group=crash_call.group, faulty_ranks=(r,),
-                remote_traceback=outcomes[r].tb, errors=errors)
+    ends: dict[int, ops.RankEnd] = {}
+    for r, (outcome, slot) in enumerate(zip(outcomes, slots, strict=True)):
+        last = slot.calls[-1] if slot.calls else None
+        exc = outcome.error
+        if slot.misuse is not None and not isinstance(exc, (RankDropped, InjectedCrash)):
+            exc = slot.misuse  # what the rank did wrong, whatever was raised over it or swallowed it
+            outcome.tb = format_exception(exc)
+        if slot.planned == ops.DROPPED:
+            ends[r] = ops.RankEnd(r, ops.DROPPED, slot.planned_call, fault=slot.planned_fault)
+        elif slot.planned == ops.CRASHED and isinstance(exc, InjectedCrash):
+            ends[r] = ops.RankEnd(r, ops.CRASHED, slot.planned_call, error=exc, error_type=type(exc).__name__,
+                                  error_text=str(exc), traceback=outcome.tb, fault=slot.planned_fault)
+        elif slot.planned == ops.STALLED:
+            ends[r] = ops.RankEnd(r, ops.STALLED, slot.planned_call, error=exc, fault=slot.planned_fault)
+        elif exc is None:
+            ends[r] = ops.RankEnd(r, ops.FINISHED, last)
+        elif isinstance(exc, CollectiveError):
+            ends[r] = ops.RankEnd(r, ops.COLLECTIVE, last, error=exc, error_type=type(exc).__name__,
+                                  error_text=exc.summary)
         else:
-            err = RankError(f"rank {r} raised {type(exc).__name__}: {exc}{plan}", rank=r,
-                            remote_traceback=outcomes[r].tb, errors=errors)
-        _attach(err, trace, fired)
-        raise err from exc
-    r = min(errors)
-    src: Any = errors[r]
-    cerr = CollectiveError(
-        f"rank {r}: {src.summary}{plan}", rank=r, collective=src.collective, call_index=src.call_index,
-        group=src.group, faulty_ranks=src.faulty_ranks, remote_traceback=outcomes[r].tb, errors=errors)
-    _attach(cerr, trace, fired)
-    raise cerr from None
-
-
-def _attach(err: BaseException, trace: Trace, fired: list) -> None:
-    err.trace = trace  # type: ignore[attr-defined]
-    err.faults_fired = list(fired)  # type: ignore[attr-defined]
+            ends[r] = ops.RankEnd(r, ops.RAISED, last, error=exc, error_type=type(exc).__name__,
+                                  error_text=str(exc), traceback=outcome.tb)
+    err = ops.explain(ends, world_size=world.world_size, backend=BACKEND_NAME, fired=fired, timeout=world.timeout)
+    err.trace = trace
+    if globals is not None and not fired:
+        shared = globals.exposure_error(err)  # a rank ran on another's rebinding before this failure
+        if shared is not None:
+            globals.restore_watched()
+            raise shared from err
+    cause = ends[err.rank].error if err.rank in ends else None
+    if isinstance(cause, BaseException) and not isinstance(cause, CollectiveError):
+        raise err from cause
+    raise err from None

@@ -36,19 +36,19 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from multiprocessing.reduction import ForkingPickler
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from tpsim.comm import deaths
 from tpsim.comm._payload import dump_call
 from tpsim.comm._tracing import parse_status
 from tpsim.comm._verdict import Unfinished, describe_exit, settle
 from tpsim.comm._worker import Outcome, worker_main
+from tpsim.comm.board import Board
+from tpsim.comm.result import WorldResult
 from tpsim.errors import BackendUnavailable, InvalidArgument, RankError
-
-if TYPE_CHECKING:
-    from tpsim.runner import WorldResult
 
 __all__ = [
     "MAX_POOLS",
@@ -93,6 +93,11 @@ MAX_POOL_WORKERS = _env_count("TPSIM_MAX_POOL_WORKERS", 16)
 #: error before the world is stopped (ranks blocked in a collective are not waited for).
 GRACE_S = 0.5
 
+#: How long every unreported rank's status must stay "in a collective", unchanged, before the world
+#: is stopped without waiting out the grace: a rank that has just finished a collective (its peer
+#: failed only after it) may not have updated its status yet, and would be reported in the wrong call.
+STUCK_S = 0.1
+
 #: Size of each rank's status slot (see tpsim.comm._tracing.StatusSlot).
 _STATUS_BYTES = 192
 
@@ -136,6 +141,8 @@ class _Pool:
         self.procs: list[Any] = []
         self.conns: list[Any] = []
         self.slots: list[Any] = []
+        #: Each rank's board (its marked phase), read when its process dies (tpsim.comm.board).
+        self.boards: list[Board] = []
         self.tmpdir = tempfile.mkdtemp(prefix=f"tpsim-{backend}-w{world_size}-")
 
     # -- life cycle ------------------------------------------------------------------------
@@ -147,9 +154,12 @@ class _Pool:
         for rank in range(self.world_size):
             parent_end, child_end = ctx.Pipe(duplex=True)
             slot = ctx.RawArray(ctypes.c_char, _STATUS_BYTES)
+            board = ctx.RawArray(ctypes.c_int64, Board.length(1))
             proc = ctx.Process(
                 target=worker_main,
-                args=(rank, self.world_size, self.backend, store_path, child_end, slot, os.getpid(), bound),
+                args=(rank, self.world_size, self.backend, store_path, child_end, slot, os.getpid(), bound, board,
+                      # the parent-death signal follows the starting thread: arm it only for the main one
+                      threading.current_thread() is threading.main_thread()),
                 name=f"tpsim-{self.backend}-rank{rank}",
                 daemon=False,  # fn may start processes of its own (daemons cannot)
             )
@@ -158,6 +168,7 @@ class _Pool:
             self.procs.append(proc)
             self.conns.append(parent_end)
             self.slots.append(slot)
+            self.boards.append(Board(board))
         deadline = time.monotonic() + bound
         waiting = set(range(self.world_size))
         while waiting:
@@ -245,6 +256,8 @@ class _Pool:
                 pass
         pending = set(range(self.world_size))
         failed_at: float | None = None
+        seen: dict[int, bytes] = {}  # the unreported ranks' status slots, and since when unchanged
+        seen_at = start
         refused = False
         timed_out = False
         while pending:
@@ -256,7 +269,19 @@ class _Pool:
                 # The world is lost. Wait only for ranks that may still report their own error.
                 # A verified refusal (mismatch, checksum) is raised by every member at once: wait
                 # for the others' reports rather than taking "in a collective" for "stuck".
-                stuck = not refused and all(self.status(r).state == "collective" for r in pending)
+                states = {r: bytes(self.slots[r].value) for r in pending}
+                if states != seen:
+                    seen, seen_at = states, now
+                # A rank "in" a collective that a reported rank has already gone past on the same
+                # group is only slow to return from it: it will reach the next one.
+                passed: dict[str | None, int] = {}
+                for o in outcomes.values():
+                    for c in o.calls:
+                        passed[c.group] = max(passed.get(c.group, 0), c.call_index)
+                statuses = [self.status(r) for r in pending]
+                in_collective = all(st.state == "collective" and (st.call_index or 0) >= passed.get(st.group, 0)
+                                    for st in statuses)
+                stuck = not refused and in_collective and now - seen_at >= STUCK_S
                 if now - failed_at >= GRACE_S or stuck:
                     break
                 wake = min(start + limit, failed_at + GRACE_S, now + 0.02)
@@ -399,8 +424,6 @@ def run_processes(
     :class:`tpsim.CollectiveError` when ranks could not complete their collectives within
     ``timeout`` (every backend wait is bounded by it; the whole run by ``timeout + margin``).
     """
-    from tpsim.runner import WorldResult
-
     if backend not in PROCESS_BACKENDS:
         raise InvalidArgument(f"backend={backend!r} is not a process backend; expected one of {PROCESS_BACKENDS}")
     faults = tuple(faults)
@@ -437,6 +460,8 @@ def run_processes(
         failed = bool(exits or unfinished or not all(o.ok or o.intact for o in outcomes.values()))
         fired = [item for o in outcomes.values() for item in o.fired]
         fired += _fired_in_dead_ranks(faults, exits, unfinished)
+        fired.sort(key=lambda item: item[1].rank)
+        boards = list(pool.boards)
         if failed:
             _discard(key)  # kill and reap now, before building the report
         try:
@@ -449,28 +474,50 @@ def run_processes(
                 limit=limit,
                 timed_out=timed_out,
                 fired=fired,
+                timeout=timeout,
             )
         except RankError as err:
-            err.faults_fired = fired  # type: ignore[attr-defined]
-            raise
+            death = _named_death(err, exits, unfinished, boards)
+            if death is err:
+                raise
+            raise death from err
+
     return WorldResult(values=values, trace=trace, backend=backend, faults_fired=fired)
+
+
+def _named_death(err: RankError, exits: dict[int, int | None], unfinished: dict[int, Unfinished],
+                 boards: list[Board]) -> RankError:
+    """``err`` as a :class:`tpsim.RankExited`/:class:`tpsim.RankCrashed` when it blames a rank whose
+    process ended on its own (not one a fault plan dropped), naming the phase the rank marked."""
+    def phase_of(rank: int) -> tuple[str | None, int | None]:
+        return boards[rank].view(1).phase_of(0) if rank < len(boards) else (None, None)
+
+    rank = err.rank
+    if type(err) is not RankError or rank not in exits:
+        return deaths.classify(err, phase_of)  # a rank's sys.exit / MemoryError, with its phase
+    state = unfinished.get(rank)
+    if state is not None and state.state == "dropped":
+        return err
+    phase, step = phase_of(rank)
+    death = deaths.from_exit(rank, exits[rank], phase=phase, step=step)
+    return type(death)(f"{death.summary}\n{err.summary}", rank=rank, phase=phase, step=step, cause=death.cause,
+                       exitcode=death.exitcode, signal=death.signal, errors=err.errors, trace=err.trace,
+                       faults_fired=err.faults_fired)
 
 
 def _fired_in_dead_ranks(faults: tuple[Any, ...], exits: dict[int, int | None],
                          unfinished: dict[int, Unfinished]) -> list[tuple[Any, Any]]:
     """Faults that acted in ranks that never reported (a Drop ended the process; a stall was cut)."""
-    from tpsim.comm.trace import CollectiveCall
     from tpsim.faults import Delay, Drop
 
     fired = []
     for rank, state in sorted(unfinished.items()):
         kind = {"dropped": Drop, "stalled": Delay}.get(state.state)
-        if kind is None:
+        call = state.call(rank)
+        if kind is None or call is None:
             continue
         for fault in faults:
             if isinstance(fault, kind) and fault.rank == rank:
-                call = CollectiveCall(rank=rank, op=state.op or "?", group=state.group or "?", group_ranks=(),
-                                      call_index=state.call_index or 0)
                 fired.append((fault, call))
                 break
     return fired

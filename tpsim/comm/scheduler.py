@@ -24,11 +24,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tpsim.comm import board, ops
+from tpsim.comm.modstate import ModuleGlobals
 from tpsim.comm.threadworld import ProcessLocalState
 from tpsim.comm.trace import CollectiveCall
-from tpsim.errors import CollectiveError
+from tpsim.errors import CollectiveError, SharedModuleState
 
-__all__ = ["RankSlot", "Scheduler", "WorldBroken"]
+__all__ = ["RankSlot", "Scheduler", "Wait", "WorldBroken"]
 
 # Rank states.
 NEW, RUNNING, READY, BLOCKED, DONE = "new", "running", "ready", "blocked", "done"
@@ -47,6 +49,30 @@ class WorldBroken(Exception):
         self.faulty_ranks = faulty_ranks
 
 
+class Wait:
+    """What a blocked rank waits for (a collective instance, a receive), as messages describe it."""
+
+    __slots__ = ()
+    op: str = ""
+    group_name: str = ""
+
+    def describe_wait(self, rank: int) -> str:
+        """``all_reduce #3 on group world`` as ``rank`` issued it."""
+        raise NotImplementedError
+
+    def call_index(self) -> int | None:
+        """The call index messages name this wait by."""
+        raise NotImplementedError
+
+    def describe_stuck(self, slots: list[RankSlot]) -> str:
+        """Why this wait can never end, naming what each missing rank does."""
+        raise NotImplementedError
+
+    def suspects(self) -> tuple[int, ...]:
+        """Ranks to blame when this wait can never end."""
+        raise NotImplementedError
+
+
 @dataclass(slots=True)  # slots: attribute access on every hand-off
 class RankSlot:
     """Scheduler-side record of one rank."""
@@ -54,15 +80,21 @@ class RankSlot:
     rank: int
     baton: Any = field(default_factory=threading.Lock)
     state: str = NEW
-    waiting_on: Any = None  # an object with .describe_wait(rank) while BLOCKED
+    waiting_on: Wait | None = None  # while BLOCKED
     calls: list[CollectiveCall] = field(default_factory=list)
     exit_note: str = ""  # how the rank ended: "returned", "raised ValueError", "was dropped"
     saved: ProcessLocalState | None = None
-    # Set by a fault plan: how the rank ended ("was dropped by the fault plan at ..."), which
-    # overrides the generic note, and what it is stalled in while a Delay fault sleeps.
-    end_text: str = ""
+    # The rank's own thread (its helper threads may issue collectives only while it runs), and
+    # the first misuse of the backend the rank was refused for (a helper's collective out of turn,
+    # another rank's group object): the run reports it even if something else was raised over it.
+    thread_ident: int = 0
+    misuse: BaseException | None = None
+    # Set by a fault plan: the kind of end it gave the rank (ops.DROPPED, ops.CRASHED,
+    # ops.STALLED), the fault and the call; stalled_call while a Delay fault sleeps.
+    planned: str = ""
+    planned_fault: Any = None
+    planned_call: CollectiveCall | None = None
     dropped: bool = False
-    stalled: str = ""
     stalled_call: CollectiveCall | None = None
 
     def last_call(self) -> str:
@@ -70,10 +102,13 @@ class RankSlot:
 
     def doing(self) -> str:
         """What this rank is doing, for messages about other ranks."""
-        if self.state == DONE and self.end_text:
-            return f"rank {self.rank} {self.end_text}"
-        if self.stalled:
-            return f"rank {self.rank} {self.stalled}"
+        planned = self.planned_call.describe() if self.planned_call is not None else ""
+        if self.state == DONE and self.planned == ops.DROPPED:
+            return f"rank {self.rank} {ops.dropped_text(planned, self.planned_fault)}"
+        if self.state == DONE and self.planned == ops.CRASHED:
+            return f"rank {self.rank} {ops.crashed_text(planned, self.planned_fault)}"
+        if self.stalled_call is not None:
+            return f"rank {self.rank} {ops.stalled_text(self.stalled_call.describe(), self.planned_fault)}"
         if self.state == DONE:
             after = f"after {self.last_call()}" if self.calls else "before its first collective"
             return f"rank {self.rank} {self.exit_note or 'exited'} {after}"
@@ -85,18 +120,26 @@ class RankSlot:
 class Scheduler:
     """Hands the baton between the rank threads of one world."""
 
-    def __init__(self, world_size: int, timeout: float, dtype: Any) -> None:
+    def __init__(self, world_size: int, timeout: float, dtype: Any, globals: ModuleGlobals | None = None) -> None:
         self.world_size = world_size
         self.timeout = timeout
         self.slots = [RankSlot(r) for r in range(world_size)]
+        #: Rank-local module globals and the shared-state watch; None when neither has work.
+        self.globals = globals if globals is not None and globals.active else None
+        # The two halves, each None when it has nothing to do (read on every hand-off).
+        self._local = self.globals if self.globals is not None and self.globals.has_local else None
+        self._watch = self.globals if self.globals is not None and self.globals.has_watch else None
         for s in self.slots:
             s.baton.acquire()  # every baton starts taken: a rank runs only when handed one
-            s.saved = ProcessLocalState.fresh(dtype)
+            s.saved = ProcessLocalState.fresh(dtype, self.globals.fresh() if self.globals is not None else None)
         self.broken: WorldBroken | None = None
         self.holder: int | None = None
         self.finished = threading.Event()
         self.last_handoff = time.monotonic()
         self._lock = threading.Lock()  # only contended after a timeout (two threads awake)
+        #: The rank board of an isolated worker (None elsewhere): told of every hand-off, so the
+        #: worker's supervisor can name the running rank if the process dies.
+        self.board = board.installed()
 
     # -- entering and leaving --------------------------------------------------------
     def start(self) -> None:
@@ -113,6 +156,8 @@ class Scheduler:
     def finish(self, rank: int, note: str) -> None:
         """The rank's function ended; pass the baton on (or detect that nobody can move)."""
         slot = self.slots[rank]
+        if self._watch is not None:
+            self._shared_state(self._watch.leave(rank))
         slot.state = DONE
         slot.exit_note = note
         slot.saved = None
@@ -159,7 +204,15 @@ class Scheduler:
         if nxt is None:
             self._declare_stuck(slot)
             raise self.broken  # type: ignore[misc]
-        slot.saved = ProcessLocalState.capture()
+        watch = self._watch
+        if watch is not None:
+            conflict = watch.leave(slot.rank)
+            if conflict is not None:  # this rank is the second to rebind a shared global: stop here
+                slot.state, slot.waiting_on = RUNNING, None
+                self._shared_state(conflict)
+                raise self.broken  # type: ignore[misc]
+        local = self._local
+        slot.saved = ProcessLocalState.capture() if local is None else ProcessLocalState.capture(local.save())
         self._give(nxt)
         self._wait_baton(slot)
         slot.waiting_on = None
@@ -169,6 +222,12 @@ class Scheduler:
         slot = self.slots[rank]
         if slot.state == BLOCKED:
             slot.state = READY
+
+    def _shared_state(self, conflict: SharedModuleState | None) -> None:
+        """Two ranks rebound one module global: the run is meaningless from here; stop it at once."""
+        if conflict is not None:
+            self.break_world(WorldBroken(str(conflict), collective=None, call_index=None, group=None,
+                                         faulty_ranks=conflict.ranks))
 
     def break_world(self, err: WorldBroken) -> None:
         """Poison the world: every waiting rank wakes and raises ``err``."""
@@ -192,6 +251,8 @@ class Scheduler:
         slot.state = RUNNING
         self.holder = rank
         self.last_handoff = time.monotonic()
+        if self.board is not None:
+            self.board.handoff(rank)
         try:
             slot.baton.release()
         except RuntimeError:  # already released: only after a timeout broke the world
@@ -205,10 +266,10 @@ class Scheduler:
                 if held is not None and held.stalled_call is not None:
                     # A fault plan stalls the running rank: name it and the call it stalls before.
                     call = held.stalled_call
-                    note = f"rank {slot.rank} waited {self.timeout:g} s for its turn: {held.doing()}"
                     self.break_world(WorldBroken(
-                        f"{call.describe()}: timed out: {note}", collective=call.op,
-                        call_index=call.call_index, group=call.group, faulty_ranks=(held.rank,)))
+                        ops.stall_message(call.describe(), self.timeout, held.rank, held.planned_fault),
+                        collective=call.op, call_index=call.call_index, group=call.group,
+                        faulty_ranks=(held.rank,)))
                     raise self.broken  # type: ignore[misc]
                 note = (
                     f"rank {slot.rank} waited {self.timeout:g} s for its turn: "
@@ -219,15 +280,20 @@ class Scheduler:
                 waiting = slot.waiting_on
                 self.break_world(WorldBroken(
                     f"timed out: {note}",
-                    collective=getattr(waiting, "op", None),
-                    call_index=getattr(waiting, "index", None),
-                    group=getattr(waiting, "group_name", None),
+                    collective=waiting.op if waiting is not None else None,
+                    call_index=waiting.call_index() if waiting is not None else None,
+                    group=waiting.group_name if waiting is not None else None,
                     faulty_ranks=(holder,) if holder is not None else (),
                 ))
             raise self.broken  # type: ignore[misc]
         self.holder = slot.rank
-        if slot.saved is not None:
-            slot.saved.restore()
+        saved = slot.saved
+        if saved is not None:
+            saved.restore()
+            if self._local is not None:
+                self._local.restore(saved.globals)
+        if self._watch is not None:
+            self._watch.enter(slot.rank)
 
     def _declare_stuck(self, me: RankSlot | None) -> None:
         """No rank can proceed: explain the first unfinished wait and what every rank does."""
@@ -236,16 +302,16 @@ class Scheduler:
             blocked.insert(0, me)
         first = min(blocked, key=lambda s: s.rank)
         waiting = first.waiting_on
-        lines = [waiting.describe_stuck(self.slots)] if waiting is not None else []
-        summary = "; ".join(lines) if lines else "no rank can proceed"
-        suspects = getattr(waiting, "suspects", None) or getattr(waiting, "missing_ranks", None)
-        faulty = tuple(suspects()) if suspects is not None else ()
+        if waiting is None:
+            self.break_world(WorldBroken("no rank can proceed", collective=None, call_index=None, group=None,
+                                         faulty_ranks=()))
+            return
         self.break_world(WorldBroken(
-            summary,
-            collective=getattr(waiting, "op", None),
-            call_index=getattr(waiting, "index", None),
-            group=getattr(waiting, "group_name", None),
-            faulty_ranks=faulty,
+            waiting.describe_stuck(self.slots),
+            collective=waiting.op,
+            call_index=waiting.call_index(),
+            group=waiting.group_name,
+            faulty_ranks=waiting.suspects(),
         ))
 
 

@@ -9,15 +9,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["CollectiveCall", "Trace"]
+__all__ = ["CollectiveCall", "Trace", "call_name"]
+
+
+def call_name(op: str, index: int | None, group: str | None) -> str:
+    """``all_reduce #3 on group world``; never ``#None`` (an unknown index says so)."""
+    if index is None or index < 1:
+        return f"{op} (call index unknown) on group {group or '?'}"
+    return f"{op} #{index} on group {group}"
 
 
 @dataclass(eq=True, slots=True)
 class CollectiveCall:
     """One collective as issued by one rank.
 
-    ``call_index`` is 1-based and counts this rank's collective calls on ``group``
-    (``all_reduce #3 on group tp`` is the third call on that group). ``shapes`` and
+    ``call_index`` is 1-based and counts this rank's calls on ``group``, point-to-point
+    ``send``/``recv`` included (``all_reduce #3 on group tp`` is the third call this rank issued
+    on that group; the rule of :mod:`tpsim.comm.ops`, the same on every backend). ``shapes`` and
     ``dtypes`` describe the tensors the rank contributed (inputs), in call order.
     (Not frozen: a frozen dataclass's ``__init__`` costs several microseconds, and one is
     made per collective on the in-process hot path. Treat it as read-only. Slotted: smaller
@@ -36,7 +44,7 @@ class CollectiveCall:
 
     def describe(self) -> str:
         """Short human form, e.g. ``all_reduce #3 on group world``."""
-        return f"{self.op} #{self.call_index} on group {self.group}"
+        return call_name(self.op, self.call_index, self.group)
 
 
 @dataclass

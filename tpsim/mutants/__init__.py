@@ -31,11 +31,34 @@ from typing import Any
 
 from torch import nn
 
+from tpsim.diagnosis import (
+    BIAS_DUPLICATION,
+    BIAS_GRAD_RANK0_ONLY,
+    BIAS_MISSING,
+    DIVISIBILITY_UNCHECKED,
+    DOUBLE_REDUCTION,
+    EXCEPTION,
+    GRAD_MISSING,
+    GRAD_NOT_REDUCED,
+    GRAD_SCALED,
+    MISSING_REDUCTION,
+    OUTPUT_DETACHED,
+    PACKED_SHARD_LAYOUT,
+    PRECISION_LOSS,
+    REPLICA_DIVERGENCE,
+    SHAPE_ERROR,
+    WRONG_DTYPE,
+    WRONG_GROUP,
+    WRONG_SHARD_DIM,
+    WRONG_SHARD_ORDER,
+)
+from tpsim.mutants.attention import ATTENTION_MUTANTS
 from tpsim.mutants.column import (
     ColumnBackwardAverage,
     ColumnBiasDefaultDtype,
     ColumnFloorDivision,
     ColumnGatherDim1,
+    ColumnGatherNoAutograd,
     ColumnGatherWrongDim,
     ColumnIgnoresBias,
     ColumnNoBackwardReduce,
@@ -66,6 +89,9 @@ from tpsim.mutants.row import (
     RowFlattenNoRestore,
     RowHalfPrecisionReduce,
     RowNoReduceWithoutBias,
+    RowReduceFloat32,
+    RowReduceTwice,
+    RowWeightData,
 )
 from tpsim.mutants.sequence import (
     CorrectSequenceRow,
@@ -73,6 +99,7 @@ from tpsim.mutants.sequence import (
     SequenceRowScatterBatchDim,
 )
 from tpsim.mutants.tp_rank import CorrectTpRankColumn, CorrectTpRankRow
+from tpsim.mutants.vocab import VOCAB_MUTANTS
 from tpsim.placement import Replicate, Shard
 from tpsim.variant import ParamSpec, Variant
 
@@ -139,7 +166,7 @@ class Mutant:
 
     ``name``: stable id (``column-wrong-split-dim``); ``target``: the ``tpsim check`` target of its
     variant; ``variant``: the :class:`~tpsim.variant.Variant`; ``diagnosis``: the diagnosis tpsim
-    must report (a name from :data:`tpsim.diagnosis.DIAGNOSES`); ``description``: the mechanism
+    must report (a name registered in :data:`tpsim.diagnosis.REGISTRY`); ``description``: the mechanism
     (the class docstring's first paragraph); ``needs``: what a case must have for the bug to show
     (empty: most cases), for readers of the catch table.
     """
@@ -182,7 +209,7 @@ correct_packed_qkv = master_weight_variant(CorrectPackedQKV, "column", name="cor
     packed=(8, 2, 2))
 correct_sequence_row = master_weight_variant(CorrectSequenceRow, "row", name="correct_sequence_row",
                                              output="sequence-sharded")
-#: Correct packed and sequence-parallel forms (issue 12): they must pass too (tests/test_packed.py,
+#: Correct packed and sequence-parallel forms: they must pass too (tests/test_packed.py,
 #: tests/test_sequence_parallel.py check them; kept out of CORRECT to keep that list's 500-example
 #: runs as they were).
 CORRECT_PACKED_AND_SEQUENCE: list[Variant] = [correct_packed_gate_up, correct_packed_qkv, correct_sequence_row]
@@ -204,54 +231,64 @@ TPSIM_VARIANTS = CORRECT
 
 _ENTRIES = [
     # The skill's row layer: full bias on every rank, then the caller's all-reduce.
-    _mutant("row-bias-before-reduce", RowBiasBeforeReduce, "row", "bias-duplication", output="partial",
+    _mutant("row-bias-before-reduce", RowBiasBeforeReduce, "row", BIAS_DUPLICATION, output="partial",
             needs="bias, world size >= 2"),
-    _mutant("row-bias-rank0-only", RowBiasRank0Only, "row", "bias-grad-rank0-only", needs="bias, world size >= 2"),
-    _mutant("row-bias-divided", RowBiasDivided, "row", "grad-scaled", needs="bias, world size >= 2"),
-    _mutant("column-wrong-split-dim", ColumnWrongSplitDim, "column", "wrong-shard-dim", needs="world size >= 2"),
-    _mutant("column-reversed-shards", ColumnReversedShards, "column", "wrong-shard-order", needs="world size >= 2"),
-    _mutant("column-no-backward-reduce", ColumnNoBackwardReduce, "column", "grad-not-reduced",
+    _mutant("row-bias-rank0-only", RowBiasRank0Only, "row", BIAS_GRAD_RANK0_ONLY, needs="bias, world size >= 2"),
+    _mutant("row-bias-divided", RowBiasDivided, "row", GRAD_SCALED, needs="bias, world size >= 2"),
+    _mutant("column-wrong-split-dim", ColumnWrongSplitDim, "column", WRONG_SHARD_DIM, needs="world size >= 2"),
+    _mutant("column-reversed-shards", ColumnReversedShards, "column", WRONG_SHARD_ORDER, needs="world size >= 2"),
+    _mutant("column-no-backward-reduce", ColumnNoBackwardReduce, "column", GRAD_NOT_REDUCED,
             needs="world size >= 2"),
-    _mutant("column-backward-average", ColumnBackwardAverage, "column", "grad-scaled", needs="world size >= 2"),
-    _mutant("column-floor-division", ColumnFloorDivision, "column", "divisibility-unchecked",
+    _mutant("column-backward-average", ColumnBackwardAverage, "column", GRAD_SCALED, needs="world size >= 2"),
+    _mutant("column-floor-division", ColumnFloorDivision, "column", DIVISIBILITY_UNCHECKED,
             needs="out_features not divisible by the world size"),
-    _mutant("column-gather-wrong-dim", ColumnGatherWrongDim, "column", "wrong-shard-dim", output="gathered",
+    _mutant("column-gather-wrong-dim", ColumnGatherWrongDim, "column", WRONG_SHARD_DIM, output="gathered",
             needs="batched input, world size >= 2"),
-    _mutant("column-node-local-rank", ColumnNodeLocalRank, "column", "wrong-shard-order",
+    _mutant("column-node-local-rank", ColumnNodeLocalRank, "column", WRONG_SHARD_ORDER,
             needs="world size > 4"),
-    _mutant("column-gather-dim1", ColumnGatherDim1, "column", "wrong-shard-dim", output="gathered",
+    _mutant("column-gather-dim1", ColumnGatherDim1, "column", WRONG_SHARD_DIM, output="gathered",
             needs="3-D (or deeper) input, world size >= 2"),
-    _mutant("row-no-reduce-without-bias", RowNoReduceWithoutBias, "row", "missing-reduction",
+    _mutant("row-no-reduce-without-bias", RowNoReduceWithoutBias, "row", MISSING_REDUCTION,
             needs="bias=False, world size >= 2"),
-    _mutant("row-half-precision-reduce", RowHalfPrecisionReduce, "row", "precision-loss",
+    _mutant("row-half-precision-reduce", RowHalfPrecisionReduce, "row", PRECISION_LOSS,
             needs="float32 or float64, world size >= 2"),
-    _mutant("column-ignores-bias", ColumnIgnoresBias, "column", "bias-missing", needs="bias"),
-    _mutant("row-flatten-no-restore", RowFlattenNoRestore, "row", "shape-error",
+    _mutant("column-ignores-bias", ColumnIgnoresBias, "column", BIAS_MISSING, needs="bias"),
+    _mutant("row-flatten-no-restore", RowFlattenNoRestore, "row", SHAPE_ERROR,
             needs="input that is not 2-D"),
-    _mutant("column-bias-default-dtype", ColumnBiasDefaultDtype, "column", "exception",
+    _mutant("column-bias-default-dtype", ColumnBiasDefaultDtype, "column", EXCEPTION,
             needs="bias, a dtype other than float32"),
-    # Packed weights and sequence parallelism (issue 12); each docstring cites its report.
-    _mutant("packed-gate-up-contiguous", PackedGateUpContiguous, "column", "packed-shard-layout",
+    # Diagnoses that identify rather than guess: each name on its own evidence.
+    _mutant("row-reduce-twice", RowReduceTwice, "row", DOUBLE_REDUCTION, needs="world size >= 2"),
+    _mutant("row-weight-data", RowWeightData, "row", GRAD_MISSING),
+    _mutant("row-reduce-float32", RowReduceFloat32, "row", WRONG_DTYPE, needs="a dtype other than float32"),
+    _mutant("column-gather-no-autograd", ColumnGatherNoAutograd, "column", OUTPUT_DETACHED, output="gathered"),
+    # Packed weights and sequence parallelism; each docstring cites its report.
+    _mutant("packed-gate-up-contiguous", PackedGateUpContiguous, "column", PACKED_SHARD_LAYOUT,
             needs="world size >= 2", packed=(1, 1)),
-    _mutant("packed-qkv-gqa-contiguous", PackedQKVContiguous, "column", "packed-shard-layout",
+    _mutant("packed-qkv-gqa-contiguous", PackedQKVContiguous, "column", PACKED_SHARD_LAYOUT,
             needs="world size >= 2", packed=(8, 2, 2)),
-    _mutant("packed-divisibility-on-total", PackedDivisibilityOnTotal, "column", "divisibility-unchecked",
+    _mutant("packed-divisibility-on-total", PackedDivisibilityOnTotal, "column", DIVISIBILITY_UNCHECKED,
             needs="a packed part not divisible by the world size while their sum is", packed=(1, 1)),
-    _mutant("sequence-scatter-batch-dim", SequenceRowScatterBatchDim, "row", "wrong-shard-dim",
+    _mutant("sequence-scatter-batch-dim", SequenceRowScatterBatchDim, "row", WRONG_SHARD_DIM,
             output="sequence-sharded", needs="3-D (or deeper) input, world size >= 2"),
-    _mutant("sequence-bias-grad-not-reduced", SequenceRowBiasGradNotReduced, "row", "grad-not-reduced",
+    _mutant("sequence-bias-grad-not-reduced", SequenceRowBiasGradNotReduced, "row", GRAD_NOT_REDUCED,
             output="sequence-sharded", needs="bias, world size >= 2, a sequence longer than one token per rank"),
-    # The gallery of published bugs (issue 11, tpsim/mutants/gallery.py); each docstring cites its report.
-    _mutant("row-wrong-group", RowWrongGroup, "row", "wrong-group", needs="tp_size < world_size"),
-    _mutant("row-contiguous-copy-reduce", RowContiguousCopyReduce, "row", "missing-reduction",
+    # The gallery of published bugs (tpsim/mutants/gallery.py); each docstring cites its report.
+    _mutant("row-wrong-group", RowWrongGroup, "row", WRONG_GROUP, needs="tp_size < world_size"),
+    _mutant("row-contiguous-copy-reduce", RowContiguousCopyReduce, "row", MISSING_REDUCTION,
             needs="transposed (sequence-first) or strided input, world size >= 2"),
-    _mutant("column-backward-contiguous-copy", ColumnBackwardContiguousCopy, "column", "grad-not-reduced",
+    _mutant("column-backward-contiguous-copy", ColumnBackwardContiguousCopy, "column", GRAD_NOT_REDUCED,
             needs="transposed or strided upstream gradient, world size >= 2"),
-    _mutant("column-view-flatten", ColumnViewFlatten, "column", "exception",
+    _mutant("column-view-flatten", ColumnViewFlatten, "column", EXCEPTION,
             needs="non-contiguous input with 2 or more batch dims"),
-    (lambda v: (Mutant("row-replica-init-diverges", v.target or "", v, "replica-divergence",
+    (lambda v: (Mutant("row-replica-init-diverges", v.target or "", v, REPLICA_DIVERGENCE,
                        _first_paragraph(RowReplicaInitDiverges.__doc__), "bias, tp size >= 2"), v))(
         tp_rank_variant(RowReplicaInitDiverges, "row", name="row_replica_init_diverges")),
+    # Vocab-parallel embeddings and cross-entropies (tpsim/mutants/vocab.py); each docstring cites its report.
+    *((Mutant(name, v.target or "", v, diagnosis, v.description, needs), v) for name, v, diagnosis, needs in VOCAB_MUTANTS),
+    # Head-sharded attention (tpsim/mutants/attention.py); each docstring cites its report.
+    *((Mutant(name, v.target or "", v, diagnosis, v.description, needs), v)
+      for name, v, diagnosis, needs in ATTENTION_MUTANTS),
 ]
 
 #: Every catalogued mutant, in a stable order.

@@ -19,6 +19,7 @@ __all__ = [
     "ColumnBiasDefaultDtype",
     "ColumnFloorDivision",
     "ColumnGatherDim1",
+    "ColumnGatherNoAutograd",
     "ColumnGatherWrongDim",
     "ColumnIgnoresBias",
     "ColumnNoBackwardReduce",
@@ -82,8 +83,8 @@ class ColumnReversedShards(CorrectColumn):
 
 class ColumnNoBackwardReduce(CorrectColumn):
     """Uses the replicated input directly, without the copy-to-region whose backward all-reduces
-    the input grad (the skill's and the tutorial's column layer): each rank's input grad is only its
-    summand. Diagnosis: ``grad-not-reduced``."""
+    the input grad (the skill's and the tutorial's column layer; bigcode-project/Megatron-LM #35,
+    torchtitan #1805): each rank's input grad is only its summand. Diagnosis: ``grad-not-reduced``."""
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -91,7 +92,8 @@ class ColumnNoBackwardReduce(CorrectColumn):
 
 class ColumnBackwardAverage(CorrectColumn):
     """All-reduces the input grad with a mean instead of a sum (``ReduceOp.AVG`` habits from data
-    parallelism): the input grad is 1/ws of the dense one. Diagnosis: ``grad-scaled``."""
+    parallelism): the input grad is 1/ws of the dense one (torchtitan #2106 is the opposite: reduced
+    twice). Diagnosis: ``grad-scaled``."""
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         return copy_to_region(x, self.group, average=True)
@@ -165,3 +167,17 @@ class ColumnBiasDefaultDtype(CorrectColumn):
         super().__init__(in_features, out_features, bias, master_weight, group=group)
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.weight.shape[0]))
+
+
+class ColumnGatherNoAutograd(CorrectColumn):
+    """Gathers the output shards with a bare ``dist.all_gather`` into fresh buffers (the tutorial's
+    habit of calling ``dist.*`` directly) instead of an autograd-aware gather: the forward values are
+    right, but the output has no ``grad_fn``, so nothing flows back to the weight or the input.
+    Diagnosis: ``output-detached``."""
+
+    gather = True
+
+    def gather_output(self, y: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(y) for _ in range(self.world_size)]
+        dist.all_gather(parts, y.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)

@@ -22,6 +22,9 @@ __all__ = [
     "RowFlattenNoRestore",
     "RowHalfPrecisionReduce",
     "RowNoReduceWithoutBias",
+    "RowReduceFloat32",
+    "RowReduceTwice",
+    "RowWeightData",
 ]
 
 
@@ -50,7 +53,8 @@ class CorrectRow(nn.Module):
 
 class RowBiasBeforeReduce(CorrectRow):
     """The skill's row layer: adds the full bias to its summand and returns it for the caller's
-    all-reduce (output ``partial``), so the reduced output holds ``ws * bias``.
+    all-reduce (output ``partial``), so the reduced output holds ``ws * bias`` (also seen in
+    Wenyueh/MinivLLM #80 and gpt-neox #962: a row bias added on every rank).
     Diagnosis: ``bias-duplication``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -109,3 +113,33 @@ class RowFlattenNoRestore(CorrectRow):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.reduce(F.linear(x.reshape(-1, x.shape[-1]), self.weight))
         return y + self.bias if self.bias is not None else y
+
+
+class RowReduceTwice(CorrectRow):
+    """All-reduces its summands, and a wrapper written for a layer that returns partial sums reduces
+    them again (Megatron's ``reduce_from_tensor_model_parallel_region`` inside the layer plus the
+    caller's ``all_reduce``): the output is ``ws * x W^T + bias``. Diagnosis: ``double-reduction``."""
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+        return reduce_from_region(reduce_from_region(y, self.group), self.group)
+
+
+class RowWeightData(CorrectRow):
+    """Multiplies by ``self.weight.data`` (a habit from code that casts or views the weight "without
+    autograd overhead"): the output and the input grad are right, but the weight never receives a
+    gradient, so it never trains. Diagnosis: ``grad-missing``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.reduce(F.linear(x, self.weight.data))
+        return y + self.bias if self.bias is not None else y
+
+
+class RowReduceFloat32(CorrectRow):
+    """Upcasts its summands (and the bias) to float32 "for an accurate all-reduce" and forgets to cast
+    the result back: right for float32 layers, but a float16, bfloat16 or float64 layer returns
+    float32. Diagnosis: ``wrong-dtype``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.reduce(F.linear(x, self.weight).float())
+        return y + self.bias.float() if self.bias is not None else y
+

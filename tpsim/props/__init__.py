@@ -7,7 +7,10 @@
 - :mod:`tpsim.props.checks` — the properties, one named function each, and :func:`check_case`;
 - :mod:`tpsim.props.search` — :func:`search`: generate, check, shrink, diagnose (what ``tpsim check`` runs);
 - :mod:`tpsim.props.suite` — :func:`property_tests`: the suite as pytest tests in one line;
-- :mod:`tpsim.props.mlp` — forward/gradient equivalence of a parallel MLP (lab-note scale).
+- :mod:`tpsim.props.family` — the :class:`~tpsim.props.family.Family` protocol: how the search, the
+  CLI and case files handle each kind of target; :mod:`tpsim.props.linear` (single linear layers)
+  and :mod:`tpsim.props.module` (whole modules: MLPs, blocks) implement it;
+- :mod:`tpsim.props.sequence` — a replicated norm under sequence parallelism.
 """
 
 from tpsim.props.case import SCHEMA_VERSION, Case, CaseFileError, load_case, save_case

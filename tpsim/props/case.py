@@ -6,12 +6,15 @@ that ``tpsim replay CASE.json`` re-runs exactly that example. The tensors (maste
 inputs, upstream grads) are not stored: they are re-drawn from ``seed`` (see
 :func:`tpsim.props.world.make_masters`), bit for bit.
 
-File format (``schema_version`` 1)::
+File format (``schema_version`` 2)::
 
-    {"format": "tpsim-case", "schema_version": 1, "tpsim_version": "0.1.0",
+    {"format": "tpsim-case", "schema_version": 2, "tpsim_version": "0.1.0", "family": "linear",
      "case": {"world_size": 2, "tp_size": 2, "in_features": 4, ...},
      "found": {"property": "...", "diagnosis": "...", "message": "...", "backend": "inproc"}}
 
+``family`` names the family of targets the case belongs to (:mod:`tpsim.props.family`): ``linear``
+(this module's :class:`Case`), ``module`` (:class:`tpsim.props.module.case.ModuleCase`), ...; the
+family reads its ``case`` object. Schema 1 files have no ``family``: they are linear cases.
 Readers accept files of their own schema version or older and refuse newer ones with a clear
 message (:class:`CaseFileError`, exit 2 from the CLI).
 """
@@ -34,9 +37,12 @@ __all__ = [
     "CASES_DIR",
     "DTYPES",
     "INPUT_LAYOUTS",
+    "MAX_SEED",
+    "MAX_TENSOR_ELEMENTS",
     "SCHEMA_VERSION",
     "Case",
     "CaseFileError",
+    "case_file_stem",
     "load_case",
     "save_case",
     "save_failure",
@@ -46,7 +52,7 @@ __all__ = [
 CASES_DIR = os.path.join(".tpsim", "cases")
 
 #: Version of the case-file schema this code writes; it reads this version and older ones.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 FORMAT = "tpsim-case"
 
 #: dtype names a case can carry, widest first (the order strategies shrink in).
@@ -62,15 +68,53 @@ INPUT_LAYOUTS = ("contiguous", "transposed", "strided", "expanded")
 #: How tp groups smaller than the world are laid out (see :mod:`tpsim.props.groups`).
 TP_LAYOUTS = ("consecutive", "strided")
 
+#: The largest seed: ``torch.manual_seed`` takes 64-bit unsigned values.
+MAX_SEED = 2**64 - 1
+#: Elements one tensor of a case may have (master weight ``[out, in]``, input ``[*batch, in]``):
+#: 2**28 float64 elements are 2 GiB. A case file asking for more is refused before anything is
+#: allocated, so a hand-edited or hostile file cannot make the checker run out of memory.
+MAX_TENSOR_ELEMENTS = 2**28
+#: Leading batch dims a case may have.
+MAX_BATCH_DIMS = 8
+#: Bytes a case file may have (the files tpsim writes are about 1 KiB).
+MAX_CASE_FILE_BYTES = 1 << 20
+#: Characters of a variant name kept in a case file's name; longer names are cut and a hash of
+#: the whole name keeps them apart (file systems refuse names over 255 bytes).
+MAX_NAME_CHARS = 80
+
 
 class CaseFileError(InvalidArgument):
     """A case file is missing, unreadable, corrupt, or written by a newer tpsim (the message says which)."""
 
 
-def _int(value: Any, name: str, minimum: int) -> int:
+def _int(value: Any, name: str, minimum: int, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise InvalidArgument(f"{name}={value!r} must be an int >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise InvalidArgument(f"{name}={value!r} must be an int <= {maximum}")
     return value
+
+
+def _choice(value: Any, name: str, choices: Any) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise InvalidArgument(f"{name}={value!r}; expected one of {', '.join(choices)}")
+
+
+def _elements(shape: tuple[int, ...]) -> int:
+    count = 1
+    for n in shape:
+        count *= n
+    return count
+
+
+def _frozen_option(name: str, value: Any) -> Any:
+    """An option value as a case holds it: a JSON scalar, or a list of them as a tuple (hashable:
+    resolved targets are cached by their options)."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen_option(name, v) for v in value)
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    raise InvalidArgument(f"option {name}={value!r} must be a string, a number, a bool, null or a list of them")
 
 
 @dataclass(frozen=True)
@@ -100,26 +144,37 @@ class Case:
         _int(self.world_size, "world_size", 1)
         _int(self.in_features, "in_features", 1)
         _int(self.out_features, "out_features", 1)
-        _int(self.seed, "seed", 0)
+        _int(self.seed, "seed", 0, MAX_SEED)
         tp = self.world_size if self.tp_size is None else _int(self.tp_size, "tp_size", 1)
         if self.world_size % tp:
             raise InvalidArgument(
                 f"tp_size={tp} does not divide world_size={self.world_size}: the world is split into tp groups "
                 "of tp_size ranks each"
             )
-        if self.tp_layout not in TP_LAYOUTS:
-            raise InvalidArgument(f"tp_layout={self.tp_layout!r}; expected one of {', '.join(TP_LAYOUTS)}")
+        _choice(self.tp_layout, "tp_layout", TP_LAYOUTS)
         object.__setattr__(self, "tp_size", tp)
         shape = tuple(self.batch_shape)
+        if len(shape) > MAX_BATCH_DIMS:
+            raise InvalidArgument(f"batch_shape={list(shape)!r} has {len(shape)} dims; at most {MAX_BATCH_DIMS}")
         for s in shape:
             _int(s, "batch_shape entry", 1)
         object.__setattr__(self, "batch_shape", shape)
-        if self.dtype not in DTYPES:
-            raise InvalidArgument(f"dtype={self.dtype!r}; expected one of {', '.join(DTYPES)}")
+        for what, dims in (("the master weight [out_features, in_features]", (self.out_features, self.in_features)),
+                           ("the input [*batch_shape, in_features]", (*shape, self.in_features)),
+                           ("the output [*batch_shape, out_features]", (*shape, self.out_features))):
+            if _elements(dims) > MAX_TENSOR_ELEMENTS:
+                raise InvalidArgument(
+                    f"{what} would have {_elements(dims)} elements (shape {list(dims)}); a case may have at most "
+                    f"{MAX_TENSOR_ELEMENTS} per tensor"
+                )
+        _choice(self.dtype, "dtype", DTYPES)
         if not isinstance(self.bias, bool):
             raise InvalidArgument(f"bias={self.bias!r} must be a bool")
-        if self.input_layout not in INPUT_LAYOUTS:
-            raise InvalidArgument(f"input_layout={self.input_layout!r}; expected one of {', '.join(INPUT_LAYOUTS)}")
+        _choice(self.input_layout, "input_layout", INPUT_LAYOUTS)
+        for name in ("target", "variant", "property"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise InvalidArgument(f"{name}={value!r} must be a string or null")
         if self.input_layout in ("transposed", "expanded") and not shape:
             raise InvalidArgument(
                 f"input_layout={self.input_layout!r} needs at least one batch dim; got batch_shape={list(shape)}"
@@ -193,15 +248,42 @@ class Case:
             opts = values["options"] or {}
             if not isinstance(opts, dict):
                 raise InvalidArgument(f"options={opts!r} must be an object")
-            values["options"] = tuple(sorted(opts.items()))
+            values["options"] = tuple(sorted((k, _frozen_option(k, v)) for k, v in opts.items()))
         if "faults" in values:
-            values["faults"] = tuple(values["faults"] or ())
-        return cls(**values)
+            faults = values["faults"] or []
+            if not isinstance(faults, list):
+                raise InvalidArgument(f"faults={faults!r} must be a list of faults")
+            values["faults"] = tuple(faults)
+        case = cls(**values)
+        if case.faults:
+            # The plan must be one tpsim can inject (kinds, ranks, calls), checked before any run.
+            from tpsim.faults import check_plan, parse_plan
+
+            check_plan(parse_plan(case.faults), case.world_size)
+        return case
 
     def key(self) -> str:
         """A short stable hash of the case (names its case file)."""
         text = json.dumps(self.to_dict(), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+def _safe(text: str) -> str:
+    # ASCII letters, digits, "_" and "." only: the name is the same on every file system.
+    return "".join(c if (c.isascii() and c.isalnum()) or c in "_." else "_" for c in text)
+
+
+def case_file_stem(case: Case) -> str:
+    """``<variant>-<property>-<hash>``: the case file's name without ``.json``.
+
+    A variant name longer than :data:`MAX_NAME_CHARS` is cut and followed by ``~`` and a hash of
+    the whole name, so two long names sharing a prefix still get different files.
+    """
+    variant = _safe(case.variant or "case")
+    if len(variant) > MAX_NAME_CHARS:
+        digest = hashlib.sha256((case.variant or "").encode("utf-8", "surrogatepass")).hexdigest()[:8]
+        variant = f"{variant[:MAX_NAME_CHARS]}~{digest}"
+    return "-".join((variant, _safe(case.property or "any")[:MAX_NAME_CHARS], case.key()))
 
 
 def save_case(case: Case, directory: str, *, found: dict[str, Any] | None = None) -> str:
@@ -212,19 +294,16 @@ def save_case(case: Case, directory: str, *, found: dict[str, Any] | None = None
     from tpsim import __version__
 
     os.makedirs(directory, exist_ok=True)
-    stem = "-".join(
-        "".join(c if c.isalnum() or c in "_." else "_" for c in part)
-        for part in (case.variant or "case", case.property or "any", case.key())
-    )
-    path = os.path.join(directory, f"{stem}.json")
+    path = os.path.join(directory, f"{case_file_stem(case)}.json")
     doc = {
         "format": FORMAT,
         "schema_version": SCHEMA_VERSION,
         "tpsim_version": __version__,
+        "family": getattr(case, "family", "linear"),
         "case": case.to_dict(),
         "found": found or {},
     }
-    if case.input_layout != "contiguous":
+    if isinstance(case, Case) and case.input_layout != "contiguous":
         # Informational (readers ignore it): the memory layout the case's tensors had.
         from tpsim.props.layouts import layout_info
 
@@ -270,6 +349,7 @@ def save_failure(failure: Any, variant: Any, directory: str = CASES_DIR, *, back
     found = {
         "property": failure.property,
         "diagnosis": failure.diagnosis,
+        "sublayer": getattr(failure, "sublayer", None),
         "message": failure.message,
         "rank": getattr(failure, "rank", None),
         "backend": backend,
@@ -285,16 +365,24 @@ def save_failure(failure: Any, variant: Any, directory: str = CASES_DIR, *, back
 def load_case(path: str) -> tuple[Case, dict[str, Any]]:
     """Read a case file; return ``(case, found)``. Raises :class:`CaseFileError` with the reason."""
     try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_CASE_FILE_BYTES + 1)
     except FileNotFoundError:
         raise CaseFileError(f"case file {path!r} does not exist") from None
     except OSError as err:
         raise CaseFileError(f"cannot read case file {path!r}: {err.strerror or err}") from None
+    if len(data) > MAX_CASE_FILE_BYTES:
+        raise CaseFileError(f"case file {path!r} is larger than {MAX_CASE_FILE_BYTES} bytes; tpsim writes about 1 KiB")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise CaseFileError(f"case file {path!r} is not UTF-8 text (byte {err.start}: {err.reason})") from None
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as err:
         raise CaseFileError(f"case file {path!r} is not valid JSON (line {err.lineno}: {err.msg})") from None
+    except RecursionError:
+        raise CaseFileError(f"case file {path!r} is nested too deeply to be a case file") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CaseFileError(f"{path!r} is not a tpsim case file (no \"format\": \"{FORMAT}\")")
     version = doc.get("schema_version")
@@ -306,7 +394,10 @@ def load_case(path: str) -> tuple[Case, dict[str, Any]]:
             "upgrade tpsim to replay it"
         )
     try:
-        case = Case.from_dict(doc.get("case"))
+        # Schema 1 knew linear cases only; from schema 2 the file names its family.
+        from tpsim.props.family import family_named
+
+        case = family_named(doc.get("family", "linear") if version >= 2 else "linear").case_from_dict(doc.get("case"))
     except InvalidArgument as err:
         raise CaseFileError(f"case file {path!r} is corrupt: {err}") from None
     found = doc.get("found") or {}

@@ -13,16 +13,24 @@ Per-case properties (all fed by one world run, :func:`tpsim.props.world.observe`
   (a replicated parameter: the whole dense grad, on every rank);
 - :func:`replica_consistency` — every replicated tensor (gathered/reduced output, complete input
   grad, grads and values of replicated parameters) is bit-identical across ranks;
-- :func:`training_equivalence` — after ``TRAIN_STEPS`` SGD steps the re-assembled parameters equal
-  dense training (evaluated when the single-step properties hold: it catches state bugs such as a
-  cached weight copy that stops following the parameter);
+- :func:`training_equivalence` — after ``TRAIN_STEPS`` SGD steps (a partial grad summed over the
+  tp group first, as the trainer does) the re-assembled parameters equal dense training: it catches
+  state bugs such as a cached weight copy that stops following the parameter;
 - :func:`divisibility` — for a case whose sharded sizes do not divide by the tp size: every rank
   raises an exception (while building the layer or in its forward); no rank returns a result (a
   silent truncation) and no rank is left failing in a collective.
 
 Each function raises :class:`PropertyFailed` (an ``AssertionError``, so pytest reports it as a
 test failure) carrying the :class:`~tpsim.diagnosis.Failure`. :func:`check_case` evaluates them
-all from one run and returns the failures.
+all from one run and returns the causes: a failure that follows from another (the registry's
+consequence rules) is listed in that one's ``consequences``.
+
+Diagnoses are given by recognisers (functions marked ``@recogniser(NAME)``), each on the evidence
+its registry entry states (:mod:`tpsim.diagnosis`), with the tolerance of the computation it
+describes; the fallback is ``mismatch``, quoting the element that violates its bound most, with
+hints (never names) for what it resembles. A replicated parameter's grad declared ``partial`` (or
+marked ``sequence_parallel``) is checked as the trainer sees it: the rank-order sum of the ranks'
+grads equals the dense grad, and the replicas agree after that sum.
 """
 
 from __future__ import annotations
@@ -30,38 +38,61 @@ from __future__ import annotations
 import collections
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from tpsim.diagnosis import (
+    BIAS_DUPLICATION,
+    BIAS_GRAD_RANK0_ONLY,
+    BIAS_MISSING,
+    DIVISIBILITY_UNCHECKED,
+    DOUBLE_REDUCTION,
+    EXCEPTION,
+    GRAD_MISSING,
+    GRAD_NOT_REDUCED,
+    GRAD_SCALED,
+    MISSING_REDUCTION,
+    OUTPUT_DETACHED,
+    PACKED_SHARD_LAYOUT,
+    PRECISION_LOSS,
+    RANK_CRASHED,
+    RANK_EXITED,
+    REPLICA_DIVERGENCE,
+    SHAPE_ERROR,
+    WRONG_DTYPE,
+    WRONG_GROUP,
+    WRONG_SHARD_DIM,
+    WRONG_SHARD_ORDER,
     Diagnosis,
     Failure,
-    bias_multiple,
-    block_mapping,
-    close,
-    lower_precision,
+    group_causes,
     mismatch,
-    rank_summands,
-    regathered_dim,
-    scale_factor,
+    recogniser,
 )
-from tpsim.errors import CollectiveError, InvalidArgument
+from tpsim.errors import CollectiveError, InvalidArgument, RankCrashed, RankDied, RankError
+from tpsim.patterns import bias_multiple, block_mapping, close, rank_summands, regathered_dim, scale_factor
 from tpsim.placement import Replicate, Shard, assemble, shard_tensor
 from tpsim.props.case import Case
 from tpsim.props.groups import column_grad_summands, column_output_shards, tp_groups, wrong_group
 from tpsim.props.groups import row_summands as group_row_summands
 from tpsim.props.tolerance import tolerance
 from tpsim.props.world import (
+    ACCEPTED,
+    DETACHED,
     LR,
+    OUTPUT_SHAPE,
     TRAIN_STEPS,
     Observation,
+    RankResult,
     Reference,
     VariantRaised,
     non_divisible_sizes,
     observe,
     reference,
 )
+from tpsim.runner import DEFAULT_TIMEOUT
 from tpsim.variant import LayoutError, Variant
 
 __all__ = [
@@ -108,9 +139,10 @@ def _f64(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 class _Ctx:
-    """What every evaluator needs about the case."""
+    """What every evaluator needs about the case: the variant, the case, every rank's typed result
+    (tp-rank order) and the dense reference."""
 
-    def __init__(self, variant: Variant, case: Case, values: list[dict[str, Any]], ref: Reference | None):
+    def __init__(self, variant: Variant, case: Case, values: list[RankResult], ref: Reference):
         self.variant = variant
         self.case = case
         self.values = values
@@ -126,22 +158,123 @@ class _Ctx:
         return Failure(prop, diag.name, message, case=self.case, rank=rank, details=dict(diag.details), variant=self.variant.name)
 
 
-def _precision_or_mismatch(
-    ctx: _Ctx, actual: torch.Tensor, expected: torch.Tensor, mag: torch.Tensor, k: int, what: str
-) -> Diagnosis:
-    narrower = lower_precision(actual, expected, ctx.dtype, lambda dt: ctx.tol(mag, k, dt))
-    base = mismatch(actual, expected, what=what)
-    if narrower is not None:
-        name = str(narrower).replace("torch.", "")
-        return Diagnosis(
-            "precision-loss",
-            f"{what} is within {name} rounding of the dense reference but not within {ctx.case.dtype} rounding: "
-            f"part of the computation or communication runs in {name} or narrower ({base.message.split(': ', 1)[1]})",
-            dict(base.details, narrower=name),
-        )
-    return base
+@dataclass
+class _Compared:
+    """One failing comparison, as the recognisers see it: the actual and expected float64 tensors
+    (same shape), the bound, the magnitudes it came from and the reduction length, and — where the
+    expected tensor is a sum over the tp group's ranks — each rank's expected summand and what is
+    added after the sum (a bias), so precision-loss can recompute the sum in a narrower dtype."""
+
+    what: str
+    actual: torch.Tensor
+    expected: torch.Tensor
+    tol: torch.Tensor
+    mag: torch.Tensor
+    k: int
+    summands: list[torch.Tensor] | None = None
+    offset: torch.Tensor | None = None
 
 
+#: Dtypes with fewer mantissa bits than each case dtype, widest first: what a narrower computation
+#: can have used (bfloat16 keeps float32's range, so it also counts below float16).
+_NARROWER = {
+    torch.float64: (torch.float32, torch.float16, torch.bfloat16),
+    torch.float32: (torch.float16, torch.bfloat16),
+    torch.float16: (torch.bfloat16,),
+    torch.bfloat16: (),
+}
+
+#: How much better the narrower recomputation must explain a result than the dense reference does
+#: (ratio of the RMS residuals): a missing bias or any other structural error is as far from the
+#: narrower recomputation as from the dense result, rounding in the narrower dtype is not.
+_EXPLAINS_FAR_BETTER = 0.25
+
+
+def _rounded(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(dtype).to(_F64)
+
+
+def _reduced_in(summands: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The rank-order sum of ``summands`` with every summand and partial sum rounded to ``dtype``,
+    as a reduction communicated in ``dtype`` computes it."""
+    total = _rounded(summands[0], dtype)
+    for s in summands[1:]:
+        total = _rounded(total + _rounded(s, dtype), dtype)
+    return total
+
+
+def _rms(t: torch.Tensor) -> float:
+    return float(t.pow(2).mean().sqrt()) if t.numel() else 0.0
+
+
+@recogniser(PRECISION_LOSS)
+def _precision_loss(ctx: _Ctx, c: _Compared) -> Diagnosis | None:
+    """``precision-loss`` on its evidence (see the registry): an emulation of the computation in a
+    narrower dtype — the result rounded to it, or the ranks' summands reduced in it — is within that
+    dtype's tolerance and leaves at most a quarter of the residual the dense reference leaves."""
+    residual = _rms(c.actual - c.expected)
+    if residual == 0.0 or not torch.isfinite(c.actual).all():
+        return None
+    best: tuple[float, str, torch.dtype] | None = None
+    for narrow in _NARROWER.get(ctx.dtype, ()):
+        emulations = [("the result rounded to {}", _rounded(c.expected, narrow))]
+        if c.summands is not None and len(c.summands) > 1:
+            offset = c.offset if c.offset is not None else 0.0
+            emulations.append(("the ranks' summands reduced in {}", _reduced_in(c.summands, narrow) + offset))
+        tol = ctx.tol(c.mag, c.k, narrow)
+        for how, emulated in emulations:
+            left = _rms(c.actual - emulated)
+            if left <= _EXPLAINS_FAR_BETTER * residual and close(c.actual, emulated, tol):
+                if best is None or left < best[0]:
+                    best = (left, how, narrow)
+    if best is None:
+        return None
+    left, how, narrow = best
+    name = str(narrow).replace("torch.", "")
+    base = mismatch(c.actual, c.expected, what=c.what, tol=c.tol)
+    return Diagnosis(
+        PRECISION_LOSS,
+        f"{c.what} is not within {ctx.case.dtype} rounding of the dense reference, but recomputing it in {name} "
+        f"({how.format(name)}) explains it: RMS residual {left:.3g} against {residual:.3g} for the dense "
+        f"reference; part of the computation or communication runs in {name} "
+        f"({base.message.split(': ', 1)[1]})",
+        dict(base.details, narrower=name, emulation=how.format(name), residual=residual, emulated_residual=left),
+    )
+
+
+def _unexplained(ctx: _Ctx, c: _Compared, hint: str = "") -> Diagnosis:
+    """``precision-loss`` when its evidence is there, else ``mismatch`` quoting the worst violation,
+    with ``hint`` and, when the error is within a narrower dtype's rounding but recomputing in it does
+    not explain it, that fact as a hint (never as a name)."""
+    found = _precision_loss(ctx, c)
+    if found is not None:
+        return found
+    hints = [hint] if hint else []
+    for narrow in _NARROWER.get(ctx.dtype, ()):
+        if close(c.actual, c.expected, ctx.tol(c.mag, c.k, narrow)):
+            name = str(narrow).replace("torch.", "")
+            hints.append(f"the error is within {name} rounding, but recomputing in {name} does not explain it: "
+                         "not a precision loss")
+            break
+    return mismatch(c.actual, c.expected, what=c.what, tol=c.tol, hint="; ".join(hints))
+
+
+@recogniser(WRONG_DTYPE)
+def _wrong_dtype(ctx: _Ctx, tensors: Sequence[torch.Tensor | None], what: str) -> tuple[int, Diagnosis] | None:
+    """``wrong-dtype``: the first rank whose tensor has another floating dtype than the case's."""
+    for r, t in enumerate(tensors):
+        if t is not None and t.is_floating_point() and t.dtype != ctx.dtype:
+            got = str(t.dtype).replace("torch.", "")
+            return r, Diagnosis(
+                WRONG_DTYPE,
+                f"{what} on rank {r} is {got}, but the case is {ctx.case.dtype}: part of the layer computes or "
+                f"communicates in {got} and never casts back to the input's dtype",
+                {"dtype": got, "expected_dtype": ctx.case.dtype},
+            )
+    return None
+
+
+@recogniser(SHAPE_ERROR, WRONG_SHARD_DIM)
 def _shape_diagnosis(ctx: _Ctx, actual: torch.Tensor, expected: torch.Tensor, full: torch.Tensor,
                      placement: Any, rank: int, what: str, tol_scalar: float) -> Diagnosis:
     """A wrong shape: the expected values re-cut along another dim (wrong-shard-dim), else shape-error."""
@@ -156,7 +289,7 @@ def _shape_diagnosis(ctx: _Ctx, actual: torch.Tensor, expected: torch.Tensor, fu
                         else torch.tensor_split(full, ctx.ws, dim=d)[rank])
                 if cand.shape == actual.shape and bool(((actual - cand).abs() <= tol_scalar).all()):
                     return Diagnosis(
-                        "wrong-shard-dim",
+                        WRONG_SHARD_DIM,
                         f"{what} on rank {rank} has shape {list(actual.shape)} (expected {list(expected.shape)}): "
                         f"it is the dense result sharded along dim {d} instead of dim {shard_dim}",
                         {"shape": list(actual.shape), "expected_shape": list(expected.shape), "dim": d},
@@ -165,13 +298,13 @@ def _shape_diagnosis(ctx: _Ctx, actual: torch.Tensor, expected: torch.Tensor, fu
             d = regathered_dim(actual, full, dim=-1, parts=ctx.ws, tol_scalar=tol_scalar)
             if d is not None:
                 return Diagnosis(
-                    "wrong-shard-dim",
+                    WRONG_SHARD_DIM,
                     f"{what} on rank {rank} has shape {list(actual.shape)} (expected {list(expected.shape)}): its values "
                     f"are the {ctx.ws} shards concatenated along dim {d} instead of the last (feature) dim",
                     {"shape": list(actual.shape), "expected_shape": list(expected.shape), "dim": d},
                 )
     return Diagnosis(
-        "shape-error",
+        SHAPE_ERROR,
         f"{what} on rank {rank} has shape {list(actual.shape)}, expected {list(expected.shape)}",
         {"shape": list(actual.shape), "expected_shape": list(expected.shape)},
     )
@@ -194,59 +327,107 @@ def _row_summands(ctx: _Ctx) -> list[torch.Tensor]:
     ]
 
 
-def _diagnose_output(ctx: _Ctx, actual: torch.Tensor, tol: torch.Tensor, outs: list[torch.Tensor], what: str) -> Diagnosis:
-    ref = ctx.ref
-    y, ws, mode = ref.y, ctx.ws, ctx.variant.output
-    off_by_bias = None
-    if ref.bias is not None:
-        c = bias_multiple(actual - y, ref.bias, tol)
-        if c is not None and ws > 1 and abs(c - (ws - 1)) < 1e-2:
-            return Diagnosis(
-                "bias-duplication",
-                f"{what} is off by exactly (world_size-1)*bias = {ws - 1}*bias (world_size={ws}): every rank adds "
-                "the full bias to its summand before the reduction; add it once, after the reduction",
-                {"factor": c},
-            )
-        if c is not None and abs(c + 1) < 1e-2:
-            return Diagnosis("bias-missing", f"{what} is off by exactly -bias: the bias is never added", {"factor": c})
-        # Any other multiple is only worth naming when the bias has several entries (one number is
-        # a multiple of any other) and rounding in a narrower dtype does not explain it better.
-        off_by_bias = c if c is not None and ref.bias.numel() > 1 else None
-    if mode == "reduced" and ctx.variant.kind == "row" and ws > 1:
-        summands = _row_summands(ctx)
-        bias = ref.bias if ref.bias is not None else torch.zeros(())
-        for r, out in enumerate(outs):
-            if out.shape == y.shape and (close(out, summands[r], tol) or close(out, summands[r] + bias, tol)):
+@recogniser(BIAS_DUPLICATION, BIAS_MISSING)
+def _bias_multiple(ctx: _Ctx, c: _Compared) -> Diagnosis | None:
+    """``bias-duplication`` (the result is the dense one plus (ws-1)*bias, ws >= 2) or ``bias-missing``
+    (minus the bias, a non-zero one) — the registry's evidence for each, each checked with the
+    tolerance of the computation it describes: its magnitudes include the extra ``|c| * |bias|`` terms
+    that computation summed (a duplicated bias is rounded ws times)."""
+    bias = ctx.ref.bias
+    if bias is None or not bool(bias.ne(0).any()) or c.actual.shape[-1:] != bias.shape:
+        return None
+    ws = ctx.ws
+    for factor, name in (((ws - 1), BIAS_DUPLICATION), (-1, BIAS_MISSING)):
+        if factor == 0:
+            continue
+        tol = ctx.tol(c.mag + abs(factor) * bias.abs(), c.k)
+        if close(c.actual, c.expected + factor * bias, tol):
+            if name == BIAS_DUPLICATION:
                 return Diagnosis(
-                    "missing-reduction",
-                    f"{what}: rank {r} returned only its own summand x_r W_r^T (the ranks' outputs differ and add up to "
-                    "the dense output): the all-reduce over the tp group is missing",
-                    {"rank": r},
+                    BIAS_DUPLICATION,
+                    f"{c.what} is off by exactly (world_size-1)*bias = {ws - 1}*bias (world_size={ws}): every rank "
+                    "adds the full bias to its summand before the reduction; add it once, after the reduction",
+                    {"factor": float(factor)},
                 )
-    found_layout = _packed_or_sequence_layout(ctx, outs, y, tol, ref.bias, what)
-    if found_layout is not None:
-        return found_layout
-    c = scale_factor(actual, y, tol, known=(ws,))
-    if c is not None and ws > 1 and abs(c - ws) < 1e-2:
-        hint = " (the layer already reduces: declare output='reduced')" if mode == "partial" else ""
-        return Diagnosis("double-reduction", f"{what} is {ws} x the dense output: it was reduced twice{hint}", {"factor": c})
-    if mode in ("sharded", "gathered") and ws > 1 and actual.dim() > 0:
-        mapping = block_mapping(actual, y, tol, dim=-1, parts=ws)
-        if mapping is None and ref.bias is not None:
-            # The harness loads the bias shards itself (in the right order): compare x Wᵀ alone.
-            mapping = block_mapping(actual - ref.bias, y - ref.bias, tol, dim=-1, parts=ws)
-        if mapping is not None and mapping != list(range(ws)):
+            return Diagnosis(BIAS_MISSING, f"{c.what} is off by exactly -bias: the bias is never added",
+                             {"factor": -1.0})
+    return None
+
+
+def _other_bias_multiple(ctx: _Ctx, c: _Compared) -> str:
+    """A hint (not a name): the error is another multiple of a bias of several entries (one number
+    is a multiple of any other, so a one-entry bias says nothing)."""
+    bias = ctx.ref.bias
+    if bias is None or bias.numel() < 2:
+        return ""
+    m = bias_multiple(c.actual - c.expected, bias, c.tol)
+    return "" if m is None else f"the error is {m:.4g}*bias (world_size={ctx.ws})"
+
+
+@recogniser(MISSING_REDUCTION)
+def _missing_reduction(ctx: _Ctx, c: _Compared, outs: list[torch.Tensor]) -> Diagnosis | None:
+    """``missing-reduction``: a row layer's rank returned only its own summand (with or without the bias)."""
+    v, ws = ctx.variant, ctx.ws
+    if not (v.output == "reduced" and v.kind == "row" and ws > 1):
+        return None
+    summands = _row_summands(ctx)
+    bias = ctx.ref.bias if ctx.ref.bias is not None else torch.zeros((), dtype=_F64)
+    for r, out in enumerate(outs):
+        if out.shape == c.expected.shape and (close(out, summands[r], c.tol) or close(out, summands[r] + bias, c.tol)):
             return Diagnosis(
-                "wrong-shard-order",
-                f"{what} has its {ws} feature blocks out of place ({_blocks_msg(mapping)}): a rank holds another "
-                "rank's shard of the weight",
-                {"mapping": mapping},
+                MISSING_REDUCTION,
+                f"{c.what}: rank {r} returned only its own summand x_r W_r^T (the ranks' outputs differ and add up to "
+                "the dense output): the all-reduce over the tp group is missing",
+                {"rank": r},
             )
-    found = _precision_or_mismatch(ctx, actual, y, ref.mag["y"], ctx.case.in_features, what)
-    if ref.bias is not None and off_by_bias is not None and found.name == "mismatch":
-        return Diagnosis("mismatch", f"{what} is off by {off_by_bias:.4g}*bias (world_size={ws}); {found.message}",
-                         dict(found.details, factor=off_by_bias))
-    return found
+    return None
+
+
+@recogniser(DOUBLE_REDUCTION)
+def _double_reduction(ctx: _Ctx, c: _Compared) -> Diagnosis | None:
+    """``double-reduction``: the output is ws x the dense ``x Wᵀ``, the bias added once or ws times."""
+    ws = ctx.ws
+    if ws < 2:
+        return None
+    bias = ctx.ref.bias
+    forms = [(c.actual, c.expected)]
+    if bias is not None:
+        forms.append((c.actual - bias, c.expected - bias))
+    for actual, expected in forms:
+        f = scale_factor(actual, expected, c.tol, known=(ws,))
+        if f is not None and abs(f - ws) < 1e-2:
+            hint = " (the layer already reduces: declare output='reduced')" if ctx.variant.output == "partial" else ""
+            return Diagnosis(DOUBLE_REDUCTION, f"{c.what} is {ws} x the dense output: it was reduced twice{hint}",
+                             {"factor": f})
+    return None
+
+
+@recogniser(WRONG_SHARD_ORDER)
+def _output_blocks(ctx: _Ctx, c: _Compared) -> Diagnosis | None:
+    """``wrong-shard-order`` of a sharded or gathered output: its feature blocks permuted or repeated."""
+    ws, mode, ref = ctx.ws, ctx.variant.output, ctx.ref
+    if mode not in ("sharded", "gathered") or ws < 2 or c.actual.dim() == 0:
+        return None
+    mapping = block_mapping(c.actual, c.expected, c.tol, dim=-1, parts=ws)
+    if mapping is None and ref.bias is not None:
+        # The harness loads the bias shards itself (in the right order): compare x Wᵀ alone.
+        mapping = block_mapping(c.actual - ref.bias, c.expected - ref.bias, c.tol, dim=-1, parts=ws)
+    if mapping is None or mapping == list(range(ws)):
+        return None
+    return Diagnosis(
+        WRONG_SHARD_ORDER,
+        f"{c.what} has its {ws} feature blocks out of place ({_blocks_msg(mapping)}): a rank holds another "
+        "rank's shard of the weight",
+        {"mapping": mapping},
+    )
+
+
+def _diagnose_output(ctx: _Ctx, c: _Compared, outs: list[torch.Tensor]) -> Diagnosis:
+    """The forward's recognisers in order (each on its own evidence), else the fallback."""
+    found = (_bias_multiple(ctx, c) or _missing_reduction(ctx, c, outs)
+             or _packed_or_sequence_layout(ctx, outs, c.expected, c.tol, ctx.ref.bias, c.what)
+             or _double_reduction(ctx, c) or _output_blocks(ctx, c))
+    return found or _unexplained(ctx, c, hint=_other_bias_multiple(ctx, c))
 
 
 def _contiguous_packed(ctx: _Ctx, pieces: list[torch.Tensor], full: torch.Tensor, tol: torch.Tensor, dim: int) -> bool:
@@ -289,6 +470,7 @@ def _other_dim_slices(ctx: _Ctx, pieces: list[torch.Tensor], full: torch.Tensor,
     return None
 
 
+@recogniser(PACKED_SHARD_LAYOUT, WRONG_SHARD_DIM)
 def _packed_or_sequence_layout(ctx: _Ctx, outs: list[torch.Tensor], y: torch.Tensor, tol: torch.Tensor,
                                bias: torch.Tensor | None, what: str) -> Diagnosis | None:
     """``packed-shard-layout`` (a packed column split contiguously) or ``wrong-shard-dim`` (a
@@ -305,13 +487,13 @@ def _packed_or_sequence_layout(ctx: _Ctx, outs: list[torch.Tensor], y: torch.Ten
             candidates.append(([o - shard_tensor(bias, place, r, ws) for r, o in enumerate(outs)], y - bias))
         for pieces, full in candidates:
             if _contiguous_packed(ctx, pieces, full, tol, y.dim() - 1):
-                return Diagnosis("packed-shard-layout", _packed_message(ctx, what), {"parts": list(v.packed)})
+                return Diagnosis(PACKED_SHARD_LAYOUT, _packed_message(ctx, what), {"parts": list(v.packed)})
     if v.output == "sequence-sharded":
         seq = v.sequence_dim_of(y.dim())
         d = _other_dim_slices(ctx, outs, y, tol, -1 if seq is None else seq)
         if d is not None:
             return Diagnosis(
-                "wrong-shard-dim",
+                WRONG_SHARD_DIM,
                 f"{what}: every rank holds its 1/{ws} slice of dim {d} of the reduced output instead of dim {seq} "
                 f"(the sequence dim, sequence_dim={v.sequence_dim}): the reduce-scatter runs along the wrong dim "
                 "(e.g. the batch dim; vllm #30610, ROCm/aiter #3395)",
@@ -320,17 +502,49 @@ def _packed_or_sequence_layout(ctx: _Ctx, outs: list[torch.Tensor], y: torch.Ten
     return None
 
 
+@recogniser(OUTPUT_DETACHED)
+def _output_detached(ctx: _Ctx) -> Failure | None:
+    """``output-detached``: a rank's output has no autograd graph although its input requires grad."""
+    detached = [r for r, v in enumerate(ctx.values) if v.status == DETACHED]
+    if not detached:
+        return None
+    return ctx.fail(FORWARD, Diagnosis(
+        OUTPUT_DETACHED,
+        f"the output on rank {detached[0]} is detached from the autograd graph (grad_fn is None) although the "
+        f"input requires grad{' (also on ranks ' + str(detached[1:]) + ')' if len(detached) > 1 else ''}: a "
+        "collective or copy runs outside autograd (e.g. dist.all_gather into fresh buffers, or a result built "
+        "under torch.no_grad()), so no gradient flows back through the layer; use an autograd-aware collective "
+        "(torch.distributed.nn.functional, or a torch.autograd.Function with the conjugate backward)",
+        {"ranks": detached},
+    ), detached[0])
+
+
 def _forward(ctx: _Ctx) -> Failure | None:
     ref = ctx.ref
-    outs_raw = [v.get("output") for v in ctx.values]
+    outs_raw = [v.output for v in ctx.values]
     for r, o in enumerate(outs_raw):
         if o is None:
-            kind = ctx.values[r].get("output_type", "None")
-            return ctx.fail(FORWARD, Diagnosis("shape-error", f"rank {r}'s forward returned {kind}, not a tensor"), r)
-    outs = [o.to(_F64) for o in outs_raw]
+            kind = ctx.values[r].output_type or "None"
+            return ctx.fail(FORWARD, Diagnosis(SHAPE_ERROR, f"rank {r}'s forward returned {kind}, not a tensor"), r)
+    dtype = _wrong_dtype(ctx, outs_raw, "the output")
+    if dtype is not None:
+        return ctx.fail(FORWARD, dtype[1], dtype[0])
+    detached = _output_detached(ctx)
+    if detached is not None:
+        return detached
+    outs = [o.to(_F64) for o in outs_raw]  # type: ignore[union-attr]
     y, ws, mode = ref.y, ctx.ws, ctx.variant.output
-    tol = ctx.tol(ref.mag["y"], ctx.case.in_features)
+    mag = ref.mag["y"]
+    k = ctx.case.in_features
+    tol = ctx.tol(mag, k)
     tol_scalar = float(tol.max()) if tol.numel() else 0.0
+    # A row layer's output is the sum of the ranks' summands plus the bias: precision-loss can
+    # recompute that sum in a narrower dtype.
+    summands = _row_summands(ctx) if ctx.variant.kind == "row" and ws > 1 else None
+
+    def compared(actual: torch.Tensor, what: str) -> _Compared:
+        return _Compared(what, actual, y, tol, mag, k, summands, ref.bias)
+
     if mode in ("sharded", "sequence-sharded"):
         # Shard(-1) (per packed part for a packed column) or the sequence dim: each rank's piece.
         placement = ctx.variant.output_placement
@@ -341,7 +555,7 @@ def _forward(ctx: _Ctx) -> Failure | None:
         actual = assemble(outs, placement)
         if close(actual, y, tol):
             return None
-        return ctx.fail(FORWARD, _diagnose_output(ctx, actual, tol, outs, "the output (rank shards assembled)"))
+        return ctx.fail(FORWARD, _diagnose_output(ctx, compared(actual, "the output (rank shards assembled)"), outs))
     if mode == "partial":
         for r, o in enumerate(outs):
             if o.shape != y.shape:
@@ -349,74 +563,113 @@ def _forward(ctx: _Ctx) -> Failure | None:
         actual = torch.stack(outs).sum(0)
         if close(actual, y, tol):
             return None
-        return ctx.fail(FORWARD, _diagnose_output(ctx, actual, tol, outs, "the output (summed over ranks)"))
+        return ctx.fail(FORWARD, _diagnose_output(ctx, compared(actual, "the output (summed over ranks)"), outs))
     for r, o in enumerate(outs):
         if o.shape != y.shape:
             return ctx.fail(FORWARD, _shape_diagnosis(ctx, o, y, y, Replicate(), r, "the output", tol_scalar), r)
     for r, o in enumerate(outs):
         if not close(o, y, tol):
-            return ctx.fail(FORWARD, _diagnose_output(ctx, o, tol, outs, f"the output on rank {r}"), r)
+            return ctx.fail(FORWARD, _diagnose_output(ctx, compared(o, f"the output on rank {r}"), outs), r)
     return None
 
 
 # --- gradients -----------------------------------------------------------------------------------
 
 
+@recogniser(GRAD_NOT_REDUCED)
+def _grad_not_reduced(ctx: _Ctx, grads: Sequence[torch.Tensor], full: torch.Tensor, tol: torch.Tensor) -> bool:
+    """``grad-not-reduced``'s evidence: the ranks' grads of a replicated tensor differ and their
+    rank-order sum is the dense grad."""
+    return ctx.ws > 1 and rank_summands(grads, full, tol)
+
+
+@recogniser(GRAD_SCALED)
+def _grad_scaled(ctx: _Ctx, actual: torch.Tensor, expected: torch.Tensor, tol: torch.Tensor, what: str) -> Diagnosis | None:
+    """``grad-scaled``: a constant multiple of the dense grad (for one element only ws or 1/ws counts)."""
+    ws = ctx.ws
+    c = scale_factor(actual, expected, tol, known=(ws, 1 / ws))
+    if c is None:
+        return None
+    hint = " (averaged instead of summed, or the value divided by world_size?)" if abs(c * ws - 1) < 1e-2 else ""
+    hint = " (reduced twice?)" if abs(c - ws) < 1e-2 and ws > 1 else hint
+    return Diagnosis(GRAD_SCALED, f"{what} is {c:.4g} x the dense grad{hint}", {"factor": c})
+
+
+@recogniser(GRAD_MISSING)
+def _grad_missing(grads: Sequence[torch.Tensor | None], what: str, attr: str) -> tuple[int, Diagnosis] | None:
+    """``grad-missing``: the first rank where the tensor's ``.grad`` is None."""
+    for r, g in enumerate(grads):
+        if g is None:
+            return r, Diagnosis(GRAD_MISSING, f"{what} received no gradient on rank {r} ({attr} is None)")
+    return None
+
+
 def _input_grad(ctx: _Ctx) -> Failure | None:
     ref = ctx.ref
     ws, dx = ctx.ws, ref.dx
-    grads = [_f64(v.get("input_grad")) for v in ctx.values]
-    tol = ctx.tol(ref.mag["dx"], ctx.case.out_features)
+    raw = [v.input_grad for v in ctx.values]
+    missing = _grad_missing(raw, "the input", "x.grad")
+    if missing is not None:
+        return ctx.fail(INPUT_GRAD, missing[1], missing[0])
+    dtype = _wrong_dtype(ctx, raw, "the input grad")
+    if dtype is not None:
+        return ctx.fail(INPUT_GRAD, dtype[1], dtype[0])
+    grads: list[torch.Tensor] = [g.to(_F64) for g in raw]  # type: ignore[union-attr]
+    mag = ref.mag["dx"]
+    k = ctx.case.out_features
+    tol = ctx.tol(mag, k)
     tol_scalar = float(tol.max()) if tol.numel() else 0.0
-    for r, g in enumerate(grads):
-        if g is None:
-            return ctx.fail(INPUT_GRAD, Diagnosis("grad-missing", f"the input received no gradient on rank {r} (x.grad is None)"), r)
     sharded = ctx.variant.input in ("sharded", "sequence-sharded")
     in_place = ctx.variant.input_placement  # in_place, or Shard(sequence_dim) under sequence parallelism
     for r, g in enumerate(grads):
         exp = shard_tensor(dx, in_place, r, ws) if sharded else dx
         if g.shape != exp.shape:
             placement = in_place if sharded else Replicate()
-            return ctx.fail(INPUT_GRAD, _shape_diagnosis(ctx, g, exp, dx, placement, r, "the input grad", tol_scalar), r)  # type: ignore[arg-type]
-    k = ctx.case.out_features
+            return ctx.fail(INPUT_GRAD, _shape_diagnosis(ctx, g, exp, dx, placement, r, "the input grad", tol_scalar), r)
+    # A replicated input of a column layer: its grad is the sum over ranks of g_r W_r (each rank's
+    # output features), which precision-loss can recompute in a narrower dtype.
+    summands = None
+    if not sharded and ctx.variant.kind == "column" and ws > 1:
+        g0 = ref.g
+        summands = [shard_tensor(g0, Shard(-1), r, ws) @ shard_tensor(ref.weight, Shard(0), r, ws) for r in range(ws)]
     if not sharded and ctx.variant.input_grad == "partial":
-        total = torch.stack(grads).sum(0)  # type: ignore[arg-type]
+        total = torch.stack(grads).sum(0)
         if close(total, dx, tol):
             return None
-        if ws > 1 and all(close(g, dx, tol) for g in grads):  # type: ignore[arg-type]
+        if ws > 1 and all(close(g, dx, tol) for g in grads):
             return ctx.fail(INPUT_GRAD, Diagnosis(
-                "grad-scaled",
+                GRAD_SCALED,
                 f"the input grad summed over ranks is {ws} x the dense grad: every rank already holds the complete "
                 "gradient; declare input_grad='complete'",
                 {"factor": float(ws)},
             ))
-        c = scale_factor(total, dx, tol, known=(ws, 1 / ws))
-        if c is not None:
-            return ctx.fail(INPUT_GRAD, Diagnosis("grad-scaled", f"the input grad summed over ranks is {c:.4g} x the dense grad", {"factor": c}))
-        return ctx.fail(INPUT_GRAD, _precision_or_mismatch(ctx, total, dx, ref.mag["dx"], k, "the input grad summed over ranks"))
+        found = _grad_scaled(ctx, total, dx, tol, "the input grad summed over ranks")
+        if found is not None:
+            return ctx.fail(INPUT_GRAD, found)
+        return ctx.fail(INPUT_GRAD, _unexplained(ctx, _Compared("the input grad summed over ranks", total, dx, tol, mag, k,
+                                                                summands)))
     for r, g in enumerate(grads):
         exp = shard_tensor(dx, in_place, r, ws) if sharded else dx
         t = shard_tensor(tol, in_place, r, ws) if sharded else tol
         if close(g, exp, t):
             continue
         what = f"the input grad on rank {r}"
-        if not sharded and rank_summands(grads, dx, tol):  # type: ignore[arg-type]
+        if not sharded and _grad_not_reduced(ctx, grads, dx, tol):
             return ctx.fail(INPUT_GRAD, Diagnosis(
-                "grad-not-reduced",
+                GRAD_NOT_REDUCED,
                 f"{what} is only its own summand (the ranks' input grads add up to the dense grad): the backward "
                 "all-reduce of the replicated input's grad is missing (Megatron's copy_to_tensor_parallel_region); "
                 "if the caller reduces it, declare input_grad='partial'",
             ), r)
-        c = scale_factor(g, exp, t, known=(ws, 1 / ws))
-        if c is not None:
-            hint = " (averaged instead of summed?)" if abs(c * ws - 1) < 1e-2 else ""
-            return ctx.fail(INPUT_GRAD, Diagnosis("grad-scaled", f"{what} is {c:.4g} x the dense grad{hint}", {"factor": c}), r)
+        found = _grad_scaled(ctx, g, exp, t, what)
+        if found is not None:
+            return ctx.fail(INPUT_GRAD, found, r)
         if ctx.variant.input == "sequence-sharded" and ws > 1:
             seq = ctx.variant.sequence_dim_of(dx.dim())
-            d = _other_dim_slices(ctx, grads, dx, tol, -1 if seq is None else seq)  # type: ignore[arg-type]
+            d = _other_dim_slices(ctx, grads, dx, tol, -1 if seq is None else seq)
             if d is not None:
                 return ctx.fail(INPUT_GRAD, Diagnosis(
-                    "wrong-shard-dim",
+                    WRONG_SHARD_DIM,
                     f"the input grad: every rank holds its 1/{ws} slice of dim {d} of the dense grad instead of dim "
                     f"{seq} (the sequence dim): the backward reduce-scatter runs along the wrong dim",
                     {"dim": d, "expected_dim": seq},
@@ -425,10 +678,19 @@ def _input_grad(ctx: _Ctx) -> Failure | None:
             for j in range(ws):
                 if j != r and close(g, shard_tensor(dx, in_place, j, ws), t):
                     return ctx.fail(INPUT_GRAD, Diagnosis(
-                        "wrong-shard-order", f"{what} is the slice of rank {j}: a rank holds another rank's shard", {"holds": j}), r)
-        mag = shard_tensor(ref.mag["dx"], in_place, r, ws) if sharded else ref.mag["dx"]
-        return ctx.fail(INPUT_GRAD, _precision_or_mismatch(ctx, g, exp, mag, k, what), r)
+                        WRONG_SHARD_ORDER, f"{what} is the slice of rank {j}: a rank holds another rank's shard",
+                        {"holds": j}), r)
+        m = shard_tensor(mag, in_place, r, ws) if sharded else mag
+        return ctx.fail(INPUT_GRAD, _unexplained(ctx, _Compared(what, g, exp, t, m, k, None if sharded else summands)), r)
     return None
+
+
+@recogniser(BIAS_GRAD_RANK0_ONLY)
+def _bias_grad_rank0_only(ctx: _Ctx, grads: Sequence[torch.Tensor | None], full: torch.Tensor, ok: Sequence[bool]) -> bool:
+    """``bias-grad-rank0-only``'s evidence: rank 0's grad right, every other rank's None or zeros."""
+    return ctx.ws > 1 and ok[0] and all(
+        g is None or (g.shape == full.shape and not bool(g.abs().gt(0).any())) for g in grads[1:]
+    )
 
 
 def _param_grad(ctx: _Ctx, master: str, prop: str) -> Failure | None:
@@ -444,20 +706,24 @@ def _param_grad(ctx: _Ctx, master: str, prop: str) -> Failure | None:
     tol_scalar = float(tol_full.max()) if tol_full.numel() else 0.0
     placement = spec.placement
     sharded = isinstance(placement, Shard)
-    grads = [_f64(v["grads"].get(master)) for v in ctx.values]
+    name = f"the {spec.name} grad"
+    raw = [v.grads.get(master) for v in ctx.values]
+    dtype = _wrong_dtype(ctx, raw, name)
+    if dtype is not None:
+        return ctx.fail(prop, dtype[1], dtype[0])
+    grads = [_f64(g) for g in raw]
+    if any(master in v.partial for v in ctx.values):
+        return _partial_param_grad(ctx, spec, prop, grads, full, tol_full, mag_full, k)
     expected = [shard_tensor(full, placement, r, ws) if sharded else full for r in range(ws)]
     tols = [shard_tensor(tol_full, placement, r, ws) if sharded else tol_full for r in range(ws)]
     mags = [shard_tensor(mag_full, placement, r, ws) if sharded else mag_full for r in range(ws)]
-    name = f"the {spec.name} grad"
 
     ok = [g is not None and g.shape == e.shape and close(g, e, t) for g, e, t in zip(grads, expected, tols, strict=True)]
     if all(ok):
         return None
-    if master == "bias" and not sharded and ws > 1 and ok[0] and all(
-        g is None or (g.shape == full.shape and not bool(g.abs().gt(0).any())) for g in grads[1:]
-    ):
+    if master == "bias" and not sharded and _bias_grad_rank0_only(ctx, grads, full, ok):
         return ctx.fail(prop, Diagnosis(
-            "bias-grad-rank0-only",
+            BIAS_GRAD_RANK0_ONLY,
             f"only rank 0's bias received its gradient (ranks 1..{ws - 1} have "
             f"{'None' if grads[1] is None else 'zeros'}): the bias is added on rank 0 only, so the other replicas "
             "never learn; add it on every rank after the reduction",
@@ -467,53 +733,92 @@ def _param_grad(ctx: _Ctx, master: str, prop: str) -> Failure | None:
             continue
         what = f"{name} on rank {r}"
         if g is None:
-            return ctx.fail(prop, Diagnosis("grad-missing", f"{spec.name} received no gradient on rank {r} (.grad is None)"), r)
+            return ctx.fail(prop, Diagnosis(GRAD_MISSING, f"{spec.name} received no gradient on rank {r} (.grad is None)"), r)
         if g.shape != e.shape:
             return ctx.fail(prop, _shape_diagnosis(ctx, g, e, full, placement, r, name, tol_scalar), r)
         if sharded and getattr(placement, "parts", None) and ctx.ws > 1 and all(x is not None for x in grads) and \
                 _contiguous_packed(ctx, grads, full, tol_full, placement.dim % full.dim()):  # type: ignore[arg-type]
-            return ctx.fail(prop, Diagnosis("packed-shard-layout", _packed_message(ctx, name), {"parts": list(placement.parts)}), r)
-        if not sharded and rank_summands([x for x in grads if x is not None], full, tol_full):
+            return ctx.fail(prop, Diagnosis(PACKED_SHARD_LAYOUT, _packed_message(ctx, name), {"parts": list(placement.parts)}), r)
+        if not sharded and _grad_not_reduced(ctx, [x for x in grads if x is not None], full, tol_full):
             return ctx.fail(prop, Diagnosis(
-                "grad-not-reduced",
+                GRAD_NOT_REDUCED,
                 f"{what} is only its own summand (the ranks' grads add up to the dense grad): the grad of the "
                 f"replicated parameter {spec.name!r} is never all-reduced"
                 + (" (under sequence parallelism each rank uses it on its own slice of the sequence only; "
-                   "NeMo #7184, gpt-neox #1257)" if "sequence-sharded" in (ctx.variant.input, ctx.variant.output) else ""),
+                   "NeMo #7184, gpt-neox #1257)" if "sequence-sharded" in (ctx.variant.input, ctx.variant.output) else "")
+                + f"; if the trainer sums it (Megatron's finalize_model_grads), declare ParamSpec({spec.name!r}, ..., "
+                  f"grad='partial') or mark it {spec.name}.sequence_parallel = True",
                 {"param": spec.name},
             ), r)
-        c = scale_factor(g, e, t, known=(ws, 1 / ws))
-        if c is not None:
-            hint = " (averaged instead of summed, or the value divided by world_size?)" if abs(c * ws - 1) < 1e-2 else ""
-            hint = " (reduced twice?)" if abs(c - ws) < 1e-2 and ws > 1 else hint
-            return ctx.fail(prop, Diagnosis("grad-scaled", f"{what} is {c:.4g} x the dense grad{hint}", {"factor": c}), r)
+        found = _grad_scaled(ctx, g, e, t, what)
+        if found is not None:
+            return ctx.fail(prop, found, r)
         if sharded and ws > 1:
             for j in range(ws):
                 if j != r and close(g, expected[j], torch.maximum(t, tols[j])):
                     return ctx.fail(prop, Diagnosis(
-                        "wrong-shard-order",
+                        WRONG_SHARD_ORDER,
                         f"{what} is the grad of rank {j}'s shard: rank {r} holds rank {j}'s shard of {spec.name}",
                         {"holds": j},
                     ), r)
-        return ctx.fail(prop, _precision_or_mismatch(ctx, g, e, mags[r], k, what), r)
+        return ctx.fail(prop, _unexplained(ctx, _Compared(what, g, e, t, mags[r], k)), r)
     return None
+
+
+def _partial_param_grad(ctx: _Ctx, spec: Any, prop: str, grads: list[torch.Tensor | None], full: torch.Tensor,
+                        tol: torch.Tensor, mag: torch.Tensor, k: int) -> Failure | None:
+    """A replicated parameter whose grad the trainer sums (declared ``grad='partial'`` or marked
+    ``sequence_parallel``): the rank-order sum of the ranks' grads must equal the dense grad."""
+    ws = ctx.ws
+    name = f"the {spec.name} grad"
+    missing = _grad_missing(grads, spec.name, ".grad")
+    if missing is not None:
+        return ctx.fail(prop, missing[1], missing[0])
+    present: list[torch.Tensor] = [g for g in grads if g is not None]
+    for r, g in enumerate(present):
+        if g.shape != full.shape:
+            return ctx.fail(prop, _shape_diagnosis(ctx, g, full, full, Replicate(), r, name,
+                                                   float(tol.max()) if tol.numel() else 0.0), r)
+    total = present[0]
+    for g in present[1:]:
+        total = total + g
+    # The trainer's sum adds ws summands, each rounded: up to ws more roundings than one grad.
+    tol_sum = tol * ws
+    if close(total, full, tol_sum):
+        return None
+    why = ("declared grad='partial'" if spec.grad == "partial"
+           else f"marked {spec.name}.sequence_parallel = True, so the trainer sums it")
+    what = f"{name} summed over the tp group (the trainer's sum; it is {why})"
+    if ws > 1 and all(close(g, full, tol) for g in present):
+        return ctx.fail(prop, Diagnosis(
+            GRAD_SCALED,
+            f"{what} is {ws} x the dense grad: every rank already holds the complete gradient, so the trainer's sum "
+            f"counts it {ws} times; the layer reduces it already: declare grad='complete' (and drop the "
+            "sequence_parallel marker)",
+            {"factor": float(ws), "param": spec.name},
+        ))
+    found = _grad_scaled(ctx, total, full, tol_sum, what)
+    if found is not None:
+        return ctx.fail(prop, found)
+    return ctx.fail(prop, _unexplained(ctx, _Compared(what, total, full, tol_sum, mag, k + ws)))
 
 
 # --- replicas, training --------------------------------------------------------------------------
 
 
+@recogniser(REPLICA_DIVERGENCE)
 def _replica_at_construction(ctx: _Ctx) -> Failure | None:
     """Replicated parameters the layer initialised itself must agree bit for bit right after
     construction (every rank was seeded alike), before the harness loads the master values."""
     for spec in ctx.variant.params or ():
-        tensors = [(x.get("init") or {}).get(spec.name) for x in ctx.values]
-        if any(t is None for t in tensors) or len({tuple(t.shape) for t in tensors}) > 1:
+        tensors = [x.init.get(spec.name) for x in ctx.values]
+        if any(t is None for t in tensors) or len({tuple(t.shape) for t in tensors}) > 1:  # type: ignore[union-attr]
             continue
-        bad = [r for r in range(1, len(tensors)) if not torch.equal(tensors[r], tensors[0])]
+        bad = [r for r in range(1, len(tensors)) if not torch.equal(tensors[r], tensors[0])]  # type: ignore[arg-type]
         if bad:
-            diff = max(float((tensors[r].to(_F64) - tensors[0].to(_F64)).abs().max()) for r in bad)
+            diff = max(float((tensors[r].to(_F64) - tensors[0].to(_F64)).abs().max()) for r in bad)  # type: ignore[union-attr]
             return ctx.fail(REPLICA, Diagnosis(
-                "replica-divergence",
+                REPLICA_DIVERGENCE,
                 f"parameter {spec.name!r} is replicated ({spec.placement}) but right after construction ranks {bad} "
                 f"hold other values than rank 0 (max abs difference {diff:.3g}), although every rank was seeded "
                 f"alike (torch.manual_seed({ctx.case.seed})) before the build: its initialisation depends on the rank "
@@ -524,6 +829,7 @@ def _replica_at_construction(ctx: _Ctx) -> Failure | None:
     return None
 
 
+@recogniser(REPLICA_DIVERGENCE)
 def _replica(ctx: _Ctx) -> Failure | None:
     at_construction = _replica_at_construction(ctx)
     if at_construction is not None:
@@ -531,13 +837,18 @@ def _replica(ctx: _Ctx) -> Failure | None:
     v = ctx.variant
     items: list[tuple[str, list[Any]]] = []
     if v.output in ("gathered", "reduced"):
-        items.append(("the output", [x.get("output") for x in ctx.values]))
+        items.append(("the output", [x.output for x in ctx.values]))
     if v.input == "replicated" and v.input_grad == "complete":
-        items.append(("the input grad", [x.get("input_grad") for x in ctx.values]))
+        items.append(("the input grad", [x.input_grad for x in ctx.values]))
     for spec in v.params or ():
         if isinstance(spec.placement, Replicate) and (spec.master == "weight" or ctx.case.bias):
-            items.append((f"the {spec.name} grad", [x["grads"].get(spec.master) for x in ctx.values]))
-            items.append((f"{spec.name} after {TRAIN_STEPS} SGD steps", [x["final"].get(spec.master) for x in ctx.values]))
+            if any(spec.master in x.partial for x in ctx.values):
+                # Partial by design: the replicas must agree after the trainer's sum.
+                items.append((f"the {spec.name} grad after the trainer's sum",
+                              [x.summed_grads.get(spec.master) for x in ctx.values]))
+            else:
+                items.append((f"the {spec.name} grad", [x.grads.get(spec.master) for x in ctx.values]))
+            items.append((f"{spec.name} after {TRAIN_STEPS} SGD steps", [x.final.get(spec.master) for x in ctx.values]))
     for what, tensors in items:
         if any(t is None for t in tensors) or len({tuple(t.shape) for t in tensors}) > 1:
             continue  # missing or mis-shaped tensors are the equivalence properties' findings
@@ -545,7 +856,7 @@ def _replica(ctx: _Ctx) -> Failure | None:
         if bad:
             diff = max(float((tensors[r].to(_F64) - tensors[0].to(_F64)).abs().max()) for r in bad)
             return ctx.fail(REPLICA, Diagnosis(
-                "replica-divergence",
+                REPLICA_DIVERGENCE,
                 f"{what} must be identical on every rank, but ranks {bad} differ from rank 0 (max abs difference {diff:.3g})",
                 {"ranks": bad, "max_abs": diff, "tensor": what},
             ), bad[0])
@@ -558,63 +869,81 @@ def _training(ctx: _Ctx) -> Failure | None:
     for spec in ctx.variant.params or ():
         if spec.master == "bias" and not ctx.case.bias:
             continue
-        finals = [_f64(v["final"].get(spec.master)) for v in ctx.values]
+        finals = [_f64(v.final.get(spec.master)) for v in ctx.values]
         want = ref.final[spec.master]
-        tol = ctx.tol(ref.mag["final_" + spec.master], k)
+        mag = ref.mag["final_" + spec.master]
+        tol = ctx.tol(mag, k)
         what = f"{spec.name} after {TRAIN_STEPS} SGD steps (lr {LR})"
         if any(f is None for f in finals):
-            return ctx.fail(TRAINING, Diagnosis("shape-error", f"{what}: the parameter disappeared on some rank"))
+            return ctx.fail(TRAINING, Diagnosis(SHAPE_ERROR, f"{what}: the parameter disappeared on some rank"))
         if isinstance(spec.placement, Shard):
             try:
-                from tpsim.placement import assemble
-
                 got = assemble(finals, spec.placement)  # type: ignore[arg-type]
             except (RuntimeError, InvalidArgument) as err:
-                return ctx.fail(TRAINING, Diagnosis("shape-error", f"{what}: cannot re-assemble the shards: {err}"))
+                return ctx.fail(TRAINING, Diagnosis(SHAPE_ERROR, f"{what}: cannot re-assemble the shards: {err}"))
             if not close(got, want, tol):
-                d = _precision_or_mismatch(ctx, got, want, ref.mag["final_" + spec.master], k, f"{what} (re-assembled)")
-                return ctx.fail(TRAINING, d)
+                return ctx.fail(TRAINING, _unexplained(ctx, _Compared(f"{what} (re-assembled)", got, want, tol, mag, k)))
         else:
             for r, got in enumerate(finals):
-                if not close(got, want, tol):
-                    d = _precision_or_mismatch(ctx, got, want, ref.mag["final_" + spec.master], k, f"{what} on rank {r}")
-                    return ctx.fail(TRAINING, d, r)
+                if got.shape != want.shape:  # type: ignore[union-attr]
+                    return ctx.fail(TRAINING, _shape_diagnosis(ctx, got, want, want, Replicate(), r, what,  # type: ignore[arg-type]
+                                                               float(tol.max()) if tol.numel() else 0.0), r)
+                if not close(got, want, tol):  # type: ignore[arg-type]
+                    return ctx.fail(TRAINING, _unexplained(ctx, _Compared(f"{what} on rank {r}", got, want, tol, mag, k)), r)  # type: ignore[arg-type]
     return None
 
 
 # --- whole-run outcomes --------------------------------------------------------------------------
 
-_PHASE_RE = re.compile(r"the variant raised during (\w+)(?: \(step (\d+)\))?: (.*)")
+@recogniser(RANK_EXITED, RANK_CRASHED)
+def _death_failure(variant: Variant, obs: Observation) -> Failure | None:
+    """A rank that ended its process or crashed (:class:`tpsim.RankDied`): its rank, phase and cause."""
+    err = obs.error
+    if not isinstance(err, RankDied):
+        return None
+    step = err.step or 0
+    if not obs.divisible:
+        prop = DIVISIBILITY
+    else:
+        prop = TRAINING if step > 0 else {"backward": INPUT_GRAD, "step": TRAINING}.get(err.phase or "", FORWARD)
+    diag = RANK_CRASHED if isinstance(err, RankCrashed) else RANK_EXITED
+    return Failure(prop, diag, err.summary.splitlines()[0], case=obs.case, rank=err.rank,
+                   traceback=err.remote_traceback.rstrip() or None, variant=variant.name,
+                   details={"phase": err.phase, "step": err.step, "cause": err.cause, "exitcode": err.exitcode,
+                            "signal": err.signal})
 
 
+@recogniser(EXCEPTION)
 def _exception_failure(variant: Variant, obs: Observation) -> Failure:
+    """``exception``: the first rank whose own code raised (a rank stuck in a collective only when no
+    rank raised), with the phase and step its :class:`VariantRaised` carries as fields."""
     errors = obs.rank_errors()
     primary = {r: e for r, e in errors.items() if not isinstance(e, CollectiveError)}
     pool = primary or errors
     rank = min(pool)
     err = pool[rank]
-    phase, step, summary, tb = "forward", 0, str(err).splitlines()[0] if str(err) else type(err).__name__, ""
+    phase: str | None = None
+    step = 0
     if isinstance(err, VariantRaised):
         phase, step, summary, tb = err.phase, err.step, err.summary, err.traceback_text
+    elif isinstance(err, RankError):
+        summary, tb = err.summary.splitlines()[0] if err.summary else type(err).__name__, err.remote_traceback
     else:
-        text = str(err)
-        m = _PHASE_RE.search(text)
-        if m:
-            phase, step, summary = m.group(1), int(m.group(2) or 0), m.group(3)
-        tb = getattr(err, "remote_traceback", "") or text
+        summary, tb = f"{type(err).__name__}: {err}".splitlines()[0], ""
     if isinstance(err, CollectiveError) and not primary:
-        summary = f"{err.collective or 'a collective'} #{err.call_index} could not complete: {str(err).splitlines()[0]}"
-    prop = {"build": FORWARD, "forward": FORWARD, "backward": INPUT_GRAD}.get(phase, FORWARD)
+        summary = f"{err.collective or 'a collective'} #{err.call_index} could not complete: {err.summary.splitlines()[0]}"
+    prop = {"build": FORWARD, "forward": FORWARD, "backward": INPUT_GRAD}.get(phase or "", FORWARD)
     if step > 0:
         prop = TRAINING
-    where = phase if phase == "build" else f"{phase} (step {step})"
+    where = "the run" if phase is None else phase if phase == "build" else f"{phase} (step {step})"
     others = sorted(r for r in primary if r != rank)
     also = f" (ranks {others} raised too)" if others else ""
     message = f"rank {rank} raised during {where}: {summary}{also}"
-    return Failure(prop, "exception", message, case=obs.case, rank=rank, traceback=tb.rstrip() or None,
+    return Failure(prop, EXCEPTION, message, case=obs.case, rank=rank, traceback=tb.rstrip() or None,
                    details={"phase": phase, "step": step, "ranks": sorted(primary)}, variant=variant.name)
 
 
+@recogniser(SHAPE_ERROR, WRONG_SHARD_DIM)
 def _layout_failure(variant: Variant, obs: Observation) -> Failure | None:
     """A parameter with the wrong stored shape (raised by the loader as :class:`LayoutError`)."""
     layout = {r: e for r, e in obs.rank_errors().items() if isinstance(e, LayoutError)}
@@ -623,13 +952,13 @@ def _layout_failure(variant: Variant, obs: Observation) -> Failure | None:
     r = min(layout)
     err = layout[r]
     shape, expected = err.shape, tuple(err.expected)
-    diag = "shape-error"
+    diag = SHAPE_ERROR
     if shape is not None:
         spec = next((s for s in variant.params or () if s.name == err.param), None)
         if spec is not None and _is_other_dim_shard(spec, tuple(shape), obs.case):
-            diag = "wrong-shard-dim"
+            diag = WRONG_SHARD_DIM
     msg = str(err)
-    if diag == "wrong-shard-dim":
+    if diag == WRONG_SHARD_DIM:
         msg += " — that is the shape of the master sharded along the other dim: the weight was split along the wrong dim"
     return Failure(FORWARD, diag, msg, case=obs.case, rank=r, variant=variant.name,
                    details={"param": err.param, "shape": None if shape is None else list(shape),
@@ -667,6 +996,7 @@ def _names_the_size(err: BaseException, sizes: Sequence[int]) -> bool:
     return any(re.search(rf"(?<![\d.]){n}(?![\d.])", text) for n in sizes)
 
 
+@recogniser(DIVISIBILITY_UNCHECKED)
 def _divisibility(variant: Variant, obs: Observation) -> Failure | None:
     case, ws = obs.case, obs.case.world_size
     tp = case.tp_size or ws
@@ -686,12 +1016,13 @@ def _divisibility(variant: Variant, obs: Observation) -> Failure | None:
             err = errors[r]
             summary = err.summary if isinstance(err, VariantRaised) else f"{type(err).__name__}: {err}"
             return Failure(
-                DIVISIBILITY, "divisibility-unchecked",
+                DIVISIBILITY, DIVISIBILITY_UNCHECKED,
                 f"{what}; every rank raised, but rank {r}'s error does not say why (it names neither the sizes "
                 f"nor divisibility): {summary.splitlines()[0] if summary else type(err).__name__}; check the sizes "
                 "at construction and raise a ValueError naming them",
                 case=case, rank=r, variant=variant.name,
-                traceback=getattr(err, "traceback_text", None), details={"raised": raised, "unclear": unclear},
+                traceback=err.traceback_text if isinstance(err, VariantRaised) else None,
+                details={"raised": raised, "unclear": unclear},
             )
         if raised:
             detail = f"ranks {raised} raised but ranks {stuck or sorted(set(range(ws)) - set(raised))} did not"
@@ -699,16 +1030,16 @@ def _divisibility(variant: Variant, obs: Observation) -> Failure | None:
                 detail += " (they failed waiting in a collective instead)"
         else:
             detail = f"no rank raised a clear error; the ranks failed in a collective: {str(obs.error).splitlines()[0]}"
-        return Failure(DIVISIBILITY, "divisibility-unchecked",
+        return Failure(DIVISIBILITY, DIVISIBILITY_UNCHECKED,
                        f"{what}, and the layer did not refuse it on every rank: {detail}",
                        case=case, variant=variant.name, details={"raised": raised, "collective": stuck})
     values = obs.values or []
-    accepted = [r for r, v in enumerate(values) if v["status"] == "accepted"]
+    accepted = [r for r, v in enumerate(values) if v.status == ACCEPTED]
     r0 = accepted[0]
-    shape = values[r0].get("output_shape")
+    shape = values[r0].output_shape
     return Failure(
         DIVISIBILITY,
-        "divisibility-unchecked",
+        DIVISIBILITY_UNCHECKED,
         f"{what}, yet every rank built the layer and its forward returned an output (rank {r0}: shape "
         f"{list(shape) if shape is not None else shape}) without an error: the sizes were silently truncated or "
         "padded; raise a ValueError naming the sizes at construction",
@@ -720,11 +1051,22 @@ def _divisibility(variant: Variant, obs: Observation) -> Failure | None:
 
 
 def evaluate(variant: Variant, obs: Observation, properties: Sequence[str] | None = None) -> list[Failure]:
-    """Evaluate ``properties`` (default: all) on one observation; return the failures, in order."""
+    """Evaluate ``properties`` (default: all) on one observation; return its causes, in property order.
+
+    One cause, one report: a failure that follows from an earlier one (the registry's consequence
+    rules, :func:`tpsim.diagnosis.group_causes`) is listed in that failure's ``consequences`` instead
+    of on its own."""
+    return group_causes(_evaluate(variant, obs, properties))
+
+
+def _evaluate(variant: Variant, obs: Observation, properties: Sequence[str] | None) -> list[Failure]:
     wanted = tuple(properties or PROPERTIES)
     unknown = [p for p in wanted if p not in PROPERTIES]
     if unknown:
         raise InvalidArgument(f"unknown properties {unknown}; expected some of {list(PROPERTIES)}")
+    death = _death_failure(variant, obs) if obs.divisible or DIVISIBILITY in wanted else None
+    if death is not None:
+        return [death]
     if not obs.divisible:
         if DIVISIBILITY not in wanted:
             return []
@@ -737,27 +1079,26 @@ def evaluate(variant: Variant, obs: Observation, properties: Sequence[str] | Non
     return _evaluate_values(variant, obs.case, obs.values or [], obs.masters, wanted)
 
 
-def _evaluate_values(variant: Variant, case: Case, values: list[dict[str, Any]], masters: Any,
+def _evaluate_values(variant: Variant, case: Case, values: list[RankResult], masters: Any,
                      wanted: Sequence[str]) -> list[Failure]:
-    """The per-case properties on the values of one tp group (its ranks in tp-rank order)."""
-    obs = Observation(case, True, values=values, masters=masters)
-    ctx = _Ctx(variant, obs.case, values, reference(obs.case, obs.masters))
-    if any(v["status"] == "output-shape" for v in values):
+    """The per-case properties on the values of one tp group (its ranks in tp-rank order). Every
+    wanted property is evaluated (training too, when others fail: its failure is then listed as a
+    consequence of theirs), except after an output that could not be back-propagated."""
+    ctx = _Ctx(variant, case, values, reference(case, masters))
+    if any(v.status in (OUTPUT_SHAPE, DETACHED) for v in values):
+        # No backward ran: only the forward can be judged.
         f = _forward(ctx)
-        return [f] if f else [Failure(FORWARD, "shape-error", "the output shape does not match the upstream grad", case=obs.case, variant=variant.name)]
+        return [f] if f else [Failure(FORWARD, SHAPE_ERROR, "the output shape does not match the upstream grad",
+                                      case=case, variant=variant.name)]
     evaluators: list[tuple[str, Callable[[], Failure | None]]] = [
         (FORWARD, lambda: _forward(ctx)),
         (INPUT_GRAD, lambda: _input_grad(ctx)),
         (WEIGHT_GRAD, lambda: _param_grad(ctx, "weight", WEIGHT_GRAD)),
         (BIAS_GRAD, lambda: _param_grad(ctx, "bias", BIAS_GRAD)),
         (REPLICA, lambda: _replica(ctx)),
+        (TRAINING, lambda: _training(ctx)),
     ]
-    failures = [f for name, fn in evaluators if name in wanted and (f := fn()) is not None]
-    if TRAINING in wanted and not failures:
-        f = _training(ctx)
-        if f is not None:
-            failures.append(f)
-    return failures
+    return [f for name, fn in evaluators if name in wanted and (f := fn()) is not None]
 
 
 # --- tp subgroups ----------------------------------------------------------------------------------
@@ -778,7 +1119,7 @@ def _evaluate_groups(variant: Variant, obs: Observation, wanted: Sequence[str]) 
         for f in failures:
             if f.property in wrong:
                 prop_diag = wrong.pop(f.property)
-                f = Failure(f.property, "wrong-group", prop_diag["message"], case=case, rank=0, variant=variant.name,
+                f = Failure(f.property, WRONG_GROUP, prop_diag["message"], case=case, rank=0, variant=variant.name,
                             details={"used": prop_diag["used"], "used_ranks": prop_diag["ranks"], "groups": groups})
                 out.append(f)
                 continue
@@ -807,7 +1148,7 @@ def _wrong_group(variant: Variant, obs: Observation, groups: list[list[int]]) ->
         return lambda n: tolerance(case.torch_dtype, mag, reduction_length=k, world_size=n)
 
     found: dict[str, dict[str, Any]] = {}
-    outs = [_f64(v.get("output")) for v in values]
+    outs = [_f64(v.output) for v in values]
     common = dict(world_size=ws, tp_size=tp, layout=case.tp_layout)
     if variant.kind == "row" and variant.output == "reduced":
         mag = torch.stack([x.abs() @ w.abs().t() for x in xs]).sum(0) + (0.0 if b is None else b.abs())
@@ -824,7 +1165,7 @@ def _wrong_group(variant: Variant, obs: Observation, groups: list[list[int]]) ->
         if hit:
             found[FORWARD] = hit
     if variant.kind == "column" and variant.input == "replicated" and variant.input_grad == "complete":
-        grads = [_f64(v.get("input_grad")) for v in values]
+        grads = [_f64(v.input_grad) for v in values]
         mag = torch.stack([g.abs() @ w.abs() for g in gs]).sum(0)
         hit = wrong_group("the input grad", grads, column_grad_summands(gs, w, groups, ws),
                           tol_for=tol_for(mag, case.out_features), **common)
@@ -858,18 +1199,21 @@ def check_case(
     case: Case,
     *,
     backend: str = "inproc",
-    timeout: float = 10.0,
+    timeout: float = DEFAULT_TIMEOUT,
     properties: Sequence[str] | None = None,
+    isolate: bool = False,
 ) -> list[Failure]:
     """Run ``case`` once and evaluate every property (or ``properties``); return the failures.
 
     A failing case with a non-contiguous ``input_layout`` is run again as its contiguous twin (same
     values, contiguous tensors); a failure the twin does not show says that it appears only for
-    non-contiguous layouts."""
-    obs = observe(variant, case, backend=backend, timeout=timeout)
+    non-contiguous layouts. ``isolate=True``: run inproc worlds in a supervised worker process (see
+    :func:`tpsim.props.world.observe`)."""
+    obs = observe(variant, case, backend=backend, timeout=timeout, isolate=isolate)
     failures = evaluate(variant, obs, properties)
     if failures and case.input_layout != "contiguous":
-        twin = evaluate(variant, observe(variant, case, backend=backend, timeout=timeout, layout="contiguous"), properties)
+        twin = evaluate(variant, observe(variant, case, backend=backend, timeout=timeout, layout="contiguous",
+                                         isolate=isolate), properties)
         seen = {f.property for f in twin}
         for f in failures:
             if f.property not in seen:
@@ -882,7 +1226,7 @@ def check_case(
 
 
 def _one(prop: str) -> Callable[..., None]:
-    def check(variant: Variant, case: Case, *, backend: str = "inproc", timeout: float = 10.0) -> None:
+    def check(variant: Variant, case: Case, *, backend: str = "inproc", timeout: float = DEFAULT_TIMEOUT) -> None:
         obs = _observation(variant, case, backend, timeout)
         if prop == DIVISIBILITY and obs.divisible:
             raise InvalidArgument(

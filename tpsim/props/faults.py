@@ -19,6 +19,7 @@ or the layer failed to surface.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -32,6 +33,7 @@ from hypothesis import seed as hyp_seed
 from hypothesis import strategies as st
 
 import tpsim
+from tpsim.diagnosis import FAULT_NOT_SURFACED, recogniser
 from tpsim.errors import InvalidArgument, RankError
 from tpsim.faults import FAULT_KINDS, Corrupt, Crash, Delay, Drop, Fault, Mismatch, parse_plan
 from tpsim.props.case import Case
@@ -191,9 +193,9 @@ def _payload(variant: Variant, case: Case, backend: str) -> dict[str, Any]:
 
 
 def _leftovers() -> list[str]:
-    from tpsim.comm import procs
+    from tpsim.comm import isolate, procs
 
-    pooled = {p for pids in procs.live_worker_pids().values() for p in pids}
+    pooled = {p for pids in procs.live_worker_pids().values() for p in pids} | isolate.helper_pids()
     me, left = os.getpid(), []
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
         if not entry.isdigit() or int(entry) in pooled:
@@ -222,6 +224,8 @@ def _same(a: Any, b: Any) -> bool:
         return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b) or (
             a.is_floating_point() and torch.equal(torch.nan_to_num(a, 7.0), torch.nan_to_num(b, 7.0))
             and torch.equal(a.isnan(), b.isnan())))
+    if dataclasses.is_dataclass(a) and not isinstance(a, type) and type(a) is type(b):
+        return _same(vars(a), vars(b))  # a rank's typed result (tpsim.props.world.RankResult)
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
@@ -252,6 +256,7 @@ def fault_detection(
     return report
 
 
+@recogniser(FAULT_NOT_SURFACED)
 def _detect(variant: Variant, case: Case, plan: tuple[Fault, ...], *, backend: str, timeout: float,
             checksum: bool, clean: tpsim.WorldResult | None) -> FaultReport:
     ws = case.world_size

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from tpsim.diagnosis import WRONG_GROUP, recogniser
 from tpsim.errors import InvalidArgument
 from tpsim.placement import Shard, shard_tensor
 
@@ -74,6 +75,7 @@ def _set_of(rank: int, partition: list[list[int]]) -> list[int]:
     return next(s for s in partition if rank in s)
 
 
+@recogniser(WRONG_GROUP)
 def wrong_group(
     what: str,
     actual: Sequence[torch.Tensor | None],

@@ -40,21 +40,34 @@ import hypothesis
 from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
 
-from tpsim.diagnosis import Failure
+from tpsim.comm.limits import check_world_size
+from tpsim.diagnosis import MISMATCH, SHAPE_ERROR, Failure, group_causes
 from tpsim.errors import InvalidArgument
-from tpsim.props.case import Case
+from tpsim.props.case import DTYPES, Case
 from tpsim.props.checks import DIVISIBILITY, PROPERTIES, check_case
+from tpsim.props.family import family_of
 from tpsim.props.layouts import INPUT_LAYOUTS
-from tpsim.props.strategies import cases
+from tpsim.props.strategies import DEFAULT_WORLD_SIZES
+from tpsim.runner import BACKENDS, DEFAULT_TIMEOUT
 from tpsim.variant import Variant
 
-__all__ = ["DEFAULT_DTYPES", "DEFAULT_WORLD_SIZES", "SearchReport", "check_case", "search"]
+__all__ = [
+    "DEFAULT_DTYPES",
+    "DEFAULT_MAX_EXAMPLES",
+    "DEFAULT_WORLD_SIZES",
+    "SearchInterrupted",
+    "SearchReport",
+    "check_case",
+    "property_verdicts",
+    "search",
+]
 
-#: World sizes :func:`search` draws from by default (non-powers of two and > 4 included).
-DEFAULT_WORLD_SIZES = (1, 2, 3, 4, 8)
-#: dtypes :func:`search` draws from by default.
-DEFAULT_DTYPES = ("float64", "float32", "bfloat16", "float16")
-_BACKENDS = ("inproc", "gloo", "nccl")
+# The defaults below are the library's; ``tpsim check`` derives its own defaults from them.
+# World sizes: DEFAULT_WORLD_SIZES of tpsim.props.strategies (re-exported here).
+#: dtypes :func:`search` draws from by default: every dtype a case can carry.
+DEFAULT_DTYPES = tuple(DTYPES)
+#: Examples :func:`search` checks per variant by default.
+DEFAULT_MAX_EXAMPLES = 100
 
 
 @dataclass
@@ -63,11 +76,15 @@ class SearchReport:
 
     - ``passed``: every property held on every example;
     - ``examples``: cases checked in all (generated, shrink attempts and final replays);
-    - ``failures``: one :class:`~tpsim.diagnosis.Failure` per distinct (property, diagnosis),
-      each on its minimal case, in property order;
+    - ``failures``: one :class:`~tpsim.diagnosis.Failure` per *cause*, each on its minimal case,
+      in property order, with the failures that follow from it in its ``consequences`` (see
+      :func:`_merge`); ``len(failures)`` is the number of causes a summary counts;
     - ``seconds``: wall time of the search;
     - ``notes``: remarks a report should show (e.g. "bias-free cases only");
-    - ``variant``: the variant's name.
+    - ``variant``: the variant's name;
+    - ``verdicts``: every property's verdict, by name: ``{"verdict": "pass" | "fail" |
+      "not-applicable", "diagnoses": [...], "cause": "property: diagnosis" or None, "why": ...}``
+      (a failing property lists its diagnoses, and the cause it is a consequence of, if any).
     """
 
     passed: bool
@@ -76,6 +93,12 @@ class SearchReport:
     seconds: float
     notes: list[str] = field(default_factory=list)
     variant: str | None = None
+    verdicts: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def causes(self) -> int:
+        """How many distinct causes failed (consequences are not counted)."""
+        return len(self.failures)
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready dict: the fields above, failures as :meth:`Failure.to_json`."""
@@ -85,8 +108,39 @@ class SearchReport:
             "examples": self.examples,
             "seconds": round(self.seconds, 3),
             "notes": list(self.notes),
+            "causes": self.causes,
             "failures": [f.to_json() for f in self.failures],
+            "verdicts": {k: dict(v) for k, v in self.verdicts.items()},
         }
+
+
+def property_verdicts(properties: Sequence[str], causes: Sequence[Failure],
+                      not_applicable: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    """Every property's verdict from a search's causes: ``fail`` (with its diagnoses, and the cause
+    when the property failed only as a consequence), ``not-applicable`` (with why) or ``pass``."""
+    out: dict[str, dict[str, Any]] = {}
+    skipped = dict(not_applicable or {})
+    for cause in causes:
+        for f in (cause, *cause.consequences):
+            v = out.setdefault(f.property, {"verdict": "fail", "diagnoses": [], "cause": None})
+            if f.label not in v["diagnoses"]:
+                v["diagnoses"].append(f.label)
+            if f is cause:
+                v["cause"] = None
+                v["primary"] = True
+            elif not v.get("primary"):
+                v["cause"] = f"{cause.property}: {cause.label}"
+    verdicts: dict[str, dict[str, Any]] = {}
+    for prop in dict.fromkeys([*properties, *out]):
+        if prop in out:
+            v = out[prop]
+            v.pop("primary", None)
+            verdicts[prop] = v
+        elif prop in skipped:
+            verdicts[prop] = {"verdict": "not-applicable", "diagnoses": [], "cause": None, "why": skipped[prop]}
+        else:
+            verdicts[prop] = {"verdict": "pass", "diagnoses": [], "cause": None}
+    return verdicts
 
 
 class _Found(Exception):
@@ -115,6 +169,19 @@ def _found_type(prop: str, diagnosis: str) -> type[_Found]:
     return cls
 
 
+class SearchInterrupted(KeyboardInterrupt):
+    """Ctrl-C (a ``KeyboardInterrupt``) stopped a :func:`search`; ``report`` holds what it had found.
+
+    A ``KeyboardInterrupt`` so that code that does not know it still stops; callers that report
+    (``tpsim check``) catch it and print ``report``: each failure on the smallest case seen so far
+    for its (property, diagnosis), which shrinking may not have finished reducing.
+    """
+
+    def __init__(self, report: SearchReport) -> None:
+        super().__init__(f"search interrupted after {report.examples} examples")
+        self.report = report
+
+
 class _Abort(BaseException):
     """Carries a harness error out of Hypothesis at once (BaseException: it is neither shrunk nor retried)."""
 
@@ -123,12 +190,14 @@ class _Abort(BaseException):
         self.error = error
 
 
-def _as_variant(variant: Any) -> Variant:
-    if isinstance(variant, Variant):
+def _as_variant(variant: Any) -> Any:
+    """``variant`` itself when it is a variant of a family (:mod:`tpsim.props.family`), else the one
+    variant a target string names."""
+    from tpsim.props.family import families, resolve_target
+
+    if any(isinstance(variant, f.variant_type) for f in families()):
         return variant
     if isinstance(variant, str):
-        from tpsim.target import resolve_target
-
         found = resolve_target(variant)
         if len(found) != 1:
             names = ", ".join(v.name for v in found)
@@ -137,7 +206,7 @@ def _as_variant(variant: Any) -> Variant:
                 "name it with MODULE:Name, or call search once per variant"
             )
         return found[0]
-    raise InvalidArgument(f"variant={variant!r}: expected a tpsim Variant or a target string (module:Name)")
+    raise InvalidArgument(f"variant={variant!r}: expected a tpsim Variant, a ModuleVariant or a target string (module:Name)")
 
 
 def _database(database: Any) -> ExampleDatabase | None:
@@ -151,8 +220,8 @@ def _database(database: Any) -> ExampleDatabase | None:
 def _check_options(max_examples: Any, backend: Any, timeout: Any, properties: Any, seed: Any) -> tuple[str, ...]:
     if isinstance(max_examples, bool) or not isinstance(max_examples, int) or max_examples < 1:
         raise InvalidArgument(f"max_examples={max_examples!r} must be an int >= 1")
-    if backend not in _BACKENDS:
-        raise InvalidArgument(f"backend={backend!r}; expected one of {', '.join(_BACKENDS)}")
+    if backend not in BACKENDS:
+        raise InvalidArgument(f"backend={backend!r}; expected one of {', '.join(BACKENDS)}")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (timeout > 0 and math.isfinite(timeout)):
         raise InvalidArgument(f"timeout={timeout!r} must be a positive number of seconds")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
@@ -166,6 +235,21 @@ def _check_options(max_examples: Any, backend: Any, timeout: Any, properties: An
     if unknown or not wanted:
         raise InvalidArgument(f"properties={list(wanted)!r}; expected a non-empty subset of {list(PROPERTIES)}")
     return wanted
+
+
+def _check_world(world_sizes: Any, backend: str, isolate: Any, variant: Variant) -> None:
+    """World sizes within the backend's limit; ``isolate`` a bool, usable with this variant."""
+    if not isinstance(isolate, bool):
+        raise InvalidArgument(f"isolate={isolate!r} must be True or False")
+    if isolate and backend == "inproc" and variant.target is None:
+        raise InvalidArgument(
+            f"isolate=True: variant {variant.name!r} has no target string, so the isolated worker process cannot "
+            "import it; declare it at module level and check it by target (e.g. tpsim check mymodule:Name), or "
+            "pass isolate=False"
+        )
+    for ws in world_sizes if isinstance(world_sizes, (list, tuple)) else ():
+        if isinstance(ws, int) and not isinstance(ws, bool) and ws >= 1:  # other values: the strategy says why
+            check_world_size(ws, backend)
 
 
 def _digest(variant: Variant, *parts: Any) -> bytes:
@@ -191,21 +275,25 @@ def search(
     *,
     world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES,
     dtypes: Sequence[str] = DEFAULT_DTYPES,
-    max_examples: int = 100,
+    max_examples: int = DEFAULT_MAX_EXAMPLES,
     seed: int | None = None,
     backend: str = "inproc",
-    timeout: float = 10.0,
+    timeout: float = DEFAULT_TIMEOUT,
     properties: Sequence[str] | None = None,
     on_example: Callable[[int, Case], None] | None = None,
     database: ExampleDatabase | str | None = None,
     tp_sizes: Sequence[int] | None = None,
     subgroups: bool = True,
     layouts: Sequence[str] = INPUT_LAYOUTS,
+    isolate: bool = False,
 ) -> SearchReport:
     """Check ``variant`` on up to ``max_examples`` generated cases; return a :class:`SearchReport`.
 
-    ``variant``: a :class:`~tpsim.variant.Variant` (or a target string naming exactly one).
-    ``world_sizes``/``dtypes``: what cases draw from. ``seed``: makes the search repeatable.
+    ``variant``: a variant of any family (:mod:`tpsim.props.family`: a linear
+    :class:`~tpsim.variant.Variant`, a :class:`~tpsim.module_variant.ModuleVariant`, ...) or a target
+    string naming exactly one; its family draws and checks the cases.
+    ``world_sizes``/``dtypes``: what cases draw from (a family may narrow the dtypes, and say so in
+    the report's notes). ``seed``: makes the search repeatable.
     ``backend``: ``inproc`` | ``gloo`` | ``nccl`` (gloo/nccl need a variant with a ``target``
     their worker processes can import). ``timeout``: seconds any one world run may block in a
     collective before it counts as stuck. ``properties``: names from
@@ -216,23 +304,22 @@ def search(
     the time, a proper divisor otherwise, as ``subgroups=True``); ``subgroups=False`` (and no
     ``tp_sizes``): one tp group spanning the world. ``layouts``: memory layouts of the inputs and
     upstream grads to draw from (default: all of :data:`tpsim.props.layouts.INPUT_LAYOUTS`).
+    ``isolate=True``: run each inproc world in a supervised worker process (``tpsim check`` does), so a
+    rank that exits, crashes or hangs in native code is a failure (``rank-exited``, ``rank-crashed``)
+    instead of the end of this process; the variant needs a target string. World sizes above the
+    backend's limit on this machine are refused up front (:func:`tpsim.comm.limits.check_world_size`).
 
     Raises :class:`tpsim.InvalidArgument` for bad options and re-raises harness errors (backend
     unavailable, ...); anything the variant does wrong, exceptions included, is a failure.
     """
     started = time.monotonic()
     variant = _as_variant(variant)
+    # The variant's family (linear layer, whole module, ...) draws and checks its cases.
+    family = family_of(variant)
     wanted = _check_options(max_examples, backend, timeout, properties, seed)
-    if variant.divisible_only:
-        # The variant declares divisible cases only (a documented upstream limit): no case could
-        # test divisibility, so it is dropped and the report's notes say so.
-        if wanted == (DIVISIBILITY,):
-            raise InvalidArgument(
-                f"properties={list(wanted)!r}: variant {variant.name!r} declares divisible_only=True, "
-                "so the divisibility property does not apply; choose other properties"
-            )
-        wanted = tuple(p for p in wanted if p != DIVISIBILITY)
-    strategy = cases(
+    _check_world(world_sizes, backend, isolate, variant)
+    wanted, dtypes, notes = family.plan(variant, wanted, tuple(dtypes))
+    strategy = family.cases(
         variant,
         world_sizes=tuple(world_sizes),
         dtypes=tuple(dtypes),
@@ -242,13 +329,12 @@ def search(
         layouts=tuple(layouts),
     )
     db = _database(database)
-    notes = list(variant.notes)
-    if not variant.bias and not any("bias" in n for n in notes):
-        notes.append(f"{variant.name} has no bias: bias-free cases only")
-    notes.extend(f"{variant.name} declares {r}" for r in variant.restrictions())
 
     calls = 0
     first_seen: dict[tuple[str, str], int] = {}
+    # The latest failing case of each (property, diagnosis), recorded as it is found so that an
+    # interrupt can still report it (the shrinker only tries cases smaller than the current one).
+    latest: dict[tuple[str, str], _Found] = {}
 
     def check_one(case: Case) -> None:
         nonlocal calls
@@ -256,14 +342,20 @@ def search(
         if on_example is not None:
             on_example(calls, case)
         try:
-            failures = check_case(variant, case, backend=backend, timeout=float(timeout), properties=wanted)
+            failures = family.check_case(variant, case, backend=backend, timeout=float(timeout), properties=wanted,
+                                         isolate=isolate)
         except Exception as err:  # the harness failed, not the variant: stop now
             raise _Abort(err) from err
         if failures:
+            # One cause, one report (a family's checks may return its failures ungrouped).
+            failures = group_causes(failures)
             for f in failures:
-                first_seen.setdefault((f.property, f.diagnosis), calls)
+                for g in (f, *f.consequences):
+                    first_seen.setdefault((g.property, g.diagnosis), calls)
             head = failures[0]
-            raise _found_type(head.property, head.diagnosis)(case, failures)
+            found_exc = _found_type(head.property, head.diagnosis)(case, failures)
+            latest[found_exc.key] = found_exc
+            raise found_exc
 
     check_one._hypothesis_internal_add_digest = _digest(  # type: ignore[attr-defined]
         variant, tuple(world_sizes), tuple(dtypes), wanted,
@@ -291,6 +383,16 @@ def search(
         test()
     except _Abort as abort:
         raise abort.error from None
+    except KeyboardInterrupt:
+        notes.append(
+            f"interrupted after {calls} examples: each failure is on the smallest case found so far, "
+            "which shrinking may not have finished reducing"
+        )
+        partial = _merge(list(latest.values()), first_seen)
+        raise SearchInterrupted(SearchReport(
+            passed=not partial, examples=calls, failures=partial, seconds=time.monotonic() - started,
+            notes=notes, variant=variant.name,
+        )) from None
     except hypothesis.errors.FlakyFailure as err:
         found = _collect(err)
         notes.append(
@@ -309,11 +411,42 @@ def search(
         seconds=time.monotonic() - started,
         notes=notes,
         variant=variant.name,
+        verdicts=property_verdicts(PROPERTIES, failures, _not_applicable(variant, wanted)),
     )
 
 
+def _not_applicable(variant: Any, wanted: Sequence[str]) -> dict[str, str]:
+    """Why some properties were not checked in a search of ``variant`` (by property name)."""
+    why = {p: "not requested (properties=...)" for p in PROPERTIES if p not in wanted}
+    if getattr(variant, "divisible_only", False):
+        why[DIVISIBILITY] = "the variant declares divisible cases only"
+    if getattr(variant, "bias", True) is False:
+        why["bias-grad-equivalence"] = "the variant has no bias"
+    return why
+
+
+#: The diagnoses given when no recogniser saw its evidence (values, shapes): see :func:`_merge` rule 4.
+_FALLBACKS = (MISMATCH, SHAPE_ERROR)
+
+
 def _merge(found: list[_Found], first_seen: dict[tuple[str, str], int]) -> list[Failure]:
-    """One failure per shrunk bug, then the other properties failing on those minimal cases."""
+    """One report per cause, each on its minimal case, in property order.
+
+    Hypothesis shrinks every (property, diagnosis) of a case's *first cause* on its own (see
+    :func:`search`). The causes reported, by these rules:
+
+    1. each shrunk key gives its failure on its minimal case, with the consequences
+       :func:`tpsim.diagnosis.group_causes` listed under it on that case;
+    2. other causes on those minimal cases are added when their property is not covered yet;
+    3. a shrunk key that was seen as a *consequence* of another cause (on that cause's minimal case)
+       is listed under that cause, not beside it;
+    4. a fallback diagnosis (``mismatch`` for values, ``shape-error`` for shapes: no recogniser saw
+       its pattern) on a property that also has a recognised cause is listed under that cause: the
+       same property failing where the pattern could not be seen (low precision, a size the bug
+       cannot cut) is not a second bug until shown otherwise.
+
+    Nothing is dropped: folded failures stay in their cause's ``consequences``.
+    """
     order = {p: i for i, p in enumerate(PROPERTIES)}
     primary: dict[tuple[str, str], Failure] = {}
     extra: dict[tuple[str, str], Failure] = {}
@@ -330,11 +463,23 @@ def _merge(found: list[_Found], first_seen: dict[tuple[str, str], int]) -> list[
         if key not in primary and f.property not in covered:
             chosen.append(f)
             covered.add(f.property)
-    out = []
+    chosen.sort(key=lambda f: (f.diagnosis in _FALLBACKS, order.get(f.property, len(order)),
+                               first_seen.get((f.property, f.diagnosis), 0)))
+    causes: list[Failure] = []
     for f in chosen:
-        f.case = f.case.replace(property=f.property) if isinstance(f.case, Case) else f.case
-        f.found_after = first_seen.get((f.property, f.diagnosis))
-        out.append(f)
-    out.sort(key=lambda f: (order.get(f.property, len(order)), f.found_after or 0))
-    return out
-
+        owner = next((c for c in causes if (f.property, f.diagnosis) in {(x.property, x.diagnosis) for x in c.consequences}), None)
+        if owner is None and f.diagnosis in _FALLBACKS:
+            owner = next((c for c in causes if c.property == f.property and c.diagnosis not in _FALLBACKS), None)
+        if owner is None:
+            causes.append(f)
+            continue
+        f.details = dict(f.details, folded_under=f"{owner.property}: {owner.label}")
+        owner.consequences.append(f)
+        owner.consequences.extend(f.consequences)
+        f.consequences = []
+    for f in causes:
+        for g in (f, *f.consequences):
+            g.case = g.case.replace(property=g.property) if isinstance(g.case, Case) else g.case
+            g.found_after = first_seen.get((g.property, g.diagnosis))
+    causes.sort(key=lambda f: (order.get(f.property, len(order)), f.found_after or 0))
+    return causes

@@ -1,25 +1,18 @@
-"""Checks beyond one linear layer, for sequence parallelism and gated MLPs (issue 12).
+"""A norm (LayerNorm) replicated across the tp group and run on sequence-sharded activations.
 
-- :func:`declared_mlps` / :func:`search_mlp`: the MLPs a target module declares (``TPSIM_MLPS``;
-  :mod:`tpsim.builtin_variants` declares the gated ``ParallelMLP``, with and without sequence
-  parallelism), each checked on a handful of small cases against the dense float64 MLP with
-  :func:`tpsim.props.mlp.check_mlp`. ``tpsim check tpsim.layers`` runs them after its linear variants.
-- :class:`NormVariant` / :func:`check_norm` / :func:`search_norm`: a norm (LayerNorm) replicated
-  across the tp group and run on sequence-sharded activations. Each rank is given its slice of the
-  sequence; the output and input grad must be that slice of the dense norm's, and every replicated
-  parameter's grad must be the *full* dense grad on every rank. A grad that is only the rank's
-  summand (its own tokens) is ``grad-not-reduced``, naming the parameter (NeMo #7184,
-  gpt-neox #1257).
+:class:`NormVariant` / :func:`check_norm` / :func:`search_norm`: each rank is given its slice of the
+sequence; the output and input grad must be that slice of the dense norm's, and every replicated
+parameter's grad must be the *full* dense grad on every rank. A grad that is only the rank's
+summand (its own tokens) is ``grad-not-reduced``, naming the parameter (NeMo #7184,
+gpt-neox #1257).
 
 Cases here are small dicts (hidden size, world size, batch shape with the sequence dim, dtype,
 seed), drawn from a seeded generator: these checks are deterministic for a seed and not
-replayable with ``tpsim replay`` (which replays linear-layer cases).
+replayable with ``tpsim replay``. (MLPs and blocks are whole-module targets: :mod:`tpsim.props.module`.)
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -32,105 +25,35 @@ import torch.nn.functional as F
 from torch import nn
 
 import tpsim
-from tpsim.diagnosis import Failure, close, mismatch, rank_summands, scale_factor
+from tpsim.diagnosis import (
+    EXCEPTION,
+    GRAD_MISSING,
+    GRAD_NOT_REDUCED,
+    GRAD_SCALED,
+    SHAPE_ERROR,
+    Failure,
+    close,
+    mismatch,
+    rank_summands,
+    scale_factor,
+)
 from tpsim.errors import InvalidArgument, RankError
 from tpsim.placement import Shard, shard_tensor
 from tpsim.props.case import DTYPES
 from tpsim.props.checks import BIAS_GRAD, FORWARD, INPUT_GRAD, WEIGHT_GRAD
-from tpsim.props.mlp import TPSIM_MLP, MLPVariant, check_mlp
 from tpsim.props.search import SearchReport
 from tpsim.props.tolerance import tolerance
 from tpsim.variant import get_param
 
 __all__ = [
-    "MLP_DTYPES",
+    "NORM_DTYPES",
     "NormVariant",
     "check_norm",
-    "declared_mlps",
-    "mlp_variant",
-    "search_mlp",
     "search_norm",
 ]
 
-#: dtypes the composite checks draw from (their first-order tolerance is derived for these).
-MLP_DTYPES = ("float64", "float32")
-#: At most this many cases per MLP in ``tpsim check`` (keeps the main job fast).
-MLP_MAX_EXAMPLES = 12
-_DECLARED_IN = {"tpsim.layers": "tpsim.builtin_variants"}
-
-
-def mlp_variant(spec: dict[str, Any]) -> MLPVariant:
-    """An :class:`MLPVariant` of tpsim's ``ParallelMLP`` from a ``TPSIM_MLPS`` entry (plain data:
-    ``name``, ``activation``, ``sequence_parallel``, optional ``sequence_dim``)."""
-    unknown = set(spec) - {"name", "activation", "sequence_parallel", "sequence_dim"}
-    if unknown or "name" not in spec:
-        raise InvalidArgument(f"TPSIM_MLPS entry {spec!r}: expected keys name, activation, sequence_parallel[, sequence_dim]")
-    return dataclasses.replace(
-        TPSIM_MLP,
-        name=spec["name"],
-        activation=spec.get("activation"),
-        sequence_parallel=bool(spec.get("sequence_parallel", False)),
-        sequence_dim=int(spec.get("sequence_dim", -2)),
-        target=None,
-    )
-
-
-def declared_mlps(target: str) -> list[MLPVariant]:
-    """The MLPs a bare module target declares in ``TPSIM_MLPS`` (``tpsim.layers``: the gated
-    ``ParallelMLP``); none for a ``MODULE:Name`` target or a module that declares none."""
-    if ":" in target or target.endswith(".py"):
-        return []
-    name = _DECLARED_IN.get(target, target)
-    try:
-        module = importlib.import_module(name)
-    except Exception:  # the linear-variant resolution reports import errors
-        return []
-    return [mlp_variant(s) for s in getattr(module, "TPSIM_MLPS", ())]
-
-
-def _draw_mlp_case(rng: random.Random, variant: MLPVariant, world_sizes: Sequence[int], dtypes: Sequence[str]) -> dict:
-    ws = rng.choice(list(world_sizes))
-    batch: list[int] = [rng.randint(1, 3) for _ in range(rng.randint(0, 2))]
-    if variant.sequence_parallel:
-        # A 2-D input (sequence dim 0) or a 3-D one (sequence dim 1): a few tokens per rank.
-        batch = [rng.randint(1, 3) for _ in range(rng.randint(0, 1))] + [ws * rng.randint(1, 3)]
-    return {
-        "world_size": ws,
-        "hidden": rng.randint(1, 6),
-        "intermediate": ws * rng.randint(1, 3),
-        "batch_shape": tuple(batch),
-        "dtype": rng.choice([d for d in MLP_DTYPES if d in dtypes] or ["float64"]),
-        "bias": rng.random() < 0.5,
-        "seed": rng.randrange(2**31),
-    }
-
-
-def search_mlp(
-    variant: MLPVariant,
-    *,
-    world_sizes: Sequence[int] = (1, 2, 3, 4),
-    dtypes: Sequence[str] = MLP_DTYPES,
-    max_examples: int = MLP_MAX_EXAMPLES,
-    seed: int | None = None,
-    backend: str = "inproc",
-    timeout: float = 10.0,
-) -> SearchReport:
-    """Check ``variant`` on up to ``max_examples`` small cases; a :class:`SearchReport` whose
-    failures are those of the first failing case (cases are dicts, see the module docstring)."""
-    started = time.monotonic()
-    rng = random.Random(0 if seed is None else seed)
-    failures: list[Failure] = []
-    n = 0
-    for n in range(1, max_examples + 1):
-        case = _draw_mlp_case(rng, variant, world_sizes, dtypes)
-        failures = check_mlp(variant, backend=backend, timeout=timeout, **case)
-        if failures:
-            for f in failures:
-                f.found_after = n
-            break
-    notes = [f"dtypes {', '.join(d for d in MLP_DTYPES if d in dtypes) or 'float64'} only; small random cases, not shrunk"]
-    return SearchReport(passed=not failures, examples=n, failures=failures, seconds=time.monotonic() - started,
-                        notes=notes, variant=variant.name)
+#: dtypes the norm check draws from (its tolerance is derived for these).
+NORM_DTYPES = ("float64", "float32")
 
 
 # --- sequence-parallel norms ----------------------------------------------------------------------
@@ -175,7 +98,7 @@ def _norm_rank(payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_norm(variant: NormVariant, *, hidden: int, world_size: int, batch_shape: tuple[int, ...],
-               dtype: str = "float64", seed: int = 0, backend: str = "inproc", timeout: float = 10.0) -> list[Failure]:
+               dtype: str = "float64", seed: int = 0, backend: str = "inproc", timeout: float = tpsim.DEFAULT_TIMEOUT) -> list[Failure]:
     """Run the norm once; return the failures of forward, input-grad and parameter-grad equivalence.
 
     Tolerance: the bound of :mod:`tpsim.props.tolerance` with reduction length ``hidden + rows``
@@ -199,7 +122,7 @@ def check_norm(variant: NormVariant, *, hidden: int, world_size: int, batch_shap
         values = tpsim.run(_norm_rank, world_size, backend=backend, args=({"variant": variant, "masters": masters},),
                            timeout=timeout)
     except RankError as err:
-        return [Failure(FORWARD, "exception", str(err).splitlines()[0], case=case, rank=err.rank,
+        return [Failure(FORWARD, EXCEPTION, str(err).splitlines()[0], case=case, rank=err.rank,
                         traceback=err.remote_traceback or None, variant=variant.name)]
     f64 = torch.float64
     x = masters["x"].to(f64).requires_grad_(True)
@@ -232,12 +155,12 @@ def check_norm(variant: NormVariant, *, hidden: int, world_size: int, batch_shap
             got, want = v[key], shard_tensor(ref[key], seq, r, world_size)
             t = tol(shard_tensor(mag[key], seq, r, world_size))
             if got is None or got.shape != want.shape:
-                failures.append(Failure(prop, "shape-error", f"{what} on rank {r} has shape "
+                failures.append(Failure(prop, SHAPE_ERROR, f"{what} on rank {r} has shape "
                                         f"{None if got is None else list(got.shape)}, expected {list(want.shape)}",
                                         case=case, rank=r, variant=variant.name))
                 break
             if not close(got, want, t):
-                d = mismatch(got, want, what=f"{what} on rank {r}")
+                d = mismatch(got, want, what=f"{what} on rank {r}", tol=t)
                 failures.append(Failure(prop, d.name, d.message, case=case, rank=r, variant=variant.name,
                                         details=d.details))
                 break
@@ -251,27 +174,27 @@ def check_norm(variant: NormVariant, *, hidden: int, world_size: int, batch_shap
         r = bad[0]
         g = grads[r]
         if g is None or g.shape != want.shape:
-            failures.append(Failure(prop, "grad-missing" if g is None else "shape-error",
+            failures.append(Failure(prop, GRAD_MISSING if g is None else SHAPE_ERROR,
                                     f"the {name} grad on rank {r} is {None if g is None else list(g.shape)}, expected "
                                     f"{list(want.shape)}", case=case, rank=r, variant=variant.name))
         elif all(x is not None for x in grads) and rank_summands([x.to(f64) for x in grads], want, t):
             failures.append(Failure(
-                prop, "grad-not-reduced",
+                prop, GRAD_NOT_REDUCED,
                 f"the {name} grad on rank {r} is only its own summand (the ranks' grads add up to the dense grad): the "
                 f"grad of the replicated parameter {name!r} is never all-reduced over the tp group; under sequence "
                 "parallelism each rank normalises only its own tokens (NeMo #7184, gpt-neox #1257)",
                 case=case, rank=r, variant=variant.name, details={"param": name}))
         elif (c := scale_factor(g, want, t, known=(world_size, 1 / world_size))) is not None:
-            failures.append(Failure(prop, "grad-scaled", f"the {name} grad on rank {r} is {c:.4g} x the dense one",
+            failures.append(Failure(prop, GRAD_SCALED, f"the {name} grad on rank {r} is {c:.4g} x the dense one",
                                     case=case, rank=r, variant=variant.name, details={"factor": c}))
         else:
-            d = mismatch(g, want, what=f"the {name} grad on rank {r}")
+            d = mismatch(g, want, what=f"the {name} grad on rank {r}", tol=t)
             failures.append(Failure(prop, d.name, d.message, case=case, rank=r, variant=variant.name, details=d.details))
     return failures
 
 
-def search_norm(variant: NormVariant, *, world_sizes: Sequence[int] = (1, 2, 3, 4), dtypes: Sequence[str] = MLP_DTYPES,
-                max_examples: int = 20, seed: int = 0, backend: str = "inproc", timeout: float = 10.0) -> SearchReport:
+def search_norm(variant: NormVariant, *, world_sizes: Sequence[int] = (1, 2, 3, 4), dtypes: Sequence[str] = NORM_DTYPES,
+                max_examples: int = 20, seed: int = 0, backend: str = "inproc", timeout: float = tpsim.DEFAULT_TIMEOUT) -> SearchReport:
     """Check ``variant`` on up to ``max_examples`` small cases (2-D and 3-D inputs, a few tokens per
     rank); stops at the first failing case."""
     started = time.monotonic()
@@ -282,7 +205,7 @@ def search_norm(variant: NormVariant, *, world_sizes: Sequence[int] = (1, 2, 3, 
         ws = rng.choice(list(world_sizes))
         batch = tuple([rng.randint(1, 3) for _ in range(rng.randint(0, 1))] + [ws * rng.randint(1, 3)])
         failures = check_norm(variant, hidden=rng.randint(2, 8), world_size=ws, batch_shape=batch,
-                              dtype=rng.choice([d for d in MLP_DTYPES if d in dtypes] or ["float64"]),
+                              dtype=rng.choice([d for d in NORM_DTYPES if d in dtypes] or ["float64"]),
                               seed=rng.randrange(2**31), backend=backend, timeout=timeout)
         if failures:
             for f in failures:

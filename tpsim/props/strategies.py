@@ -17,9 +17,10 @@ their ``sequence_dim`` needs (one for the default -2: 2-D inputs, where the sequ
 and 3-D ones, where it is not), and a sequence length of a few tokens per rank; a row layer's
 sequence-sharded output also gets sequence lengths that do not divide (it must refuse them).
 Packed variants (``packed``: part proportions) get ``out_features = sum(packed) * unit``.
-A variant's declared restrictions (``min_batch_dims``, ``min_features``, ``divisible_only``; see
+A variant's declared restrictions (``min_batch_dims``, ``max_batch_dims``, ``min_features``,
+``min_tp_size``, ``divisible_only``; see
 :meth:`tpsim.variant.Variant.restrictions`) narrow these draws.
-World sizes: ``DEFAULT_WORLD_SIZES`` (1-8), or ``THOROUGH_WORLD_SIZES`` (up to 16) when the
+World sizes: ``DEFAULT_WORLD_SIZES`` (1, 2, 3, 4, 8), or ``THOROUGH_WORLD_SIZES`` (1-8, 12, 16) when the
 environment sets ``TPSIM_THOROUGH=1`` (tpsim's ``thorough`` Hypothesis profile does).
 Dtypes: float64, float32, bfloat16, float16; tolerances per dtype in :mod:`tpsim.props.tolerance`.
 
@@ -55,10 +56,11 @@ __all__ = [
     "world_sizes",
 ]
 
-#: Default world sizes: 1-8, non-powers of two included.
-DEFAULT_WORLD_SIZES = (1, 2, 3, 4, 5, 6, 7, 8)
-#: World sizes of the thorough profile.
-THOROUGH_WORLD_SIZES = (*DEFAULT_WORLD_SIZES, 12, 16)
+#: Default world sizes, the one source of them (``search`` and ``tpsim check`` use these): a single
+#: rank, a non-power of two, and a size above 4 (node-local rank bugs show only there).
+DEFAULT_WORLD_SIZES = (1, 2, 3, 4, 8)
+#: World sizes of the thorough profile: every size up to 8, then 12 and 16.
+THOROUGH_WORLD_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)
 
 
 def world_sizes(sizes: Sequence[int] = DEFAULT_WORLD_SIZES) -> st.SearchStrategy[int]:
@@ -151,7 +153,8 @@ def _cases(
     min_dims = variant.min_batch_dims if variant is not None else 0
     if variant is not None:
         min_dims = max(min_dims, variant.min_sequence_batch_dims())
-    batch = draw(batch_shapes(min_dims=min_dims))
+    max_dims = variant.max_batch_dims if variant is not None and variant.max_batch_dims is not None else 3
+    batch = draw(batch_shapes(max_dims=max_dims, min_dims=min_dims))
     seq = variant.sequence_dim_of(len(batch) + 1) if variant is not None else None
     if seq is not None:
         # The sequence length: k * ws tokens (a few per rank), or k * ws + r when it must not divide.
@@ -159,6 +162,8 @@ def _cases(
         batch = (*batch[:seq], length, *batch[seq + 1 :])
     if variant is not None and not variant.bias:
         has_bias = False
+    elif variant is not None and variant.always_bias:
+        has_bias = True  # a layer that always has a bias: its bias-free case does not exist
     else:
         has_bias = draw(st.booleans()) if bias is None else bias
     layout = _layout(draw, layouts, batch)
@@ -184,10 +189,13 @@ def _tp(draw: st.DrawFn, world: int, variant: Variant | None, tp_sizes: tuple[in
         subgroups: bool) -> tuple[int, str]:
     if variant is not None and not variant.subgroups:
         return world, "consecutive"
+    least = variant.min_tp_size if variant is not None else 1
+    # Proper divisors the variant supports (a variant's min_tp_size; 1 leaves the draws as they were).
+    smaller = [t for t in range(world - 1, 0, -1) if world % t == 0 and t >= least]
     if tp_sizes is not None:
-        tp = draw(st.sampled_from(sorted((t for t in tp_sizes if world % t == 0), reverse=True)))
-    elif subgroups and world > 1 and draw(st.sampled_from((False, True))):
-        tp = draw(st.sampled_from([t for t in range(world - 1, 0, -1) if world % t == 0]))
+        tp = draw(st.sampled_from(sorted((t for t in tp_sizes if world % t == 0 and t >= least), reverse=True)))
+    elif subgroups and smaller and draw(st.sampled_from((False, True))):
+        tp = draw(st.sampled_from(smaller))
     else:
         tp = world
     # Both layouts differ only with several groups of several ranks each.
@@ -204,7 +212,7 @@ def _layout(draw: st.DrawFn, layouts: tuple[str, ...], batch: tuple[int, ...]) -
 
 
 def default_world_sizes() -> tuple[int, ...]:
-    """1-8, or up to 16 under ``TPSIM_THOROUGH=1``."""
+    """:data:`DEFAULT_WORLD_SIZES`, or :data:`THOROUGH_WORLD_SIZES` under ``TPSIM_THOROUGH=1``."""
     return THOROUGH_WORLD_SIZES if os.environ.get("TPSIM_THOROUGH") == "1" else DEFAULT_WORLD_SIZES
 
 
@@ -243,17 +251,28 @@ def cases(
     bad = [name for name in layout_names if name not in INPUT_LAYOUTS]
     if bad or not layout_names:
         raise InvalidArgument(f"layouts={list(layout_names)!r}: expected a non-empty subset of {', '.join(INPUT_LAYOUTS)}")
+    least = variant.min_tp_size if variant is not None else 1
+    if least > 1:
+        # Only worlds that can hold a tp group of the variant's minimum size (see Variant.min_tp_size).
+        fits = tuple(w for w in sizes if w >= least)
+        if not fits:
+            raise InvalidArgument(
+                f"world sizes {list(sizes)}: variant {variant.name!r} needs tp groups of at least {least} ranks "  # type: ignore[union-attr]
+                f"(min_tp_size={least}); add a world size >= {least}"
+            )
+        sizes = fits
     tps = None
     if tp_sizes is not None:
         tps = tuple(sorted(set(int(t) for t in tp_sizes)))
         if not tps or tps[0] < 1:
             raise InvalidArgument(f"tp_sizes={list(tp_sizes)!r} must be a non-empty list of ints >= 1")
         if variant is None or variant.subgroups:
-            fitting = tuple(w for w in sizes if any(w % t == 0 for t in tps))
+            fitting = tuple(w for w in sizes if any(w % t == 0 and t >= least for t in tps))
             if not fitting:
+                floor = f" (of at least {least} ranks: the variant's min_tp_size)" if least > 1 else ""
                 raise InvalidArgument(
-                    f"tp_sizes={list(tps)} divide none of the world sizes {list(sizes)}: each world is split into "
-                    "tp groups of one of the tp sizes"
+                    f"tp_sizes={list(tps)} divide none of the world sizes {list(sizes)}{floor}: each world is split "
+                    "into tp groups of one of the tp sizes"
                 )
             sizes = fitting
     return _cases(variant, sizes, names, bias, max_per_rank, non_divisible, tps, subgroups, layout_names)

@@ -16,7 +16,8 @@ module: ``property_tests("mypkg.layers")`` checks every variant it declares, as
 The first of these tests runs one :func:`tpsim.props.search.search` per variant (cached for the
 rest of the session, so the properties share the generated cases); each test then fails with its
 property's minimal case and diagnosis, or passes. ``variant_or_target`` is a
-:class:`~tpsim.variant.Variant`, a list of them, or a ``tpsim check`` TARGET string; the keyword
+:class:`~tpsim.variant.Variant` or :class:`~tpsim.module_variant.ModuleVariant`, a list of them, or a
+``tpsim check`` TARGET string (a bare module: its linear layers and its modules); the keyword
 arguments are :func:`~tpsim.props.search.search`'s (``world_sizes``, ``dtypes``, ``max_examples``,
 ``seed``, ``backend``, ``timeout``, ``database``), plus ``target_options`` (a dict of
 ``convention``/``kind``/``input``/``output``/``input_grad``, as the CLI flags) for plain classes.
@@ -40,19 +41,24 @@ __all__ = ["property_tests", "reproduction"]
 _SEARCH_OPTIONS = ("world_sizes", "dtypes", "max_examples", "seed", "backend", "timeout", "database")
 
 
-def _variants(variant_or_target: Any, target_options: dict[str, Any] | None) -> list[Variant]:
-    if isinstance(variant_or_target, Variant):
+def _variants(variant_or_target: Any, target_options: dict[str, Any] | None) -> list[Any]:
+    from tpsim.props.family import families, resolve_target
+
+    def is_variant(v: Any) -> bool:
+        return any(isinstance(v, f.variant_type) for f in families())
+
+    if is_variant(variant_or_target):
         return [variant_or_target]
     if isinstance(variant_or_target, (list, tuple)) and variant_or_target and all(
-        isinstance(v, Variant) for v in variant_or_target
+        is_variant(v) for v in variant_or_target
     ):
         return list(variant_or_target)
     if isinstance(variant_or_target, str):
-        from tpsim.target import resolve_target
-
+        # Every family's variants: a bare module gives its linear layers and its modules.
         return resolve_target(variant_or_target, **(target_options or {}))
     raise InvalidArgument(
-        f"variant_or_target={variant_or_target!r}: expected a tpsim Variant, a list of them, or a target string"
+        f"variant_or_target={variant_or_target!r}: expected a tpsim Variant, a list of them, or a target string "
+        "(any family's variants: a ModuleVariant too)"
     )
 
 
@@ -65,9 +71,16 @@ def reproduction(failure: Any) -> str:
     if getattr(failure, "case_file", None) and failure.case.target:
         return f"tpsim replay {failure.case_file}    (add --backend gloo to confirm on real process groups)"
     case = json.dumps(json.dumps(failure.case.to_dict(), sort_keys=True))
+    family = getattr(failure.case, "family", "linear")
+    if family == "linear":
+        return (
+            "import json; from tpsim.props.case import Case; from tpsim.props.checks import check_case\n"
+            f"check_case(VARIANT, Case.from_dict(json.loads({case})))  # VARIANT: your variant"
+        )
     return (
-        "import json; from tpsim.props.case import Case; from tpsim.props.checks import check_case\n"
-        f"check_case(VARIANT, Case.from_dict(json.loads({case})))  # VARIANT: your variant"
+        f"import json; from tpsim.props.family import family_named; family = family_named({family!r})\n"
+        f"family.check_case(VARIANT, family.case_from_dict(json.loads({case})), backend='inproc', timeout=30.0)"
+        "  # VARIANT: your variant"
     )
 
 

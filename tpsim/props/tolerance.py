@@ -26,6 +26,24 @@ ch. 3). We use the probabilistic form with a safety factor, per element:
   of examples with it, while the bugs it looks for are off by O(1) * M (a whole bias, a missing
   summand), orders of magnitude above it in every dtype.
 
+**The floor: rounding near zero.** The model above (``fl(a op b) = (a op b)(1 + d)``, ``|d| <= u``,
+``u = eps/2``) holds only while results stay normal. Below the smallest normal number ``λ``
+(``torch.finfo(dtype).tiny``; float16: 6.1e-5) the spacing of representable numbers stops
+shrinking: it is ``eps * λ`` (float16: 2**-24 = 5.96e-8, the smallest subnormal), so rounding a
+result there errs by up to ``u * λ`` however small the result is. Higham's model with gradual
+underflow adds that absolute term to each rounding: ``fl(a op b) = (a op b)(1 + d) + e`` with
+``|e| <= u * λ`` (Higham, §2.1; ``e = 0`` for additions, which are exact on subnormals). Summed over
+the same ``K + ws`` roundings, with the same probabilistic growth and safety factor, the absolute
+floor is
+
+    floor = C * sqrt(K + ws) * eps(dtype) * λ(dtype)     (= C * sqrt(K + ws) * 2 * u * λ)
+
+and the tolerance is ``atol(i) = C * eps * sqrt(K + ws) * M(i) + floor``. It matters only where the
+magnitude ``M(i)`` is itself below about ``λ`` (a float16 product of two small draws, a tiny
+gradient); there ``eps * M(i)`` alone is smaller than one subnormal step, so a correctly rounded
+result would fail. For float32 and bfloat16 (``λ`` = 1.2e-38) and float64 the floor is negligible;
+it also keeps exactly-zero magnitudes (a zero upstream grad) from demanding more than exactness.
+
 Why sqrt rather than linear in K: with K up to a few dozen the two differ by a small factor, and
 a linear bound in bfloat16 (u = 2**-8 per rounding, eps = 2**-7) would accept errors of the order
 of the result itself — too loose to tell ``bias-missing`` from rounding.
@@ -37,18 +55,26 @@ import math
 
 import torch
 
-__all__ = ["FACTOR", "eps", "tolerance"]
+__all__ = ["FACTOR", "eps", "floor", "subnormal_step", "tolerance"]
 
 #: Safety factor C in ``C * eps * sqrt(K + ws) * M``.
 FACTOR = 4.0
-
-# A floor so that exactly-zero magnitudes (e.g. a zero upstream grad) still allow float64 noise.
-_TINY = 1e-300
 
 
 def eps(dtype: torch.dtype) -> float:
     """Machine epsilon of a floating dtype (``torch.finfo(dtype).eps``)."""
     return float(torch.finfo(dtype).eps)
+
+
+def subnormal_step(dtype: torch.dtype) -> float:
+    """The spacing of ``dtype``'s numbers below its smallest normal: ``eps * tiny`` (float16: 2**-24)."""
+    info = torch.finfo(dtype)
+    return float(info.eps) * float(info.tiny)
+
+
+def floor(dtype: torch.dtype, *, reduction_length: int, world_size: int, factor: float = FACTOR) -> float:
+    """The absolute floor ``factor * sqrt(K + ws) * subnormal_step(dtype)`` (see the module docstring)."""
+    return factor * math.sqrt(max(int(reduction_length), 1) + max(int(world_size), 1)) * subnormal_step(dtype)
 
 
 def tolerance(
@@ -59,9 +85,11 @@ def tolerance(
     world_size: int,
     factor: float = FACTOR,
 ) -> torch.Tensor:
-    """Per-element absolute tolerance ``factor * eps(dtype) * sqrt(K + ws) * magnitude``.
+    """Per-element absolute tolerance ``factor * eps(dtype) * sqrt(K + ws) * magnitude + floor``.
 
-    ``magnitude`` is float64 and has the shape of the compared tensor (see the module docstring).
+    ``magnitude`` is float64 and has the shape of the compared tensor; the floor is
+    :func:`floor` (see the module docstring for both).
     """
     scale = factor * eps(dtype) * math.sqrt(max(int(reduction_length), 1) + max(int(world_size), 1))
-    return magnitude.to(torch.float64) * scale + _TINY
+    atol = floor(dtype, reduction_length=reduction_length, world_size=world_size, factor=factor)
+    return magnitude.to(torch.float64) * scale + atol

@@ -3,8 +3,11 @@
 Every per-case property reads the same :class:`Observation`: one world run per case, in which each
 rank builds the variant from the master values, runs ``TRAIN_STEPS`` steps of forward, backward
 and SGD, and returns (as tensors) its step-0 output, input grad and parameter grads and its final
-parameters. The comparison happens in the parent process (:mod:`tpsim.props.checks`), so the ranks
-do no extra collectives and the same code serves every backend.
+parameters, as one typed :class:`RankResult`. The comparison happens in the parent process
+(:mod:`tpsim.props.checks`), so the ranks do no extra collectives of their own — except the
+trainer's: a replicated parameter whose grad is left partial (``ParamSpec(grad="partial")``, or
+Megatron's ``param.sequence_parallel`` marker) has its grad summed over the tp group before each SGD
+step, as Megatron's ``finalize_model_grads`` does — and the same code serves every backend.
 
 The rank function :func:`rank_main` is module-level and takes picklable arguments, so gloo/nccl
 worker processes can run it; there the variant is resolved again from its target string.
@@ -12,6 +15,7 @@ worker processes can run it; there the variant is resolved again from its target
 
 from __future__ import annotations
 
+import sys
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import tpsim
+from tpsim.comm.board import mark_phase
 from tpsim.errors import InvalidArgument, RankError
 from tpsim.placement import Replicate, Shard, part_sizes, shard_tensor
 from tpsim.props.case import Case
@@ -33,6 +38,7 @@ __all__ = [
     "TRAIN_STEPS",
     "Masters",
     "Observation",
+    "RankResult",
     "Reference",
     "VariantRaised",
     "is_divisible",
@@ -63,6 +69,47 @@ class VariantRaised(RuntimeError):
     def __str__(self) -> str:
         where = self.phase if self.phase == "build" else f"{self.phase} (step {self.step})"
         return f"the variant raised during {where}: {self.summary}"
+
+
+#: :attr:`RankResult.status` values.
+OK = "ok"  # built, trained TRAIN_STEPS steps
+OUTPUT_SHAPE = "output-shape"  # the forward returned no tensor, or one of another shape than the upstream grad
+DETACHED = "detached"  # the output has no autograd graph although the input requires grad
+ACCEPTED = "accepted"  # a non-divisible case that the layer built and ran without refusing it
+
+
+@dataclass
+class RankResult:
+    """What one rank returns for one case (plain data: it travels back from gloo/nccl workers).
+
+    - ``status``: :data:`OK`, :data:`OUTPUT_SHAPE`, :data:`DETACHED` or :data:`ACCEPTED`;
+    - ``output``: the step-0 output (detached clone, its own dtype), None when the forward returned
+      no tensor; ``output_type``: the type name of what the forward returned;
+    - ``output_shape``: for :data:`ACCEPTED`, the shape of the output of a non-divisible case;
+    - ``input_grad``: the step-0 grad of the rank's input (None when it got none);
+    - ``grads``: step-0 parameter grads as the layer left them, by master name (``weight``/``bias``),
+      in master layout (a transposed weight read back); None where ``.grad`` was None;
+    - ``summed_grads``: for the parameters in ``partial``, the step-0 grad after the trainer's sum;
+    - ``final``: the parameters after ``TRAIN_STEPS`` SGD steps, by master name, in master layout;
+    - ``init``: the layer's own values of its replicated parameters right after construction, by
+      parameter name (before the master values are loaded);
+    - ``partial``: master names of the parameters whose grad the trainer sums (declared partial, or
+      marked ``sequence_parallel`` by the built module);
+    - ``group``/``tp_rank``: this rank's tp group index and rank within it.
+    """
+
+    status: str = OK
+    output: torch.Tensor | None = None
+    output_type: str | None = None
+    output_shape: tuple[int, ...] | None = None
+    input_grad: torch.Tensor | None = None
+    grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    summed_grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    final: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    init: dict[str, torch.Tensor] = field(default_factory=dict)
+    partial: tuple[str, ...] = ()
+    group: int = 0
+    tp_rank: int = 0
 
 
 @dataclass
@@ -187,8 +234,23 @@ def _master_layout(t: torch.Tensor | None, transposed: bool) -> torch.Tensor | N
     return (t.t() if transposed and t.dim() == 2 else t).clone()
 
 
-def rank_main(payload: dict[str, Any]) -> dict[str, Any]:
-    """What every rank runs for one case (see the module docstring). Returns a dict of tensors."""
+def _partial_params(variant: Variant, module: Any, specs: list[Any]) -> tuple[str, ...]:
+    """Master names of the replicated parameters whose grad the trainer sums: declared
+    ``grad="partial"``, or marked ``sequence_parallel`` on the built module (Megatron's marker)."""
+    out = []
+    for spec in specs:
+        if not isinstance(spec.placement, Replicate):
+            continue  # a sharded grad is complete on its rank; Megatron marks replicated ones only
+        param: Any = module
+        for part in spec.name.split("."):
+            param = getattr(param, part, None)
+        if spec.grad == "partial" or getattr(param, "sequence_parallel", False) is True:
+            out.append(spec.master)
+    return tuple(out)
+
+
+def rank_main(payload: dict[str, Any]) -> RankResult:
+    """What every rank runs for one case (see the module docstring)."""
     case: Case = payload["case"]
     variant: Variant | None = payload.get("variant")
     if variant is None:
@@ -200,6 +262,7 @@ def rank_main(payload: dict[str, Any]) -> dict[str, Any]:
     # Every rank seeded alike before the build, as training scripts do (replicas must agree).
     torch.manual_seed(case.seed)
     kwargs = dict(group=group, rank=rank, world_size=ws, master_weight=m.weight, master_bias=m.bias, dtype=case.torch_dtype)
+    mark_phase("build")  # an isolated worker names the phase of a rank that dies or hangs
 
     if not payload["divisible"]:
         # The harness cannot shard master values that do not divide, so it only builds and runs the
@@ -212,11 +275,13 @@ def rank_main(payload: dict[str, Any]) -> dict[str, Any]:
         except Exception as err:
             raise _raise_from("build", 0, err) from err
         x = _rank_input(variant, m.inputs[0], rank, ws, even=False, layout=layout)
+        mark_phase("forward", 0)
         try:
             out = variant.call(module, x)
         except Exception as err:
             raise _raise_from("forward", 0, err) from err
-        return {"status": "accepted", "output_shape": tuple(out.shape) if isinstance(out, torch.Tensor) else None}
+        return RankResult(ACCEPTED, output_shape=tuple(out.shape) if isinstance(out, torch.Tensor) else None,
+                          output_type=type(out).__name__, tp_rank=rank)
 
     init: dict[str, Any] = {}
     try:
@@ -228,9 +293,11 @@ def rank_main(payload: dict[str, Any]) -> dict[str, Any]:
         raise _raise_from("build", 0, err) from err
 
     specs = [s for s in variant.params or () if s.master == "weight" or case.bias]
-    result: dict[str, Any] = {"status": "ok", "grads": {}, "final": {}, "init": init, "group": g, "tp_rank": rank}
+    result = RankResult(OK, init=init, group=g, tp_rank=rank, partial=_partial_params(variant, module, specs))
+    by_master = {spec.master: spec for spec in specs}
     for step in range(TRAIN_STEPS):
         x = _rank_input(variant, m.inputs[step], rank, ws, layout=layout)
+        mark_phase("forward", step)
         try:
             out = variant.call(module, x)
         except Exception as err:
@@ -241,27 +308,47 @@ def rank_main(payload: dict[str, Any]) -> dict[str, Any]:
         upstream = apply_layout(upstream, layout)
         if not isinstance(out, torch.Tensor) or out.shape != upstream.shape:
             # A wrong output shape cannot be back-propagated; report what came out.
-            result["status"] = "output-shape"
-            result["output"] = out.detach().clone() if isinstance(out, torch.Tensor) else None
-            result["output_type"] = type(out).__name__
+            result.status = OUTPUT_SHAPE
+            result.output = out.detach().clone() if isinstance(out, torch.Tensor) else None
+            result.output_type = type(out).__name__
             return result
+        if out.grad_fn is None and not out.requires_grad and x.requires_grad:
+            # A collective outside autograd cut the graph: backward would raise ("does not require
+            # grad"); report what came out instead of an exception.
+            result.status = DETACHED
+            result.output = out.detach().clone()
+            result.output_type = type(out).__name__
+            return result
+        mark_phase("backward", step)
         try:
             out.backward(upstream.to(out.dtype))
         except Exception as err:
             raise _raise_from("backward", step, err) from err
         if step == 0:
-            result["output"] = out.detach().clone()
-            result["input_grad"] = None if x.grad is None else x.grad.detach().clone()
+            result.output = out.detach().clone()
+            result.output_type = type(out).__name__
+            result.input_grad = None if x.grad is None else x.grad.detach().clone()
             for spec in specs:
                 p = get_param(module, spec.name)
-                result["grads"][spec.master] = _master_layout(None if p is None else p.grad, spec.transposed)
+                result.grads[spec.master] = _master_layout(None if p is None else p.grad, spec.transposed)
+        # The trainer's sum of the partial grads (Megatron's finalize_model_grads), in the tp group.
+        for master in result.partial:
+            p = get_param(module, by_master[master].name)
+            if p is None:
+                continue  # the loader already refused a missing parameter
+            # Every rank joins the sum, with zeros where its grad is None (recorded above as missing).
+            total = p.grad if p.grad is not None else torch.zeros_like(p)
+            dist.all_reduce(total, group=group)
+            if p.grad is not None and step == 0:
+                result.summed_grads[master] = _master_layout(total, False)
+        mark_phase("step", step)
         with torch.no_grad():
             for p in module.parameters():
                 if p.grad is not None:
                     p.add_(p.grad, alpha=-LR)
                 p.grad = None
     for spec in specs:
-        result["final"][spec.master] = _master_layout(get_param(module, spec.name), spec.transposed)
+        result.final[spec.master] = _master_layout(get_param(module, spec.name), spec.transposed)
     return result
 
 
@@ -270,11 +357,12 @@ def rank_main(payload: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass
 class Observation:
-    """What one world run of a case produced: per-rank result dicts, or the runner's error."""
+    """What one world run of a case produced: every rank's :class:`RankResult` (global rank order),
+    or the runner's error."""
 
     case: Case
     divisible: bool
-    values: list[dict[str, Any]] | None = None
+    values: list[RankResult] | None = None
     error: RankError | None = None
     masters: Masters | None = None
 
@@ -282,15 +370,19 @@ class Observation:
         """Every failed rank's exception (the runner's ``errors``, or the single failing rank)."""
         if self.error is None:
             return {}
-        errors = dict(getattr(self.error, "errors", {}) or {})
+        errors = dict(self.error.errors)
         if not errors:
             errors = {self.error.rank: self.error}
         return errors
 
 
-def observe(variant: Variant, case: Case, *, backend: str = "inproc", timeout: float = 10.0,
-            layout: str | None = None) -> Observation:
+def observe(variant: Variant, case: Case, *, backend: str = "inproc", timeout: float = tpsim.DEFAULT_TIMEOUT,
+            layout: str | None = None, isolate: bool = False) -> Observation:
     """Run ``case`` once on a world of ``case.world_size`` ranks of ``backend``.
+
+    ``isolate=True`` runs an inproc world in a supervised worker process (see ``tpsim.run``): a rank
+    that exits or crashes becomes a failure instead of ending this process. The variant must then
+    have a target string (the worker imports it).
 
     ``layout`` overrides the memory layout of the case's tensors (same values): ``"contiguous"``
     runs the contiguous twin of a non-contiguous case."""
@@ -302,20 +394,69 @@ def observe(variant: Variant, case: Case, *, backend: str = "inproc", timeout: f
     masters = make_masters(case)
     divisible = is_divisible(variant, case)
     payload: dict[str, Any] = {"case": case, "masters": masters, "divisible": divisible, "layout": layout}
-    if backend == "inproc":
+    if backend == "inproc" and not isolate:
         payload["variant"] = variant
     else:
         if variant.target is None:
+            where = "the isolated inproc worker process" if backend == "inproc" else f"{backend} worker processes"
             raise InvalidArgument(
-                f"variant {variant.name!r} has no target string, so {backend} worker processes cannot import it; "
+                f"variant {variant.name!r} has no target string, so {where} cannot import it; "
                 "declare it at module level and check it by target (e.g. tpsim check mymodule:Name)"
             )
         payload["ref"] = (variant.target, variant.name, variant.options)
+        _warm_workers(payload["ref"], case.world_size, backend, isolate)
     try:
-        values = tpsim.run(rank_main, case.world_size, backend=backend, args=(payload,), timeout=timeout)
+        # rank_local: module globals each rank owns in a real job (a library's parallel state, the
+        # module of a plain class); a SharedModuleState error is the harness's, not the variant's:
+        # it is no RankError and propagates (tpsim check: exit 2 with its fix).
+        values = tpsim.run(rank_main, case.world_size, backend=backend, args=(payload,), timeout=timeout,
+                           isolate=isolate, rank_local=variant.rank_local, watch=_beside(variant.rank_local))
     except RankError as err:
+        if "ref" in payload:
+            # A failed world may leave fresh worker processes behind: warm them again before the next case.
+            _warmed.discard(_warm_key(payload["ref"], case.world_size, backend, isolate))
         return Observation(case, divisible, error=err, masters=masters)
     return Observation(case, divisible, values=values, masters=masters)
+
+
+#: Seconds worker processes get to import a target the first time (a library such as Megatron-core
+#: takes seconds per process to import, many on a loaded machine).
+WARM_TIMEOUT = 300.0
+_warmed: set[tuple[Any, ...]] = set()
+
+
+def _resolve_only(ref: tuple[Any, ...]) -> bool:
+    resolve_variant(*ref)
+    return True
+
+
+def _warm_key(ref: tuple[Any, ...], world_size: int, backend: str, isolate: bool) -> tuple[Any, ...]:
+    return (ref[0], repr(ref[2]), world_size, backend, isolate)
+
+
+def _warm_workers(ref: tuple[Any, ...], world_size: int, backend: str, isolate: bool) -> None:
+    """Import the target in the worker processes once, before its first case: importing it is not
+    part of any case, and counted against a case's timeout (or against the grace the ranks of a
+    failed run get to report their own error) a slow import would look like the variant's fault."""
+    key = _warm_key(ref, world_size, backend, isolate)
+    if key in _warmed:
+        return
+    _warmed.add(key)
+    try:
+        tpsim.run(_resolve_only, world_size, backend=backend, args=(ref,), timeout=WARM_TIMEOUT, isolate=isolate)
+    except Exception:  # noqa: BLE001 - the case's own run reports whatever this is
+        pass
+
+
+def _beside(rank_local: tuple[str, ...]) -> tuple[str, ...]:
+    """The loaded modules of the packages a variant's rank-local modules belong to: a layer class in
+    ``pkg.layers`` may keep its tp group in ``pkg.state``, which inproc then watches for sharing
+    between ranks. A library preset declares its state itself and is not widened."""
+    from tpsim.presets import presets
+
+    declared = {t.split(".")[0] for p in presets() for t in p.targets}
+    tops = {name.split(".")[0] for name in rank_local} - declared
+    return tuple(name for name in list(sys.modules) if "." in name and name.split(".")[0] in tops)
 
 
 @dataclass
@@ -333,6 +474,8 @@ class Reference:
     final: dict[str, torch.Tensor] = field(default_factory=dict)
     mag: dict[str, torch.Tensor] = field(default_factory=dict)
     rows: int = 1
+    #: The step-0 upstream grad ``[*batch, out]`` (float64).
+    g: torch.Tensor | None = None
 
 
 def reference(case: Case, masters: Masters) -> Reference:
@@ -363,6 +506,7 @@ def reference(case: Case, masters: Masters) -> Reference:
         if step == 0:
             out = dict(
                 x=x,
+                g=g,
                 y=y,
                 dx=dx,
                 dweight=dw,

@@ -1,0 +1,201 @@
+"""The library presets: ``tpsim check megatron.core.tensor_parallel`` and
+``tpsim check fairscale.nn.model_parallel.layers`` with no adapter code (small budgets here, so the
+suite that CI runs exercises both), what the presets set up per rank, the CPU shim, the captured
+library noise, and a missing library as a usage error with the install command."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import pytest
+import torch
+
+import tpsim
+from tpsim import target as target_module
+from tpsim.cli import main
+from tpsim.presets import LibraryMissing, preset_for_class, preset_for_target
+from tpsim.target import resolve_target
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("fairscale")
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+MEGATRON = "megatron.core.tensor_parallel"
+FAIRSCALE = "fairscale.nn.model_parallel.layers"
+MEGATRON_NAMES = [
+    "ColumnParallelLinear",
+    "ColumnParallelLinear(skip_bias_add=True)",
+    "ColumnParallelLinear(gather_output=True)",
+    "ColumnParallelLinear(disable_grad_reduce=True)",
+    "ColumnParallelLinear(skip_bias_add=True, disable_grad_reduce=True)",
+    "ColumnParallelLinear(gather_output=True, disable_grad_reduce=True)",
+    "ColumnParallelLinear(sequence_parallel=True)",
+    "ColumnParallelLinear(skip_bias_add=True, sequence_parallel=True)",
+    "ColumnParallelLinear(gather_output=True, sequence_parallel=True)",
+    "RowParallelLinear",
+    "RowParallelLinear(skip_bias_add=True)",
+    "RowParallelLinear(input_is_parallel=False)",
+    "RowParallelLinear(input_is_parallel=False, skip_bias_add=True)",
+    "RowParallelLinear(sequence_parallel=True)",
+    "RowParallelLinear(skip_bias_add=True, sequence_parallel=True)",
+]
+FAIRSCALE_NAMES = ["ColumnParallelLinear", "ColumnParallelLinear(gather_output=False)", "RowParallelLinear",
+                   "RowParallelLinear(input_is_parallel=True)"]
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+# --- what the presets declare --------------------------------------------------------------------
+
+
+def test_megatron_preset_declares_every_option_combination_and_its_limits() -> None:
+    variants = resolve_target(MEGATRON)
+    assert [v.name for v in variants] == MEGATRON_NAMES
+    for v in variants:
+        assert v.rank_local == ("megatron.core.parallel_state",)
+        assert (v.min_batch_dims, v.max_batch_dims, v.sequence_dim) == (1, 2, 0)  # [s, h] or [s, b, h]
+        assert v.subgroups  # the layers take tp_group=
+        sp = "sequence_parallel=True" in v.name
+        assert v.min_tp_size == (2 if sp else 1)
+        assert (v.input == "sequence-sharded") == (sp and v.kind == "column")
+        assert (v.output == "sequence-sharded") == (sp and v.kind == "row")
+        assert v.input_grad == ("partial" if "disable_grad_reduce=True" in v.name else "complete")
+    by_name = {v.name: v for v in variants}
+    assert by_name["ColumnParallelLinear(gather_output=True)"].output == "gathered"
+    assert by_name["RowParallelLinear(input_is_parallel=False)"].input == "replicated"
+
+
+def test_fairscale_preset_declares_its_options_on_one_world_sized_group() -> None:
+    variants = resolve_target(FAIRSCALE)
+    assert [v.name for v in variants] == FAIRSCALE_NAMES
+    assert all(v.rank_local == ("fairscale.nn.model_parallel.initialize",) and not v.subgroups for v in variants)
+    assert [v.output for v in variants] == ["gathered", "sharded", "reduced", "reduced"]
+    assert [v.input for v in variants] == ["replicated", "replicated", "replicated", "sharded"]
+    assert [v.name for v in resolve_target("fairscale.nn.model_parallel")] == FAIRSCALE_NAMES
+
+
+def test_presets_are_chosen_by_the_class_a_target_derives_from() -> None:
+    from fairscale.nn.model_parallel.layers import RowParallelLinear as FairscaleRow
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    class Patched(ColumnParallelLinear):
+        pass
+
+    class Deeper(Patched):
+        pass
+
+    preset, kind = preset_for_class(Deeper)
+    assert (preset.name, kind) == ("megatron-core", "column")
+    assert preset_for_class(FairscaleRow)[0].name == "fairscale"
+    assert preset_for_class(torch.nn.Linear) is None
+    assert preset_for_target(MEGATRON).name == "megatron-core" and preset_for_target("tpsim.layers") is None
+    names = [v.name for v in resolve_target(f"{MEGATRON}:RowParallelLinear")]
+    assert names == [n for n in MEGATRON_NAMES if n.startswith("Row")]
+
+
+# --- one command per library, small budgets (CI runs these) --------------------------------------
+
+
+@pytest.mark.parametrize("library, names", [(MEGATRON, MEGATRON_NAMES), (FAIRSCALE, FAIRSCALE_NAMES)])
+def test_library_check_passes_with_the_same_output_format(capsys, tmp_path, library, names) -> None:
+    code, out, err = run(capsys, "check", library, "--max-examples", "6", "--world-sizes", "1,2,4", "--seed", "0",
+                         "--cases-dir", str(tmp_path))
+    assert code == 0, out + err
+    lines = out.splitlines()
+    assert lines[0].startswith(f"tpsim check {library}: {len(names)} variants on inproc, world sizes 1,2,4")
+    for name in names:
+        assert any(line.startswith("PASS ") and f" {name} " in line for line in lines), (name, out)
+    assert lines[-1].startswith(f"all properties hold: {len(names)} variants, ")
+    # Library noise is captured: a pass hides fairscale's prints and Megatron's warnings.
+    assert "initializing model parallel" not in out + err
+    assert "Warning" not in out + err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("target", [f"{MEGATRON}:RowParallelLinear", f"{FAIRSCALE}:ColumnParallelLinear"])
+def test_library_check_passes_on_gloo(capsys, tmp_path, target) -> None:
+    code, out, err = run(capsys, "check", target, "--backend", "gloo", "--max-examples", "3", "--world-sizes", "2",
+                         "--dtypes", "float64,float32", "--seed", "0", "--cases-dir", str(tmp_path))
+    assert code == 0, out + err
+    assert out.splitlines()[-1].startswith("all properties hold: ")
+    assert "initializing model parallel" not in out + err and "Warning" not in out + err
+
+
+# --- per rank: config, parallel state, the CPU shim ---------------------------------------------
+
+
+def test_megatron_parallel_state_is_per_rank_and_put_back() -> None:
+    from megatron.core import parallel_state as ps
+
+    (variant,) = [v for v in resolve_target(MEGATRON) if v.name == "ColumnParallelLinear(sequence_parallel=True)"]
+    before = ps._TENSOR_MODEL_PARALLEL_GROUP
+
+    def rank() -> tuple[int, int, bool, torch.dtype]:
+        import torch.distributed as dist
+
+        layer = variant.instantiate(2, 4, True, group=dist.group.WORLD, rank=dist.get_rank(), world_size=2,
+                                    master_weight=torch.zeros(4, 2), master_bias=torch.zeros(4),
+                                    dtype=torch.float64)
+        dist.barrier()  # the other rank builds in between: its state must not leak into this one's
+        return (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
+                layer.config.use_cpu_initialization and not layer.config.gradient_accumulation_fusion,
+                layer.weight.dtype)
+
+    assert tpsim.run(rank, 2, rank_local=variant.rank_local) == [(0, 2, True, torch.float64), (1, 2, True,
+                                                                                             torch.float64)]
+    assert ps._TENSOR_MODEL_PARALLEL_GROUP is before  # rank-local: the module is put back afterwards
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU shim is installed only where CUDA is not")
+def test_the_cpu_shim_answers_current_device_and_nothing_else() -> None:
+    from tpsim.presets.megatron import SHIMMED_MODULES, cpu_shim_installed
+
+    resolve_target(MEGATRON)
+    assert cpu_shim_installed()
+    for name in SHIMMED_MODULES:
+        seen = sys.modules[name].torch
+        assert seen.cuda.current_device() == torch.device("cpu")
+        assert seen.matmul is torch.matmul and seen.distributed is torch.distributed
+        assert seen.cuda.is_available is torch.cuda.is_available
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.cuda.current_device()  # torch itself is untouched
+
+
+# --- a missing library ---------------------------------------------------------------------------
+
+
+def test_a_missing_library_is_exit_2_with_the_install_command(capsys, monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(target_module, "_cache", {})
+    for name in [n for n in sys.modules if n == "megatron" or n.startswith("megatron.")]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if it were not installed
+    monkeypatch.setitem(sys.modules, "megatron", None)
+    with pytest.raises(LibraryMissing):
+        resolve_target(MEGATRON)
+    code, out, err = run(capsys, "check", MEGATRON, "--max-examples", "1", "--cases-dir", str(tmp_path))
+    assert code == 2
+    assert "megatron-core is not installed" in err
+    assert "pip install -c constraints.txt 'megatron-core==0.16.1'" in err and ".[libs]" in err
+
+
+# --- library noise under a failure --------------------------------------------------------------
+
+
+def test_a_failure_shows_the_library_output_with_its_rank(capsys, tmp_path) -> None:
+    # In-process (--no-isolate) every rank thread's output carries its rank.
+    patches = str(ROOT / "tests" / "wild" / "fairscale_patches.py")
+    argv = ["check", f"{patches}:BiasBeforeReduceRowParallelLinear", "--max-examples", "10", "--world-sizes", "2",
+            "--dtypes", "float64", "--seed", "0", "--cases-dir", str(tmp_path), "--no-isolate"]
+    code, out, err = run(capsys, *argv)
+    assert code == 1, out + err
+    assert "printed while the case ran:\n      rank 0 | > initializing model parallel with size 2" in out
+    code, out, err = run(capsys, *argv, "--report", "json")
+    doc = json.loads(out)  # the prints went into the report, not around it
+    failure = next(f for f in doc["failures"] if f["diagnosis"] == "bias-duplication")
+    assert "> initializing model parallel with size 2" in (failure.get("output") or {}).get("rank 0", ""), failure

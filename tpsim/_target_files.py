@@ -1,0 +1,89 @@
+"""Target files (``tpsim check path/to/layers.py:Name``) as modules importable by name, in any process.
+
+A target file is imported under a name that encodes its absolute path (:func:`module_name_of_path`),
+and a finder on ``sys.meta_path`` (installed when tpsim is imported) imports such a name from the
+file it encodes. So a worker process can import a target file by its module name alone: a rank-local
+module named ``tpsim_target_...`` (``--rank-local path/to/layers.py``), a class from a target file
+that is unpickled there. The encoding keeps ASCII letters and digits and writes every other byte of
+the UTF-8 path as ``_xx`` (two hex digits), so it is reversible and a valid identifier.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import io
+import os
+import sys
+import warnings
+from typing import Any
+
+__all__ = ["PREFIX", "install_finder", "module_name_of_path", "path_of_module_name"]
+
+PREFIX = "tpsim_target_"
+
+
+def module_name_of_path(path: str) -> str:
+    """The module name a target file is imported under (stable per absolute path, reversible)."""
+    full = os.path.abspath(path)
+    parts = []
+    for byte in full.encode("utf-8"):
+        char = chr(byte)
+        parts.append(char if char.isascii() and char.isalnum() else f"_{byte:02x}")
+    return PREFIX + "".join(parts)
+
+
+def path_of_module_name(name: str) -> str | None:
+    """The file a :func:`module_name_of_path` name encodes (None for any other name)."""
+    if not name.startswith(PREFIX) or "." in name:
+        return None
+    encoded = name[len(PREFIX):]
+    try:
+        raw = bytearray()
+        i = 0
+        while i < len(encoded):
+            if encoded[i] == "_":
+                raw.append(int(encoded[i + 1 : i + 3], 16))
+                i += 3
+            else:
+                raw.append(ord(encoded[i]))
+                i += 1
+        return raw.decode("utf-8")
+    except (ValueError, IndexError):
+        return None
+
+
+class _QuietLoader(importlib.machinery.SourceFileLoader):
+    """Runs a target file with what its imports print and warn captured (libraries warn about
+    optional accelerators they did not find; each worker process imports the file again): hidden
+    when the import works, quoted in the error when it does not."""
+
+    def exec_module(self, module: Any) -> None:
+        printed = io.StringIO()
+        with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(printed):
+            warnings.simplefilter("always")
+            try:
+                super().exec_module(module)
+            except Exception as err:
+                noise = printed.getvalue() + "".join(f"{w.category.__name__}: {w.message}\n" for w in caught)
+                if noise.strip():
+                    err.add_note(f"while importing it printed:\n{noise.strip()}")
+                raise
+
+
+class _TargetFileFinder(importlib.abc.MetaPathFinder):
+    """Imports a ``tpsim_target_...`` name from the file it encodes."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        file = path_of_module_name(fullname)
+        if file is None or not os.path.isfile(file):
+            return None
+        return importlib.util.spec_from_file_location(fullname, file, loader=_QuietLoader(fullname, file))
+
+
+def install_finder() -> None:
+    """Put the finder on ``sys.meta_path`` (idempotent)."""
+    if not any(isinstance(f, _TargetFileFinder) for f in sys.meta_path):
+        sys.meta_path.append(_TargetFileFinder())

@@ -1,0 +1,334 @@
+"""The module variant: how a whole tensor-parallel module (an MLP, a block) is built and sharded.
+
+A :class:`ModuleVariant` describes an ``nn.Module`` that is built from integer sizes and a tp group,
+such as ``MyMLP(hidden, ffn, process_group=group)``. Unlike a linear :class:`~tpsim.variant.Variant`
+it needs no description of the maths: **the dense reference is the same module on a tp group of
+one rank**, in float64 (every collective over one rank is the identity, so it *is* the dense
+module). The harness builds it, draws full master values for its parameters, and gives every rank
+of the real tp group its shard of each parameter. Which dim of a parameter is sharded is read from
+the shapes: the parameter at tp size 1 and at tp size N differ in exactly one dim, by a factor N
+(equal shapes: replicated). Where shapes alone are ambiguous — a packed weight whose parts (gate/up,
+Q/K/V) are each sharded on their own has the shape of a contiguous split — declare the parameter::
+
+    from tpsim import ModuleVariant, ParamSpec, Shard
+
+    def build(hidden, ffn, *, group, dtype):
+        return MyGatedMLP(hidden, ffn, process_group=group, dtype=dtype)
+
+    my_mlp = ModuleVariant(
+        name="MyGatedMLP", build=build, sizes=("hidden", "ffn"),
+        params=(ParamSpec("fc1.weight", "weight", Shard(0, parts=(1, 1))),   # [gate; up], each sharded
+                ParamSpec("fc1.bias", "bias", Shard(0, parts=(1, 1)))),
+    )
+
+A layer that describes its own sharding with the attributes of :mod:`tpsim.layers.linear`
+(``parts``: the full sizes of its packed parts) needs no declaration: a parameter whose sharded dim
+has the size of those parts is sharded per part.
+
+Fields:
+
+- ``build(*sizes, group, dtype) -> nn.Module``: one rank's module on its tp ``group`` (sizes by
+  position, in the order of ``sizes``), in ``dtype``. Built on a group of one rank it must be the
+  dense module (or give ``dense``).
+- ``sizes``: the names of the integer sizes, in order; the input is ``[..., first size]``.
+- ``dense(*sizes, dtype) -> nn.Module`` (optional): the dense reference instead of ``build`` on a
+  one-rank group; its parameters must have the same dotted names and the unsharded shapes.
+- ``params``: :class:`~tpsim.variant.ParamSpec` overrides by dotted name. ``placement`` is in the
+  coordinates of the parameter as the dense module stores it (``transposed=True``: in the
+  transposed coordinates of a 2-D parameter); ``master`` (``"weight"`` or ``"bias"``) says which
+  property its grad counts under. Parameters without a spec are inferred; every parameter is loaded.
+- ``input``: ``"replicated"`` (default; every rank gets the whole input), ``"sharded"`` (its slice
+  of the last dim) or ``"sequence-sharded"`` (its slice of ``sequence_dim``, sequence parallelism).
+- ``output``: ``"replicated"`` (default; ``"reduced"`` and ``"gathered"`` mean the same), ``"partial"``
+  (a summand: the caller reduces), ``"sharded"`` (the last dim) or ``"sequence-sharded"``.
+- ``input_grad``: ``"complete"`` (every rank holds the whole grad of a replicated input) or
+  ``"partial"`` (each rank a summand).
+- ``forward(module, x)``: replaces ``module(x)`` when the module needs another call.
+- ``min_sizes``: the smallest value of every size (default 1).
+- ``size_strategy(tp_size, divisible)``: optional; a Hypothesis strategy of size tuples, for sizes
+  that constrain each other (heads dividing the hidden size). ``divisible`` False asks for a tuple
+  with at least one sharded size that does not divide by ``tp_size``.
+- ``rank_local``: modules whose globals are per rank (see :func:`tpsim.run`).
+- ``initialised``: whether the builder initialises the parameters (the default). A builder that
+  leaves them empty because the harness loads every one anyway (fast at large sizes) says False:
+  replicated parameters are then not compared right after construction.
+
+:func:`module_from_class` makes one from a plain class whose constructor takes the sizes and a group
+keyword (``process_group``, ``group`` or ``tp_group``): ``tpsim check FILE:Class --kind module``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from tpsim.errors import InvalidArgument
+from tpsim.placement import Placement, Shard
+from tpsim.variant import INPUT_GRADS, ParamSpec
+
+__all__ = [
+    "GROUP_KEYWORDS",
+    "MODULE_INPUTS",
+    "MODULE_KIND",
+    "MODULE_OUTPUTS",
+    "ModuleVariant",
+    "module_from_class",
+]
+
+#: The ``--kind`` that selects whole-module targets.
+MODULE_KIND = "module"
+#: Inputs a module variant can declare.
+MODULE_INPUTS = ("replicated", "sharded", "sequence-sharded")
+#: Outputs a module variant can declare (``reduced``/``gathered`` are read as ``replicated``).
+MODULE_OUTPUTS = ("replicated", "partial", "sharded", "sequence-sharded")
+_OUTPUT_ALIASES = {"reduced": "replicated", "gathered": "replicated"}
+#: Constructor keywords that take the tp group, in the order they are looked for.
+GROUP_KEYWORDS = ("process_group", "group", "tp_group")
+
+
+def _positive_int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgument(f"{what}={value!r}; expected an int >= 1")
+    return value
+
+
+@dataclass(frozen=True)
+class ModuleVariant:
+    """How one tensor-parallel module is built and sharded (see the module docstring)."""
+
+    name: str
+    build: Callable[..., nn.Module]
+    sizes: tuple[str, ...]
+    dense: Callable[..., nn.Module] | None = None
+    params: tuple[ParamSpec, ...] = ()
+    input: str = "replicated"
+    output: str = "replicated"
+    input_grad: str = "complete"
+    sequence_dim: int = -2
+    forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
+    min_sizes: tuple[int, ...] | None = None
+    size_strategy: Callable[[int, bool], Any] | None = None
+    rank_local: tuple[str, ...] = ()
+    initialised: bool = True
+    description: str = ""
+    notes: tuple[str, ...] = ()
+    target: str | None = None
+    options: tuple[tuple[str, Any], ...] = field(default=())
+
+    #: What ``--report json`` lists as the variant's kind; a module has no single bias switch.
+    kind: ClassVar[str] = MODULE_KIND
+    bias: ClassVar[None] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise InvalidArgument(f"ModuleVariant(name={self.name!r}): expected a non-empty string")
+        if not callable(self.build):
+            raise InvalidArgument(f"ModuleVariant {self.name!r}: build={self.build!r}; expected a callable builder")
+        if self.dense is not None and not callable(self.dense):
+            raise InvalidArgument(f"ModuleVariant {self.name!r}: dense={self.dense!r}; expected a callable or None")
+        sizes = (self.sizes,) if isinstance(self.sizes, str) else tuple(self.sizes)
+        if not sizes or not all(isinstance(s, str) and s.isidentifier() for s in sizes) or len(set(sizes)) != len(sizes):
+            raise InvalidArgument(
+                f"ModuleVariant {self.name!r}: sizes={self.sizes!r}; expected the distinct names of the integer "
+                "sizes the builder takes, e.g. ('hidden', 'ffn')"
+            )
+        object.__setattr__(self, "sizes", sizes)
+        minimum = (1,) * len(sizes) if self.min_sizes is None else tuple(self.min_sizes)
+        if len(minimum) != len(sizes):
+            raise InvalidArgument(
+                f"ModuleVariant {self.name!r}: min_sizes={self.min_sizes!r} has {len(minimum)} entries for "
+                f"{len(sizes)} sizes {list(sizes)}"
+            )
+        for size, low in zip(sizes, minimum, strict=True):
+            _positive_int(low, f"ModuleVariant {self.name!r}: min_sizes entry for {size!r}")
+        object.__setattr__(self, "min_sizes", minimum)
+        output = _OUTPUT_ALIASES.get(self.output, self.output)
+        object.__setattr__(self, "output", output)
+        for attr, allowed in (("input", MODULE_INPUTS), ("output", MODULE_OUTPUTS), ("input_grad", INPUT_GRADS)):
+            value = getattr(self, attr)
+            if value not in allowed:
+                raise InvalidArgument(
+                    f"ModuleVariant {self.name!r}: {attr}={value!r}; expected one of {', '.join(allowed)}"
+                )
+        seq = self.sequence_dim
+        if isinstance(seq, bool) or not isinstance(seq, int) or seq == -1:
+            raise InvalidArgument(
+                f"ModuleVariant {self.name!r}: sequence_dim={seq!r}; expected an int naming a dim before the "
+                "feature dim (default -2; -1 is the feature dim)"
+            )
+        self._check_params()
+        if self.size_strategy is not None and not callable(self.size_strategy):
+            raise InvalidArgument(f"ModuleVariant {self.name!r}: size_strategy={self.size_strategy!r}; expected a callable")
+        if not isinstance(self.initialised, bool):
+            raise InvalidArgument(f"ModuleVariant {self.name!r}: initialised={self.initialised!r}; expected a bool")
+        names = (self.rank_local,) if isinstance(self.rank_local, str) else tuple(self.rank_local)
+        if not all(isinstance(n, str) and n for n in names):
+            raise InvalidArgument(f"ModuleVariant {self.name!r}: rank_local={self.rank_local!r}; expected module names")
+        object.__setattr__(self, "rank_local", names)
+        object.__setattr__(self, "notes", tuple(self.notes))
+        object.__setattr__(self, "options", tuple(self.options))
+
+    def _check_params(self) -> None:
+        specs = tuple(self.params)
+        for spec in specs:
+            if not isinstance(spec, ParamSpec):
+                raise InvalidArgument(
+                    f"ModuleVariant {self.name!r}: params holds {spec!r}; expected tpsim.ParamSpec entries"
+                )
+            if not spec.load:
+                raise InvalidArgument(
+                    f"ModuleVariant {self.name!r}: ParamSpec({spec.name!r}, load=False) is not supported for a "
+                    "module: the harness loads every parameter from the dense module's master values, so the "
+                    "reference and the ranks hold the same numbers"
+                )
+        names = [s.name for s in specs]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise InvalidArgument(f"ModuleVariant {self.name!r}: params names {dupes[0]!r} twice")
+        object.__setattr__(self, "params", specs)
+
+    # -- what reports and the harness read ------------------------------------------------------
+    def param(self, name: str) -> ParamSpec | None:
+        """The declared spec of parameter ``name`` (None: inferred from shapes)."""
+        return next((s for s in self.params if s.name == name), None)
+
+    def stored_placement(self, spec: ParamSpec, ndim: int) -> Placement:
+        """``spec``'s placement in the coordinates the parameter is stored in."""
+        placement = spec.placement
+        if spec.transposed and ndim == 2 and isinstance(placement, Shard):
+            return Shard(1 - placement.dim % 2, parts=placement.parts)
+        return placement
+
+    def sequence_dim_of(self, ndim: int) -> int | None:
+        """The non-negative sequence dim of an ``ndim``-dim input (None: the input has no such dim)."""
+        d = self.sequence_dim if self.sequence_dim >= 0 else ndim + self.sequence_dim
+        return d if 0 <= d < ndim - 1 else None
+
+    def describe(self) -> str:
+        """One line: the sizes, the placements, what is declared."""
+        text = f"{self.name}: module({', '.join(self.sizes)}), input {self.input}, output {self.output}"
+        if self.input_grad != "complete":
+            text += f", input grad {self.input_grad}"
+        if self.params:
+            text += "; declared " + ", ".join(s.describe() for s in self.params)
+        text += "; dense reference: " + ("its dense builder" if self.dense is not None else "itself on one rank")
+        return text
+
+    def replace(self, **changes: Any) -> ModuleVariant:
+        """A copy with ``changes`` applied (validation runs again)."""
+        return dataclasses.replace(self, **changes)
+
+    # -- building -------------------------------------------------------------------------------
+    def instantiate(self, sizes: tuple[int, ...], *, group: Any, dtype: torch.dtype) -> nn.Module:
+        """One rank's module on ``group`` (the builder's result, checked to be an ``nn.Module``)."""
+        return self._checked(self.build(*sizes, group=group, dtype=dtype), "build")
+
+    def reference(self, sizes: tuple[int, ...], *, group: Any, dtype: torch.dtype) -> nn.Module:
+        """The dense reference: ``dense(*sizes, dtype)`` when given, else the module on ``group``
+        (a group of one rank)."""
+        if self.dense is not None:
+            return self._checked(self.dense(*sizes, dtype=dtype), "dense")
+        return self.instantiate(sizes, group=group, dtype=dtype)
+
+    def _checked(self, module: Any, which: str) -> nn.Module:
+        if not isinstance(module, nn.Module):
+            raise InvalidArgument(
+                f"the {which} function of module variant {self.name!r} returned {type(module).__name__}; "
+                "expected an nn.Module"
+            )
+        return module
+
+    def call(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Run the module forward on ``x``."""
+        return self.forward(module, x) if self.forward is not None else module(x)
+
+
+def _signature(cls: type) -> inspect.Signature:
+    try:
+        return inspect.signature(cls.__init__)
+    except (TypeError, ValueError) as err:
+        raise InvalidArgument(f"cannot read the constructor signature of {cls.__qualname__}: {err}") from err
+
+
+def group_keyword(cls: type) -> str | None:
+    """The constructor keyword of ``cls`` that takes the tp group (None: it has none)."""
+    names = [n for n in _signature(cls).parameters if n != "self"]
+    return next((k for k in GROUP_KEYWORDS if k in names), None)
+
+
+def module_from_class(
+    cls: type,
+    *,
+    input: str | None = None,
+    output: str | None = None,
+    input_grad: str | None = None,
+    sequence_dim: int | None = None,
+    name: str | None = None,
+) -> ModuleVariant:
+    """A module variant for a plain ``nn.Module`` class whose constructor takes integer sizes and a
+    group keyword (``process_group``, ``group`` or ``tp_group``).
+
+    The sizes are the constructor's required parameters other than the group, in order (an int
+    annotation is honoured; anything else annotated is refused); parameters with defaults keep them.
+    A ``dtype`` parameter gets the case's dtype; otherwise the module is converted with ``.to(dtype)``.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise InvalidArgument(f"{cls!r} is not an nn.Module class")
+    sig = _signature(cls)
+    params = [p for n, p in sig.parameters.items() if n != "self"]
+    names = [p.name for p in params]
+    keyword = group_keyword(cls)
+    if keyword is None:
+        raise InvalidArgument(
+            f"{cls.__qualname__}({', '.join(names)}) takes no tp group: a whole-module target needs a constructor "
+            f"keyword {' / '.join(GROUP_KEYWORDS)} (the harness builds it on each rank's tp group and on a one-rank "
+            "group for the dense reference); or describe it with a tpsim ModuleVariant"
+        )
+    sizes = []
+    for p in params:
+        if p.name in (keyword, "dtype") or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.default is not p.empty:
+            continue
+        if p.kind is p.KEYWORD_ONLY:
+            raise InvalidArgument(
+                f"{cls.__qualname__}: the keyword-only parameter {p.name!r} has no default; tpsim passes the sizes by "
+                "position and only the group (and dtype) by keyword: describe it with a tpsim ModuleVariant"
+            )
+        if p.annotation not in (p.empty, int, "int"):
+            raise InvalidArgument(
+                f"{cls.__qualname__}: parameter {p.name!r} is annotated {p.annotation!r}, not int; the sizes of a "
+                "module target are its required int parameters: describe it with a tpsim ModuleVariant"
+            )
+        sizes.append(p.name)
+    if not sizes:
+        raise InvalidArgument(
+            f"{cls.__qualname__}({', '.join(names)}) takes no integer sizes; expected e.g. (hidden, ffn, *, "
+            f"{keyword}=None)"
+        )
+    takes_dtype = "dtype" in names
+
+    def build(*values: int, group: Any, dtype: torch.dtype) -> nn.Module:
+        kwargs: dict[str, Any] = {keyword: group}
+        if takes_dtype:
+            kwargs["dtype"] = dtype
+        module = cls(*values, **kwargs)
+        # Converted either way: a module that ignores its dtype argument still runs in the case's dtype.
+        return module.to(dtype) if isinstance(module, nn.Module) else module
+
+    return ModuleVariant(
+        name=name or cls.__qualname__,
+        build=build,
+        sizes=tuple(sizes),
+        input=input or "replicated",
+        output=output or "replicated",
+        input_grad=input_grad or "complete",
+        sequence_dim=-2 if sequence_dim is None else sequence_dim,
+        description=f"{cls.__module__}.{cls.__qualname__}({', '.join(sizes)}, {keyword}=group)",
+    )

@@ -1,0 +1,141 @@
+"""One world run per attention case: its data, and the rank side.
+
+**The data** of a case is drawn from its ``seed`` in the parent (:func:`attention_data`), float64
+normal draws rounded to the case's dtype: the packed ``[Q; K; V]`` weight (scaled ``1/sqrt(hidden)``
+as ``nn.Linear`` draws), its bias, the out-projection (scaled ``1/sqrt(num_heads * head_dim)``) and
+its bias, then per tp group the input ``[*batch, seq, hidden]`` and the upstream grad of the output.
+
+**The ranks** (:func:`attention_rank`, module-level so gloo workers can run it) build the block from
+the master parameters on their tp group (the variant's builder slices them: its split of the heads
+is under test), run forward and backward on their input (their slice of the sequence with
+sequence parallelism), and return the output, the input grad, every parameter's grad and value.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import tpsim
+from tpsim.attention_variant import ATTENTION_PARAMS, AttentionVariant
+from tpsim.comm.board import mark_phase
+from tpsim.errors import InvalidArgument, RankError
+from tpsim.props.attention.case import AttentionCase
+from tpsim.props.vocab.world import Observation
+from tpsim.props.world import VariantRaised, _tp_group
+from tpsim.variant import get_param
+
+__all__ = ["AttentionData", "attention_data", "attention_rank", "observe"]
+
+
+@dataclass
+class AttentionData:
+    """A case's tensors: the master parameters by name, and per tp group the input and upstream grad."""
+
+    masters: dict[str, torch.Tensor | None]
+    inputs: list[torch.Tensor]
+    grads: list[torch.Tensor]
+
+
+def attention_data(case: AttentionCase) -> AttentionData:
+    """Draw the parameters, then per group the input and the upstream grad (see the module docstring)."""
+    g = torch.Generator().manual_seed(case.seed)
+    dt = case.torch_dtype
+    h, kv, d, hid = case.num_heads, case.num_kv_heads, case.head_dim, case.hidden
+
+    def draw(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dt)
+
+    rows = (h + 2 * kv) * d
+    masters: dict[str, torch.Tensor | None] = {
+        "qkv.weight": draw(rows, hid, scale=hid**-0.5),
+        "qkv.bias": draw(rows, scale=0.5) if case.bias else None,
+        "proj.weight": draw(hid, h * d, scale=(h * d) ** -0.5),
+        "proj.bias": draw(hid, scale=0.5) if case.bias else None,
+    }
+    inputs, grads = [], []
+    for _ in range(case.world_size // (case.tp_size or case.world_size)):
+        inputs.append(draw(*case.batch_shape, case.seq, hid))
+        grads.append(draw(*case.batch_shape, case.seq, hid))
+    return AttentionData(masters, inputs, grads)
+
+
+def _raised(phase: str, err: BaseException) -> VariantRaised:
+    summary = f"{type(err).__name__}: {err}".splitlines()[0][:500]
+    return VariantRaised(phase, 0, summary, traceback.format_exc())
+
+
+def _sequence_slice(t: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    return t.chunk(tp, dim=-2)[rank] if t.shape[-2] % tp == 0 else torch.tensor_split(t, tp, dim=-2)[rank]
+
+
+def attention_rank(payload: dict[str, Any]) -> dict[str, Any]:
+    """What every rank runs for one attention case: build from the masters, forward, backward."""
+    case: AttentionCase = payload["case"]
+    variant: AttentionVariant | None = payload.get("variant")
+    if variant is None:
+        from tpsim.props.family import resolve_variant
+
+        variant = resolve_variant(*payload["ref"])
+    data: AttentionData = payload["data"]
+    group, g, rank, tp = _tp_group(case, dist.get_rank())
+    torch.manual_seed(case.seed)  # every rank seeded alike before the build, as training scripts do
+    mark_phase("build")
+    try:
+        module = variant.build(case.hidden, case.num_heads, case.num_kv_heads, case.head_dim, bias=case.bias,
+                               causal=case.causal, sequence_parallel=variant.sequence_parallel, group=group,
+                               dtype=case.torch_dtype,
+                               masters={k: None if v is None else v.clone() for k, v in data.masters.items()})
+    except Exception as err:
+        raise _raised("build", err) from err
+    params = {ours: get_param(module, theirs) for ours, theirs in zip(ATTENTION_PARAMS, variant.params, strict=True)}
+    result: dict[str, Any] = {"status": "ok", "group": g, "tp_rank": rank,
+                              "values": {k: None if p is None else p.detach().clone() for k, p in params.items()}}
+    x, upstream = data.inputs[g], data.grads[g]
+    if variant.sequence_parallel:
+        x, upstream = _sequence_slice(x, tp, rank), _sequence_slice(upstream, tp, rank)
+    x = x.clone().requires_grad_()
+    mark_phase("forward", 0)
+    try:
+        out = variant.call(module, x)
+    except Exception as err:
+        raise _raised("forward", err) from err
+    if not isinstance(out, torch.Tensor) or out.shape != upstream.shape:
+        result.update(status="output-shape", output=out.detach().clone() if isinstance(out, torch.Tensor) else None,
+                      output_type=type(out).__name__)
+        return result
+    result["output"] = out.detach().clone()
+    mark_phase("backward", 0)
+    try:
+        out.backward(upstream.to(out.dtype))
+    except Exception as err:
+        raise _raised("backward", err) from err
+    result["input_grad"] = None if x.grad is None else x.grad.detach().clone()
+    result["grads"] = {k: None if p is None or p.grad is None else p.grad.detach().clone() for k, p in params.items()}
+    return result
+
+
+def observe(variant: AttentionVariant, case: AttentionCase, *, backend: str = "inproc",
+            timeout: float = tpsim.DEFAULT_TIMEOUT, isolate: bool = False) -> Observation:
+    """Run ``case`` once on ``case.world_size`` ranks of ``backend`` (see the module docstring)."""
+    data = attention_data(case)
+    payload: dict[str, Any] = {"case": case, "data": data}
+    if backend == "inproc" and not isolate:
+        payload["variant"] = variant
+    else:
+        if variant.target is None:
+            raise InvalidArgument(
+                f"variant {variant.name!r} has no target string, so {backend} worker processes cannot import it; "
+                "declare it at module level and check it by target (e.g. tpsim check mymodule:Name)"
+            )
+        payload["ref"] = (variant.target, variant.name, variant.options)
+    try:
+        values = tpsim.run(attention_rank, case.world_size, backend=backend, args=(payload,), timeout=timeout,
+                           isolate=isolate, rank_local=variant.rank_local)
+    except RankError as err:
+        return Observation(case, data, error=err)
+    return Observation(case, data, values=values)

@@ -1,0 +1,147 @@
+"""Comparing each rank's tensors with the float64 reference, shared by the vocab and attention families.
+
+A family with its own reference (rather than the linear or module machinery) compares every rank's
+output and grads with the expected piece of the dense result: :func:`compare` returns None when it
+is within the tolerance, else a :class:`~tpsim.diagnosis.Failure` — the first family recogniser
+that sees its evidence, or the generic diagnoses in this order: ``grad-missing`` (no grad),
+``wrong-dtype``, ``shape-error``, ``grad-scaled`` (a grad that is a constant times the dense one),
+``mismatch``. :func:`raised` turns a run in which a rank raised into the ``exception`` failure,
+:func:`replica` checks that replicated tensors are the same bits on every rank of each tp group,
+and :func:`names_the_size` judges whether a refusal says why (the ``divisibility`` property).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from tpsim.diagnosis import (
+    EXCEPTION,
+    GRAD_MISSING,
+    GRAD_SCALED,
+    REPLICA_DIVERGENCE,
+    SHAPE_ERROR,
+    WRONG_DTYPE,
+    Failure,
+    close,
+    mismatch,
+    scale_factor,
+)
+from tpsim.errors import CollectiveError
+from tpsim.props.checks import FORWARD, REPLICA
+from tpsim.props.groups import tp_groups
+from tpsim.props.world import VariantRaised
+
+__all__ = ["close_or_nan", "compare", "failure", "groups_of", "names_the_size", "raised", "replica", "same_bits"]
+
+_F64 = torch.float64
+
+
+def failure(variant: Any, case: Any, prop: str, diagnosis: str, message: str, *, rank: int | None = None,
+            details: dict[str, Any] | None = None) -> Failure:
+    """A :class:`~tpsim.diagnosis.Failure` of ``variant`` on ``case``."""
+    return Failure(prop, diagnosis, message, case=case, rank=rank, details=details or {}, variant=variant.name)
+
+
+def groups_of(case: Any) -> list[list[int]]:
+    """The tp groups of ``case`` (global ranks, tp rank order)."""
+    tp = case.tp_size or case.world_size
+    return tp_groups(case.world_size, tp, case.tp_layout)
+
+
+def compare(variant: Any, case: Any, prop: str, what: str, rank: int, got: torch.Tensor | None,
+             expected: torch.Tensor, tol: torch.Tensor,
+             recognisers: Sequence[Callable[[], Failure | None]] = ()) -> Failure | None:
+    """None when ``got`` matches; else the first recogniser's failure, or shape/dtype/scale/mismatch."""
+    if got is None:
+        return failure(variant, case, prop, GRAD_MISSING, f"{what} on rank {rank} is None after backward: the "
+                        "tensor took part in the forward but received no gradient", rank=rank)
+    if got.dtype != case.torch_dtype:
+        return failure(variant, case, prop, WRONG_DTYPE, f"{what} on rank {rank} has dtype {got.dtype}, not the "
+                        f"case's {case.torch_dtype}", rank=rank)
+    if tuple(got.shape) != tuple(expected.shape):
+        return failure(variant, case, prop, SHAPE_ERROR, f"{what} on rank {rank} has shape {list(got.shape)}; "
+                        f"expected {list(expected.shape)}", rank=rank,
+                        details={"shape": list(got.shape), "expected_shape": list(expected.shape)})
+    if close_or_nan(got, expected, tol):
+        return None
+    for recognise in recognisers:
+        found = recognise()
+        if found is not None:
+            return found
+    c = scale_factor(got, expected, tol)
+    if c is not None and prop != FORWARD:
+        return failure(variant, case, prop, GRAD_SCALED, f"{what} on rank {rank} is {c:.6g} times the dense one",
+                        rank=rank, details={"factor": c})
+    diag = mismatch(got, expected, what=f"{what} on rank {rank}", tol=tol)
+    return failure(variant, case, prop, diag.name, diag.message, rank=rank, details=diag.details)
+
+
+def close_or_nan(got: torch.Tensor, expected: torch.Tensor, tol: torch.Tensor) -> bool:
+    """``close``, where the reference is NaN (F.cross_entropy's mean over no target) NaN is expected."""
+    nan = expected.isnan()
+    if not bool(nan.any()):
+        return close(got, expected, tol)
+    same = bool((got.isnan() == nan).all())
+    return same and close(got[~nan], expected[~nan], tol.expand_as(expected)[~nan])
+
+
+def raised(variant: Any, obs: Any, prop_of: dict[str, str]) -> Failure:
+    """The ``exception`` failure of a run in which some rank raised (the first rank that raised)."""
+    errors = obs.rank_errors()
+    primary = {r: e for r, e in errors.items() if not isinstance(e, CollectiveError)}
+    pool = primary or errors
+    rank = min(pool)
+    err = pool[rank]
+    phase, summary, tb = "forward", (str(err).splitlines() or [type(err).__name__])[0], None
+    if isinstance(err, VariantRaised):
+        phase, summary, tb = err.phase, err.summary, err.traceback_text
+    else:
+        m = re.search(r"the variant raised during (\w+)(?: \(step \d+\))?: (.*)", str(err))
+        if m:
+            phase, summary = m.group(1), m.group(2)
+        tb = getattr(err, "remote_traceback", None) or str(err)
+    others = sorted(r for r in primary if r != rank)
+    also = f" (ranks {others} raised too)" if others else ""
+    return Failure(prop_of.get(phase, FORWARD), EXCEPTION, f"rank {rank} raised during {phase}: {summary}{also}",
+                   case=obs.case, rank=rank, traceback=(tb or "").rstrip() or None, variant=variant.name,
+                   details={"phase": phase, "ranks": sorted(primary)})
+
+
+def names_the_size(err: BaseException, sizes: Sequence[int]) -> bool:
+    """A clear refusal mentions divisibility (or a multiple) or one of the offending sizes."""
+    text = err.summary if isinstance(err, VariantRaised) else str(err)
+    if "divisib" in text.lower() or "multiple" in text.lower():
+        return True
+    return any(re.search(rf"(?<![\d.]){n}(?![\d.])", text) for n in sizes)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN where the other is NaN (a mean over no target is NaN on every rank)."""
+    if torch.equal(a, b):
+        return True
+    nan = a.isnan()
+    return a.dtype == b.dtype and torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan])
+
+
+def replica(variant: Any, case: Any, values: list[dict[str, Any]], names: Sequence[tuple[str, str]]) -> Failure | None:
+    """``replica-divergence`` for the first of ``names`` (``(key, what)``: ``values[rank][key]``) that is
+    not the same bits on every rank of a tp group; None when all are."""
+    for group in groups_of(case):
+        first = values[group[0]]
+        for key, what in names:
+            if first.get(key) is None:
+                continue
+            for r in group[1:]:
+                other = values[r].get(key)
+                if other is None or other.shape != first[key].shape or not same_bits(other, first[key]):
+                    diff = float("nan") if other is None or other.shape != first[key].shape else float(
+                        (other.to(_F64) - first[key].to(_F64)).abs().max())
+                    return failure(variant, case, REPLICA, REPLICA_DIVERGENCE,
+                                    f"{what} differs between ranks {group[0]} and {r} of tp group {group} (max abs "
+                                    f"difference {diff:.3g}); it must be the same bits on every rank", rank=r,
+                                    details={"ranks": [group[0], r], "what": key, "max_abs": diff})
+    return None

@@ -1,0 +1,948 @@
+"""The properties of a whole module, checked on one case against its dense reference.
+
+The same properties as for one linear layer (:data:`tpsim.props.checks.PROPERTIES`), at module level:
+
+- ``forward-equivalence``: the output, assembled by the variant's output placement (replicated:
+  every rank's; partial: summed over ranks; sharded / sequence-sharded: concatenated), equals the
+  dense module's float64 output;
+- ``input-grad-equivalence``: the input's grad (complete on every rank, summed, or each rank's slice);
+- ``weight-grad-equivalence`` / ``bias-grad-equivalence``: every parameter's grad, by dotted name,
+  equals its piece of the dense grad (a replicated parameter: the whole grad on every rank); the
+  parameters named ``...bias`` (or declared ``ParamSpec(..., "bias", ...)``) count as biases;
+- ``replica-consistency``: everything replicated (the output, a complete input grad, replicated
+  parameters right after construction, their grads and values after training) is bit-identical
+  across the ranks of a tp group;
+- ``training-equivalence``: after ``TRAIN_STEPS`` SGD steps every parameter, re-assembled, equals
+  dense training (evaluated when the single-step properties hold);
+- ``divisibility``: when a size (or a sequence-sharded input's length) does not divide by the tp
+  size, every rank refuses it with an error naming a size or divisibility, or every rank accepts it
+  with parameters that are consistent pieces of the dense ones (``torch.tensor_split`` pieces for
+  an uneven dim) and then satisfies every property above. Truncated or padded pieces, a refusal on
+  some ranks only, or a refusal that does not say why are ``divisibility-unchecked``.
+
+Tolerances come from the magnitude run (:mod:`tpsim.props.module.magnitude`). Gradients through an
+activation with a kink (ReLU) are compared in float64 cases only (see there).
+
+**Where a failure comes from.** When a value property fails, the case is run again with every
+sublayer's boundary recorded (:mod:`tpsim.props.module.boundary`), on the reference and on every
+rank. The forward events are walked in the reference's order: the first sublayer whose output no
+longer assembles to the reference's, while its input still does, is where the forward breaks; the
+backward events likewise (a sublayer whose output grad matches but whose input grad or parameter
+grad does not). The failure is then named with that sublayer (``Failure.sublayer``, rendered
+``fc2: bias-duplication``) and diagnosed by the recognisers of :mod:`tpsim.diagnosis` on that
+sublayer's tensors (its bias for ``bias-duplication``). A divergence that first shows in the code
+between two sublayers (an activation, a residual) is named ``before fc2`` / ``after fc1``.
+Failures that follow from the same cause are listed under it (:func:`tpsim.diagnosis.group_causes`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tpsim.diagnosis import (
+    BIAS_DUPLICATION,
+    BIAS_GRAD_RANK0_ONLY,
+    BIAS_MISSING,
+    DIVISIBILITY_UNCHECKED,
+    DOUBLE_REDUCTION,
+    EXCEPTION,
+    GRAD_MISSING,
+    GRAD_NOT_REDUCED,
+    GRAD_SCALED,
+    MISMATCH,
+    MISSING_REDUCTION,
+    OUTPUT_DETACHED,
+    REPLICA_DIVERGENCE,
+    SHAPE_ERROR,
+    WRONG_DTYPE,
+    WRONG_SHARD_ORDER,
+    Diagnosis,
+    Failure,
+    group_causes,
+    mismatch,
+    recogniser,
+)
+from tpsim.diagnosis import spec as diagnosis_spec
+from tpsim.errors import CollectiveError, InvalidArgument
+from tpsim.module_variant import ModuleVariant
+from tpsim.patterns import bias_multiple, block_mapping, close, rank_summands, scale_factor
+from tpsim.placement import Placement, Replicate, Shard, part_sizes
+from tpsim.props.checks import (
+    BIAS_GRAD,
+    DIVISIBILITY,
+    FORWARD,
+    INPUT_GRAD,
+    PROPERTIES,
+    REPLICA,
+    TRAINING,
+    WEIGHT_GRAD,
+)
+from tpsim.props.groups import tp_groups
+from tpsim.props.module.boundary import Capture
+from tpsim.props.module.case import ModuleCase
+from tpsim.props.module.sharding import assemble_pieces, piece
+from tpsim.props.module.world import ModuleObservation, input_placement, observe, output_placement
+from tpsim.props.tolerance import tolerance
+from tpsim.props.world import LR, TRAIN_STEPS, VariantRaised
+from tpsim.runner import DEFAULT_TIMEOUT
+
+__all__ = ["check_case", "evaluate", "grad_property"]
+
+_F64 = torch.float64
+_VALUE_PROPERTIES = (FORWARD, INPUT_GRAD, WEIGHT_GRAD, BIAS_GRAD)
+
+
+def _f64(t: Any) -> torch.Tensor | None:
+    return t.detach().to(_F64) if isinstance(t, torch.Tensor) else None
+
+
+def grad_property(variant: ModuleVariant, name: str) -> str:
+    """The property a parameter's grad counts under: bias-grad for a bias, weight-grad otherwise."""
+    spec = variant.param(name)
+    if spec is not None:
+        return BIAS_GRAD if spec.master == "bias" else WEIGHT_GRAD
+    return BIAS_GRAD if name.rpartition(".")[2] == "bias" else WEIGHT_GRAD
+
+
+def owner(name: str) -> str | None:
+    """The sublayer that owns parameter ``name`` (None: the module itself)."""
+    return name.rpartition(".")[0] or None
+
+
+@dataclass
+class _Layout:
+    placement: Placement
+    uneven: bool
+    declared: bool
+
+
+class _Ctx:
+    """What the evaluators need about one tp group of one case."""
+
+    def __init__(self, variant: ModuleVariant, obs: ModuleObservation, g: int, values: list[dict[str, Any]]):
+        self.variant, self.obs, self.g, self.values = variant, obs, g, values
+        self.case = obs.case
+        self.tp = len(values)
+        self.ref = obs.ref.groups[g]  # type: ignore[union-attr]
+        self.mag = self.ref["mag"]
+        self.dtype = obs.case.torch_dtype
+        ref = obs.ref
+        self.k = ref.reduction + obs.case.rows  # type: ignore[union-attr]
+        # A kink within rounding of a pre-activation flips its derivative: in a dtype narrower than
+        # float64, grads through it are not determined by first-order bounds (see magnitude.py).
+        self.grads_bounded = not ref.kinked or self.dtype == _F64  # type: ignore[union-attr]
+        first = values[0]["layouts"]
+        self.layouts = {n: _Layout(*first[n]) for n in first}
+        #: Replicated parameters whose grad the trainer sums (see tpsim.props.module.world).
+        self.partial = set(values[0].get("partial", ()))
+
+    def tol(self, magnitude: torch.Tensor, kind: str) -> torch.Tensor:
+        # ``kind`` (forward, grad, training) names what is compared; the magnitude run's first-order
+        # propagation already carries each stage's rounding, so the bound is the same formula.
+        del kind
+        return tolerance(self.dtype, magnitude.to(_F64), reduction_length=self.k, world_size=self.tp)
+
+    def fail(self, prop: str, diag: Diagnosis, rank: int | None = None, sublayer: str | None = None,
+             **details: Any) -> Failure:
+        return Failure(prop, diag.name, diag.message, case=self.case, rank=rank, variant=self.variant.name,
+                       details={**diag.details, **details}, sublayer=sublayer)
+
+
+# --- helpers over the pieces of one tensor --------------------------------------------------------
+
+
+def _expected_pieces(full: torch.Tensor, placement: Placement, tp: int, uneven: bool | None = None) -> list[torch.Tensor]:
+    if isinstance(placement, Shard):
+        uneven = full.shape[placement.dim] % tp != 0 if uneven is None else uneven
+        return [piece(full, placement, r, tp, uneven) for r in range(tp)]
+    return [full] * tp
+
+
+def _compare(pieces: list[torch.Tensor], full: torch.Tensor, tol: torch.Tensor, placement: Placement,
+             summed: bool, uneven: bool | None = None) -> tuple[bool, torch.Tensor | None]:
+    """Whether the ranks' ``pieces`` are ``full`` laid out by ``placement`` (``summed``: their sum
+    is ``full``); returns the tensor compared with ``full`` (the sum or the assembly) or None."""
+    if summed:
+        if any(p.shape != full.shape for p in pieces):
+            return False, None
+        total = torch.stack(pieces).sum(0)
+        return close(total, full, tol), total
+    expected = _expected_pieces(full, placement, len(pieces), uneven)
+    if any(p.shape != e.shape for p, e in zip(pieces, expected, strict=True)):
+        return False, None
+    if isinstance(placement, Shard):
+        uneven_ = full.shape[placement.dim] % len(pieces) != 0 if uneven is None else uneven
+        assembled = assemble_pieces(pieces, placement, uneven_)
+        return close(assembled, full, tol), assembled
+    return all(close(p, full, tol) for p in pieces), None
+
+
+#: Elements compared at a time by :func:`_close_in_chunks` (a few MB: the chain of elementwise
+#: passes stays in cache instead of streaming a lab-scale grad through memory once per pass).
+_CHUNK = 1 << 19
+
+
+def _close_in_chunks(actual: torch.Tensor, expected: torch.Tensor, mag: torch.Tensor,
+                     tol_of: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+    """``close(actual, expected, tol_of(mag))`` for large tensors, slice by slice along the first
+    dim and in as few passes as possible: the tolerance is linear in the magnitude (see
+    :mod:`tpsim.props.tolerance`), so it is ``mag`` times the tolerance of a unit magnitude; the
+    floor for a zero magnitude is dropped, which only makes the comparison stricter there."""
+    if actual.shape != expected.shape or mag.shape != expected.shape:
+        return False
+    if expected.dim() == 0 or expected.numel() <= _CHUNK:
+        return close(actual, expected, tol_of(mag))
+    unit = float(tol_of(torch.ones((), dtype=_F64)))
+    step = max(1, _CHUNK // max(1, expected[0].numel()))
+    # One thread: the chunks are cache-sized and memory-bound, where a parallel region per op
+    # costs more than it gains (several times more on a loaded machine).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for i in range(0, expected.shape[0], step):
+            diff = torch.sub(actual[i:i + step], expected[i:i + step]).abs_()  # float64: expected is
+            if not bool((diff <= mag[i:i + step] * unit).all()):  # NaN never passes
+                return False
+        return True
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _holds(pieces: list[Any], full: torch.Tensor, mag: torch.Tensor, tol_of: Callable[[torch.Tensor], torch.Tensor],
+           placement: Placement, summed: bool, uneven: bool) -> bool:
+    """The fast path of :func:`_compare` for large tensors (a lab-scale weight grad): every rank's
+    piece against its view of the reference and of the magnitude, in chunks; nothing is assembled
+    and nothing converted before it is compared."""
+    if any(p is None for p in pieces):
+        return False
+    if summed or not isinstance(placement, Shard):
+        if any(p.shape != full.shape for p in pieces):
+            return False
+        if summed:
+            return close(torch.stack([p.to(_F64) for p in pieces]).sum(0), full, tol_of(mag))
+        return all(_close_in_chunks(p, full, mag, tol_of) for p in pieces)
+    tp = len(pieces)
+    if uneven or not placement.parts:
+        expected = _expected_pieces(full, placement, tp, uneven)
+        mags = _expected_pieces(mag, placement, tp, uneven)
+        return all(p.shape == e.shape and _close_in_chunks(p, e, m, tol_of)
+                   for p, e, m in zip(pieces, expected, mags, strict=True))
+    # Packed parts: each part of a rank's piece against its view of the reference (no copies).
+    dim = placement.dim % full.dim()
+    sizes = part_sizes(full.shape[dim], placement)
+    local = [size // tp for size in sizes]
+    for r, p in enumerate(pieces):
+        if p.dim() != full.dim() or p.shape[dim] != sum(local):
+            return False
+        for k in range(len(sizes)):
+            start = sum(sizes[:k]) + r * local[k]
+            mine = p.narrow(dim, sum(local[:k]), local[k])
+            if mine.shape != full.narrow(dim, start, local[k]).shape or not _close_in_chunks(
+                mine, full.narrow(dim, start, local[k]), mag.narrow(dim, start, local[k]), tol_of
+            ):
+                return False
+    return True
+
+
+def _first_bad(pieces: list[torch.Tensor], full: torch.Tensor, tol: torch.Tensor, placement: Placement) -> int:
+    expected = _expected_pieces(full, placement, len(pieces))
+    tols = _expected_pieces(tol, placement, len(pieces)) if tol.shape == full.shape else [tol] * len(pieces)
+    for r, (p, e, t) in enumerate(zip(pieces, expected, tols, strict=True)):
+        if p.shape != e.shape or not close(p, e, t):
+            return r
+    return 0
+
+
+def _blocks(mapping: list[int]) -> str:
+    wrong = [f"block {i} holds shard {j}" for i, j in enumerate(mapping) if i != j]
+    return ", ".join(wrong[:6]) + (" ..." if len(wrong) > 6 else "")
+
+
+# --- recognisers on module (or sublayer) tensors -------------------------------------------------
+
+
+@recogniser(MISSING_REDUCTION, DOUBLE_REDUCTION, BIAS_DUPLICATION, BIAS_MISSING, WRONG_SHARD_ORDER)
+def diagnose_output(pieces: list[torch.Tensor], full: torch.Tensor, tol: torch.Tensor, placement: Placement, *,
+                    what: str, biases: Sequence[tuple[str, torch.Tensor]] = ()) -> Diagnosis:
+    """Name the mechanism behind an output (of a module or a sublayer) that differs from the
+    reference: a missing or doubled reduction, a bias added ``ws`` times or never, shards out of
+    order; else ``mismatch``. ``biases``: ``(name, dense value)`` of the biases that may be involved."""
+    tp = len(pieces)
+    if isinstance(placement, Shard):
+        try:
+            actual: torch.Tensor | None = assemble_pieces(pieces, placement, full.shape[placement.dim] % tp != 0)
+        except (RuntimeError, InvalidArgument, IndexError):
+            actual = None
+        label = what
+    else:
+        if tp > 1 and all(p.shape == full.shape for p in pieces) and rank_summands(pieces, full, tol):
+            return Diagnosis(MISSING_REDUCTION,
+                             f"{what}: each rank holds only its own summand (the ranks' outputs differ and add up to the "
+                             "dense output): the all-reduce over the tp group is missing", {})
+        r = _first_bad(pieces, full, tol, placement)
+        actual = pieces[r]
+        label = f"{what} on rank {r}" if tp > 1 else what
+    if actual is None or actual.shape != full.shape:
+        shape = None if actual is None else list(actual.shape)
+        return Diagnosis(SHAPE_ERROR, f"{label} has shape {shape}, expected {list(full.shape)}", {"shape": shape})
+    for bias_name, bias in biases:
+        c = bias_multiple(actual - full, bias, tol)
+        if c is not None and tp > 1 and abs(c - (tp - 1)) < 1e-2:
+            return Diagnosis(BIAS_DUPLICATION,
+                             f"{label} is off by exactly (world_size-1)*{bias_name} = {tp - 1}*{bias_name} (tp size "
+                             f"{tp}): every rank adds the full bias to its summand before the reduction; add it once, "
+                             "after the reduction", {"factor": c, "bias": bias_name})
+        if c is not None and abs(c + 1) < 1e-2:
+            return Diagnosis(BIAS_MISSING, f"{label} is off by exactly -{bias_name}: the bias is never added",
+                             {"factor": c, "bias": bias_name})
+    c = scale_factor(actual, full, tol, known=(tp,))
+    if c is not None and tp > 1 and abs(c - tp) < 1e-2:
+        return Diagnosis(DOUBLE_REDUCTION, f"{label} is {tp} x the dense output: it was reduced twice", {"factor": c})
+    if isinstance(placement, Shard) and tp > 1:
+        mapping = block_mapping(actual, full, tol, dim=placement.dim % full.dim(), parts=tp)
+        if mapping is not None and mapping != list(range(tp)):
+            return Diagnosis(WRONG_SHARD_ORDER, f"{label} has its {tp} blocks out of place ({_blocks(mapping)}): a rank "
+                             "holds another rank's shard", {"mapping": mapping})
+    return mismatch(actual, full, what=label, tol=tol)
+
+
+@recogniser(GRAD_NOT_REDUCED, GRAD_SCALED)
+def diagnose_grad(pieces: list[torch.Tensor], full: torch.Tensor, tol: torch.Tensor, placement: Placement, *,
+                  what: str, replicated_param: str | None = None) -> Diagnosis:
+    """Name the mechanism behind a gradient that differs: only each rank's summand (the backward
+    all-reduce is missing), a constant factor (averaged, or reduced twice); else ``mismatch``."""
+    tp = len(pieces)
+    if not isinstance(placement, Shard) and tp > 1 and rank_summands(pieces, full, tol):
+        param = f" of the replicated parameter {replicated_param!r}" if replicated_param else ""
+        return Diagnosis(GRAD_NOT_REDUCED,
+                         f"{what} on every rank is only its own summand (the ranks' grads differ and add up to the "
+                         f"dense grad): the backward all-reduce{param} over the tp group is missing",
+                         {"param": replicated_param} if replicated_param else {})
+    expected = _expected_pieces(full, placement, tp)
+    tols = _expected_pieces(tol, placement, tp) if tol.shape == full.shape else [tol] * tp
+    r = _first_bad(pieces, full, tol, placement)
+    if pieces[r].shape != expected[r].shape:
+        return Diagnosis(SHAPE_ERROR, f"{what} on rank {r} has shape {list(pieces[r].shape)}, expected "
+                                      f"{list(expected[r].shape)}", {"shape": list(pieces[r].shape)})
+    c = scale_factor(pieces[r], expected[r], tols[r], known=(tp, 1 / tp))
+    if c is not None:
+        hint = " (averaged instead of summed?)" if abs(c * tp - 1) < 1e-2 else " (reduced twice?)" if abs(c - tp) < 1e-2 else ""
+        return Diagnosis(GRAD_SCALED, f"{what} on rank {r} is {c:.4g} x the dense grad{hint}", {"factor": c})
+    return mismatch(pieces[r], expected[r], what=f"{what} on rank {r}", tol=tols[r])
+
+
+# --- the properties on one tp group ---------------------------------------------------------------
+
+
+def _forward(ctx: _Ctx) -> Failure | None:
+    y = ctx.ref["y"]
+    for r, v in enumerate(ctx.values):
+        if v.get("status") == "output":
+            out = v.get("output")
+            if v.get("detached"):
+                return ctx.fail(FORWARD, Diagnosis(OUTPUT_DETACHED,
+                    f"the output on rank {r} is detached from the autograd graph (grad_fn None) although the input "
+                    "requires grad: a collective or a copy runs outside autograd, so nothing flows back"), r)
+            if out is None:
+                return ctx.fail(FORWARD, Diagnosis(SHAPE_ERROR,
+                                f"rank {r}'s forward returned {v.get('output_type')}, not a tensor"), r)
+    outs = [v["output"] for v in ctx.values]
+    for r, o in enumerate(outs):
+        if o.dtype != ctx.dtype:
+            return ctx.fail(FORWARD, Diagnosis(WRONG_DTYPE,
+                            f"the output on rank {r} is {str(o.dtype).replace('torch.', '')}, not the case's "
+                            f"{ctx.case.dtype}: part of the module computes or communicates in another dtype"), r)
+    pieces = [o.to(_F64) for o in outs]
+    placement = output_placement(ctx.variant, y.dim())
+    tol = ctx.tol(ctx.mag["y"], "forward")
+    summed = ctx.variant.output == "partial"
+    ok, _ = _compare(pieces, y, tol, placement, summed)
+    if ok:
+        return None
+    if summed and all(p.shape == y.shape for p in pieces):
+        total = torch.stack(pieces).sum(0)
+        c = scale_factor(total, y, tol, known=(ctx.tp,))
+        if c is not None and ctx.tp > 1 and abs(c - ctx.tp) < 1e-2:
+            return ctx.fail(FORWARD, Diagnosis(DOUBLE_REDUCTION,
+                            f"the output summed over ranks is {ctx.tp} x the dense output: the module already reduces; "
+                            "declare output='replicated'", {"factor": c}))
+        return ctx.fail(FORWARD, mismatch(total, y, what="the output (summed over ranks)", tol=tol))
+    what = "the output" + (" (rank pieces assembled)" if isinstance(placement, Shard) else "")
+    return ctx.fail(FORWARD, diagnose_output(pieces, y, tol, placement, what=what))
+
+
+def _input_grad(ctx: _Ctx) -> Failure | None:
+    dx = ctx.ref["dx"]
+    if dx is None or not ctx.grads_bounded:
+        return None
+    grads = [_f64(v.get("input_grad")) for v in ctx.values]
+    for r, g in enumerate(grads):
+        if g is None:
+            return ctx.fail(INPUT_GRAD, Diagnosis(GRAD_MISSING,
+                            f"the input received no gradient on rank {r} (x.grad is None)"), r)
+    placement = input_placement(ctx.variant, dx.dim())
+    summed = ctx.variant.input == "replicated" and ctx.variant.input_grad == "partial"
+    tol = ctx.tol(ctx.mag["dx"], "grad")
+    ok, total = _compare(grads, dx, tol, placement, summed)  # type: ignore[arg-type]
+    if ok:
+        return None
+    if summed:
+        if total is None:
+            return ctx.fail(INPUT_GRAD, Diagnosis(SHAPE_ERROR, "the input grads do not have the input's shape"))
+        if ctx.tp > 1 and all(close(g, dx, tol) for g in grads):  # type: ignore[arg-type]
+            return ctx.fail(INPUT_GRAD, Diagnosis(GRAD_SCALED,
+                            f"the input grad summed over ranks is {ctx.tp} x the dense grad: every rank already holds "
+                            "the complete grad; declare input_grad='complete'", {"factor": float(ctx.tp)}))
+        return ctx.fail(INPUT_GRAD, mismatch(total, dx, what="the input grad summed over ranks", tol=tol))
+    return ctx.fail(INPUT_GRAD, diagnose_grad(grads, dx, tol, placement, what="the input grad"))  # type: ignore[arg-type]
+
+
+def param_grad_diagnosis(ctx: _Ctx, name: str, grads: list[torch.Tensor | None], full: torch.Tensor,
+                         mag: torch.Tensor) -> Diagnosis | None:
+    """None when every rank's grad of parameter ``name`` is its piece of the dense grad ``full``
+    (``mag``: its magnitude); else what is wrong (the rank it shows on in ``details["rank"]``)."""
+    layout = ctx.layouts[name]
+    placement, tp = layout.placement, ctx.tp
+    summed = name in ctx.partial
+    if _holds(grads, full, mag, lambda m: ctx.tol(m, "grad"), placement, summed, layout.uneven):
+        return None
+    grads = [_f64(g) for g in grads]
+    tol = ctx.tol(mag, "grad")
+    missing = [r for r, g in enumerate(grads) if g is None]
+    if not missing:
+        ok, _ = _compare(grads, full, tol, placement, summed, layout.uneven)  # type: ignore[arg-type]
+        if ok:
+            return None
+    what = f"the {name} grad"
+    if isinstance(placement, Replicate) and tp > 1 and grads[0] is not None and close(grads[0], full, tol) and all(
+        g is None or not bool(g.abs().gt(0).any()) for g in grads[1:]
+    ):
+        return Diagnosis(BIAS_GRAD_RANK0_ONLY,
+                         f"only rank 0's {name} received its gradient (rank{'s 1..' if tp > 2 else ' '}{tp - 1} "
+                         f"{'have' if tp > 2 else 'has'} "
+                         f"{'None' if grads[1] is None else 'zeros'}): it is added on rank 0 only, so the other "
+                         "replicas never learn; add it on every rank", {"rank": 1})
+    if missing:
+        return Diagnosis(GRAD_MISSING, f"{name} received no gradient on rank {missing[0]} (.grad is None)",
+                         {"rank": missing[0]})
+    if summed:
+        total = torch.stack(grads).sum(0)  # type: ignore[arg-type]
+        return mismatch(total, full, what=f"{what} summed over ranks", tol=tol)
+    diag = diagnose_grad(grads, full, tol, placement, what=what,  # type: ignore[arg-type]
+                         replicated_param=name if isinstance(placement, Replicate) else None)
+    if isinstance(placement, Shard) and diag.name == MISMATCH and tp > 1:
+        try:
+            assembled = assemble_pieces(grads, placement, layout.uneven)  # type: ignore[arg-type]
+            mapping = block_mapping(assembled, full, tol, dim=placement.dim % full.dim(), parts=tp)
+        except (RuntimeError, InvalidArgument):
+            mapping = None
+        if mapping is not None and mapping != list(range(tp)):
+            diag = Diagnosis(WRONG_SHARD_ORDER, f"{what} has its {tp} blocks out of place ({_blocks(mapping)}): "
+                             f"a rank holds another rank's shard of {name}", {"mapping": mapping})
+    return diag
+
+
+def _param_grads(ctx: _Ctx, prop: str) -> Failure | None:
+    if not ctx.grads_bounded:
+        return None
+    for name in ctx.layouts:
+        full = ctx.ref["grads"].get(name)
+        if grad_property(ctx.variant, name) != prop or full is None:
+            continue  # another property's, or the parameter takes no part in the dense forward
+        grads = [v["grads"].get(name) for v in ctx.values]
+        diag = param_grad_diagnosis(ctx, name, grads, full, ctx.mag["grads"][name])
+        if diag is not None:
+            return ctx.fail(prop, diag, diag.details.get("rank"), owner(name), param=name)
+    return None
+
+
+def _replica(ctx: _Ctx) -> Failure | None:
+    items: list[tuple[str, list[Any], str | None]] = []
+    for name, layout in ctx.layouts.items():
+        if isinstance(layout.placement, Replicate):
+            items.append((f"{name} right after construction", [v.get("init", {}).get(name) for v in ctx.values],
+                          name))
+    if ctx.variant.output == "replicated":
+        items.append(("the output", [v.get("output") for v in ctx.values], None))
+    if ctx.variant.input == "replicated" and ctx.variant.input_grad == "complete":
+        items.append(("the input grad", [v.get("input_grad") for v in ctx.values], None))
+    for name, layout in ctx.layouts.items():
+        if isinstance(layout.placement, Replicate):
+            if name in ctx.partial:  # the trainer's sum must be the same bits everywhere
+                items.append((f"the {name} grad summed by the trainer",
+                              [v["summed_grads"].get(name) for v in ctx.values], name))
+            else:
+                items.append((f"the {name} grad", [v["grads"].get(name) for v in ctx.values], name))
+            items.append((f"{name} after {TRAIN_STEPS} SGD steps", [v["final"].get(name) for v in ctx.values], name))
+    for what, tensors, param in items:
+        if any(t is None for t in tensors) or len({tuple(t.shape) for t in tensors}) > 1:
+            continue  # missing or mis-shaped tensors are the equivalence properties' findings
+        bad = [r for r in range(1, len(tensors)) if not torch.equal(tensors[r], tensors[0])]
+        if bad:
+            diff = max(float((tensors[r].to(_F64) - tensors[0].to(_F64)).abs().max()) for r in bad)
+            why = ""
+            if what.endswith("construction"):
+                why = (f", although every rank was seeded alike (torch.manual_seed({ctx.case.seed})) before the build: "
+                       "its initialisation depends on the rank; draw it from the same RNG state on every rank or "
+                       "broadcast it after construction")
+            return ctx.fail(REPLICA, Diagnosis(REPLICA_DIVERGENCE,
+                            f"{what} must be identical on every rank of the tp group, but ranks {bad} differ from rank 0 "
+                            f"(max abs difference {diff:.3g}){why}", {"ranks": bad, "max_abs": diff, "tensor": what}),
+                            bad[0], None if param is None else owner(param), **({"param": param} if param else {}))
+    return None
+
+
+def _training(ctx: _Ctx) -> Failure | None:
+    if not ctx.grads_bounded:
+        return None
+    for name, layout in ctx.layouts.items():
+        want, mag = ctx.ref["final"][name], ctx.mag["final"][name]
+        raw = [v["final"].get(name) for v in ctx.values]
+        if _holds(raw, want, mag, lambda m: ctx.tol(m, "training"), layout.placement, False, layout.uneven):
+            continue
+        finals = [_f64(t) for t in raw]
+        tol = ctx.tol(mag, "training")
+        what = f"{name} after {TRAIN_STEPS} SGD steps (lr {LR})"
+        if any(f is None for f in finals):
+            return ctx.fail(TRAINING, Diagnosis(SHAPE_ERROR, f"{what}: the parameter disappeared on some rank"),
+                            None, owner(name), param=name)
+        ok, assembled = _compare(finals, want, tol, layout.placement, False, layout.uneven)  # type: ignore[arg-type]
+        if ok:
+            continue
+        actual = assembled if assembled is not None else finals[_first_bad(finals, want, tol, layout.placement)]  # type: ignore[arg-type]
+        if actual is None or actual.shape != want.shape:
+            return ctx.fail(TRAINING, Diagnosis(SHAPE_ERROR, f"{what}: the pieces do not re-assemble to {list(want.shape)}"),
+                            None, owner(name), param=name)
+        return ctx.fail(TRAINING, mismatch(actual, want, what=what, tol=tol), None, owner(name), param=name)
+    return None
+
+
+# --- whole-run outcomes ---------------------------------------------------------------------------
+
+
+def _offending(variant: ModuleVariant, case: ModuleCase) -> dict[str, int]:
+    tp = case.tp_size or case.world_size
+    out = {n: s for n, s in zip(variant.sizes, case.sizes, strict=True) if s % tp}
+    d = variant.sequence_dim_of(len(case.batch_shape) + 1) if variant.input == "sequence-sharded" else None
+    if d is not None and case.batch_shape[d] % tp:
+        out[f"the sequence length (dim {d})"] = case.batch_shape[d]
+    return out
+
+
+def _names_the_size(err: BaseException, sizes: Sequence[int]) -> bool:
+    text = err.summary if isinstance(err, VariantRaised) else str(err)
+    if "divisib" in text.lower() or "multiple" in text.lower():
+        return True
+    return any(re.search(rf"(?<![\d.]){n}(?![\d.])", text) for n in sizes)
+
+
+@recogniser(DIVISIBILITY_UNCHECKED)
+def _divisibility(variant: ModuleVariant, obs: ModuleObservation) -> Failure | None:
+    """Refused on every rank with a clear error: holds. Refused on some ranks, or without saying
+    why, or accepted with pieces that are not pieces of the dense parameters: ``divisibility-unchecked``."""
+    case = obs.case
+    tp = case.tp_size or case.world_size
+    offending = _offending(variant, case)
+    size_name = "world_size" if tp == case.world_size else "tp_size"
+    what = ", ".join(f"{n}={v}" for n, v in offending.items()) + f" is not divisible by {size_name}={tp}"
+    if obs.error is not None:
+        errors = obs.rank_errors()
+        raised = sorted(r for r, e in errors.items() if not isinstance(e, CollectiveError))
+        stuck = sorted(r for r, e in errors.items() if isinstance(e, CollectiveError))
+        if len(raised) == case.world_size:
+            unclear = [r for r in raised if not _names_the_size(errors[r], list(offending.values()))]
+            if not unclear:
+                return None
+            err = errors[unclear[0]]
+            summary = err.summary if isinstance(err, VariantRaised) else f"{type(err).__name__}: {err}"
+            return Failure(DIVISIBILITY, DIVISIBILITY_UNCHECKED,
+                           f"{what}; every rank raised, but rank {unclear[0]}'s error does not say why (it names neither "
+                           f"the sizes nor divisibility): {summary.splitlines()[0]}; check the sizes at construction and "
+                           "raise a ValueError naming them", case=case, rank=unclear[0], variant=variant.name,
+                           traceback=getattr(err, "traceback_text", None), details={"raised": raised, "unclear": unclear})
+        others = stuck or sorted(set(range(case.world_size)) - set(raised))
+        detail = (f"ranks {raised} raised but ranks {others} did not" if raised else
+                  f"no rank raised a clear error; the ranks failed in a collective: {str(obs.error).splitlines()[0]}")
+        return Failure(DIVISIBILITY, DIVISIBILITY_UNCHECKED, f"{what}, and the module did not refuse it on every rank: "
+                       f"{detail}", case=case, variant=variant.name, details={"raised": raised, "collective": stuck})
+    for r, v in enumerate(obs.values or []):
+        for problem in v.get("problems", ()):
+            if problem["full"] is None or problem["shape"] is None:
+                continue
+            return Failure(DIVISIBILITY, DIVISIBILITY_UNCHECKED,
+                           f"{what}, yet the module accepted it, and parameter {problem['param']!r} has shape "
+                           f"{problem['shape']} on rank {r} while the dense one is {problem['full']}: that is no "
+                           f"1/{tp} piece (nor a torch.tensor_split piece): the size was silently truncated or padded; "
+                           "raise a ValueError naming the sizes at construction", case=case, rank=r, variant=variant.name,
+                           sublayer=owner(problem["param"]), details={"param": problem["param"]})
+    return None
+
+
+@recogniser(EXCEPTION)
+def _exception(variant: ModuleVariant, obs: ModuleObservation) -> Failure:
+    """The module raised on some rank (or on its one-rank reference group)."""
+    if obs.ref_error is not None:
+        return Failure(FORWARD, EXCEPTION,
+                       f"the module raised when built and run on a tp group of one rank (the dense reference, "
+                       f"float64): {obs.ref_error}", case=obs.case, variant=variant.name,
+                       traceback=obs.ref_error.traceback_text.rstrip() or None, details={"phase": "reference"})
+    errors = obs.rank_errors()
+    primary = {r: e for r, e in errors.items() if not isinstance(e, CollectiveError)}
+    pool = primary or errors
+    rank = min(pool)
+    err = pool[rank]
+    phase, step = "forward", 0
+    summary = str(err).splitlines()[0] if str(err) else type(err).__name__
+    tb = getattr(err, "remote_traceback", "") or ""
+    if isinstance(err, VariantRaised):
+        phase, step, summary, tb = err.phase, err.step, err.summary, err.traceback_text
+    elif isinstance(err, CollectiveError) and not primary:
+        summary = f"{err.collective or 'a collective'} #{err.call_index} could not complete: {summary}"
+    prop = TRAINING if step > 0 else INPUT_GRAD if phase == "backward" else FORWARD
+    where = phase if phase == "build" else f"{phase} (step {step})"
+    others = sorted(r for r in primary if r != rank)
+    also = f" (ranks {others} raised too)" if others else ""
+    return Failure(prop, EXCEPTION, f"rank {rank} raised during {where}: {summary}{also}", case=obs.case, rank=rank,
+                   traceback=tb.rstrip() or None, variant=variant.name,
+                   details={"phase": phase, "step": step, "ranks": sorted(primary)})
+
+
+def _layout_failure(variant: ModuleVariant, obs: ModuleObservation) -> Failure | None:
+    """A parameter whose shape no layout explains, in a case whose sizes all divide."""
+    for r, v in enumerate(obs.values or []):
+        for problem in v.get("problems", ()):
+            name = problem["param"]
+            if problem["why"] == "declared":
+                spec = variant.param(name)
+                why = f"its declared placement {spec.placement if spec else '?'} implies another shape"
+            elif problem["shape"] is None or problem["full"] is None:
+                why = problem["why"]
+            else:
+                why = (f"it is neither the dense shape (replicated) nor a 1/{obs.case.tp_size} piece of it along one dim; "
+                       "if the module stores it in another layout, declare it with a ParamSpec")
+            return Failure(FORWARD, SHAPE_ERROR,
+                           f"parameter {name!r} has shape {problem['shape']} on rank {r}, the dense module's is "
+                           f"{problem['full']}: {why}", case=obs.case, rank=r, variant=variant.name,
+                           sublayer=owner(name), details={"param": name, "shape": problem["shape"],
+                                                          "expected_shape": problem["full"]})
+    layouts = [v["layouts"] for v in obs.values or []]
+    for name in layouts[0] if layouts else {}:
+        seen = {(str(lay[name][0]), lay[name][1]) for lay in layouts if name in lay}
+        if len(seen) > 1:
+            return Failure(FORWARD, SHAPE_ERROR, f"parameter {name!r} is laid out differently on different ranks: "
+                           f"{sorted(seen)}", case=obs.case, variant=variant.name, sublayer=owner(name),
+                           details={"param": name})
+    return None
+
+
+def evaluate(variant: ModuleVariant, obs: ModuleObservation, properties: Sequence[str] | None = None) -> list[Failure]:
+    """Evaluate ``properties`` (default: all) on one observation; the failures, one group's, in order."""
+    wanted = tuple(properties or PROPERTIES)
+    unknown = [p for p in wanted if p not in PROPERTIES]
+    if unknown:
+        raise InvalidArgument(f"unknown properties {unknown}; expected some of {list(PROPERTIES)}")
+    if obs.ref_error is not None:
+        return [_exception(variant, obs)]
+    if not obs.divisible:
+        f = _divisibility(variant, obs) if DIVISIBILITY in wanted else None
+        if f is not None:
+            return [f]
+        if obs.error is not None or any(v.get("problems") for v in obs.values or []):
+            return []  # refused clearly: nothing else to check
+    if obs.error is not None:
+        return [_exception(variant, obs)]
+    layout = _layout_failure(variant, obs)
+    if layout is not None:
+        return [layout]
+    case, values = obs.case, obs.values or []
+    for g, ranks in enumerate(tp_groups(case.world_size, case.tp_size or case.world_size, case.tp_layout)):
+        ctx = _Ctx(variant, obs, g, [values[r] for r in ranks])
+        failures = _evaluate_group(ctx, wanted)
+        if failures:
+            if len(ranks) != case.world_size:
+                for f in failures:
+                    if f.rank is not None:
+                        f.details = dict(f.details, tp_rank=f.rank)
+                        f.rank = ranks[f.rank]
+                    f.details = dict(f.details, group=g, group_ranks=list(ranks))
+                    f.message = f"in tp group {g} (global ranks {list(ranks)}; rank numbers below are tp ranks): {f.message}"
+            return failures
+    return []
+
+
+def _evaluate_group(ctx: _Ctx, wanted: Sequence[str]) -> list[Failure]:
+    evaluators: list[tuple[str, Callable[[], Failure | None]]] = [
+        (FORWARD, lambda: _forward(ctx)),
+        (INPUT_GRAD, lambda: _input_grad(ctx)),
+        (WEIGHT_GRAD, lambda: _param_grads(ctx, WEIGHT_GRAD)),
+        (BIAS_GRAD, lambda: _param_grads(ctx, BIAS_GRAD)),
+        (REPLICA, lambda: _replica(ctx)),
+    ]
+    if any(v.get("status") == "output" for v in ctx.values):
+        f = _forward(ctx)
+        return [f] if f is not None else []
+    failures = [f for name, fn in evaluators if name in wanted and (f := fn()) is not None]
+    if TRAINING in wanted and not failures:
+        f = _training(ctx)
+        if f is not None:
+            failures.append(f)
+    return failures
+
+
+# --- where: the first sublayer boundary that diverges ----------------------------------------------
+
+
+def _boundary_match(pieces: list[torch.Tensor | None], full: torch.Tensor, tol: torch.Tensor,
+                    hints: Sequence[tuple[int, ...]]) -> str | None:
+    """How the ranks' pieces make ``full``: ``"R"`` (each is it), ``"S"`` (shards along one dim,
+    packed like the sublayer's parameters where they say so), ``"P"`` (each a summand: something
+    after this boundary must reduce them) or None (they do not)."""
+    if any(p is None for p in pieces):
+        return None
+    ps = [p.to(_F64) for p in pieces]  # type: ignore[union-attr]
+    tp = len(ps)
+    if all(p.shape == full.shape for p in ps):
+        if all(close(p, full, tol) for p in ps):
+            return "R"
+        return "P" if tp > 1 and close(torch.stack(ps).sum(0), full, tol) else None
+    if any(p.dim() != full.dim() for p in ps):
+        return None
+    for d in range(full.dim()):
+        others = [i for i in range(full.dim()) if i != d]
+        if sum(p.shape[d] for p in ps) != full.shape[d] or any(p.shape[i] != full.shape[i] for p in ps for i in others):
+            continue
+        uneven = full.shape[d] % tp != 0
+        candidates: list[Placement] = [Shard(d)]
+        candidates += [Shard(d, parts=h) for h in hints if sum(h) == full.shape[d] and not uneven]
+        for placement in candidates:
+            try:
+                if close(assemble_pieces(ps, placement, uneven), full, tol):
+                    return "S"
+            except (RuntimeError, InvalidArgument):
+                continue
+    return None
+
+
+@dataclass
+class _Culprit:
+    """Where a divergence first shows: ``sublayer`` (its dotted name, or ``before X`` / ``after X``
+    for the code between sublayers), the boundary ``kind`` and the diagnosis on its tensors."""
+
+    sublayer: str
+    kind: str
+    diagnosis: Diagnosis
+    #: The sublayers whose parameters may be loaded in the wrong layout (see :func:`_layout_hint`).
+    suspects: tuple[str, ...] = ()
+
+
+class _Boundaries:
+    """The captured boundaries of one tp group: reference, magnitudes, and every rank's."""
+
+    def __init__(self, ctx: _Ctx, obs: ModuleObservation):
+        self.ctx = ctx
+        group = obs.ref.groups[ctx.g]  # type: ignore[union-attr]
+        self.ref = Capture.from_payload(group["capture"] or {})
+        self.mag = Capture.from_payload(group["mag"]["capture"] or {})
+        ranks = tp_groups(obs.case.world_size, obs.case.tp_size or obs.case.world_size, obs.case.tp_layout)[ctx.g]
+        self.ranks = [Capture.from_payload((obs.values or [])[r].get("capture") or {}) for r in ranks]
+        self.masters = obs.ref.masters  # type: ignore[union-attr]
+        self.rank_grads = [(obs.values or [])[r].get("grads", {}) for r in ranks]
+        self.ref_grads = group["grads"]
+        self.mag_grads = group["mag"]["grads"]
+
+    def hints(self, name: str) -> list[tuple[int, ...]]:
+        out = []
+        for pname, layout in self.ctx.layouts.items():
+            if owner(pname) == name and isinstance(layout.placement, Shard) and layout.placement.parts:
+                out.append(tuple(layout.placement.parts))
+        return out
+
+    def tensors(self, key: tuple[str, str]) -> tuple[list[torch.Tensor | None], torch.Tensor | None, torch.Tensor | None]:
+        return ([c.tensors.get(key) for c in self.ranks], self.ref.tensors.get(key), self.mag.tensors.get(key))
+
+    def matches(self, key: tuple[str, str]) -> str | None:
+        """:func:`_boundary_match` of the boundary ``key`` (``"-"``: the reference has no such tensor)."""
+        pieces, full, mag = self.tensors(key)
+        if full is None:
+            return "-"
+        kind = "forward" if key[1] in ("in", "out") else "grad"
+        tol = self.ctx.tol(mag if mag is not None and mag.shape == full.shape else full.abs(), kind)
+        return _boundary_match(pieces, full, tol, self.hints(key[0]))
+
+    def biases(self, name: str) -> list[tuple[str, torch.Tensor]]:
+        return [(p, t.to(_F64)) for p, t in self.masters.items() if owner(p) == name and t.dim() == 1]
+
+    def diagnose(self, key: tuple[str, str], what: str) -> Diagnosis:
+        pieces, full, mag = self.tensors(key)
+        if full is None or any(p is None for p in pieces):
+            return Diagnosis(GRAD_MISSING if key[1] in ("gin", "gout") else SHAPE_ERROR,
+                             f"{what} is missing on some rank")
+        ps = [p.to(_F64) for p in pieces]  # type: ignore[union-attr]
+        kind = "forward" if key[1] in ("in", "out") else "grad"
+        tol = self.ctx.tol(mag if mag is not None and mag.shape == full.shape else full.abs(), kind)
+        placement = _piece_placement(ps, full)
+        if key[1] == "out":
+            return diagnose_output(ps, full, tol, placement, what=what, biases=self.biases(key[0]))
+        if key[1] in ("gin", "gout"):
+            return diagnose_grad(ps, full, tol, placement, what=what)
+        return diagnose_output(ps, full, tol, placement, what=what)
+
+    def param_culprit(self, name: str) -> _Culprit | None:
+        for pname in self.ctx.layouts:
+            full = self.ref_grads.get(pname)
+            if owner(pname) != name or full is None:
+                continue
+            grads = [g.get(pname) for g in self.rank_grads]
+            diag = param_grad_diagnosis(self.ctx, pname, grads, full, self.mag_grads[pname])
+            if diag is not None:
+                return _Culprit(name, "param", diag)
+        return None
+
+
+def _piece_placement(pieces: list[torch.Tensor], full: torch.Tensor) -> Placement:
+    if all(p.shape == full.shape for p in pieces):
+        return Replicate()
+    for d in range(full.dim()):
+        if sum(p.shape[d] for p in pieces) == full.shape[d]:
+            return Shard(d)
+    return Replicate()
+
+
+_UNREDUCED = {"out": "the output of {s}", "gin": "the input grad of {s}", "gout": "the output grad of {s}",
+              "in": "the input of {s}"}
+_PHRASES = {"out": "the output of {s} (its input matches the reference's)",
+            "in": "the input of {s} (the output of the sublayer before it matches)",
+            "gin": "the input grad of {s} (its output grad matches the reference's)",
+            "gout": "the output grad of {s} (the input grad of the sublayer after it matches)",
+            "param": "a parameter grad of {s} (its output grad matches the reference's)"}
+
+
+def _localise(ctx: _Ctx, obs: ModuleObservation) -> tuple[_Culprit | None, _Culprit | None]:
+    """The first forward and the first backward divergence (see the module docstring).
+
+    A boundary whose pieces are each only a summand is consistent (the code after it may reduce
+    them); when no boundary diverges, the last such boundary is where the reduction went missing."""
+    b = _Boundaries(ctx, obs)
+    forward = [k for k in b.ref.events if k[1] in ("in", "out")]
+    backward = [k for k in b.ref.events if k[1] in ("gout", "gin")]
+    fwd: _Culprit | None = None
+    diverged: set[str] = set()
+    partial: tuple[str, str] | None = None
+    previous: str | None = None
+    for key in forward:
+        kind = b.matches(key)
+        if kind == "P":
+            partial = key
+        if kind is None:
+            diverged.add(key[0])
+            if fwd is None:
+                where = key[0] if key[1] == "out" else f"before {key[0]}"
+                suspects = (key[0],) if key[1] == "out" or previous is None else (previous, key[0])
+                fwd = _Culprit(where, key[1], b.diagnose(key, _PHRASES[key[1]].format(s=key[0])), suspects)
+        if key[1] == "out":
+            previous = key[0]
+    if fwd is None and partial is not None:
+        fwd = _Culprit(partial[0], partial[1], b.diagnose(partial, _UNREDUCED[partial[1]].format(s=partial[0])))
+    elif fwd is None and previous is not None:
+        # Every sublayer boundary matches: the code after the last sublayer diverges.
+        fwd = _Culprit(f"after {previous}", "after", Diagnosis(MISMATCH, "every sublayer boundary before it matches"),
+                       (previous,))
+    bwd: _Culprit | None = None
+    partial = None
+    for key in backward:
+        name, boundary = key
+        kind = b.matches(key)
+        if kind == "P":
+            partial = key
+        if kind is None:
+            if name in diverged and fwd is not None:
+                bwd = fwd
+            elif boundary == "gin":
+                bwd = _Culprit(name, boundary, b.diagnose(key, _PHRASES[boundary].format(s=name)))
+            else:
+                bwd = _Culprit(f"after {name}", boundary, b.diagnose(key, _PHRASES[boundary].format(s=name)))
+            break
+        if boundary == "gout":
+            culprit = b.param_culprit(name)
+            if culprit is not None:
+                bwd = fwd if (name in diverged and fwd is not None) else culprit
+                break
+    if bwd is None and partial is not None:
+        bwd = _Culprit(partial[0], partial[1], b.diagnose(partial, _UNREDUCED[partial[1]].format(s=partial[0])))
+    return fwd, bwd
+
+
+def _apply(failures: list[Failure], fwd: _Culprit | None, bwd: _Culprit | None,
+           layouts: dict[str, _Layout]) -> None:
+    """Name the sublayer of every failure. Where the sublayer's tensors show a known mechanism that
+    explains a failure's property, that is its diagnosis (the module-level one is kept in
+    ``details``); otherwise the first failure traced to it says where the values first diverge.
+    Said once per culprit: the other failures it explains follow from it (their consequences)."""
+    told: set[int] = set()
+    for f in failures:
+        tensor = f.details.get("tensor") if f.property == REPLICA else None
+        if f.property == FORWARD or tensor == "the output":
+            culprit = fwd
+        elif f.property in (INPUT_GRAD, WEIGHT_GRAD, BIAS_GRAD) or tensor == "the input grad":
+            culprit = bwd
+        else:
+            culprit = None  # a parameter's failure already names the sublayer that owns it
+        if culprit is None:
+            continue
+        f.sublayer = culprit.sublayer
+        if id(culprit) in told:
+            continue
+        told.add(id(culprit))
+        d = culprit.diagnosis
+        if d.name != MISMATCH and f.property in diagnosis_spec(d.name).properties:
+            f.details = {**f.details, **d.details, "module_diagnosis": f.diagnosis, "module_message": f.message}
+            f.diagnosis, f.message = d.name, d.message
+        else:
+            where = culprit.sublayer if culprit.sublayer.startswith(("before ", "after ")) else f"at {culprit.sublayer}"
+            f.message = f"{f.message} — the values first diverge {where}: {d.message}"
+            f.message += _layout_hint(layouts, culprit.suspects)
+
+
+def _layout_hint(layouts: dict[str, _Layout], suspects: Sequence[str]) -> str:
+    """A mismatch right after a sublayer whose weight was sharded by its shape alone may be the
+    harness's reading of a packed layout, not a bug: say how to declare it."""
+    inferred = [n for n, lay in layouts.items() if owner(n) in suspects and not lay.declared
+                and isinstance(lay.placement, Shard) and lay.placement.parts is None]
+    if not inferred:
+        return ""
+    name = inferred[0]
+    dim = layouts[name].placement.dim  # type: ignore[attr-defined]
+    return (f"; note: the layout of {', '.join(inferred)} was read from shapes as one contiguous shard per rank — if "
+            f"{name} packs several parts (gate/up, Q/K/V) each sharded on its own, declare it: "
+            f"ModuleVariant(params=(ParamSpec({name!r}, 'weight', Shard({dim}, parts=(1, 1))), ...))")
+
+
+def check_case(
+    variant: ModuleVariant,
+    case: ModuleCase,
+    *,
+    backend: str = "inproc",
+    timeout: float = DEFAULT_TIMEOUT,
+    properties: Sequence[str] | None = None,
+    isolate: bool = False,
+) -> list[Failure]:
+    """Run ``case`` and evaluate ``properties`` (default: all); return the failures, each cause
+    once with its consequences listed under it, named with the sublayer it comes from.
+    ``isolate``: inproc worlds run in a supervised worker process."""
+    obs = observe(variant, case, backend=backend, timeout=timeout, isolate=isolate)
+    failures = evaluate(variant, obs, properties)
+    value_failures = [f for f in failures if f.property in _VALUE_PROPERTIES or f.property == REPLICA]
+    if value_failures and obs.values is not None and all(f.diagnosis != EXCEPTION for f in failures):
+        traced = observe(variant, case, backend=backend, timeout=timeout, capture=True, isolate=isolate)
+        if traced.values is not None and traced.ref is not None:
+            g = value_failures[0].details.get("group", 0)
+            ranks = tp_groups(case.world_size, case.tp_size or case.world_size, case.tp_layout)[g]
+            ctx = _Ctx(variant, traced, g, [traced.values[r] for r in ranks])
+            fwd, bwd = _localise(ctx, traced)
+            _apply(failures, fwd, bwd, ctx.layouts)
+    return group_causes(failures)

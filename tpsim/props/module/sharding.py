@@ -1,0 +1,104 @@
+"""How each parameter of a module is sharded: declared, or read from its shapes at tp size 1 and N.
+
+The dense module (tp size 1) holds every parameter whole; a rank of the tp group holds its piece.
+Compared dim by dim, the two shapes say how the parameter is sharded:
+
+- equal shapes: replicated;
+- one dim ``d`` with ``full[d] == local[d] * tp`` and every other dim equal: ``Shard(d)``, rank ``r``
+  holding the ``r``-th slice — unless the module that owns the parameter describes a packed layout
+  with the attributes of :mod:`tpsim.layers.linear` (``parts``: the full sizes of its packed parts,
+  adding up to ``full[d]``), which makes it ``Shard(d, parts=parts)``, shard ``r`` of every part;
+- one dim that does not divide, cut as ``torch.tensor_split`` cuts it (``ceil`` sizes on the first
+  ``full[d] % tp`` ranks, ``floor`` on the rest): an *uneven* ``Shard(d)``, loaded and compared
+  piece by piece (a module that shards uneven sizes correctly passes);
+- anything else: no layout (reported: a truncated or padded piece, or a shape error).
+
+A :class:`~tpsim.variant.ParamSpec` on the variant overrides the inference (its shape is checked).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tpsim.placement import Partial, Placement, Replicate, Shard, assemble, shard_shape, shard_tensor
+
+__all__ = ["ParamLayout", "assemble_pieces", "infer_layout", "piece", "uneven_size"]
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """How one parameter is laid out over the tp group (``placement`` in its stored coordinates)."""
+
+    placement: Placement
+    declared: bool = False
+    uneven: bool = False
+
+    def describe(self) -> str:
+        """``S(0)``, ``S(0,parts=[4, 4])``, ``R``; ``(uneven)`` and ``(declared)`` when they apply."""
+        text = str(self.placement)
+        if self.uneven:
+            text += " (uneven)"
+        return text + (" (declared)" if self.declared else "")
+
+
+def uneven_size(size: int, tp: int, rank: int) -> int:
+    """The size of rank ``rank``'s piece of a dim of ``size`` cut by ``torch.tensor_split``."""
+    return size // tp + (1 if rank < size % tp else 0)
+
+
+def _parts_hint(owner: Any, size: int, tp: int) -> tuple[int, ...] | None:
+    parts = getattr(owner, "parts", None)
+    if not isinstance(parts, (tuple, list)) or len(parts) < 2:
+        return None
+    if not all(isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in parts) or sum(parts) != size:
+        return None
+    return tuple(parts) if all(p % tp == 0 for p in parts) else None
+
+
+def infer_layout(full: Sequence[int], local: Sequence[int], tp: int, rank: int, owner: Any = None) -> ParamLayout | None:
+    """The layout of a parameter of shape ``local`` on tp rank ``rank`` whose dense shape is ``full``
+    (see the module docstring); None when no layout explains the shapes."""
+    full, local = tuple(int(s) for s in full), tuple(int(s) for s in local)
+    if full == local:
+        return ParamLayout(Replicate())
+    if len(full) != len(local):
+        return None
+    differ = [d for d in range(len(full)) if full[d] != local[d]]
+    if len(differ) != 1:
+        return None
+    d = differ[0]
+    if local[d] * tp == full[d]:
+        parts = _parts_hint(owner, full[d], tp)
+        return ParamLayout(Shard(d, parts=parts) if parts else Shard(d))
+    if full[d] % tp and local[d] == uneven_size(full[d], tp, rank):
+        return ParamLayout(Shard(d), uneven=True)
+    return None
+
+
+def declared_layout(placement: Placement, full: Sequence[int], local: Sequence[int], tp: int) -> ParamLayout | None:
+    """The declared ``placement`` when ``local`` is the shape it implies for ``full`` (else None)."""
+    try:
+        expected = shard_shape(tuple(full), placement, tp)
+    except Exception:  # noqa: BLE001 - a placement that cannot cut this shape explains nothing
+        return None
+    return ParamLayout(placement, declared=True) if tuple(expected) == tuple(local) else None
+
+
+def piece(t: torch.Tensor, placement: Placement, rank: int, tp: int, uneven: bool = False) -> torch.Tensor:
+    """Rank ``rank``'s piece of the full ``t`` (``uneven``: as ``torch.tensor_split`` cuts it)."""
+    if uneven and isinstance(placement, Shard):
+        return torch.tensor_split(t, tp, dim=placement.dim % max(t.dim(), 1))[rank]
+    if isinstance(placement, Partial):
+        return t if rank == 0 else torch.zeros_like(t)
+    return shard_tensor(t, placement, rank, tp)
+
+
+def assemble_pieces(pieces: Sequence[torch.Tensor], placement: Placement, uneven: bool = False) -> torch.Tensor:
+    """The full tensor from every rank's piece (inverse of :func:`piece`)."""
+    if uneven and isinstance(placement, Shard):
+        return torch.cat(list(pieces), dim=placement.dim % max(pieces[0].dim(), 1))
+    return assemble(list(pieces), placement)

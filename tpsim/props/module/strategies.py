@@ -1,0 +1,110 @@
+"""The Hypothesis strategy of module cases, shrinking toward the smallest readable case.
+
+Draw order (what shrinks first): the world size (toward 1, then 2), the tp size (the whole world
+first), the dtype (float64 first), whether the case is divisible (divisible first; about one case
+in four is not), the sizes, the batch shape, the seed (toward 0).
+
+Sizes: in a divisible case every size is ``k * tp`` with ``k`` a few units per rank (at least the
+variant's ``min_sizes``); in a non-divisible case one of them, drawn, is ``k * tp + r`` with
+``0 < r < tp``. A module may shard that size (it must refuse it clearly, or shard it unevenly and
+still compute the dense result) or not shard it at all (an MLP's hidden size: it must just work),
+so nothing about which sizes are sharded needs declaring. A variant with a ``size_strategy``
+draws its own sizes.
+
+Batch: 0 to 2 leading dims of sizes 1 to 3; a sequence-sharded input gets the batch dims its
+``sequence_dim`` needs and a sequence of a few tokens per rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hypothesis import strategies as st
+
+from tpsim.errors import InvalidArgument
+from tpsim.module_variant import ModuleVariant
+from tpsim.props.module.case import ModuleCase
+from tpsim.props.strategies import batch_shapes
+from tpsim.props.strategies import dtypes as dtype_strategy
+from tpsim.props.strategies import world_sizes as world_size_strategy
+
+__all__ = ["module_cases"]
+
+#: Units per rank of a drawn size (small shapes keep examples fast; shrinking goes toward 1).
+MAX_PER_RANK = 3
+
+
+def _tp(draw: st.DrawFn, world: int, tp_sizes: tuple[int, ...] | None, subgroups: bool) -> tuple[int, str]:
+    smaller = [t for t in range(world - 1, 0, -1) if world % t == 0]
+    if tp_sizes is not None:
+        tp = draw(st.sampled_from(sorted((t for t in tp_sizes if world % t == 0), reverse=True)))
+    elif subgroups and smaller and draw(st.sampled_from((False, True))):
+        tp = draw(st.sampled_from(smaller))
+    else:
+        tp = world
+    layout = draw(st.sampled_from(("consecutive", "strided"))) if 1 < tp < world else "consecutive"
+    return tp, layout
+
+
+def _sizes(draw: st.DrawFn, variant: ModuleVariant, tp: int, divisible: bool) -> tuple[int, ...]:
+    if variant.size_strategy is not None:
+        sizes = tuple(draw(variant.size_strategy(tp, divisible)))
+        if len(sizes) != len(variant.sizes):
+            raise InvalidArgument(
+                f"the size_strategy of {variant.name!r} drew {list(sizes)}; expected {len(variant.sizes)} sizes "
+                f"{list(variant.sizes)}"
+            )
+        return sizes
+    out = []
+    for low in variant.min_sizes or (1,) * len(variant.sizes):
+        least = -(-low // tp)
+        out.append(tp * draw(st.integers(least, max(least, MAX_PER_RANK))))
+    if not divisible:
+        i = draw(st.integers(0, len(out) - 1))
+        out[i] += draw(st.integers(1, tp - 1))
+    return tuple(out)
+
+
+@st.composite
+def _module_cases(draw: st.DrawFn, variant: ModuleVariant, sizes: tuple[int, ...], dtype_names: tuple[str, ...],
+                  non_divisible: bool, tp_sizes: tuple[int, ...] | None, subgroups: bool) -> ModuleCase:
+    world = draw(world_size_strategy(sizes))
+    tp, layout = _tp(draw, world, tp_sizes, subgroups)
+    dtype = draw(dtype_strategy(dtype_names))
+    divisible = draw(st.sampled_from((True, True, True, False))) if non_divisible and tp > 1 else True
+    drawn = _sizes(draw, variant, tp, divisible)
+    sequence = "sequence-sharded" in (variant.input, variant.output)
+    least = 0
+    if sequence:
+        # The fewest batch dims that put the sequence dim before the features.
+        least = max(1, -variant.sequence_dim - 1) if variant.sequence_dim < 0 else variant.sequence_dim + 1
+    batch = draw(batch_shapes(max_dims=max(2, least), min_dims=least))
+    if sequence:
+        d = variant.sequence_dim_of(len(batch) + 1)
+        if d is not None:
+            batch = (*batch[:d], tp * draw(st.integers(1, MAX_PER_RANK)), *batch[d + 1:])
+    seed = draw(st.integers(0, 2**31 - 1))
+    return ModuleCase(world_size=world, tp_size=tp, tp_layout=layout, sizes=drawn, batch_shape=batch, dtype=dtype,
+                      seed=seed, target=variant.target, variant=variant.name, options=variant.options,
+                      size_names=variant.sizes)
+
+
+def module_cases(
+    variant: ModuleVariant,
+    *,
+    world_sizes: Sequence[int],
+    dtypes: Sequence[str],
+    non_divisible: bool = True,
+    tp_sizes: Sequence[int] | None = None,
+    subgroups: bool = True,
+) -> st.SearchStrategy[ModuleCase]:
+    """Cases for ``variant`` (see the module docstring); ``non_divisible=False``: divisible only."""
+    names = tuple(dtypes)
+    sizes = tuple(sorted(set(int(w) for w in world_sizes)))
+    tps = None
+    if tp_sizes is not None:
+        tps = tuple(sorted(set(int(t) for t in tp_sizes)))
+        sizes = tuple(w for w in sizes if any(w % t == 0 for t in tps))
+        if not sizes:
+            raise InvalidArgument(f"tp_sizes={list(tps)} divide none of the world sizes {list(world_sizes)}")
+    return _module_cases(variant, sizes, names, bool(non_divisible), tps, bool(subgroups))

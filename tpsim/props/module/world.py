@@ -1,0 +1,490 @@
+"""Two world runs per module case: the dense reference on one rank, then the module on the tp group.
+
+**The reference world** (one rank, always ``inproc``: it is the oracle, not the code under test)
+builds the module on its one-rank group in float64 — every collective is then the identity, so it
+*is* the dense module — or the variant's ``dense`` builder. It draws the case's master values from
+``seed``: every parameter (in ``named_parameters`` order; a 2-D or larger one scaled by
+``1/sqrt(last dim)`` like ``nn.Linear``'s init, a vector by 0.5, so activations stay O(1)), then
+for every tp group and SGD step the input ``[*batch, sizes[0]]`` and, after the forward, the
+upstream grad in the output's shape (scaled so that an SGD step moves each weight by about a tenth
+of its scale) — all float32 normal draws, in the case's dtype. Per
+tp group it trains ``TRAIN_STEPS`` SGD steps from the masters, recording the step-0 output, input
+grad and parameter grads and the final parameters, then repeats the steps as the magnitude run
+(:mod:`tpsim.props.module.magnitude`) for the tolerances.
+
+**The tp world** (``world_size`` ranks of the case's backend) builds the module on each rank's tp
+group, reads how each parameter is sharded (:mod:`tpsim.props.module.sharding`), loads its piece of
+every master, and runs the same steps on the group's data. Ranks return tensors; everything is
+compared in the parent (:mod:`tpsim.props.module.checks`).
+
+With ``capture=True`` both worlds also record every sublayer's boundary tensors on step 0
+(:mod:`tpsim.props.module.boundary`); the checks ask for that only for a case that fails.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import tpsim
+from tpsim.errors import InvalidArgument, RankError
+from tpsim.module_variant import ModuleVariant
+from tpsim.placement import Replicate, Shard
+from tpsim.props.groups import tp_groups
+from tpsim.props.module.boundary import Capture
+from tpsim.props.module.case import ModuleCase
+from tpsim.props.module.magnitude import MagnitudeMode, TapeEntry, UnboundedOp, ValueTape
+from tpsim.props.module.sharding import ParamLayout, declared_layout, infer_layout, piece
+from tpsim.props.world import LR, TRAIN_STEPS, VariantRaised
+
+__all__ = ["ModuleObservation", "Reference", "ReferenceFailed", "observe", "rank_main", "reference_main", "reference_run"]
+
+_F64 = torch.float64
+
+
+def _resolve(payload: dict[str, Any]) -> ModuleVariant:
+    variant = payload.get("variant")
+    if variant is None:
+        from tpsim.props.family import resolve_variant
+
+        variant = resolve_variant(*payload["ref"])
+    return variant
+
+
+def _target_ref(variant: ModuleVariant, where: str) -> tuple[str, str, tuple[tuple[str, Any], ...]]:
+    if variant.target is None:
+        raise InvalidArgument(
+            f"module variant {variant.name!r} has no target string, so {where} cannot import it; declare it at "
+            "module level and check it by target (e.g. tpsim check mymodule:Name)"
+        )
+    return (variant.target, variant.name, variant.options)
+
+
+def _raised(phase: str, step: int, err: BaseException) -> VariantRaised:
+    summary = f"{type(err).__name__}: {err}".splitlines()[0][:500]
+    return VariantRaised(phase, step, summary, traceback.format_exc())
+
+
+def _n_groups(case: ModuleCase) -> int:
+    return case.world_size // (case.tp_size or case.world_size)
+
+
+def _scale(shape: tuple[int, ...]) -> float:
+    if len(shape) >= 2:
+        return float(shape[-1]) ** -0.5
+    return 0.5 if len(shape) == 1 else 1.0
+
+
+def _sgd(module: nn.Module) -> None:
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.grad is not None:
+                p.add_(p.grad, alpha=-LR)
+            p.grad = None
+
+
+class _Overflow(ArithmeticError):
+    """A magnitude overflowed its dtype (the run is repeated in float64)."""
+
+
+def _check_magnitude(t: torch.Tensor | None, what: str) -> None:
+    if t is None:
+        return
+    if bool(torch.isnan(t).any() or (t < 0).any()):
+        raise UnboundedOp(f"an operation that makes {what} negative or NaN in the magnitude run")
+    if not bool(torch.isfinite(t).all()):
+        raise _Overflow(what)
+
+
+# --- the reference world ---------------------------------------------------------------------------
+
+
+def reference_main(payload: dict[str, Any]) -> dict[str, Any]:
+    """The one rank of the reference world (see the module docstring). Returns tensors only.
+
+    Large modules (the lab note's MLP) make every full-size pass count: parameters are swapped in
+    (``p.data = ...``) rather than copied, and grads and final values are kept, not cloned."""
+    case: ModuleCase = payload["case"]
+    variant = _resolve(payload)
+    torch.manual_seed(case.seed)
+    dense = variant.reference(case.sizes, group=dist.group.WORLD, dtype=_F64)
+    dtype = case.torch_dtype
+    gen = torch.Generator().manual_seed(case.seed)
+
+    def draw(shape: tuple[int, ...], scale: float = 1.0) -> torch.Tensor:
+        # float32 normal draws (half the work of float64 at the lab note's size), in the case's
+        # dtype: the ranks and the reference get exactly these numbers.
+        return (torch.randn(*shape, generator=gen, dtype=torch.float32) * scale).to(dtype)
+
+    masters = {n: draw(tuple(p.shape), _scale(tuple(p.shape))) for n, p in dense.named_parameters()}
+    # Upstream grads small enough that an SGD step moves every weight by about a tenth of its
+    # scale (lr 0.1, summed over the rows): the trained parameters stay in the regime of the
+    # initial ones at every size, instead of diverging at the lab note's.
+    g_scale = min((_scale(tuple(t.shape)) for t in masters.values() if t.dim() >= 2), default=1.0) / max(case.rows, 1)
+    inputs: list[list[torch.Tensor]] = []
+    grads: list[list[torch.Tensor]] = []
+    groups: list[dict[str, Any]] = []
+    capture_on = bool(payload.get("capture"))
+    tapes: list[list[list[TapeEntry]]] = []
+    for _g in range(_n_groups(case)):
+        _assign(dense, {n: t.to(_F64, copy=True) for n, t in masters.items()})
+        xs, gs, out, group_tapes = [], [], {}, []
+        for step in range(TRAIN_STEPS):
+            x_master = draw((*case.batch_shape, case.sizes[0]))
+            x = x_master.to(_F64, copy=True).requires_grad_(True)
+            capture = Capture().install(dense) if capture_on and step == 0 else None
+            tape = ValueTape()
+            with tape:
+                y = variant.call(dense, x)
+            g_master = draw(tuple(y.shape), g_scale)
+            y.backward(g_master.to(_F64))
+            group_tapes.append(tape.entries)
+            if capture is not None:
+                capture.remove()
+            if step == 0:
+                out = {"y": y.detach(), "dx": None if x.grad is None else x.grad.detach(),
+                       "grads": {n: p.grad for n, p in dense.named_parameters()},
+                       "capture": None if capture is None else capture.as_payload()}
+            xs.append(x_master)
+            gs.append(g_master)
+            _sgd(dense)  # drops each grad after using it: the step-0 ones live on in ``out`` only
+        out["final"] = {n: p.detach() for n, p in dense.named_parameters()}
+        tapes.append(group_tapes)
+        inputs.append(xs)
+        grads.append(gs)
+        groups.append(out)
+    measured = None
+    # The magnitude run in float32 (half the memory traffic of float64 at the lab note's size; a
+    # bound of non-negative sums needs no more precision), or float64 for a module that cannot
+    # run in float32 once built in float64.
+    for mag_dtype in (torch.float32, _F64):
+        try:
+            for g, out in enumerate(groups):
+                out["mag"], measured = _magnitudes(variant, dense, masters, inputs[g], grads[g], tapes[g], capture_on,
+                                                   mag_dtype)
+            break
+        except UnboundedOp:
+            raise
+        except Exception as err:
+            if mag_dtype == _F64:
+                if isinstance(err, _Overflow):
+                    raise UnboundedOp(f"a computation whose magnitudes overflow float64 ({err})") from None
+                raise
+    return {"masters": masters, "inputs": inputs, "grads": grads, "groups": groups,
+            "reduction": measured.reduction, "stages": measured.stages, "kinked": sorted(measured.kinked)}
+
+
+def _assign(module: nn.Module, values: dict[str, torch.Tensor]) -> None:
+    """Make ``values`` the module's parameters (no copy: the tensors become their storage)."""
+    for name, p in module.named_parameters():
+        p.data = values[name]
+
+
+def _magnitudes(variant: ModuleVariant, dense: nn.Module, masters: dict[str, torch.Tensor], inputs: list[torch.Tensor],
+                grads: list[torch.Tensor], tapes: list[list[TapeEntry]], capture_on: bool,
+                dtype: torch.dtype) -> tuple[dict[str, Any], Any]:
+    """The magnitude run of one tp group's steps: magnitudes of the step-0 output, input grad and
+    parameter grads, and of the parameters after every step (first-order: each step's update adds
+    ``LR`` times its grad's magnitude), computed in ``dtype``; parameter magnitudes are returned
+    in float32 (they are as large as the weights)."""
+    current = {n: t.to(dtype, copy=True).abs_() for n, t in masters.items()}
+    mag: dict[str, Any] = {}
+    measured = None
+    for step in range(TRAIN_STEPS):
+        _assign(dense, current)
+        if step == 0:
+            dense.to(dtype)  # its buffers: the parameters are in ``dtype`` already (no copy)
+            with torch.no_grad():
+                for buffer in dense.buffers():
+                    if buffer.is_floating_point():
+                        buffer.abs_()  # constants enter as magnitudes too (a rotary table's signs)
+        for p in dense.parameters():
+            p._tpsim_stages = 0  # type: ignore[attr-defined]
+        x = inputs[step].detach().to(dtype, copy=True).abs_().requires_grad_(True)
+        x._tpsim_stages = 0  # type: ignore[attr-defined]
+        capture = Capture().install(dense) if capture_on and step == 0 else None
+        mode = MagnitudeMode(tapes[step])
+        with mode:
+            y = variant.call(dense, x)
+        _check_magnitude(y, "the output")
+        # Grads of non-negative outputs through the bounding rules are non-negative: checking the
+        # output and the input grad covers every op the run went through.
+        y.backward(grads[step].to(dtype).abs())
+        if capture is not None:
+            capture.remove()
+        if step == 0:
+            measured = mode.measured
+            _check_magnitude(x.grad, "the input grad")
+            mag = {"y": y.detach().to(_F64), "dx": None if x.grad is None else x.grad.detach().to(_F64),
+                   "grads": {n: None if p.grad is None else p.grad.float() for n, p in dense.named_parameters()},
+                   "capture": None if capture is None else capture.as_payload()}
+        for name, p in dense.named_parameters():
+            if p.grad is not None:
+                current[name].add_(p.grad, alpha=LR)  # also the parameter: it shares the storage
+            p.grad = None
+    mag["final"] = {n: t.float() for n, t in current.items()}
+    return mag, measured
+
+
+@dataclass
+class Reference:
+    """What the reference world returned (see :func:`reference_main`)."""
+
+    masters: dict[str, torch.Tensor]
+    inputs: list[list[torch.Tensor]]
+    grads: list[list[torch.Tensor]]
+    groups: list[dict[str, Any]]
+    reduction: int
+    stages: int
+    kinked: list[str] = field(default_factory=list)
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every parameter's dense shape, by dotted name."""
+        return {n: tuple(t.shape) for n, t in self.masters.items()}
+
+
+class ReferenceFailed(Exception):
+    """The module raised when built or run on a one-rank group (the dense reference)."""
+
+    def __init__(self, error: BaseException, traceback_text: str) -> None:
+        super().__init__(f"{type(error).__name__}: {error}".splitlines()[0][:500])
+        self.error = error
+        self.traceback_text = traceback_text
+
+
+def reference_run(variant: ModuleVariant, case: ModuleCase, *, timeout: float, capture: bool = False,
+                  isolate: bool = False) -> Reference:
+    """Run the reference world. Raises :class:`ReferenceFailed` when the module raises on its
+    one-rank group (a finding: it fails without any parallelism) and :class:`UnboundedOp` when the
+    magnitude run cannot bound an operation (the harness's limit, reported as a usage error)."""
+    payload: dict[str, Any] = {"case": case, "capture": capture}
+    if isolate:
+        payload["ref"] = _target_ref(variant, "an isolated worker process")
+    else:
+        payload["variant"] = variant
+    try:
+        (out,) = tpsim.run(reference_main, 1, args=(payload,), timeout=timeout, rank_local=variant.rank_local,
+                           isolate=isolate)
+    except RankError as err:
+        cause = err.errors.get(0, err)
+        if isinstance(cause, UnboundedOp):
+            raise cause from None
+        raise ReferenceFailed(cause, err.remote_traceback or "") from None
+    return Reference(**out)
+
+
+# --- the tp world ----------------------------------------------------------------------------------
+
+
+def _tp_group(case: ModuleCase, global_rank: int) -> tuple[Any, int, int, int]:
+    """``(group, group index, tp rank, tp size)``; every rank creates every tp group, in order."""
+    tp = case.tp_size or case.world_size
+    if tp == case.world_size:
+        return dist.group.WORLD, 0, global_rank, tp
+    mine = None
+    for g, ranks in enumerate(tp_groups(case.world_size, tp, case.tp_layout)):
+        pg = dist.new_group(ranks)
+        if global_rank in ranks:
+            mine = (pg, g, ranks.index(global_rank), tp)
+    if mine is None:  # unreachable: the groups partition the world
+        raise InvalidArgument(f"rank {global_rank} is in no tp group of {case.describe()}")
+    return mine
+
+
+def input_placement(variant: ModuleVariant, ndim: int) -> Any:
+    """Placement of the module input over the tp group."""
+    if variant.input == "sharded":
+        return Shard(ndim - 1)
+    if variant.input == "sequence-sharded":
+        d = variant.sequence_dim_of(ndim)
+        return Shard(d) if d is not None else Replicate()
+    return Replicate()
+
+
+def output_placement(variant: ModuleVariant, ndim: int) -> Any:
+    """Placement of the module output over the tp group (``partial``: reported as Replicate; the
+    checks sum it)."""
+    if variant.output == "sharded":
+        return Shard(ndim - 1)
+    if variant.output == "sequence-sharded":
+        d = variant.sequence_dim_of(ndim)
+        return Shard(d) if d is not None else Replicate()
+    return Replicate()
+
+
+def _cut(t: torch.Tensor, placement: Any, rank: int, tp: int) -> torch.Tensor:
+    if isinstance(placement, Shard):
+        uneven = t.shape[placement.dim] % tp != 0
+        return piece(t, placement, rank, tp, uneven=uneven)
+    return t
+
+
+def layouts_of(variant: ModuleVariant, module: nn.Module, shapes: dict[str, tuple[int, ...]], tp: int,
+               rank: int) -> tuple[dict[str, ParamLayout], list[dict[str, Any]]]:
+    """Every parameter's layout on this rank, and what cannot be explained (each problem a dict)."""
+    layouts: dict[str, ParamLayout] = {}
+    problems: list[dict[str, Any]] = []
+    modules = dict(module.named_modules())
+    local = dict(module.named_parameters())
+    for name in shapes:
+        if name not in local:
+            problems.append({"param": name, "shape": None, "full": list(shapes[name]),
+                             "why": "missing: the dense module has it, this rank's module does not"})
+    for name, p in local.items():
+        full = shapes.get(name)
+        if full is None:
+            problems.append({"param": name, "shape": list(p.shape), "full": None,
+                             "why": "extra: this rank's module has it, the dense module does not"})
+            continue
+        spec = variant.param(name)
+        if spec is not None:
+            layout = declared_layout(variant.stored_placement(spec, len(full)), full, tuple(p.shape), tp)
+        else:
+            owner = modules.get(name.rpartition(".")[0], module)
+            layout = infer_layout(full, tuple(p.shape), tp, rank, owner)
+        if layout is None:
+            problems.append({"param": name, "shape": list(p.shape), "full": list(full),
+                             "why": "declared" if spec is not None else "inferred"})
+        else:
+            layouts[name] = layout
+    return layouts, problems
+
+
+def rank_main(payload: dict[str, Any]) -> dict[str, Any]:
+    """What every rank of the tp world runs for one case (see the module docstring)."""
+    case: ModuleCase = payload["case"]
+    variant = _resolve(payload)
+    group, g, rank, tp = _tp_group(case, dist.get_rank())
+    shapes: dict[str, tuple[int, ...]] = payload["shapes"]
+    masters: dict[str, torch.Tensor] = payload["masters"]
+    inputs, upstream = payload["inputs"][g], payload["grads"][g]
+    # Every rank seeded alike before the build, as training scripts do (replicas must agree).
+    torch.manual_seed(case.seed)
+    try:
+        module = variant.instantiate(case.sizes, group=group, dtype=case.torch_dtype)
+    except Exception as err:
+        raise _raised("build", 0, err) from err
+    layouts, problems = layouts_of(variant, module, shapes, tp, rank)
+    result: dict[str, Any] = {"status": "ok", "group": g, "tp_rank": rank, "problems": problems,
+                              "layouts": {n: (lay.placement, lay.uneven, lay.declared) for n, lay in layouts.items()},
+                              "shapes": {n: tuple(p.shape) for n, p in module.named_parameters()}}
+    if problems:
+        # Reported by the parent. The rank still runs its steps (on whatever it could load), so that
+        # its collectives stay in step with the ranks that found nothing wrong.
+        result["status"] = "layout"
+    params = dict(module.named_parameters())
+    # Replicated parameters whose grad the trainer sums (declared grad="partial", or Megatron's
+    # ``sequence_parallel`` marker): summed over the tp group before each SGD step, as Megatron's
+    # finalize_model_grads does.
+    partial = [n for n, lay in layouts.items() if isinstance(lay.placement, Replicate) and (
+        getattr(variant.param(n), "grad", "complete") == "partial" or getattr(params[n], "sequence_parallel", False) is True)]
+    result["partial"] = partial
+    result["summed_grads"] = {}
+    if variant.initialised:
+        result["init"] = {n: params[n].detach().clone() for n, lay in layouts.items()
+                          if isinstance(lay.placement, Replicate)}
+    with torch.no_grad():
+        for name, layout in layouts.items():
+            params[name].copy_(piece(masters[name], layout.placement, rank, tp, layout.uneven))
+    result.update(grads={}, final={})
+    for step in range(TRAIN_STEPS):
+        x_full = inputs[step]
+        x = _cut(x_full, input_placement(variant, x_full.dim()), rank, tp).detach().clone().requires_grad_(True)
+        capture = Capture().install(module) if payload.get("capture") and step == 0 else None
+        try:
+            out = variant.call(module, x)
+        except Exception as err:
+            raise _raised("forward", step, err) from err
+        g_full = upstream[step]
+        want = _cut(g_full, output_placement(variant, g_full.dim()), rank, tp)
+        if not isinstance(out, torch.Tensor) or out.shape != want.shape or not out.requires_grad:
+            # Nothing to back-propagate (a wrong shape, or an output cut off from autograd): report it.
+            result["status"] = "output"
+            result["output"] = out.detach().clone() if isinstance(out, torch.Tensor) else None
+            result["output_type"] = type(out).__name__
+            result["detached"] = isinstance(out, torch.Tensor) and not out.requires_grad
+            if capture is not None:
+                capture.remove()
+            return result
+        try:
+            out.backward(want.to(out.dtype))
+        except Exception as err:
+            raise _raised("backward", step, err) from err
+        if capture is not None:
+            capture.remove()
+            result["capture"] = capture.as_payload()
+        if step == 0:
+            result["output"] = out.detach().clone()
+            result["input_grad"] = None if x.grad is None else x.grad.detach().clone()
+            # Kept, not cloned: the SGD step below replaces each grad rather than changing it.
+            result["grads"] = {n: None if p.grad is None else p.grad.detach().clone() if n in partial else p.grad.detach()
+                               for n, p in module.named_parameters()}
+        for name in partial:
+            p = params[name]
+            # Every rank joins the sum, with zeros where its grad is None (reported as missing).
+            total = p.grad if p.grad is not None else torch.zeros_like(p)
+            dist.all_reduce(total, group=group)
+            if step == 0:
+                result["summed_grads"][name] = total.detach().clone()
+        _sgd(module)
+    result["final"] = {n: p.detach() for n, p in module.named_parameters()}
+    return result
+
+
+@dataclass
+class ModuleObservation:
+    """One module case: the reference, and the tp world's per-rank results or its error."""
+
+    case: ModuleCase
+    divisible: bool
+    ref: Reference | None
+    values: list[dict[str, Any]] | None = None
+    error: RankError | None = None
+    #: The module raised on its one-rank group: no reference, nothing else ran.
+    ref_error: ReferenceFailed | None = None
+
+    def rank_errors(self) -> dict[int, BaseException]:
+        """Every failed rank's exception (the runner's ``errors``, or the single failing rank)."""
+        if self.error is None:
+            return {}
+        errors = dict(getattr(self.error, "errors", {}) or {})
+        return errors or {self.error.rank: self.error}
+
+
+def is_divisible(variant: ModuleVariant, case: ModuleCase) -> bool:
+    """Whether every size, and a sequence-sharded input's sequence length, divides by the tp size."""
+    tp = case.tp_size or case.world_size
+    if any(s % tp for s in case.sizes):
+        return False
+    d = variant.sequence_dim_of(len(case.batch_shape) + 1) if variant.input == "sequence-sharded" else None
+    return d is None or case.batch_shape[d] % tp == 0
+
+
+def observe(variant: ModuleVariant, case: ModuleCase, *, backend: str = "inproc", timeout: float = tpsim.DEFAULT_TIMEOUT,
+            capture: bool = False, ref: Reference | None = None, isolate: bool = False) -> ModuleObservation:
+    """Run the reference world (unless ``ref`` is given) and the tp world for ``case``; ``isolate``:
+    inproc worlds run in a supervised worker process (see :func:`tpsim.run`)."""
+    divisible = is_divisible(variant, case)
+    if ref is None:
+        try:
+            ref = reference_run(variant, case, timeout=timeout, capture=capture, isolate=isolate)
+        except ReferenceFailed as failed:
+            return ModuleObservation(case, divisible, None, ref_error=failed)
+    payload: dict[str, Any] = {"case": case, "shapes": ref.shapes, "masters": ref.masters, "inputs": ref.inputs,
+                               "grads": ref.grads, "capture": capture}
+    if backend == "inproc" and not isolate:
+        payload["variant"] = variant
+    else:
+        payload["ref"] = _target_ref(variant, f"{backend} worker processes")
+    try:
+        values = tpsim.run(rank_main, case.world_size, backend=backend, args=(payload,), timeout=timeout,
+                           rank_local=variant.rank_local, isolate=isolate)
+    except RankError as err:
+        return ModuleObservation(case, divisible, ref, error=err)
+    return ModuleObservation(case, divisible, ref, values=values)
