@@ -15,6 +15,7 @@ import textwrap
 
 import pytest
 import torch
+from helpers import assert_case_replays_on_gloo
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -91,15 +92,8 @@ def test_a_block_that_accepts_heads_it_cannot_split_is_divisibility_unchecked():
 
 @pytest.mark.gloo
 def test_an_attention_case_replays_on_gloo(capsys, tmp_path):
-    code = main(["check", "tpsim.mutants:attention_local_head_dim_scale", "--seed", "0", "--max-examples", "20",
-                 "--world-sizes", "1,2", "--cases-dir", str(tmp_path)])
-    out = capsys.readouterr().out
-    assert code == 1 and "FAILED forward-equivalence: attention-scale" in out, out
-    case_file = next(tmp_path.glob("*forward_equivalence*.json"))
-    assert json.loads(case_file.read_text())["family"] == "attention"
-    code = main(["replay", str(case_file), "--backend", "gloo"])
-    out = capsys.readouterr().out
-    assert code == 1 and "FAIL reproduced: forward-equivalence: attention-scale" in out, out
+    assert_case_replays_on_gloo(capsys, tmp_path, "tpsim.mutants:attention_local_head_dim_scale", "attention",
+                                "forward-equivalence: attention-scale")
 
 
 # --- a user's attention block as a whole module -------------------------------------------------------

@@ -18,6 +18,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import steps_loop
 
 import tpsim
 from tpsim.comm import ops
@@ -29,18 +30,6 @@ _GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tenso
 
 
 # -- the programs (module-level: gloo workers import them by name) -----------------------------------
-
-def steps_loop(steps: int = 3) -> torch.Tensor:
-    """One all_gather and one all_reduce per step: call 2k+1 is a gather, 2k+2 a reduce (1-based)."""
-    r, ws = dist.get_rank(), dist.get_world_size()
-    x = torch.arange(4, dtype=torch.float32) + 10 * r
-    out = torch.empty(4 * ws)
-    for _ in range(steps):
-        _GATHER(out, x)
-        x = out[4 * r:4 * r + 4].clone() + out.sum() / 100
-        dist.all_reduce(x)
-    return x
-
 
 def every_collective() -> list[torch.Tensor]:
     r, ws = dist.get_rank(), dist.get_world_size()

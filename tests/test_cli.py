@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import pathlib
 import shutil
 import subprocess
 import sys
@@ -14,15 +13,12 @@ import sysconfig
 import textwrap
 
 import pytest
+from helpers import BUGGY, FAST, ROOT, run_cli
 
 from tpsim.cli import main
 from tpsim.props.case import load_case
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 SKILL = "examples/skill_convention.py"
-BUGGY = f"{SKILL}:BuggyRowParallelLinear"
-# Small budgets keep each run to about a second on the in-process backend.
-FAST = ["--max-examples", "10", "--world-sizes", "1,2,3", "--seed", "0"]
 LAYER_NAMES = [
     "ColumnParallelLinear",
     "ColumnParallelLinear(gather_output=True)",
@@ -43,17 +39,11 @@ def _in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(ROOT)
 
 
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
 # --- check: passing ------------------------------------------------------------------------------
 
 
 def test_check_tpsim_layers_passes_every_variant(capsys, tmp_path) -> None:
-    code, out, err = run(capsys, "check", "tpsim.layers", *FAST, "--cases-dir", str(tmp_path))
+    code, out, err = run_cli(capsys, "check", "tpsim.layers", *FAST, "--cases-dir", str(tmp_path))
     assert code == 0, out + err
     lines = out.splitlines()
     # tpsim.layers grows with the layer core: its linear layers and MLPs at least, every one passing
@@ -68,7 +58,7 @@ def test_check_tpsim_layers_passes_every_variant(capsys, tmp_path) -> None:
 
 
 def test_check_json_report_of_a_passing_target(capsys, tmp_path) -> None:
-    code, out, _ = run(capsys, "check", "tpsim.layers", *FAST, "--report", "json", "--cases-dir", str(tmp_path))
+    code, out, _ = run_cli(capsys, "check", "tpsim.layers", *FAST, "--report", "json", "--cases-dir", str(tmp_path))
     assert code == 0
     doc = json.loads(out)  # stdout is exactly one JSON document
     assert doc["passed"] is True
@@ -83,10 +73,10 @@ def test_check_json_report_of_a_passing_target(capsys, tmp_path) -> None:
 
 def test_a_class_without_bias_flag_runs_bias_free_cases_and_says_so(capsys, tmp_path) -> None:
     target = "examples/tutorial_convention.py:RowParallelLinear"
-    code, out, _ = run(capsys, "check", target, *FAST, "--cases-dir", str(tmp_path))
+    code, out, _ = run_cli(capsys, "check", target, *FAST, "--cases-dir", str(tmp_path))
     assert code == 0, out
     assert "note: RowParallelLinear has no bias parameter: bias-free cases only" in out
-    code, out, _ = run(capsys, "check", target, *FAST, "--report", "json", "--cases-dir", str(tmp_path))
+    code, out, _ = run_cli(capsys, "check", target, *FAST, "--report", "json", "--cases-dir", str(tmp_path))
     doc = json.loads(out)
     assert doc["variants"][0]["bias"] is False
     assert any("bias-free cases only" in n for n in doc["variants"][0]["notes"])
@@ -96,7 +86,7 @@ def test_a_class_without_bias_flag_runs_bias_free_cases_and_says_so(capsys, tmp_
 
 
 def test_buggy_row_layer_fails_with_bias_duplication_and_saves_the_case(capsys, tmp_path) -> None:
-    code, out, err = run(capsys, "check", BUGGY, *FAST, "--cases-dir", str(tmp_path))
+    code, out, err = run_cli(capsys, "check", BUGGY, *FAST, "--cases-dir", str(tmp_path))
     assert code == 1, out + err
     assert "FAIL BuggyRowParallelLinear" in out
     assert "FAILED forward-equivalence: bias-duplication" in out
@@ -116,7 +106,7 @@ def test_buggy_row_layer_fails_with_bias_duplication_and_saves_the_case(capsys, 
 
 
 def test_json_report_of_a_failure(capsys, tmp_path) -> None:
-    code, out, _ = run(capsys, "check", BUGGY, *FAST, "--report", "json", "--cases-dir", str(tmp_path))
+    code, out, _ = run_cli(capsys, "check", BUGGY, *FAST, "--report", "json", "--cases-dir", str(tmp_path))
     assert code == 1
     doc = json.loads(out)
     assert doc["passed"] is False
@@ -157,12 +147,12 @@ def test_an_exception_inside_the_variant_is_a_failure_not_a_usage_error(capsys, 
     cases = tmp_path / "cases"
     argv = ["check", f"{module}:ExplodingColumn", "--world-sizes", "2", "--max-examples", "5", "--seed", "0",
             "--input-grad", "partial", "--cases-dir", str(cases)]
-    code, out, err = run(capsys, *argv)
+    code, out, err = run_cli(capsys, *argv)
     assert code == 1, out + err
     assert ": exception" in out
     assert "rank 1 raised" in out and "RuntimeError: rank one refuses" in out
     assert 'raise RuntimeError("rank one refuses")' in out  # the rank's traceback is shown
-    code, out, _ = run(capsys, *argv, "--report", "json")
+    code, out, _ = run_cli(capsys, *argv, "--report", "json")
     failure = json.loads(out)["failures"][0]
     assert failure["diagnosis"] == "exception" and failure["rank"] == 1
     assert "rank one refuses" in failure["traceback"]
@@ -223,7 +213,7 @@ def _one_line_error(code: int, out: str, err: str) -> str:
     ],
 )
 def test_bad_options_exit_2_naming_value_and_choices(capsys, argv, expected) -> None:
-    line = _one_line_error(*run(capsys, *argv))
+    line = _one_line_error(*run_cli(capsys, *argv))
     assert line.startswith("tpsim")
     assert ": error: " in line
     for text in expected:
@@ -231,7 +221,7 @@ def test_bad_options_exit_2_naming_value_and_choices(capsys, argv, expected) -> 
 
 
 def test_no_command_is_a_usage_error(capsys) -> None:
-    code, out, err = run(capsys)
+    code, out, err = run_cli(capsys)
     assert code == 2 and out == ""
     assert "name a command: check or replay" in err
 
@@ -249,7 +239,7 @@ def test_no_command_is_a_usage_error(capsys) -> None:
     ],
 )
 def test_targets_that_cannot_be_resolved_exit_2_naming_the_target(capsys, target, expected) -> None:
-    line = _one_line_error(*run(capsys, "check", target, *FAST))
+    line = _one_line_error(*run_cli(capsys, "check", target, *FAST))
     assert line.startswith(f"tpsim check: error: cannot check {target!r}: ")
     for text in expected:
         assert text in line, line
@@ -258,7 +248,7 @@ def test_targets_that_cannot_be_resolved_exit_2_naming_the_target(capsys, target
 def test_a_target_file_that_raises_on_import_exits_2(capsys, tmp_path) -> None:
     bad = tmp_path / "broken.py"
     bad.write_text("import torch\nraise ImportError('needs a GPU library')\n")
-    line = _one_line_error(*run(capsys, "check", f"{bad}:Layer"))
+    line = _one_line_error(*run_cli(capsys, "check", f"{bad}:Layer"))
     assert f"importing {str(bad)!r} failed: ImportError: needs a GPU library" in line
 
 
@@ -275,18 +265,18 @@ def test_convention_and_kind_that_cannot_be_told_exit_2(capsys, tmp_path) -> Non
             def __init__(self, in_features, out_features, bias, master_weight):
                 super().__init__()
     """))
-    line = _one_line_error(*run(capsys, "check", f"{module}:Both", "--kind", "row"))
+    line = _one_line_error(*run_cli(capsys, "check", f"{module}:Both", "--kind", "row"))
     assert "cannot tell the convention of Both" in line and "--convention master-weight|tp-rank" in line
-    line = _one_line_error(*run(capsys, "check", f"{module}:Projection"))
+    line = _one_line_error(*run_cli(capsys, "check", f"{module}:Projection"))
     assert "cannot tell whether Projection is column- or row-parallel" in line and "--kind column|row" in line
 
 
 def test_adapter_options_that_contradict_a_variant_exit_2(capsys) -> None:
-    line = _one_line_error(*run(capsys, "check", "tpsim.layers", "--convention", "tp-rank"))
+    line = _one_line_error(*run_cli(capsys, "check", "tpsim.layers", "--convention", "tp-rank"))
     assert "--convention applies to plain nn.Module classes only" in line
-    line = _one_line_error(*run(capsys, "check", "tpsim.layers:RowParallelLinear", "--kind", "column"))
+    line = _one_line_error(*run_cli(capsys, "check", "tpsim.layers:RowParallelLinear", "--kind", "column"))
     assert "is a row variant; --kind column contradicts it" in line
-    line = _one_line_error(*run(capsys, "check", "tpsim.layers:RowParallelLinear", "--output", "sharded"))
+    line = _one_line_error(*run_cli(capsys, "check", "tpsim.layers:RowParallelLinear", "--output", "sharded"))
     assert "output='sharded' is not valid for a row layer" in line
 
 
@@ -296,19 +286,19 @@ def test_nccl_without_gpus_says_why_and_exits_2(capsys) -> None:
     reason = nccl_unavailable_reason(3)
     if reason is None:
         pytest.skip("this machine can run nccl with 3 ranks")
-    line = _one_line_error(*run(capsys, "check", "tpsim.layers", "--backend", "nccl", "--world-sizes", "1,3"))
+    line = _one_line_error(*run_cli(capsys, "check", "tpsim.layers", "--backend", "nccl", "--world-sizes", "1,3"))
     assert line == f"tpsim check: error: backend nccl cannot run here: {reason}; use --backend gloo or inproc"
 
 
 def test_help_and_version_exit_0(capsys) -> None:
-    code, out, _ = run(capsys, "check", "--help")
+    code, out, _ = run_cli(capsys, "check", "--help")
     assert code == 0 and "--input-grad" in out and "--cases-dir" in out
-    code, out, _ = run(capsys, "--version")
+    code, out, _ = run_cli(capsys, "--version")
     assert code == 0 and out.startswith("tpsim ")
 
 
 def test_faults_run_fault_plans_too(capsys, tmp_path) -> None:
-    code, out, _ = run(capsys, "check", "tpsim.layers:RowParallelLinear", "--faults", "drop,crash",
+    code, out, _ = run_cli(capsys, "check", "tpsim.layers:RowParallelLinear", "--faults", "drop,crash",
                        "--max-examples", "4", "--world-sizes", "2", "--seed", "0", "--report", "json",
                        "--cases-dir", str(tmp_path))
     assert code == 0, out
@@ -320,7 +310,7 @@ def test_faults_run_fault_plans_too(capsys, tmp_path) -> None:
 
 @pytest.mark.gloo
 def test_check_on_gloo_imports_a_file_target_in_every_worker(capsys, tmp_path) -> None:
-    code, out, err = run(capsys, "check", "examples/tutorial_convention.py:RowParallelLinear", "--backend", "gloo",
+    code, out, err = run_cli(capsys, "check", "examples/tutorial_convention.py:RowParallelLinear", "--backend", "gloo",
                          "--world-sizes", "2", "--max-examples", "3", "--seed", "0", "--cases-dir", str(tmp_path))
     assert code == 0, out + err
     assert out.splitlines()[0].startswith("tpsim check examples/tutorial_convention.py:RowParallelLinear: 1 variant on gloo")

@@ -13,24 +13,14 @@ import sys
 import time
 
 import pytest
+from helpers import BUGGY, FAST, ROOT, run_cli
 
-from tpsim.cli import main
 from tpsim.props.case import MAX_NAME_CHARS, load_case
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-BUGGY = "examples/skill_convention.py:BuggyRowParallelLinear"
-FAST = ["--max-examples", "10", "--world-sizes", "1,2,3", "--seed", "0"]
 
 
 @pytest.fixture(autouse=True)
 def _in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(ROOT)
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 # --- saving case files -----------------------------------------------------------------------------
@@ -40,7 +30,7 @@ def test_an_unwritable_cases_dir_falls_back_to_a_temp_dir_and_says_so(capsys, tm
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     cases = blocker / "cases"  # cannot be created, whoever runs the test (root included)
-    code, out, err = run(capsys, "check", BUGGY, *FAST, "--cases-dir", str(cases))
+    code, out, err = run_cli(capsys, "check", BUGGY, *FAST, "--cases-dir", str(cases))
     assert code == 1, out + err
     lines = out.splitlines()
     failed = lines.index("  FAILED forward-equivalence: bias-duplication")
@@ -52,14 +42,14 @@ def test_an_unwritable_cases_dir_falls_back_to_a_temp_dir_and_says_so(capsys, tm
     assert lines.index(note) < lines.index(f"    case file:    {path}")  # the note comes first
     case, found = load_case(path)
     assert found["diagnosis"] == "bias-duplication" and case.world_size == 2
-    code, out, _ = run(capsys, "check", BUGGY, *FAST, "--cases-dir", str(cases), "--report", "json")
+    code, out, _ = run_cli(capsys, "check", BUGGY, *FAST, "--cases-dir", str(cases), "--report", "json")
     failure = json.loads(out)["failures"][0]
     assert os.path.isfile(failure["case_file"]) and "cannot be written" in failure["case_file_note"]
 
 
 def test_a_path_too_long_for_the_file_system_falls_back_too(capsys, tmp_path) -> None:
     cases = tmp_path / ("d" * 300)  # one name component over 255 bytes: ENAMETOOLONG
-    code, out, err = run(capsys, "check", BUGGY, *FAST, "--cases-dir", str(cases))
+    code, out, err = run_cli(capsys, "check", BUGGY, *FAST, "--cases-dir", str(cases))
     assert code == 1, out + err
     assert "cannot be written (File name too long); saved in " in out
     assert "    replay:       tpsim replay " in out
@@ -76,7 +66,7 @@ def test_a_very_long_variant_name_gets_a_short_case_file_name_that_replays(capsy
     module = tmp_path / "long_names.py"
     module.write_text(LONG_NAME)
     cases = tmp_path / "cases"
-    code, out, err = run(capsys, "check", f"{module}:long_variant", "--world-sizes", "2", "--max-examples", "30",
+    code, out, err = run_cli(capsys, "check", f"{module}:long_variant", "--world-sizes", "2", "--max-examples", "30",
                          "--seed", "0", "--cases-dir", str(cases), "--report", "json")
     assert code == 1, out + err
     failure = json.loads(out)["failures"][0]
@@ -85,7 +75,7 @@ def test_a_very_long_variant_name_gets_a_short_case_file_name_that_replays(capsy
     assert len(name.encode()) < 255 and name.startswith("RowBiasBeforeReduceWithAVeryLongName")
     assert name.split("-")[0][MAX_NAME_CHARS] == "~"  # cut, then a hash of the whole name
     os.chdir(tmp_path)  # the target file is here (the fixture restores the directory)
-    code, out, err = run(capsys, "replay", failure["case_file"])
+    code, out, err = run_cli(capsys, "replay", failure["case_file"])
     assert code == 1 and "reproduced: forward-equivalence: bias-duplication" in out, out + err
 
 
@@ -118,7 +108,7 @@ def _noisy(tmp_path: pathlib.Path) -> str:
 
 
 def test_json_report_stays_valid_whatever_the_layer_prints(capsys, tmp_path) -> None:
-    code, out, err = run(capsys, "check", _noisy(tmp_path), *FAST, "--report", "json",
+    code, out, err = run_cli(capsys, "check", _noisy(tmp_path), *FAST, "--report", "json",
                          "--cases-dir", str(tmp_path / "cases"))
     assert code == 1, out + err
     doc = json.loads(out)  # stdout is exactly one JSON document
@@ -129,7 +119,7 @@ def test_json_report_stays_valid_whatever_the_layer_prints(capsys, tmp_path) -> 
     assert "hello from rank 0\n" in printed and "hello from rank 1\n" in printed and "native write\n" in printed
     assert "hello from rank 2" not in printed  # the output of larger cases stays with them
     os.chdir(tmp_path)  # the target file is here (the fixture restores the directory)
-    code, out, err = run(capsys, "replay", failure["case_file"], "--report", "json")
+    code, out, err = run_cli(capsys, "replay", failure["case_file"], "--report", "json")
     assert code == 1, out + err
     doc = json.loads(out)
     assert "hello from rank 1\n" in "".join(doc["failures"][0]["output"].values())
@@ -138,7 +128,7 @@ def test_json_report_stays_valid_whatever_the_layer_prints(capsys, tmp_path) -> 
 def test_ranks_in_this_process_have_their_output_told_apart(capsys, tmp_path) -> None:
     # Ranks that run as threads of the checker itself (no isolating worker process): each rank's
     # Python-level output under its own key, native writes under "process".
-    code, out, err = run(capsys, "check", _noisy(tmp_path), *FAST, "--report", "json", "--no-isolate",
+    code, out, err = run_cli(capsys, "check", _noisy(tmp_path), *FAST, "--report", "json", "--no-isolate",
                          "--cases-dir", str(tmp_path / "cases"))
     assert code == 1, out + err
     failure = next(f for f in json.loads(out)["failures"] if f["diagnosis"] == "bias-duplication")
@@ -243,7 +233,7 @@ def test_the_report_is_printed_before_the_case_is_saved(capsys, monkeypatch, tmp
         raise RuntimeError("disk on fire")
 
     monkeypatch.setattr(case_module, "save_case", broken)
-    code, out, err = run(capsys, "check", BUGGY, *FAST, "--cases-dir", str(tmp_path))
+    code, out, err = run_cli(capsys, "check", BUGGY, *FAST, "--cases-dir", str(tmp_path))
     assert code == 1, out + err
     assert "  FAILED forward-equivalence: bias-duplication" in out
     assert "minimal case: world_size=2 " in out

@@ -20,6 +20,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import steps_loop
 
 import tpsim
 from tpsim.comm import isolate, procs
@@ -44,20 +45,7 @@ TIMEOUT = 3.0
 #: is not part of it: the pool is warmed before timing).
 BOUND = TIMEOUT + 10.0
 
-_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 GATHER_OP = "all_gather_into_tensor"
-
-
-def steps_loop(steps: int = 3) -> torch.Tensor:
-    """One all_gather and one all_reduce per step: call 2k+1 is a gather, 2k+2 a reduce (1-based)."""
-    r, ws = dist.get_rank(), dist.get_world_size()
-    x = torch.arange(4, dtype=torch.float32) + 10 * r
-    out = torch.empty(4 * ws)
-    for _ in range(steps):
-        _GATHER(out, x)
-        x = out[4 * r:4 * r + 4].clone() + out.sum() / 100
-        dist.all_reduce(x)
-    return x
 
 
 def _clean(backend: str) -> list[torch.Tensor]:

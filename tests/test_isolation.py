@@ -698,3 +698,14 @@ def test_a_gloo_rank_that_dies_is_named_with_its_phase(how: str, cls: type) -> N
         tpsim.run(rank_dies, 2, args=(how, 1, "step", 0), backend="gloo", timeout=20)
     assert (info.value.rank, info.value.phase, info.value.step) == (1, "step", 0)
     assert str(info.value).startswith("rank 1 ") and "during step (step 0)" in str(info.value)
+
+
+def test_worker_output_is_split_by_the_rank_that_wrote_it() -> None:
+    # Python-level writes arrive framed with their rank; native writes and a frame cut off by a kill
+    # are the process's own.
+    from tpsim.comm.isolate import split_labelled
+
+    text = "\x1erank 1\x1fhello\n\x1dnative\n\x1erank 0\x1fa\x1d\x1erank 0\x1fb\x1d\x1erank 2\x1fcut o"
+    assert split_labelled(text) == [
+        ("rank 1", "hello\n"), ("process", "native\n"), ("rank 0", "a"), ("rank 0", "b"), ("process", "cut o"),
+    ]

@@ -19,6 +19,7 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import assert_errors_before_any_collective, errors_raised
 from torch import nn
 
 import tpsim
@@ -598,32 +599,13 @@ ERROR_CASES = {
 
 
 def rank_errors(names: list[str]) -> dict:
-    """Run each bad action; report (exception type, message) or that nothing was raised."""
-    seen = {}
-    for name in names:
-        action = ERROR_CASES[name][0]
-        try:
-            action()
-        except Exception as e:  # noqa: BLE001 - the test compares the type
-            seen[name] = (type(e), str(e))
-        else:
-            seen[name] = (None, "nothing raised")
-    return seen
+    return errors_raised(ERROR_CASES, names)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_every_error_message_on_every_rank_before_any_collective(backend):
-    names = list(ERROR_CASES)
-    result = tpsim.run_world(rank_errors, 4, backend=backend, args=(names,))
-    for rank in range(4):
-        assert result.trace.of(rank) == [], f"rank {rank} communicated: {result.trace.ops(rank)}"
-        for name in names:
-            _, etype, message = ERROR_CASES[name]
-            got_type, got_message = result.values[rank][name]
-            assert got_type is etype and got_message == message, (
-                f"{name} on rank {rank}: got {got_type.__name__ if got_type else None}: {got_message!r}\n"
-                f"expected {etype.__name__}: {message!r}"
-            )
+    result = tpsim.run_world(rank_errors, 4, backend=backend, args=(list(ERROR_CASES),))
+    assert_errors_before_any_collective(result, ERROR_CASES, 4)
 
 
 def rank_sizes_fine_at_ws_one() -> list[str]:

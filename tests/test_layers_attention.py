@@ -17,6 +17,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import assert_errors_before_any_collective, errors_raised, forward_backward
 from test_layers import BACKENDS, DTYPES, assert_within, seq_chunk
 
 import tpsim
@@ -126,12 +127,7 @@ def run_attn_case(case: dict, cls_name: str = "") -> dict:
     x, gy = data["x"], data["gy"]
     if case["sp"]:
         x, gy = seq_chunk(x, -2, ws, rank), seq_chunk(gy, -2, ws, rank)
-    x = x.clone().requires_grad_()
-    y = layer(x)
-    y.backward(gy)
-    out = {"y": y.detach(), "gx": x.grad}
-    out.update({name: p.grad for name, p in layer.named_parameters()})
-    return out
+    return forward_backward(layer, x, gy)
 
 
 def rank_attn_cases(cases: list[dict], cls_name: str = "") -> list[dict]:
@@ -310,28 +306,13 @@ ERROR_CASES = {
 
 
 def rank_errors(names: list[str]) -> dict:
-    seen = {}
-    for name in names:
-        try:
-            ERROR_CASES[name][0]()
-        except Exception as e:  # noqa: BLE001 - the test compares type and message
-            seen[name] = (type(e), str(e))
-        else:
-            seen[name] = (None, "nothing raised")
-    return seen
+    return errors_raised(ERROR_CASES, names)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_every_error_on_every_rank_before_any_collective(backend):
-    names = list(ERROR_CASES)
-    result = tpsim.run_world(rank_errors, 4, backend=backend, args=(names,))
-    for rank in range(4):
-        for name in names:
-            _, etype, message = ERROR_CASES[name]
-            got_type, got_message = result.values[rank][name]
-            assert got_type is etype and got_message == message, (
-                f"{name} on rank {rank}: got {got_type.__name__ if got_type else None}: {got_message!r}")
-        assert result.trace.of(rank) == [], f"rank {rank} communicated: {result.trace.ops(rank)}"
+    result = tpsim.run_world(rank_errors, 4, backend=backend, args=(list(ERROR_CASES),))
+    assert_errors_before_any_collective(result, ERROR_CASES, 4)
 
 
 # ------------------------------------------------------------------ the mutants differ as diagnosed

@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import forward_backward
 from test_layers_mlp import check_mlp_results, dense_mlp, mlp_case, seq_chunk
 
 import tpsim
@@ -41,12 +42,7 @@ def rank_lab_mlp(case: dict, dense, data: dict) -> dict:
     x, gy = data["x"], data["gy"]
     if case["options"].get("sequence_parallel"):
         x, gy = (seq_chunk(t, -2, ws, rank) for t in (x, gy))
-    x = x.clone().requires_grad_()
-    y = mlp(x)
-    y.backward(gy)
-    out = {"y": y.detach(), "gx": x.grad}
-    out.update({name: p.grad for name, p in mlp.named_parameters()})
-    return out
+    return forward_backward(mlp, x, gy)
 
 
 @pytest.mark.slow  # ~15 s and ~6 GB each (the float64 oracle dominates; the tp world is ~1.5 s)

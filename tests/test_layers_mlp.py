@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from helpers import forward_backward
 from test_layers import BACKENDS, DTYPES, assert_within, backend_ws_params, feature_index, seq_chunk
 
 import tpsim
@@ -129,13 +130,7 @@ def run_mlp_case(case: dict, device: str = "cpu") -> dict:
     gy = data["gy"]
     if o.get("sequence_parallel"):
         x, gy = (seq_chunk(t, o.get("sequence_dim", -2), ws, rank) for t in (x, gy))
-    x = x.to(dev).requires_grad_()
-    y = mlp(x)
-    y.backward(gy.to(dev))
-    out = {"y": y.detach().cpu(), "gx": x.grad.cpu()}
-    for name, p in mlp.named_parameters():
-        out[name] = p.grad.cpu()
-    return out
+    return {name: t.cpu() for name, t in forward_backward(mlp, x.to(dev), gy.to(dev)).items()}
 
 
 def rank_mlp_cases(cases: list[dict], device: str = "cpu") -> list[dict]:

@@ -29,6 +29,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from helpers import assert_errors_before_any_collective, errors_raised
 from test_layers import BACKENDS, DTYPES, assert_within, tolerance
 from torch import nn
 
@@ -40,6 +41,7 @@ from tpsim.layers import (
     vocab_parallel_cross_entropy,
     vocab_parallel_linear_cross_entropy,
 )
+from tpsim.layers.vocab import CrossEntropySteps
 from tpsim.mutants import vocab as vocab_mutants
 
 WORLD_SIZES = [1, 2, 3, 4, 8]
@@ -393,6 +395,25 @@ def test_linear_cross_entropy_matches_dense_inproc(ws):
         check_ce(case, [per_rank[r][i] for r in range(ws)])
 
 
+def rank_steps_cases(cases: list[dict]) -> list[dict]:
+    return [run_ce_case(case, CrossEntropySteps()) for case in cases]
+
+
+@pytest.mark.parametrize("ws", [1, 2, 3, 4])
+def test_the_steps_under_autograd_are_the_loss(ws):
+    """CrossEntropySteps, the base of the cross-entropy mutants, called (autograd through the very
+    forward the loss function runs) is that function: the same loss bits, and gradients within the
+    dense oracle's tolerance; so a mutant differs from the correct loss only by the step it overrides."""
+    cases = ce_cases(ws, dtypes=("float64", "float32", "bfloat16"))
+    steps = tpsim.run(rank_steps_cases, ws, args=(cases,))
+    function = tpsim.run(rank_ce_cases, ws, args=(cases,))
+    for i, case in enumerate(cases):
+        check_ce(case, [steps[r][i] for r in range(ws)])
+        for rank in range(ws):
+            torch.testing.assert_close(steps[rank][i]["loss"], function[rank][i]["loss"], rtol=0, atol=0,
+                                       equal_nan=True, msg=lambda m, case=case: f"{case}: {m}")
+
+
 @pytest.mark.gloo
 @pytest.mark.parametrize("ws", [2, 3])
 def test_cross_entropy_matches_dense_gloo(ws):
@@ -480,28 +501,13 @@ ERROR_CASES = {
 
 
 def rank_errors(names: list[str]) -> dict:
-    seen = {}
-    for name in names:
-        try:
-            ERROR_CASES[name][0]()
-        except Exception as e:  # noqa: BLE001 - the test compares type and message
-            seen[name] = (type(e), str(e))
-        else:
-            seen[name] = (None, "nothing raised")
-    return seen
+    return errors_raised(ERROR_CASES, names)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_every_error_on_every_rank_before_any_collective(backend):
-    names = list(ERROR_CASES)
-    result = tpsim.run_world(rank_errors, 2, backend=backend, args=(names,))
-    for rank in range(2):
-        assert result.trace.of(rank) == [], f"rank {rank} communicated: {result.trace.ops(rank)}"
-        for name in names:
-            _, etype, message = ERROR_CASES[name]
-            got_type, got_message = result.values[rank][name]
-            assert got_type is etype and got_message == message, (
-                f"{name} on rank {rank}: got {got_type.__name__ if got_type else None}: {got_message!r}")
+    result = tpsim.run_world(rank_errors, 2, backend=backend, args=(list(ERROR_CASES),))
+    assert_errors_before_any_collective(result, ERROR_CASES, 2)
 
 
 # ================================================================== the mutants differ as diagnosed

@@ -187,11 +187,13 @@ def test_a_missing_library_is_exit_2_with_the_install_command(capsys, monkeypatc
 # --- library noise under a failure --------------------------------------------------------------
 
 
-def test_a_failure_shows_the_library_output_with_its_rank(capsys, tmp_path) -> None:
-    # In-process (--no-isolate) every rank thread's output carries its rank.
+@pytest.mark.parametrize("isolation", [[], ["--no-isolate"]], ids=["isolated", "in-process"])
+def test_a_failure_shows_the_library_output_with_its_rank(capsys, tmp_path, isolation) -> None:
+    # Every rank's output carries its rank, whether the ranks run in a supervised worker process
+    # (the default) or in this process.
     patches = str(ROOT / "tests" / "wild" / "fairscale_patches.py")
     argv = ["check", f"{patches}:BiasBeforeReduceRowParallelLinear", "--max-examples", "10", "--world-sizes", "2",
-            "--dtypes", "float64", "--seed", "0", "--cases-dir", str(tmp_path), "--no-isolate"]
+            "--dtypes", "float64", "--seed", "0", "--cases-dir", str(tmp_path), *isolation]
     code, out, err = run(capsys, *argv)
     assert code == 1, out + err
     assert "printed while the case ran:\n      rank 0 | > initializing model parallel with size 2" in out

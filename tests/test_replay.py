@@ -5,19 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import shutil
 import subprocess
 import sys
 
 import pytest
+from helpers import BUGGY, FAST, ROOT, run_cli
 
-from tpsim.cli import main
 from tpsim.props.case import SCHEMA_VERSION, Case, load_case, save_case
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-BUGGY = "examples/skill_convention.py:BuggyRowParallelLinear"
-FAST = ["--max-examples", "10", "--world-sizes", "1,2,3", "--seed", "0"]
 
 
 @pytest.fixture(autouse=True)
@@ -25,16 +20,10 @@ def _in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(ROOT)
 
 
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
 @pytest.fixture
 def buggy_case(capsys, tmp_path) -> str:
     """The case file ``tpsim check`` saves for the skill's buggy row layer."""
-    code, out, _ = run(capsys, "check", BUGGY, *FAST, "--report", "json", "--cases-dir", str(tmp_path))
+    code, out, _ = run_cli(capsys, "check", BUGGY, *FAST, "--report", "json", "--cases-dir", str(tmp_path))
     assert code == 1, out
     failure = next(f for f in json.loads(out)["failures"] if f["property"] == "forward-equivalence")
     assert failure["diagnosis"] == "bias-duplication"
@@ -42,7 +31,7 @@ def buggy_case(capsys, tmp_path) -> str:
 
 
 def test_replay_on_inproc_gives_the_same_diagnosis(capsys, buggy_case) -> None:
-    code, out, err = run(capsys, "replay", buggy_case)
+    code, out, err = run_cli(capsys, "replay", buggy_case)
     assert code == 1, out + err
     lines = out.splitlines()
     assert lines[0] == f"tpsim replay {buggy_case}: BuggyRowParallelLinear ({BUGGY}) on inproc"
@@ -53,7 +42,7 @@ def test_replay_on_inproc_gives_the_same_diagnosis(capsys, buggy_case) -> None:
 
 
 def test_replay_json(capsys, buggy_case) -> None:
-    code, out, _ = run(capsys, "replay", buggy_case, "--report", "json")
+    code, out, _ = run_cli(capsys, "replay", buggy_case, "--report", "json")
     assert code == 1
     doc = json.loads(out)
     assert doc["passed"] is False and doc["reproduced"] is True
@@ -65,7 +54,7 @@ def test_replay_json(capsys, buggy_case) -> None:
 
 @pytest.mark.gloo
 def test_a_case_found_on_inproc_replays_on_gloo(capsys, buggy_case) -> None:
-    code, out, err = run(capsys, "replay", buggy_case, "--backend", "gloo")
+    code, out, err = run_cli(capsys, "replay", buggy_case, "--backend", "gloo")
     assert code == 1, out + err
     assert out.splitlines()[0].endswith("on gloo")
     assert "  FAILED forward-equivalence: bias-duplication" in out
@@ -76,10 +65,10 @@ def test_replay_of_a_case_that_passes_exits_0(capsys, tmp_path) -> None:
     case = Case(world_size=2, in_features=4, out_features=6, batch_shape=(3,), bias=True, seed=7,
                 target="tpsim.layers", variant="RowParallelLinear", property="forward-equivalence")
     path = save_case(case, str(tmp_path), found={"property": "forward-equivalence", "diagnosis": "bias-duplication"})
-    code, out, _ = run(capsys, "replay", path)
+    code, out, _ = run_cli(capsys, "replay", path)
     assert code == 0, out
     assert "PASS every property holds on this case now" in out
-    code, out, _ = run(capsys, "replay", path, "--report", "json")
+    code, out, _ = run_cli(capsys, "replay", path, "--report", "json")
     doc = json.loads(out)
     assert code == 0 and doc["passed"] is True and doc["failures"] == [] and doc["reproduced"] is False
 
@@ -144,17 +133,17 @@ def _found_in_work(capsys, tmp_path, monkeypatch) -> str:
     work.mkdir()
     shutil.copy(ROOT / "examples" / "skill_convention.py", work / "layers_here.py")
     monkeypatch.chdir(work)
-    code, out, _ = run(capsys, "check", "layers_here.py:BuggyRowParallelLinear", *FAST, "--report", "json",
+    code, out, _ = run_cli(capsys, "check", "layers_here.py:BuggyRowParallelLinear", *FAST, "--report", "json",
                        "--cases-dir", str(tmp_path / "cases"))
     assert code == 1
     return json.loads(out)["failures"][0]["case_file"]
 
 
 def test_replay_prints_the_file_it_imports(capsys, buggy_case) -> None:
-    code, out, _ = run(capsys, "replay", buggy_case)
+    code, out, _ = run_cli(capsys, "replay", buggy_case)
     assert code == 1
     assert f"  imports:  {ROOT / 'examples' / 'skill_convention.py'}" in out.splitlines()
-    code, out, _ = run(capsys, "replay", buggy_case, "--report", "json")
+    code, out, _ = run_cli(capsys, "replay", buggy_case, "--report", "json")
     assert json.loads(out)["target_file"] == str(ROOT / "examples" / "skill_convention.py")
 
 
@@ -162,10 +151,10 @@ def test_a_target_outside_the_working_and_case_directories_needs_a_flag(capsys, 
     # found.cwd is informational: it does not make replay import code from there by itself.
     path = _found_in_work(capsys, tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)  # layers_here.py is in tmp/work: neither here nor beside the case file
-    line = _one_line_error(*run(capsys, "replay", path))
+    line = _one_line_error(*run_cli(capsys, "replay", path))
     assert f"names the target file {str(tmp_path / 'work' / 'layers_here.py')!r}, outside the current directory" in line
     assert "--allow-outside-target" in line
-    code, out, err = run(capsys, "replay", path, "--allow-outside-target")
+    code, out, err = run_cli(capsys, "replay", path, "--allow-outside-target")
     assert code == 1, out + err
     assert f"  imports:  {tmp_path / 'work' / 'layers_here.py'}" in out.splitlines()
     assert "FAILED forward-equivalence: bias-duplication" in out
@@ -175,7 +164,7 @@ def test_a_target_beside_the_case_file_replays_from_anywhere(capsys, tmp_path, m
     path = _found_in_work(capsys, tmp_path, monkeypatch)
     shutil.copy(tmp_path / "work" / "layers_here.py", tmp_path / "cases" / "layers_here.py")
     monkeypatch.chdir(tmp_path)
-    code, out, err = run(capsys, "replay", path)
+    code, out, err = run_cli(capsys, "replay", path)
     assert code == 1, out + err
     assert f"  imports:  {tmp_path / 'cases' / 'layers_here.py'}" in out.splitlines()
 
@@ -187,12 +176,12 @@ def test_an_absolute_target_elsewhere_is_refused(capsys, tmp_path) -> None:
     case = Case(world_size=2, in_features=2, out_features=2, bias=True,
                 target=f"{elsewhere / 'evil.py'}:BuggyRowParallelLinear", variant="BuggyRowParallelLinear")
     path = save_case(case, str(tmp_path / "cases"))
-    line = _one_line_error(*run(capsys, "replay", path))
+    line = _one_line_error(*run_cli(capsys, "replay", path))
     assert "outside the current directory and the case file's directory" in line
     link = tmp_path / "cases" / "link.py"  # a link beside the case file still points outside
     link.symlink_to(elsewhere / "evil.py")
     path = save_case(case.replace(target="link.py:BuggyRowParallelLinear"), str(tmp_path / "cases"))
-    line = _one_line_error(*run(capsys, "replay", path))
+    line = _one_line_error(*run_cli(capsys, "replay", path))
     assert "outside the current directory" in line
 
 
@@ -203,7 +192,7 @@ def test_replay_of_a_fault_case(capsys, tmp_path) -> None:
                 faults=({"kind": "drop", "rank": 1, "at_call": 1},), target="tpsim.layers",
                 variant="RowParallelLinear", property="fault-detection")
     path = save_case(case, str(tmp_path), found={"property": "fault-detection", "diagnosis": "fault-not-surfaced"})
-    code, out, err = run(capsys, "replay", path)
+    code, out, err = run_cli(capsys, "replay", path)
     assert code == 0, out + err
     assert "PASS every property holds on this case now" in out
 
@@ -227,14 +216,14 @@ def _valid_doc() -> dict:
 
 def test_missing_case_file(capsys, tmp_path) -> None:
     path = str(tmp_path / "nope.json")
-    line = _one_line_error(*run(capsys, "replay", path))
+    line = _one_line_error(*run_cli(capsys, "replay", path))
     assert f"case file {path!r} does not exist" in line
 
 
 def test_corrupt_case_file(capsys, tmp_path) -> None:
     path = tmp_path / "corrupt.json"
     path.write_text('{"format": "tpsim-case", "schema_version": 1, "case": {')
-    line = _one_line_error(*run(capsys, "replay", str(path)))
+    line = _one_line_error(*run_cli(capsys, "replay", str(path)))
     assert "is not valid JSON (line 1" in line
 
 
@@ -243,7 +232,7 @@ def test_case_file_with_a_bad_field(capsys, tmp_path) -> None:
     doc["case"]["world_size"] = 0
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(doc))
-    line = _one_line_error(*run(capsys, "replay", str(path)))
+    line = _one_line_error(*run_cli(capsys, "replay", str(path)))
     assert "is corrupt: world_size=0 must be an int >= 1" in line
 
 
@@ -252,7 +241,7 @@ def test_newer_schema_case_file(capsys, tmp_path) -> None:
     doc["schema_version"] = SCHEMA_VERSION + 1
     path = tmp_path / "newer.json"
     path.write_text(json.dumps(doc))
-    line = _one_line_error(*run(capsys, "replay", str(path)))
+    line = _one_line_error(*run_cli(capsys, "replay", str(path)))
     assert f"schema_version={SCHEMA_VERSION + 1}, newer than this tpsim reads ({SCHEMA_VERSION})" in line
     assert "upgrade tpsim" in line
 
@@ -260,20 +249,20 @@ def test_newer_schema_case_file(capsys, tmp_path) -> None:
 def test_a_json_file_that_is_not_a_case_file(capsys, tmp_path) -> None:
     path = tmp_path / "other.json"
     path.write_text(json.dumps({"hello": "world"}))
-    line = _one_line_error(*run(capsys, "replay", str(path)))
+    line = _one_line_error(*run_cli(capsys, "replay", str(path)))
     assert 'is not a tpsim case file (no "format": "tpsim-case")' in line
 
 
 def test_a_case_file_without_a_variant(capsys, tmp_path) -> None:
     path = save_case(Case(world_size=2, in_features=2, out_features=2), str(tmp_path))
-    line = _one_line_error(*run(capsys, "replay", path))
+    line = _one_line_error(*run_cli(capsys, "replay", path))
     assert "names no variant (target=None, variant=None); it cannot be replayed" in line
 
 
 def test_a_case_file_whose_target_is_gone(capsys, tmp_path) -> None:
     case = Case(world_size=2, in_features=2, out_features=2, target="tpsim.layers", variant="Renamed")
     path = save_case(case, str(tmp_path))
-    line = _one_line_error(*run(capsys, "replay", path))
+    line = _one_line_error(*run_cli(capsys, "replay", path))
     assert f"cannot replay {path!r}: 'tpsim.layers' declares no variant named 'Renamed'" in line
 
 
@@ -283,7 +272,7 @@ def test_nccl_replay_without_gpus(capsys, buggy_case) -> None:
     reason = nccl_unavailable_reason(2)
     if reason is None:
         pytest.skip("this machine can run nccl with 2 ranks")
-    line = _one_line_error(*run(capsys, "replay", buggy_case, "--backend", "nccl"))
+    line = _one_line_error(*run_cli(capsys, "replay", buggy_case, "--backend", "nccl"))
     assert line == f"tpsim replay: error: backend nccl cannot run here: {reason}; use --backend gloo or inproc"
 
 
@@ -317,21 +306,21 @@ def test_malformed_fields_exit_2_with_the_reason(capsys, tmp_path, field, value,
     doc["case"][field] = value
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(doc))
-    line = _one_line_error(*run(capsys, "replay", str(path)))
+    line = _one_line_error(*run_cli(capsys, "replay", str(path)))
     assert expected in line, line
 
 
 def test_case_file_that_is_not_utf8(capsys, tmp_path) -> None:
     path = tmp_path / "latin1.json"
     path.write_bytes(json.dumps(_valid_doc()).encode().replace(b'"RowParallelLinear"', b'"Row\xe9"'))
-    line = _one_line_error(*run(capsys, "replay", str(path)))
+    line = _one_line_error(*run_cli(capsys, "replay", str(path)))
     assert "is not UTF-8 text (byte " in line
 
 
 def test_case_file_nested_too_deeply_or_too_large(capsys, tmp_path) -> None:
     deep = tmp_path / "deep.json"
     deep.write_text("[" * 100_000 + "]" * 100_000)
-    assert "nested too deeply" in _one_line_error(*run(capsys, "replay", str(deep)))
+    assert "nested too deeply" in _one_line_error(*run_cli(capsys, "replay", str(deep)))
     big = tmp_path / "big.json"
     big.write_text(" " * (2 << 20) + "{}")
-    assert "larger than 1048576 bytes" in _one_line_error(*run(capsys, "replay", str(big)))
+    assert "larger than 1048576 bytes" in _one_line_error(*run_cli(capsys, "replay", str(big)))

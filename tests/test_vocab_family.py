@@ -14,6 +14,7 @@ import textwrap
 
 import pytest
 import torch
+from helpers import assert_case_replays_on_gloo
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -213,15 +214,8 @@ def test_kind_needs_a_matching_object(user_file):
 
 @pytest.mark.gloo
 def test_a_case_found_on_inproc_replays_on_gloo(capsys, tmp_path):
-    code = main(["check", "tpsim.mutants:embedding_unmasked_ids", "--seed", "0", "--max-examples", "20",
-                 "--world-sizes", "1,2", "--cases-dir", str(tmp_path)])
-    out = capsys.readouterr().out
-    assert code == 1 and "FAILED forward-equivalence: vocab-mask-missing" in out, out
-    case_file = next(tmp_path.glob("*forward_equivalence*.json"))
-    assert json.loads(case_file.read_text())["family"] == "embedding"
-    code = main(["replay", str(case_file), "--backend", "gloo"])
-    out = capsys.readouterr().out
-    assert code == 1 and "FAIL reproduced: forward-equivalence: vocab-mask-missing" in out, out
+    assert_case_replays_on_gloo(capsys, tmp_path, "tpsim.mutants:embedding_unmasked_ids", "embedding",
+                                "forward-equivalence: vocab-mask-missing")
 
 
 def test_check_case_directly():

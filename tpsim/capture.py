@@ -72,6 +72,10 @@ class _TaggingStream(io.TextIOBase):
         self._owner._add(_rank_label(), text)
         return len(text)
 
+    def write_labelled(self, label: str, text: str) -> None:
+        """Text a rank wrote elsewhere (an isolated worker process), filed under that rank's label."""
+        self._owner._add(label, text)
+
     def isatty(self) -> bool:
         return False
 

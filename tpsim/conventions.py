@@ -300,6 +300,47 @@ def _placements(kind: str) -> tuple[Shard, Shard | Replicate]:
     return (Shard(0), Shard(0)) if kind == "column" else (Shard(1), Replicate())
 
 
+def _construct(cls: type, in_features: int, out_features: int, bias: bool, has_flag: bool,
+               kwargs: dict[str, Any]) -> nn.Module:
+    """``cls(in_features, out_features, **kwargs)``, with ``bias=`` where the constructor has the flag."""
+    if has_flag:
+        kwargs = {**kwargs, "bias": bias}
+    module = cls(in_features, out_features, **kwargs)
+    _zero_unflagged_bias(module, bias, has_flag)
+    return module
+
+
+def _convention_variant(
+    cls: type,
+    sig: _Signature,
+    build: Callable[..., nn.Module],
+    *,
+    kind: str,
+    weight: dict[str, Any],
+    convention: str,
+    **fields: Any,
+) -> Variant:
+    """The variant of a plain class built by ``build``: the weight's :class:`ParamSpec` options
+    (``weight``), the bias read from the signature or the built module, ``fields`` as given."""
+    has_bias, always, notes = _bias_setup(cls, sig, build)
+    weight_placement, bias_placement = _placements(kind)
+    params = [ParamSpec("weight", "weight", weight_placement, **weight)]
+    if has_bias:
+        params.append(ParamSpec("bias", "bias", bias_placement, load=True))
+    return Variant(
+        kind=kind,
+        build=build,
+        params=tuple(params),
+        bias=has_bias,
+        always_bias=always,
+        forward=add_returned_bias,
+        description=f"{cls.__module__}.{cls.__qualname__} ({convention})",
+        notes=notes,
+        rank_local=_rank_local(cls),
+        **fields,
+    )
+
+
 # --- the three conventions ----------------------------------------------------------------------
 
 
@@ -327,37 +368,17 @@ def from_master_weight_class(
     def build(in_features, out_features, bias, *, group, rank, world_size, master_weight, master_bias, dtype):
         # The convention reads rank/world size from the default group: nothing else to pass.
         # A clone, so a layer that slices the master without copying cannot alias the harness's tensor.
-        kwargs: dict[str, Any] = {"master_weight": master_weight.clone()}
-        if has_flag:
-            kwargs["bias"] = bias
-        module = cls(in_features, out_features, **kwargs)
-        _zero_unflagged_bias(module, bias, has_flag)
-        return module
+        return _construct(cls, in_features, out_features, bias, has_flag, {"master_weight": master_weight.clone()})
 
-    has_bias, always, notes = _bias_setup(cls, sig, build)
-    weight, bias_placement = _placements(kind)
     # The weight is sliced by the layer itself (load=False: its shape is checked, its values are
     # what the properties test); the zero-initialised bias gets the master bias by its placement.
-    params = [ParamSpec("weight", "weight", weight, load=False)]
-    if has_bias:
-        params.append(ParamSpec("bias", "bias", bias_placement, load=True))
-    return Variant(
-        name=name or cls.__qualname__,
-        kind=kind,
-        build=build,
-        input=input,
-        output=output or ("sharded" if kind == "column" else "partial"),
+    return _convention_variant(
+        cls, sig, build, kind=kind, weight={"load": False}, convention="master-weight convention",
+        name=name or cls.__qualname__, input=input, output=output or ("sharded" if kind == "column" else "partial"),
         input_grad=input_grad,
-        params=tuple(params),
-        bias=has_bias,
-        always_bias=always,
-        forward=add_returned_bias,
-        description=f"{cls.__module__}.{cls.__qualname__} (master-weight convention)",
-        notes=notes,
         # The convention reads rank and world size from the default group: it cannot shard over a
         # tp group smaller than the world.
         subgroups=False,
-        rank_local=_rank_local(cls),
     )
 
 
@@ -384,33 +405,14 @@ def from_tp_rank_class(
         kwargs: dict[str, Any] = {"tp_size": world_size, "tp_rank": rank}
         if has_group:
             kwargs["tp_group"] = group
-        if has_flag:
-            kwargs["bias"] = bias
-        module = cls(in_features, out_features, **kwargs)
-        _zero_unflagged_bias(module, bias, has_flag)
         # The convention initialises in the default dtype; the harness loads master values in
         # the case's dtype, so convert first (the values are overwritten anyway).
-        return module.to(dtype)
+        return _construct(cls, in_features, out_features, bias, has_flag, kwargs).to(dtype)
 
-    has_bias, always, notes = _bias_setup(cls, sig, build)
-    weight, bias_placement = _placements(kind)
-    params = [ParamSpec("weight", "weight", weight, transposed=True, load=True)]
-    if has_bias:
-        params.append(ParamSpec("bias", "bias", bias_placement, load=True))
-    return Variant(
-        name=name or cls.__qualname__,
-        kind=kind,
-        build=build,
-        input=input,
-        output=output or ("sharded" if kind == "column" else "reduced"),
+    return _convention_variant(
+        cls, sig, build, kind=kind, weight={"transposed": True, "load": True}, convention="tp-rank convention",
+        name=name or cls.__qualname__, input=input, output=output or ("sharded" if kind == "column" else "reduced"),
         input_grad=input_grad,
-        params=tuple(params),
-        bias=has_bias,
-        always_bias=always,
-        forward=add_returned_bias,
-        description=f"{cls.__module__}.{cls.__qualname__} (tp-rank convention)",
-        notes=notes,
-        rank_local=_rank_local(cls),
     )
 
 
@@ -464,35 +466,14 @@ def from_group_class(
         settings["skip_bias_add"] = False  # required: tpsim adds a returned bias either way
 
     def build(in_features, out_features, bias, *, group, rank, world_size, master_weight, master_bias, dtype):
-        kwargs: dict[str, Any] = {group_kw: group, **settings}
-        if has_flag:
-            kwargs["bias"] = bias
-        module = cls(in_features, out_features, **kwargs)
-        _zero_unflagged_bias(module, bias, has_flag)
         # Its own init, in the default dtype: converted, then overwritten with the master shards.
-        return module.to(dtype)
+        return _construct(cls, in_features, out_features, bias, has_flag, {group_kw: group, **settings}).to(dtype)
 
-    has_bias, always, notes = _bias_setup(cls, sig, build)
-    weight, bias_placement = _placements(kind)
-    params = [ParamSpec("weight", "weight", weight, load=True)]
-    if has_bias:
-        params.append(ParamSpec("bias", "bias", bias_placement, load=True))
-    return Variant(
-        name=name or cls.__qualname__,
-        kind=kind,
-        build=build,
-        input=input,
-        output=output,
-        input_grad=input_grad,
-        params=tuple(params),
-        bias=has_bias,
-        always_bias=always,
-        forward=add_returned_bias,
-        description=f"{cls.__module__}.{cls.__qualname__} (group convention, tp group by {group_kw}=)",
-        notes=notes,
+    return _convention_variant(
+        cls, sig, build, kind=kind, weight={"load": True}, convention=f"group convention, tp group by {group_kw}=",
+        name=name or cls.__qualname__, input=input, output=output, input_grad=input_grad,
         # Megatron's tensors are sequence-first [s, b, h]: the sequence dim is 0 (--sequence-dim overrides).
         sequence_dim=0 if sequence else -2,
-        rank_local=_rank_local(cls),
     )
 
 

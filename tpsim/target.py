@@ -50,7 +50,7 @@ from tpsim._target_files import module_name_of_path
 from tpsim.conventions import own_module_state, variant_from_class
 from tpsim.errors import InvalidArgument
 from tpsim.presets import LibraryMissing, library_variants, preset_for_class, preset_for_target, presets
-from tpsim.variant import Variant
+from tpsim.variant import KINDS, Variant
 
 __all__ = ["TargetError", "import_target_module", "module_name_of_path", "resolve_target", "resolve_variant"]
 
@@ -217,7 +217,8 @@ def _resolve_uncached(target: str, options: Mapping[str, Any]) -> list[Variant]:
             raise TargetError(f"{target!r} is {library.name}'s layers, checked by its preset; --convention/--kind "
                               "apply to plain classes")
         overrides = {k: options[k] for k in ("input", "output", "input_grad") if options.get(k) is not None}
-        variants = [v.replace(**overrides) if overrides else v for v in library_variants(library)]
+        # Its linear layers (its embedding and cross-entropy belong to the families of tpsim.props.vocab).
+        variants = [v.replace(**overrides) if overrides else v for v in library_variants(library, KINDS)]
         return _finish(target, variants, options)
     if module_part in _DECLARED_IN:
         declared = declared_variants(_import(_DECLARED_IN[module_part]))

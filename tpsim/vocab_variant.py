@@ -79,6 +79,9 @@ class EmbeddingVariant:
     - ``padding_multiple``: Megatron's ``make_vocab_size_divisible_by``, if the layer pads to a
       multiple of it times the tp size: only used to put the shard boundaries among the ids drawn.
     - ``forward(module, ids)``: replaces ``module(ids)``.
+    - ``min_batch_dims``/``max_batch_dims``: how many dims the ids have (default 0 to 2);
+      ``sequence_dim``: an ids dim whose size the tp size must divide (a layer that scatters its
+      output along it, e.g. Megatron's ``reduce_scatter_embeddings``; its ``forward`` gathers it back).
     """
 
     name: str
@@ -87,6 +90,9 @@ class EmbeddingVariant:
     load: bool = False
     padding_multiple: int = 1
     forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
+    min_batch_dims: int = 0
+    max_batch_dims: int = 2
+    sequence_dim: int | None = None
     rank_local: tuple[str, ...] = ()
     description: str = ""
     notes: tuple[str, ...] = ()
@@ -108,6 +114,13 @@ class EmbeddingVariant:
         _multiple(self.padding_multiple, f"EmbeddingVariant {self.name!r}")
         if self.forward is not None and not callable(self.forward):
             raise InvalidArgument(f"EmbeddingVariant {self.name!r}: forward={self.forward!r}; expected a callable")
+        low, high, seq = self.min_batch_dims, self.max_batch_dims, self.sequence_dim
+        if any(isinstance(n, bool) or not isinstance(n, int) for n in (low, high)) or not 0 <= low <= high <= 2:
+            raise InvalidArgument(f"EmbeddingVariant {self.name!r}: min_batch_dims={low!r}, max_batch_dims={high!r}; "
+                                  "expected ints with 0 <= min_batch_dims <= max_batch_dims <= 2")
+        if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < low):
+            raise InvalidArgument(f"EmbeddingVariant {self.name!r}: sequence_dim={seq!r}; expected None or an ids dim "
+                                  f"every case has (0 <= sequence_dim < min_batch_dims={low})")
         object.__setattr__(self, "rank_local", (self.rank_local,) if isinstance(self.rank_local, str)
                            else tuple(self.rank_local))
         object.__setattr__(self, "notes", tuple(self.notes))
@@ -138,7 +151,8 @@ class CrossEntropyVariant:
     the per-token loss ``[...]`` (or the reduced scalar). Cases use only what it accepts: without
     ``label_smoothing`` none, without ``ignore_index`` no ignored targets, without ``vocab_size``
     only vocabularies that divide by the tp size, without ``reduction`` per-token losses, without
-    ``group`` tp groups as large as the world.
+    ``group`` tp groups as large as the world. ``dtypes``: the case dtypes it is checked in (empty:
+    all), e.g. not float64 for one that computes in float32 whatever its input is.
     """
 
     name: str
@@ -146,6 +160,7 @@ class CrossEntropyVariant:
     input: str = "logits"
     accepts: tuple[str, ...] = ("label_smoothing", "ignore_index", "vocab_size", "reduction", "group")
     group_keyword: str = "group"
+    dtypes: tuple[str, ...] = ()
     rank_local: tuple[str, ...] = ()
     description: str = ""
     notes: tuple[str, ...] = ()
@@ -175,6 +190,11 @@ class CrossEntropyVariant:
                 f"{', '.join(self.KEYWORDS)}"
             )
         object.__setattr__(self, "accepts", accepts)
+        dtypes = (self.dtypes,) if isinstance(self.dtypes, str) else tuple(self.dtypes)
+        if not all(isinstance(d, str) for d in dtypes):
+            raise InvalidArgument(f"CrossEntropyVariant {self.name!r}: dtypes={dtypes!r}; expected dtype names "
+                                  "such as 'float32'")
+        object.__setattr__(self, "dtypes", dtypes)
         object.__setattr__(self, "rank_local", (self.rank_local,) if isinstance(self.rank_local, str)
                            else tuple(self.rank_local))
         object.__setattr__(self, "notes", tuple(self.notes))

@@ -38,10 +38,12 @@ from __future__ import annotations
 import atexit
 import copy
 import ctypes
+import io
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import pickle
+import re
 import resource
 import signal
 import sys
@@ -246,6 +248,68 @@ def _run_one(board: Board, memory_note: str, message: tuple[Any, ...]) -> tuple[
 
 _LIBC: list[Any] = []
 
+# Python-level writes of the worker are framed with the writing rank's label, so the caller can
+# file them under that rank (a failure shows what *its* ranks printed); native writes to file
+# descriptor 1 arrive unframed and are the worker process's own. Control characters no layer prints.
+_OPEN, _SEP, _CLOSE = "\x1e", "\x1f", "\x1d"
+_FRAMED = re.compile("\x1e([^\x1f\x1d]*)\x1f(.*?)\x1d", re.S)
+#: The label of output no rank can be named for (native writes, the worker's own prints).
+PROCESS_LABEL = "process"
+
+
+def _writer_label() -> str:
+    """``rank N`` inside a rank thread of the world this worker runs; ``process`` elsewhere."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_initialized():
+            return f"rank {dist.get_rank()}"
+    except Exception:  # noqa: BLE001 - a label is never worth failing a write for
+        pass
+    return PROCESS_LABEL
+
+
+class _RankFramedStdout(io.TextIOBase):
+    """The worker's ``sys.stdout``: every write framed with its rank's label (see :data:`_FRAMED`)."""
+
+    def __init__(self, raw: Any) -> None:
+        super().__init__()
+        self._raw = raw
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        if not isinstance(text, str):
+            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
+        if text:
+            self._raw.write(f"{_OPEN}{_writer_label()}{_SEP}{text}{_CLOSE}")
+        return len(text)
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return "utf-8"
+
+
+def split_labelled(text: str) -> list[tuple[str, str]]:
+    """``(label, text)`` pieces of what a worker wrote, in order (unframed text: ``process``)."""
+    pieces: list[tuple[str, str]] = []
+    pos = 0
+    for match in _FRAMED.finditer(text):
+        if match.start() > pos:
+            pieces.append((PROCESS_LABEL, text[pos:match.start()]))
+        pieces.append((match.group(1), match.group(2)))
+        pos = match.end()
+    rest = text[pos:]
+    if rest:  # a frame cut off by a kill: keep its text, drop the markers
+        pieces.append((PROCESS_LABEL, re.sub("\x1e[^\x1f\x1d]*\x1f|\x1d", "", rest)))
+    return pieces
+
 
 def _flush_stdout() -> None:
     try:
@@ -280,7 +344,7 @@ def _serve(conn: Any, lifeline_end: Any, board_buf: Any, memory_limit: int | Non
         os.close(fd)
     # A forked worker inherits the caller's sys.stdout/stderr objects, which may be a capture of the
     # caller's (pytest's, tpsim check's): writing there would be lost with the worker. Use its own.
-    sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False)  # noqa: SIM115
+    sys.stdout = _RankFramedStdout(open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False))  # noqa: SIM115
     sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", buffering=1, closefd=False)  # noqa: SIM115
     _limit_memory(memory_limit)
     board = Board(board_buf)
@@ -433,7 +497,13 @@ class _Worker:
             return
         if data and sys.stdout is not None:
             self.out_offset += len(data)
-            sys.stdout.write(data.decode("utf-8", errors="replace"))
+            # A capture that files output by rank takes the labels; any other stream gets the text.
+            labelled = getattr(sys.stdout, "write_labelled", None)
+            for label, text in split_labelled(data.decode("utf-8", errors="replace")):
+                if labelled is not None:
+                    labelled(label, text)
+                else:
+                    sys.stdout.write(text)
             sys.stdout.flush()
 
     def kill(self) -> None:

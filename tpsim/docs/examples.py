@@ -99,7 +99,7 @@ def _commands(body: str) -> list[tuple[str, str]]:
 
 def normalise(text: str, *, workspace: str | None = None, root: str | None = None) -> str:
     """What may differ between two runs of the same command, made equal: durations (``3.1s``,
-    ``(0.4s)``, ``12 s``), traceback line numbers, the ``workspace`` and any other temporary directory (``<tmp>``), and the
+    ``(0.4s)``, ``12 s``), traceback line numbers and directories, the ``workspace`` and any other temporary directory (``<tmp>``), and the
     repository ``root`` (``<root>``)."""
     if workspace:
         for path in dict.fromkeys((workspace, os.path.realpath(workspace))):
@@ -110,7 +110,8 @@ def normalise(text: str, *, workspace: str | None = None, root: str | None = Non
     text = re.sub(r" *\b\d+(?:\.\d+)?(?: ?s)\b", " <T>s", text)
     # A traceback's line numbers move with every edit of the file they point into; the frames
     # (file and function) are what a reader follows.
-    text = re.sub(r'(File "[^"]+", line )\d+', r"\1<N>", text)
+    # The directory a frame's file lies in differs between checkouts and Python installations.
+    text = re.sub(r'File "[^"]*?([^"/]+/[^"/]+)", line \d+', r'File ".../\1", line <N>', text)
     return "\n".join(line.rstrip() for line in text.strip("\n").splitlines())
 
 

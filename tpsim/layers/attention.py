@@ -254,7 +254,7 @@ class QKVParallelLinear(nn.Module):
         dtype = check_dtype(dtype, owner)
         self.group = resolve_group(group)
         self.tp_world_size, self.tp_rank = _size_and_rank(self.group, owner)
-        layout = head_layout(self.num_heads, self.num_kv_heads, self.tp_world_size, self.tp_rank, owner)
+        layout = self._layout(owner)
         self.q_head_start, self.q_heads = layout["q_start"], layout["q_heads"]
         self.kv_head_start, self.kv_heads, self.kv_replicas = layout["kv_start"], layout["kv_heads"], layout["kv_replicas"]
         self.hidden = hidden
@@ -276,6 +276,10 @@ class QKVParallelLinear(nn.Module):
         if not _SKIP_INIT.get():
             self.reset_parameters()
 
+    def _layout(self, owner: str) -> dict[str, int]:
+        """Which heads this rank holds: :func:`head_layout`'s (a seam: a subclass may deal them otherwise)."""
+        return head_layout(self.num_heads, self.num_kv_heads, self.tp_world_size, self.tp_rank, owner)
+
     def shard(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a full packed ``[(h + 2g) * d, ...]`` tensor (weight or bias); no communication."""
         d, h, g = self.head_dim, self.num_heads, self.num_kv_heads
@@ -285,8 +289,14 @@ class QKVParallelLinear(nn.Module):
                 f"2*num_kv_heads={g}) * head_dim={d}), got shape {tuple(full.shape)}"
             )
         q, k, v = full.split((h * d, g * d, g * d), dim=0)
-        kv = slice(self.kv_head_start * d, (self.kv_head_start + self.kv_heads) * d)
-        return torch.cat([q[self.q_head_start * d : (self.q_head_start + self.q_heads) * d], k[kv], v[kv]], dim=0)
+        q_rows = q[self.q_head_start * d : (self.q_head_start + self.q_heads) * d]
+        return torch.cat([q_rows, self._kv_rows(k), self._kv_rows(v)], dim=0)
+
+    def _kv_rows(self, part: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the full K (or V) part ``[g * d, ...]``: its key/value heads' (a seam:
+        a subclass may pick other heads)."""
+        d = self.head_dim
+        return part[self.kv_head_start * d : (self.kv_head_start + self.kv_heads) * d]
 
     def _unshard(self, local: torch.Tensor) -> torch.Tensor:
         """Every rank's rows gathered (collective) and put back in the dense ``[Q; K; V]`` order."""
@@ -359,6 +369,8 @@ class ParallelAttention(nn.Module):
 
     #: The keyword options ``from_dense`` passes on to the constructor.
     OPTIONS = ("sequence_parallel",)
+    #: The Q/K/V projection's class (a seam: a subclass may build another).
+    _qkv_class: type[QKVParallelLinear] = QKVParallelLinear
 
     def __init__(
         self,
@@ -388,14 +400,11 @@ class ParallelAttention(nn.Module):
         self.sequence_parallel = bool(sequence_parallel)
         common: dict[str, Any] = {"group": self.group, "sequence_parallel": self.sequence_parallel,
                                   "dtype": dtype, "device": device}
-        self.qkv = self._make_qkv(hidden, self.num_heads, self.num_kv_heads, self.head_dim, bias, common)
+        self.qkv = self._qkv_class(hidden, self.num_heads, self.num_kv_heads, head_dim=self.head_dim, bias=bias,
+                                   **common)
         self.proj = RowParallelLinear(
             self.num_heads * self.head_dim, hidden, bias, input_is_parallel=True, sequence_dim=-2, **common
         )
-
-    def _make_qkv(self, hidden: int, h: int, g: int, d: int, bias: bool, common: dict[str, Any]) -> QKVParallelLinear:
-        """The Q/K/V projection (a seam: a subclass may build another)."""
-        return QKVParallelLinear(hidden, h, g, head_dim=d, bias=bias, **common)
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         _check_attention_input(input_, self.hidden, type(self).__name__)

@@ -36,7 +36,7 @@ check happens before the first collective, on every rank alike, so bad input rai
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,7 @@ from tpsim.layers.mappings import (
 
 __all__ = [
     "REDUCTIONS",
+    "CrossEntropySteps",
     "VocabParallelCrossEntropy",
     "VocabParallelEmbedding",
     "padded_vocab_size",
@@ -247,9 +248,12 @@ class VocabParallelEmbedding(nn.Module):
         # all-reduce adds exactly one non-zero row per id, and row 0 gets no gradient from them.
         outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
         local_ids = (input_ - self.vocab_start_index).masked_fill(outside, 0)
-        partial = F.embedding(local_ids, self.weight)  # [..., D], zeros except this rank's ids
-        partial = partial.masked_fill(outside.unsqueeze(-1), 0.0)
+        partial = self._mask(F.embedding(local_ids, self.weight), outside)  # [..., D], zeros except this rank's ids
         return reduce_from_tensor_parallel_region(partial, self.group)  # [..., D], replicated
+
+    def _mask(self, rows: torch.Tensor, outside: torch.Tensor) -> torch.Tensor:
+        """Zero the rows looked up for the ids another rank owns (a seam: a subclass may change it)."""
+        return rows.masked_fill(outside.unsqueeze(-1), 0.0)
 
     def extra_repr(self) -> str:
         text = (
@@ -271,10 +275,13 @@ def _check_loss_args(
     ignore_index: Any,
     vocab_size: Any,
     reduction: Any,
-    world_size: int,
-    owner: str,
-) -> int:
-    """Every argument of the cross-entropy, before any collective; returns the vocabulary size."""
+    group: Group,
+) -> tuple[Group, int]:
+    """Every argument of the cross-entropy, before any collective; returns the resolved group and
+    the vocabulary size."""
+    owner = "vocab_parallel_cross_entropy"
+    group = resolve_group(group)
+    world_size, _ = _size_and_rank(group, owner)
     if not isinstance(logits, torch.Tensor) or not logits.dtype.is_floating_point:
         got = type(logits).__name__ if not isinstance(logits, torch.Tensor) else f"a tensor of dtype {logits.dtype}"
         raise TypeError(f"{owner}: logits must be a floating-point torch.Tensor (this rank's vocab shard), got {got}")
@@ -306,21 +313,124 @@ def _check_loss_args(
             f"({logits.shape[-1]} columns per rank on {world_size} rank(s))"
         )
     _check_ids(target, vocab_size, owner, "target", ignore_index=ignore_index)
-    return vocab_size
+    return group, vocab_size
 
 
-def _all_reduce(t: torch.Tensor, group: Group, op: Any = None) -> torch.Tensor:
+def _all_reduce_max(t: torch.Tensor, group: Group) -> torch.Tensor:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM if op is None else op, group=group)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Cross-entropy of vocab-sharded logits: two all-reduces forward (MAX, then one SUM of three
-    per-token sums), none backward (the softmax shard is saved).
+class _Forward(NamedTuple):
+    """What :meth:`CrossEntropySteps.forward` computes: the loss and what its closed-form backward needs."""
 
-    Computed in float32 or wider (``promote_types(logits.dtype, float32)``) and returned in the
-    logits' dtype, like a fused loss kernel; the gradient comes back in the logits' dtype.
+    loss: torch.Tensor  # [...], per token, zero where ignored; in the compute dtype
+    softmax: torch.Tensor  # [..., Vp/ws], this rank's columns of the softmax, zero on padding columns
+    local_target: torch.Tensor  # [...], the target's column on this rank (0 where another rank owns it)
+    mine: torch.Tensor  # [...], True where this rank owns the (not ignored) target
+    ignored: torch.Tensor  # [...], True where the target is ignore_index
+    valid: torch.Tensor | None  # [Vp/ws], False on padding columns; None when this rank holds none
+
+
+class CrossEntropySteps:
+    """The forward of :func:`vocab_parallel_cross_entropy`, one method for each step the vocabulary
+    split adds: which ids are classes, the global maximum, the label-smoothing mean.
+
+    :meth:`forward` is written in differentiable torch ops whose cross-rank sums leave through
+    :func:`reduce_from_tensor_parallel_region` (identity backward, Megatron's structure), so it serves
+    twice: :func:`vocab_parallel_cross_entropy` runs it without a graph inside an autograd function
+    whose backward is the closed form (saving only the softmax shard), and calling an instance runs
+    it under autograd. A subclass that overrides one step, called, is the loss with exactly that step
+    changed, its gradient included (tpsim's cross-entropy mutants are such subclasses).
+    """
+
+    def classes(self, vocab_size: int, padded: int) -> int:
+        """The ids in the softmax: the real vocabulary, so the ``padded - vocab_size`` padding columns are none."""
+        return vocab_size
+
+    def global_max(self, local_max: torch.Tensor, group: Group) -> torch.Tensor:
+        """The per-token maximum over the whole vocabulary (for a softmax that cannot overflow): an
+        all-reduce MAX of every rank's ``local_max`` ``[...]`` (-inf on a rank holding only padding)."""
+        return _all_reduce_max(local_max, group)
+
+    def mean_logit(
+        self, sum_logits: torch.Tensor, shifted: torch.Tensor, valid: torch.Tensor | None, vocab: int
+    ) -> torch.Tensor:
+        """The label-smoothing term's mean (shifted) logit over the *whole* vocabulary: the all-reduced
+        ``sum_logits`` over ``vocab`` ids (``shifted``, ``valid``: this rank's columns)."""
+        return sum_logits / vocab
+
+    def forward(
+        self,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        label_smoothing: float,
+        ignore_index: int,
+        vocab_size: int,
+        group: Group,
+    ) -> _Forward:
+        """Two all-reduces: MAX of the per-token maximum, then one SUM of three per-token sums.
+
+        Computed in float32 or wider (``promote_types(logits.dtype, float32)``); arguments checked already.
+        """
+        ws, rank = _size_and_rank(group, "vocab_parallel_cross_entropy")
+        local = logits.shape[-1]
+        start = rank * local
+        vocab = self.classes(vocab_size, ws * local)
+        x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # [..., Vp/ws]
+        # Padding columns (ids >= vocab, on the last rank or ranks) are not classes: out of the softmax.
+        valid = (torch.arange(start, start + local, device=x.device) < vocab) if start + local > vocab else None
+
+        # 1. the global max over the vocabulary
+        masked = x if valid is None else x.masked_fill(~valid, float("-inf"))
+        logits_max = self.global_max(masked.detach().amax(dim=-1), group)  # [...]
+        shifted = x - logits_max.unsqueeze(-1)  # [..., Vp/ws]
+        if valid is not None:
+            # zeroed before exp too: under a maximum of -inf (a rank holding only padding, when a
+            # subclass skips the all-reduce) exp would give inf, and its zero gradient times inf NaN
+            shifted = shifted.masked_fill(~valid, 0.0)
+        exp = shifted.exp()
+        if valid is not None:
+            exp = exp.masked_fill(~valid, 0.0)
+
+        # 2. one SUM all-reduce of three per-token sums: sum exp, the target's logit, sum of logits
+        ignored = target == ignore_index
+        mine = (target >= start) & (target < start + local) & ~ignored
+        local_target = (target - start).masked_fill(~mine, 0)
+        picked = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+        sums = torch.stack([exp.sum(dim=-1), picked, shifted.sum(dim=-1)], dim=-1)  # [..., 3]
+        sum_exp, target_logit, sum_logits = reduce_from_tensor_parallel_region(sums, group).unbind(-1)
+
+        log_z = sum_exp.log()
+        loss = log_z - target_logit  # -log p(target)
+        if label_smoothing > 0.0:
+            # mean over the vocabulary of -log p_j = log Z - mean_j logit_j
+            mean_logit = self.mean_logit(sum_logits, shifted, valid, vocab)
+            loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_z - mean_logit)
+        loss = loss.masked_fill(ignored, 0.0)
+        softmax = exp / sum_exp.unsqueeze(-1)  # [..., Vp/ws], zero on padding columns
+        return _Forward(loss, softmax, local_target, mine, ignored, valid)
+
+    def __call__(self, logits: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0,
+                 ignore_index: int = -100, *, vocab_size: int | None = None, reduction: str = "none",
+                 group: Group = None) -> torch.Tensor:
+        """:func:`vocab_parallel_cross_entropy` (same arguments, checks and loss) through these steps,
+        differentiated by autograd: the gradient is that of the steps as written."""
+        group, vocab = _check_loss_args(logits, target, label_smoothing, ignore_index, vocab_size, reduction, group)
+        out = self.forward(logits, target, float(label_smoothing), ignore_index, vocab, group)
+        return _reduce(out.loss.to(logits.dtype), target, ignore_index, reduction)
+
+
+#: The correct steps, which the loss function runs.
+_STEPS = CrossEntropySteps()
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy of vocab-sharded logits: :class:`CrossEntropySteps` forward (two all-reduces),
+    none backward (the softmax shard is saved).
+
+    Returned in the logits' dtype, like a fused loss kernel; the gradient comes back in the logits' dtype.
     """
 
     @staticmethod
@@ -333,44 +443,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         vocab_size: int,
         group: Group,
     ) -> torch.Tensor:
-        ws, rank = _size_and_rank(group, "vocab_parallel_cross_entropy")
-        local = logits.shape[-1]
-        start = rank * local
-        x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # [..., V/ws]
-        # Padding columns (ids >= vocab_size, on the last rank or ranks) are not classes: out of the softmax.
-        valid = (torch.arange(start, start + local, device=x.device) < vocab_size) if start + local > vocab_size else None
-
-        # 1. the global max over the vocabulary, for a softmax that cannot overflow
-        masked = x if valid is None else x.masked_fill(~valid, float("-inf"))
-        logits_max = masked.amax(dim=-1)  # [...], -inf on a rank holding only padding
-        _all_reduce(logits_max, group, dist.ReduceOp.MAX)
-        shifted = x - logits_max.unsqueeze(-1)  # [..., V/ws]
-        exp = shifted.exp()
-        if valid is not None:
-            exp = exp.masked_fill(~valid, 0.0)
-            shifted = shifted.masked_fill(~valid, 0.0)
-
-        # 2. one SUM all-reduce of three per-token sums: sum exp, the target's logit, sum of logits
-        ignored = target == ignore_index
-        mine = (target >= start) & (target < start + local) & ~ignored
-        local_target = (target - start).masked_fill(~mine, 0)
-        picked = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
-        sums = torch.stack([exp.sum(dim=-1), picked, shifted.sum(dim=-1)], dim=-1)  # [..., 3]
-        _all_reduce(sums, group)
-        sum_exp, target_logit, sum_logits = sums.unbind(-1)
-
-        log_z = sum_exp.log()
-        loss = log_z - target_logit  # -log p(target)
-        if label_smoothing > 0.0:
-            # mean over the whole vocabulary of -log p_j = log Z - mean_j logit_j
-            loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_z - sum_logits / vocab_size)
-        loss = loss.masked_fill(ignored, 0.0)
-
-        softmax = exp / sum_exp.unsqueeze(-1)  # [..., V/ws], zero on padding columns
-        ctx.save_for_backward(softmax, local_target, mine, ignored, valid if valid is not None else softmax.new_empty(0))
-        ctx.label_smoothing, ctx.vocab_size, ctx.has_padding = label_smoothing, vocab_size, valid is not None
+        out = _STEPS.forward(logits, target, label_smoothing, ignore_index, vocab_size, group)
+        valid = out.valid if out.valid is not None else out.softmax.new_empty(0)
+        ctx.save_for_backward(out.softmax, out.local_target, out.mine, out.ignored, valid)
+        ctx.label_smoothing, ctx.vocab_size, ctx.has_padding = label_smoothing, vocab_size, out.valid is not None
         ctx.logits_dtype = logits.dtype
-        return loss.to(logits.dtype)
+        return out.loss.to(logits.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -426,11 +504,7 @@ def vocab_parallel_cross_entropy(
     one all-reduce SUM. Backward: no collective; the logits' gradient is this rank's shard of the
     dense one. See the module docstring for label smoothing.
     """
-    group = resolve_group(group)
-    ws, _ = _size_and_rank(group, "vocab_parallel_cross_entropy")
-    vocab = _check_loss_args(
-        logits, target, label_smoothing, ignore_index, vocab_size, reduction, ws, "vocab_parallel_cross_entropy"
-    )
+    group, vocab = _check_loss_args(logits, target, label_smoothing, ignore_index, vocab_size, reduction, group)
     loss = _VocabParallelCrossEntropy.apply(logits, target, float(label_smoothing), ignore_index, vocab, group)
     return _reduce(loss, target, ignore_index, reduction)
 

@@ -22,13 +22,11 @@ __all__ = ["ATTENTION_MUTANTS", "AttentionKVHeadsRoundRobin", "AttentionKVNotRep
 class _QKVRoundRobinKV(QKVParallelLinear):
     """Q heads in contiguous blocks (rank r: heads r*h/ws ...), K/V heads dealt round-robin (head j on rank j % ws)."""
 
-    def shard(self, full: torch.Tensor) -> torch.Tensor:
-        d, h, g, ws, r = self.head_dim, self.num_heads, self.num_kv_heads, self.tp_world_size, self.tp_rank
-        q, k, v = full.split((h * d, g * d, g * d), dim=0)
-        heads = [j for j in range(g) if j % ws == r] if g >= ws else [self.kv_head_start]
-        rows = torch.cat([torch.arange(j * d, (j + 1) * d) for j in heads])
-        q_rows = q[self.q_head_start * d : (self.q_head_start + self.q_heads) * d]
-        return torch.cat([q_rows, k.index_select(0, rows), v.index_select(0, rows)], dim=0)
+    def _kv_rows(self, part: torch.Tensor) -> torch.Tensor:
+        d, g, ws, r = self.head_dim, self.num_kv_heads, self.tp_world_size, self.tp_rank
+        if g < ws:
+            return super()._kv_rows(part)
+        return torch.cat([part[j * d : (j + 1) * d] for j in range(r, g, ws)])  # heads r, r + ws, ...: strided
 
 
 class AttentionKVHeadsRoundRobin(ParallelAttention):
@@ -38,22 +36,17 @@ class AttentionKVHeadsRoundRobin(ParallelAttention):
     heads (the packed-QKV layout class of bug; vllm #3775 is its packed gate/up instance). Shows
     with at least two key/value heads per rank. Diagnosis: ``qkv-head-mismatch``."""
 
-    def _make_qkv(self, hidden: int, h: int, g: int, d: int, bias: bool, common: dict[str, Any]) -> QKVParallelLinear:
-        return _QKVRoundRobinKV(hidden, h, g, head_dim=d, bias=bias, **common)
+    _qkv_class = _QKVRoundRobinKV
 
 
 class _QKVKVModulo(QKVParallelLinear):
     """With fewer K/V heads than ranks, rank r keeps K/V head ``r % g`` instead of ``r // (ws/g)``."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if self.kv_replicas > 1:
-            self.kv_head_start = self.tp_rank % self.num_kv_heads
-
-    def shard(self, full: torch.Tensor) -> torch.Tensor:
-        if self.kv_replicas > 1:
-            self.kv_head_start = self.tp_rank % self.num_kv_heads
-        return super().shard(full)
+    def _layout(self, owner: str) -> dict[str, int]:
+        layout = super()._layout(owner)
+        if layout["kv_replicas"] > 1:
+            layout["kv_start"] = self.tp_rank % self.num_kv_heads  # dealt out like shards, not replicated
+        return layout
 
 
 class AttentionKVNotReplicated(ParallelAttention):
@@ -66,8 +59,7 @@ class AttentionKVNotReplicated(ParallelAttention):
     ``num_kv_heads=2, ws=4`` ranks 1 and 2 attend with the wrong key/value head. Diagnosis:
     ``kv-heads-not-replicated``."""
 
-    def _make_qkv(self, hidden: int, h: int, g: int, d: int, bias: bool, common: dict[str, Any]) -> QKVParallelLinear:
-        return _QKVKVModulo(hidden, h, g, head_dim=d, bias=bias, **common)
+    _qkv_class = _QKVKVModulo
 
 
 class AttentionLocalHeadDimScale(ParallelAttention):

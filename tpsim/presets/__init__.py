@@ -6,16 +6,22 @@ uses the preset of the library class it subclasses) or by a module target that n
 the small :class:`Preset` interface, listed in :data:`PRESETS`; a new library is one new file and
 one line here. Nothing imports a library until a target needs it.
 
-- :mod:`tpsim.presets.megatron`: Megatron-core's Column/RowParallelLinear;
+A preset's variants belong to the family of their kind: Column/RowParallelLinear to the linear
+family, a vocab-parallel embedding and cross-entropy to those of :mod:`tpsim.props.vocab`, each of
+which asks :func:`library_variants` for its own kinds.
+
+- :mod:`tpsim.presets.megatron`: Megatron-core's Column/RowParallelLinear, VocabParallelEmbedding and
+  vocab_parallel_cross_entropy (:mod:`tpsim.presets.megatron_vocab`);
 - :mod:`tpsim.presets.fairscale`: fairscale's Column/RowParallelLinear.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Collection
+from typing import Any
 
 from tpsim.presets._base import LibraryMissing, Preset
-from tpsim.variant import Variant
 
 __all__ = ["PRESETS", "LibraryMissing", "Preset", "library_variants", "preset_for_class", "preset_for_target", "presets"]
 
@@ -33,18 +39,21 @@ def preset_for_target(module: str) -> Preset | None:
     return next((p for p in presets() if module in p.targets), None)
 
 
-def preset_for_class(cls: type) -> tuple[Preset, str] | None:
-    """``(preset, kind)`` when ``cls`` is, or derives from, a layer class a preset adapts (the
-    nearest such base in its MRO decides), else None. Reads class paths only: imports nothing."""
+def preset_for_class(obj: Any) -> tuple[Preset, str] | None:
+    """``(preset, kind)`` when ``obj`` is, or derives from, a class a preset adapts (the nearest such
+    base in its MRO decides), or is a function a preset adapts; else None. Reads paths only:
+    imports nothing."""
     known = {path: (p, kind) for p in presets() for path, kind in p.classes.items()}
-    for base in getattr(cls, "__mro__", ()):
-        hit = known.get(f"{base.__module__}.{base.__qualname__}")
+    for base in getattr(obj, "__mro__", None) or (obj,):
+        hit = known.get(f"{getattr(base, '__module__', '')}.{getattr(base, '__qualname__', '')}")
         if hit is not None:
             return hit
     return None
 
 
-def library_variants(preset: Preset) -> list[Variant]:
-    """The variants of the library's own layer classes (what a module target checks)."""
-    classes = preset.load()
-    return [v for path, cls in classes.items() for v in preset.variants(cls, preset.classes[path])]
+def library_variants(preset: Preset, kinds: Collection[str] | None = None) -> list[Any]:
+    """The variants of the library's own layers (what a module target checks), of ``kinds`` only
+    when given (each family asks for its own)."""
+    checked = preset.load()
+    return [v for path, obj in checked.items() if kinds is None or preset.classes[path] in kinds
+            for v in preset.variants(obj, preset.classes[path])]

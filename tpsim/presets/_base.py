@@ -19,7 +19,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from tpsim.errors import InvalidArgument
-from tpsim.variant import Variant
 
 __all__ = ["LibraryMissing", "Preset", "option_name", "quiet_import", "route_rank_warnings"]
 
@@ -33,19 +32,21 @@ class Preset(Protocol):
     requirement: str
     #: Module targets that mean "the library's layers" (``tpsim check megatron.core.tensor_parallel``).
     targets: tuple[str, ...]
-    #: The layer classes it adapts, by ``module.QualName``, and their kind (``column``/``row``).
+    #: The classes it adapts (their subclasses too) and functions, by ``module.QualName``, and their
+    #: kind (``column``/``row``, ``embedding``, ``cross-entropy``: the kind picks the family of checks).
     classes: Mapping[str, str]
     #: Modules whose globals are per process in a real job (made rank-local on inproc).
     rank_local: tuple[str, ...]
 
-    def load(self) -> dict[str, type]:
-        """Import the library (quietly) and return its layer classes by ``module.QualName``;
-        :class:`LibraryMissing` when it is not installed."""
+    def load(self) -> dict[str, Any]:
+        """Import the library (quietly) and return what a module target checks (its layer classes
+        and functions, keys of :attr:`classes`) by ``module.QualName``; :class:`LibraryMissing` when
+        it is not installed."""
         ...
 
-    def variants(self, cls: type, kind: str) -> list[Variant]:
-        """Every option combination of ``cls`` (a library class of ``kind`` or a subclass of one)
-        that runs here, as variants."""
+    def variants(self, cls: Any, kind: str) -> list[Any]:
+        """Every option combination of ``cls`` (a library class or function of ``kind``, or a
+        subclass of such a class) that runs here, as variants of the family of ``kind``."""
         ...
 
 

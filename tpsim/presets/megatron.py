@@ -46,8 +46,9 @@ from tpsim.conventions import add_returned_bias, own_module_state
 from tpsim.placement import Replicate, Shard
 from tpsim.presets._base import LibraryMissing, option_name, quiet_import, route_rank_warnings
 from tpsim.variant import ParamSpec, Variant
+from tpsim.vocab_variant import CROSS_ENTROPY_KIND, EMBEDDING_KIND, CrossEntropyVariant, EmbeddingVariant
 
-__all__ = ["PRESET", "MegatronPreset", "cpu_shim_installed"]
+__all__ = ["PRESET", "MegatronPreset", "cpu_shim_installed", "megatron_label_smoothing"]
 
 _LAYERS = "megatron.core.tensor_parallel.layers"
 _COLUMN = f"{_LAYERS}.ColumnParallelLinear"
@@ -59,6 +60,11 @@ SHIMMED_MODULES = (
     "megatron.core.tensor_parallel.utils",
     "megatron.core.utils",  # GlobalMemoryBuffer.get_tensor: the sequence-parallel all-gather buffer
 )
+_EMBEDDING = f"{_LAYERS}.VocabParallelEmbedding"
+_CROSS_ENTROPY_MODULE = "megatron.core.tensor_parallel.cross_entropy"
+_CROSS_ENTROPY = f"{_CROSS_ENTROPY_MODULE}.vocab_parallel_cross_entropy"
+#: The autograd function ``vocab_parallel_cross_entropy`` applies: a patch subclasses it.
+_CROSS_ENTROPY_FUNCTION = f"{_CROSS_ENTROPY_MODULE}._VocabParallelCrossEntropy"
 _PARALLEL_STATE = "megatron.core.parallel_state"
 #: Megatron's default ``init_method_std``; the layer's own init is overwritten with the master anyway.
 _INIT_STD = 0.02
@@ -85,6 +91,25 @@ _ROW_OPTIONS = [
 ]
 _COLUMN_DEFAULTS = dict(gather_output=False, skip_bias_add=False, sequence_parallel=False, disable_grad_reduce=False)
 _ROW_DEFAULTS = dict(input_is_parallel=True, skip_bias_add=False, sequence_parallel=False)
+#: Embedding options: the forward's (reduce_scatter_embeddings, a constructor argument, and the config's
+#: deterministic_mode: indexing instead of F.embedding) in every combination; the config's init flags,
+#: read by the constructor only, with the default forward. use_cpu_initialization=False draws the
+#: weight on the GPU (through the CPU shim here); with perform_initialization=True it also needs
+#: Megatron's CUDA RNG tracker, so it is left out.
+_EMBEDDING_DEFAULTS = dict(reduce_scatter_embeddings=False, deterministic_mode=False, use_cpu_initialization=True,
+                           perform_initialization=True)
+_EMBEDDING_OPTIONS = [
+    dict(_EMBEDDING_DEFAULTS, **changed)
+    for changed in (
+        *(dict(reduce_scatter_embeddings=r, deterministic_mode=d) for r in (False, True) for d in (False, True)),
+        dict(perform_initialization=False),
+        dict(use_cpu_initialization=False, perform_initialization=False),
+    )
+]
+#: Embedding options that are constructor arguments (the others are config fields).
+_EMBEDDING_LAYER_OPTIONS = ("reduce_scatter_embeddings",)
+#: vocab_parallel_cross_entropy computes in float32 (``.float()``) whatever the logits' dtype.
+_CROSS_ENTROPY_DTYPES = ("float32", "bfloat16", "float16")
 
 
 # --- the CPU shim ---------------------------------------------------------------------------------
@@ -129,7 +154,7 @@ def cpu_shim_installed() -> bool:
 # --- per rank ---------------------------------------------------------------------------------------
 
 
-def _init_parallel_state(group: Any) -> None:
+def init_parallel_state(group: Any) -> None:
     """The parallel state Megatron's layers read, for this rank: its tp group and a fresh buffer."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -140,101 +165,221 @@ def _init_parallel_state(group: Any) -> None:
     ps._set_global_memory_buffer()
 
 
-def _config(tp_size: int, sequence_parallel: bool, dtype: torch.dtype) -> Any:
+def megatron_config(tp_size: int, dtype: torch.dtype, **options: Any) -> Any:
+    """The ``ModelParallelConfig`` of one build (see the module docstring); ``options`` are config
+    fields a variant sets (``sequence_parallel``, ``deterministic_mode``, the init flags)."""
     from megatron.core.model_parallel_config import ModelParallelConfig
 
-    return ModelParallelConfig(
-        tensor_model_parallel_size=tp_size,
-        sequence_parallel=sequence_parallel,
-        use_cpu_initialization=True,
-        perform_initialization=True,
-        gradient_accumulation_fusion=False,
-        params_dtype=dtype,
-    )
+    fields: dict[str, Any] = dict(use_cpu_initialization=True, perform_initialization=True)
+    fields.update(options)
+    return ModelParallelConfig(tensor_model_parallel_size=tp_size, gradient_accumulation_fusion=False,
+                               params_dtype=dtype, **fields)
+
+
+def init_method() -> Any:
+    """Megatron's default init (normal, std ``init_method_std``); overwritten with the master anyway."""
+    return functools.partial(torch.nn.init.normal_, mean=0.0, std=_INIT_STD)
 
 
 def _builder(cls: type, options: dict[str, Any]):
     sequence_parallel = options["sequence_parallel"]
 
     def build(in_features, out_features, bias, *, group, rank, world_size, master_weight, master_bias, dtype):
-        _init_parallel_state(group)
-        init = functools.partial(torch.nn.init.normal_, mean=0.0, std=_INIT_STD)
-        config = _config(world_size, sequence_parallel, dtype)
+        init_parallel_state(group)
+        config = megatron_config(world_size, dtype, sequence_parallel=sequence_parallel)
         layer_options = {k: v for k, v in options.items() if k != "sequence_parallel"}
-        return cls(in_features, out_features, config=config, init_method=init, bias=bias, tp_group=group,
+        return cls(in_features, out_features, config=config, init_method=init_method(), bias=bias, tp_group=group,
                    **layer_options)
 
     return build
 
 
 class MegatronPreset:
-    """Megatron-core's ``ColumnParallelLinear`` and ``RowParallelLinear`` (see the module docstring)."""
+    """Megatron-core's ``ColumnParallelLinear``, ``RowParallelLinear``, ``VocabParallelEmbedding`` and
+    ``vocab_parallel_cross_entropy`` (see the module docstring)."""
 
     name = "megatron-core"
     requirement = "megatron-core==0.16.1"
     targets = ("megatron.core.tensor_parallel", _LAYERS)
-    classes = {_COLUMN: "column", _ROW: "row"}
+    classes = {_COLUMN: "column", _ROW: "row", _EMBEDDING: EMBEDDING_KIND, _CROSS_ENTROPY: CROSS_ENTROPY_KIND,
+               _CROSS_ENTROPY_FUNCTION: CROSS_ENTROPY_KIND}
     rank_local = (_PARALLEL_STATE,)
 
-    def load(self) -> dict[str, type]:
+    def load(self) -> dict[str, Any]:
         layers = quiet_import(self, _LAYERS)
+        cross_entropy = quiet_import(self, _CROSS_ENTROPY_MODULE)
         quiet_import(self, _PARALLEL_STATE)
         import sys
 
         _install_cpu_shim([sys.modules[m] for m in SHIMMED_MODULES if m in sys.modules])
         route_rank_warnings()
         try:
-            return {_COLUMN: layers.ColumnParallelLinear, _ROW: layers.RowParallelLinear}
+            # What `tpsim check megatron.core.tensor_parallel` checks: the public function, not the
+            # autograd function it applies (whose subclasses get the preset all the same).
+            return {_COLUMN: layers.ColumnParallelLinear, _ROW: layers.RowParallelLinear,
+                    _EMBEDDING: layers.VocabParallelEmbedding, _CROSS_ENTROPY: cross_entropy.vocab_parallel_cross_entropy}
         except AttributeError as err:  # a release that renamed them
             raise LibraryMissing(self, err) from err
 
-    def variants(self, cls: type, kind: str) -> list[Variant]:
+    def variants(self, cls: Any, kind: str) -> list[Any]:
         self.load()
         # A subclass's own module too (a patch file may keep state of its own).
         own = () if cls.__module__.startswith("megatron.") else own_module_state(cls.__module__)
         rank_local = (*self.rank_local, *own)
-        out = []
-        if kind == "column":
-            for opts in _COLUMN_OPTIONS:
-                sp = opts["sequence_parallel"]
-                out.append(Variant(
-                    name=option_name(cls, list(opts.items()), _COLUMN_DEFAULTS),
-                    kind="column",
-                    build=_builder(cls, opts),
-                    forward=add_returned_bias,
-                    input="sequence-sharded" if sp else "replicated",
-                    output="gathered" if opts["gather_output"] else "sharded",
-                    # disable_grad_reduce: the replicated input's grad is left to the caller (LoRA adapters fuse it).
-                    input_grad="partial" if opts["disable_grad_reduce"] else "complete",
-                    params=(ParamSpec("weight", "weight", Shard(0)), ParamSpec("bias", "bias", Shard(0))),
-                    description=f"{cls.__module__}.{cls.__qualname__} (Megatron-core preset)",
-                    min_batch_dims=1,
-                    max_batch_dims=2,
-                    sequence_dim=0,
-                    min_tp_size=2 if sp else 1,
-                    rank_local=rank_local,
-                ))
-        else:
-            for opts in _ROW_OPTIONS:
-                sp = opts["sequence_parallel"]
-                out.append(Variant(
-                    name=option_name(cls, list(opts.items()), _ROW_DEFAULTS),
-                    kind="row",
-                    build=_builder(cls, opts),
-                    forward=add_returned_bias,
-                    input="sharded" if opts["input_is_parallel"] else "replicated",
-                    output="sequence-sharded" if sp else "reduced",
-                    # Under sequence parallelism the bias grad is a summand the trainer sums; the layer
-                    # marks it bias.sequence_parallel = True, which tpsim reads as trainer-reduced.
-                    params=(ParamSpec("weight", "weight", Shard(1)), ParamSpec("bias", "bias", Replicate())),
-                    description=f"{cls.__module__}.{cls.__qualname__} (Megatron-core preset)",
-                    min_batch_dims=1,
-                    max_batch_dims=2,
-                    sequence_dim=0,
-                    min_tp_size=2 if sp else 1,
-                    rank_local=rank_local,
-                ))
-        return out
+        description = f"{cls.__module__}.{cls.__qualname__} (Megatron-core preset)"
+        if kind == EMBEDDING_KIND:
+            return _embedding_variants(cls, rank_local, description)
+        if kind == CROSS_ENTROPY_KIND:
+            return _cross_entropy_variants(cls, rank_local, description)
+        return _linear_variants(cls, kind, rank_local, description)
+
+
+def _linear_variants(cls: type, kind: str, rank_local: tuple[str, ...], description: str) -> list[Variant]:
+    out = []
+    if kind == "column":
+        for opts in _COLUMN_OPTIONS:
+            sp = opts["sequence_parallel"]
+            out.append(Variant(
+                name=option_name(cls, list(opts.items()), _COLUMN_DEFAULTS),
+                kind="column",
+                build=_builder(cls, opts),
+                forward=add_returned_bias,
+                input="sequence-sharded" if sp else "replicated",
+                output="gathered" if opts["gather_output"] else "sharded",
+                # disable_grad_reduce: the replicated input's grad is left to the caller (LoRA adapters fuse it).
+                input_grad="partial" if opts["disable_grad_reduce"] else "complete",
+                params=(ParamSpec("weight", "weight", Shard(0)), ParamSpec("bias", "bias", Shard(0))),
+                description=description,
+                min_batch_dims=1,
+                max_batch_dims=2,
+                sequence_dim=0,
+                min_tp_size=2 if sp else 1,
+                rank_local=rank_local,
+            ))
+    else:
+        for opts in _ROW_OPTIONS:
+            sp = opts["sequence_parallel"]
+            out.append(Variant(
+                name=option_name(cls, list(opts.items()), _ROW_DEFAULTS),
+                kind="row",
+                build=_builder(cls, opts),
+                forward=add_returned_bias,
+                input="sharded" if opts["input_is_parallel"] else "replicated",
+                output="sequence-sharded" if sp else "reduced",
+                # Under sequence parallelism the bias grad is a summand the trainer sums; the layer
+                # marks it bias.sequence_parallel = True, which tpsim reads as trainer-reduced.
+                params=(ParamSpec("weight", "weight", Shard(1)), ParamSpec("bias", "bias", Replicate())),
+                description=description,
+                min_batch_dims=1,
+                max_batch_dims=2,
+                sequence_dim=0,
+                min_tp_size=2 if sp else 1,
+                rank_local=rank_local,
+            ))
+    return out
+
+
+# --- the vocab-parallel embedding -------------------------------------------------------------------
+
+
+def _embedding_builder(cls: type, options: dict[str, Any]):
+    layer_options = {k: v for k, v in options.items() if k in _EMBEDDING_LAYER_OPTIONS}
+    config_options = {k: v for k, v in options.items() if k not in _EMBEDDING_LAYER_OPTIONS}
+
+    def build(num_embeddings: int, embedding_dim: int, *, group: Any, dtype: torch.dtype, weight: torch.Tensor) -> Any:
+        import torch.distributed as dist
+
+        init_parallel_state(group)
+        config = megatron_config(dist.get_world_size(group), dtype, **config_options)
+        return cls(num_embeddings, embedding_dim, init_method=init_method(), config=config, tp_group=group,
+                   **layer_options)
+
+    return build
+
+
+def _gathered_sequence(module: Any, ids: torch.Tensor) -> torch.Tensor:
+    """The embedding under ``reduce_scatter_embeddings``, as the replicated lookup of ``ids [b, s]``.
+
+    The layer returns this rank's slice of the sequence, sequence first: ``[s/tp, b, h]``. It is
+    all-gathered in rank order (so each rank's slice must be the right one) and put back as
+    ``[b, s, h]``; the gather's backward hands each rank its slice of the (replicated) upstream grad,
+    which the layer's reduce-scatter backward all-gathers again."""
+    from tpsim.layers import gather_from_tensor_parallel_region
+
+    out = module(ids)  # [s/tp, b, h]
+    full = gather_from_tensor_parallel_region(out.permute(1, 2, 0), module.tp_group)  # [b, h, s]
+    return full.permute(0, 2, 1)
+
+
+def _embedding_variants(cls: type, rank_local: tuple[str, ...], description: str) -> list[EmbeddingVariant]:
+    out = []
+    for opts in _EMBEDDING_OPTIONS:
+        name = option_name(cls, list(opts.items()), _EMBEDDING_DEFAULTS)
+        scatters = opts["reduce_scatter_embeddings"]
+        out.append(EmbeddingVariant(
+            name=name,
+            build=_embedding_builder(cls, opts),
+            load=True,  # its own init is overwritten with this rank's rows of the master table
+            forward=_gathered_sequence if scatters else None,
+            description=description,
+            # reduce_scatter_embeddings transposes [b, s] ids to a sequence-first output and scatters the
+            # sequence: ids of two dims whose second divides by the tp size.
+            min_batch_dims=2 if scatters else 0,
+            max_batch_dims=2,
+            sequence_dim=1 if scatters else None,
+            notes=(f"{name} declares ids [b, s] with s divisible by the tp size only (its output is the "
+                   "sequence-first [s/tp, b, h], gathered back to compare)",) if scatters else (),
+            rank_local=rank_local,
+        ))
+    return out
+
+
+# --- the vocab-parallel cross-entropy -----------------------------------------------------------------
+
+
+def megatron_label_smoothing(label_smoothing: float, vocab_size: int) -> float:
+    """Megatron's ``label_smoothing`` for ``F.cross_entropy``'s ``label_smoothing`` over ``vocab_size`` ids.
+
+    ``F.cross_entropy`` gives the target ``1 - eps + eps/V`` and every other id ``eps/V``; Megatron
+    gives the target ``1 - s`` and every other id ``s/(V-1)`` (its docstring: the mass goes to the
+    ``V - 1`` ids that are not the target). They are the same distribution when ``s = eps (V-1)/V``
+    (docs/presets.md has the derivation); ``s < 1`` for every ``eps`` in [0, 1], as Megatron requires."""
+    return label_smoothing * (vocab_size - 1) / vocab_size
+
+
+def _cross_entropy_fn(apply: Any):
+    """``apply(logits, target, megatron_label_smoothing)`` as a tpsim cross-entropy: this rank's parallel
+    state set first (Megatron reads the tp group from it), the loss in the logits' dtype."""
+
+    def fn(logits: torch.Tensor, target: torch.Tensor, *, group: Any, label_smoothing: float = 0.0) -> torch.Tensor:
+        import torch.distributed as dist
+
+        init_parallel_state(group)
+        vocab_size = logits.shape[-1] * dist.get_world_size(group)  # equal shards: vocabularies that divide
+        loss = apply(logits, target, megatron_label_smoothing(label_smoothing, vocab_size))
+        # Megatron computes the loss in float32 whatever the logits' dtype and returns it so; compared in
+        # the logits' dtype (one rounding, within that dtype's bound).
+        return loss.to(logits.dtype)
+
+    return fn
+
+
+def _cross_entropy_variants(obj: Any, rank_local: tuple[str, ...], description: str) -> list[CrossEntropyVariant]:
+    # The library's function, or a subclass of the autograd function it applies (a patch).
+    apply = obj.apply if isinstance(obj, type) else obj
+    name = obj.__qualname__
+    return [
+        CrossEntropyVariant(
+            name=name if smoothing else f"{name}(label_smoothing=0)",
+            fn=_cross_entropy_fn(apply),
+            accepts=("label_smoothing", "group") if smoothing else ("group",),
+            dtypes=_CROSS_ENTROPY_DTYPES,
+            description=description,
+            notes=() if smoothing else (f"label smoothing is checked by the variant {name}",),
+            rank_local=rank_local,
+        )
+        for smoothing in (False, True)
+    ]
 
 
 PRESET = MegatronPreset()

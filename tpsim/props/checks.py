@@ -36,7 +36,6 @@ grads equals the dense grad, and the replicas agree after that sum.
 from __future__ import annotations
 
 import collections
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,7 +48,6 @@ from tpsim.diagnosis import (
     BIAS_MISSING,
     DIVISIBILITY_UNCHECKED,
     DOUBLE_REDUCTION,
-    EXCEPTION,
     GRAD_MISSING,
     GRAD_NOT_REDUCED,
     GRAD_SCALED,
@@ -57,8 +55,6 @@ from tpsim.diagnosis import (
     OUTPUT_DETACHED,
     PACKED_SHARD_LAYOUT,
     PRECISION_LOSS,
-    RANK_CRASHED,
-    RANK_EXITED,
     REPLICA_DIVERGENCE,
     SHAPE_ERROR,
     WRONG_DTYPE,
@@ -71,23 +67,32 @@ from tpsim.diagnosis import (
     mismatch,
     recogniser,
 )
-from tpsim.errors import CollectiveError, InvalidArgument, RankCrashed, RankDied, RankError
+from tpsim.errors import InvalidArgument, RankDied
 from tpsim.patterns import bias_multiple, block_mapping, close, rank_summands, regathered_dim, scale_factor
 from tpsim.placement import Replicate, Shard, assemble, shard_tensor
 from tpsim.props.case import Case
 from tpsim.props.groups import column_grad_summands, column_output_shards, tp_groups, wrong_group
 from tpsim.props.groups import row_summands as group_row_summands
+from tpsim.props.names import (
+    BIAS_GRAD,
+    DIVISIBILITY,
+    FORWARD,
+    INPUT_GRAD,
+    PROPERTIES,
+    REPLICA,
+    TRAINING,
+    WEIGHT_GRAD,
+)
+from tpsim.props.raised import death_failure, refusal_failure, run_failure
+from tpsim.props.results import DETACHED, OUTPUT_SHAPE
 from tpsim.props.tolerance import tolerance
 from tpsim.props.world import (
     ACCEPTED,
-    DETACHED,
     LR,
-    OUTPUT_SHAPE,
     TRAIN_STEPS,
     Observation,
     RankResult,
     Reference,
-    VariantRaised,
     non_divisible_sizes,
     observe,
     reference,
@@ -109,16 +114,6 @@ __all__ = [
     "weight_grad_equivalence",
 ]
 
-FORWARD = "forward-equivalence"
-INPUT_GRAD = "input-grad-equivalence"
-WEIGHT_GRAD = "weight-grad-equivalence"
-BIAS_GRAD = "bias-grad-equivalence"
-REPLICA = "replica-consistency"
-TRAINING = "training-equivalence"
-DIVISIBILITY = "divisibility"
-
-#: Every property name, in the order they are evaluated and reported.
-PROPERTIES = (FORWARD, INPUT_GRAD, WEIGHT_GRAD, BIAS_GRAD, REPLICA, TRAINING, DIVISIBILITY)
 
 
 class PropertyFailed(AssertionError):
@@ -895,54 +890,6 @@ def _training(ctx: _Ctx) -> Failure | None:
 
 # --- whole-run outcomes --------------------------------------------------------------------------
 
-@recogniser(RANK_EXITED, RANK_CRASHED)
-def _death_failure(variant: Variant, obs: Observation) -> Failure | None:
-    """A rank that ended its process or crashed (:class:`tpsim.RankDied`): its rank, phase and cause."""
-    err = obs.error
-    if not isinstance(err, RankDied):
-        return None
-    step = err.step or 0
-    if not obs.divisible:
-        prop = DIVISIBILITY
-    else:
-        prop = TRAINING if step > 0 else {"backward": INPUT_GRAD, "step": TRAINING}.get(err.phase or "", FORWARD)
-    diag = RANK_CRASHED if isinstance(err, RankCrashed) else RANK_EXITED
-    return Failure(prop, diag, err.summary.splitlines()[0], case=obs.case, rank=err.rank,
-                   traceback=err.remote_traceback.rstrip() or None, variant=variant.name,
-                   details={"phase": err.phase, "step": err.step, "cause": err.cause, "exitcode": err.exitcode,
-                            "signal": err.signal})
-
-
-@recogniser(EXCEPTION)
-def _exception_failure(variant: Variant, obs: Observation) -> Failure:
-    """``exception``: the first rank whose own code raised (a rank stuck in a collective only when no
-    rank raised), with the phase and step its :class:`VariantRaised` carries as fields."""
-    errors = obs.rank_errors()
-    primary = {r: e for r, e in errors.items() if not isinstance(e, CollectiveError)}
-    pool = primary or errors
-    rank = min(pool)
-    err = pool[rank]
-    phase: str | None = None
-    step = 0
-    if isinstance(err, VariantRaised):
-        phase, step, summary, tb = err.phase, err.step, err.summary, err.traceback_text
-    elif isinstance(err, RankError):
-        summary, tb = err.summary.splitlines()[0] if err.summary else type(err).__name__, err.remote_traceback
-    else:
-        summary, tb = f"{type(err).__name__}: {err}".splitlines()[0], ""
-    if isinstance(err, CollectiveError) and not primary:
-        summary = f"{err.collective or 'a collective'} #{err.call_index} could not complete: {err.summary.splitlines()[0]}"
-    prop = {"build": FORWARD, "forward": FORWARD, "backward": INPUT_GRAD}.get(phase or "", FORWARD)
-    if step > 0:
-        prop = TRAINING
-    where = "the run" if phase is None else phase if phase == "build" else f"{phase} (step {step})"
-    others = sorted(r for r in primary if r != rank)
-    also = f" (ranks {others} raised too)" if others else ""
-    message = f"rank {rank} raised during {where}: {summary}{also}"
-    return Failure(prop, EXCEPTION, message, case=obs.case, rank=rank, traceback=tb.rstrip() or None,
-                   details={"phase": phase, "step": step, "ranks": sorted(primary)}, variant=variant.name)
-
-
 @recogniser(SHAPE_ERROR, WRONG_SHARD_DIM)
 def _layout_failure(variant: Variant, obs: Observation) -> Failure | None:
     """A parameter with the wrong stored shape (raised by the loader as :class:`LayoutError`)."""
@@ -986,16 +933,6 @@ def _is_other_dim_shard(spec: Any, shape: tuple[int, ...], case: Case) -> bool:
     return tuple(shape) in forms
 
 
-def _names_the_size(err: BaseException, sizes: Sequence[int]) -> bool:
-    """A clear refusal mentions divisibility or one of the offending sizes (as a whole number)."""
-    text = str(err)
-    if isinstance(err, VariantRaised):
-        text = err.summary
-    if "divisib" in text.lower() or "multiple" in text.lower():
-        return True
-    return any(re.search(rf"(?<![\d.]){n}(?![\d.])", text) for n in sizes)
-
-
 @recogniser(DIVISIBILITY_UNCHECKED)
 def _divisibility(variant: Variant, obs: Observation) -> Failure | None:
     case, ws = obs.case, obs.case.world_size
@@ -1005,34 +942,7 @@ def _divisibility(variant: Variant, obs: Observation) -> Failure | None:
     size_name = "world_size" if tp == ws else "tp_size"
     what = ", ".join(f"{n}={v}" for n, v in offending.items()) + f" is not divisible by {size_name}={tp}"
     if obs.error is not None:
-        errors = obs.rank_errors()
-        raised = sorted(r for r, e in errors.items() if not isinstance(e, CollectiveError))
-        stuck = sorted(r for r, e in errors.items() if isinstance(e, CollectiveError))
-        if len(raised) == ws:
-            unclear = [r for r in raised if not _names_the_size(errors[r], list(offending.values()))]
-            if not unclear:
-                return None
-            r = unclear[0]
-            err = errors[r]
-            summary = err.summary if isinstance(err, VariantRaised) else f"{type(err).__name__}: {err}"
-            return Failure(
-                DIVISIBILITY, DIVISIBILITY_UNCHECKED,
-                f"{what}; every rank raised, but rank {r}'s error does not say why (it names neither the sizes "
-                f"nor divisibility): {summary.splitlines()[0] if summary else type(err).__name__}; check the sizes "
-                "at construction and raise a ValueError naming them",
-                case=case, rank=r, variant=variant.name,
-                traceback=err.traceback_text if isinstance(err, VariantRaised) else None,
-                details={"raised": raised, "unclear": unclear},
-            )
-        if raised:
-            detail = f"ranks {raised} raised but ranks {stuck or sorted(set(range(ws)) - set(raised))} did not"
-            if stuck:
-                detail += " (they failed waiting in a collective instead)"
-        else:
-            detail = f"no rank raised a clear error; the ranks failed in a collective: {str(obs.error).splitlines()[0]}"
-        return Failure(DIVISIBILITY, DIVISIBILITY_UNCHECKED,
-                       f"{what}, and the layer did not refuse it on every rank: {detail}",
-                       case=case, variant=variant.name, details={"raised": raised, "collective": stuck})
+        return refusal_failure(variant.name, case, obs.error, what, list(offending.values()))
     values = obs.values or []
     accepted = [r for r, v in enumerate(values) if v.status == ACCEPTED]
     r0 = accepted[0]
@@ -1064,16 +974,15 @@ def _evaluate(variant: Variant, obs: Observation, properties: Sequence[str] | No
     unknown = [p for p in wanted if p not in PROPERTIES]
     if unknown:
         raise InvalidArgument(f"unknown properties {unknown}; expected some of {list(PROPERTIES)}")
-    death = _death_failure(variant, obs) if obs.divisible or DIVISIBILITY in wanted else None
-    if death is not None:
-        return [death]
+    if isinstance(obs.error, RankDied) and (obs.divisible or DIVISIBILITY in wanted):
+        return [death_failure(variant.name, obs.case, obs.error, divisible=obs.divisible)]
     if not obs.divisible:
         if DIVISIBILITY not in wanted:
             return []
         f = _divisibility(variant, obs)
         return [f] if f else []
     if obs.error is not None:
-        return [_layout_failure(variant, obs) or _exception_failure(variant, obs)]
+        return [_layout_failure(variant, obs) or run_failure(variant.name, obs.case, obs.error)]
     if (obs.case.tp_size or obs.case.world_size) != obs.case.world_size:
         return _evaluate_groups(variant, obs, wanted)
     return _evaluate_values(variant, obs.case, obs.values or [], obs.masters, wanted)

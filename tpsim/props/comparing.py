@@ -5,21 +5,19 @@ output and grads with the expected piece of the dense result: :func:`compare` re
 is within the tolerance, else a :class:`~tpsim.diagnosis.Failure` — the first family recogniser
 that sees its evidence, or the generic diagnoses in this order: ``grad-missing`` (no grad),
 ``wrong-dtype``, ``shape-error``, ``grad-scaled`` (a grad that is a constant times the dense one),
-``mismatch``. :func:`raised` turns a run in which a rank raised into the ``exception`` failure,
-:func:`replica` checks that replicated tensors are the same bits on every rank of each tp group,
-and :func:`names_the_size` judges whether a refusal says why (the ``divisibility`` property).
+``mismatch``. :func:`replica` checks that replicated tensors are the same bits on every rank of
+each tp group. (A run in which a rank failed is named by :func:`tpsim.props.raised.run_failure`,
+as in every family.)
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from tpsim.diagnosis import (
-    EXCEPTION,
     GRAD_MISSING,
     GRAD_SCALED,
     REPLICA_DIVERGENCE,
@@ -30,12 +28,13 @@ from tpsim.diagnosis import (
     mismatch,
     scale_factor,
 )
-from tpsim.errors import CollectiveError
-from tpsim.props.checks import FORWARD, REPLICA
 from tpsim.props.groups import tp_groups
-from tpsim.props.world import VariantRaised
+from tpsim.props.names import FORWARD, REPLICA
 
-__all__ = ["close_or_nan", "compare", "failure", "groups_of", "names_the_size", "raised", "replica", "same_bits"]
+__all__ = ["close_or_nan", "compare", "failure", "groups_of", "replica", "same_bits"]
+
+#: What :func:`replica` compares: a description, and how to read the tensor from a rank's result.
+Replicated = tuple[str, Callable[[Any], "torch.Tensor | None"]]
 
 _F64 = torch.float64
 
@@ -89,36 +88,6 @@ def close_or_nan(got: torch.Tensor, expected: torch.Tensor, tol: torch.Tensor) -
     return same and close(got[~nan], expected[~nan], tol.expand_as(expected)[~nan])
 
 
-def raised(variant: Any, obs: Any, prop_of: dict[str, str]) -> Failure:
-    """The ``exception`` failure of a run in which some rank raised (the first rank that raised)."""
-    errors = obs.rank_errors()
-    primary = {r: e for r, e in errors.items() if not isinstance(e, CollectiveError)}
-    pool = primary or errors
-    rank = min(pool)
-    err = pool[rank]
-    phase, summary, tb = "forward", (str(err).splitlines() or [type(err).__name__])[0], None
-    if isinstance(err, VariantRaised):
-        phase, summary, tb = err.phase, err.summary, err.traceback_text
-    else:
-        m = re.search(r"the variant raised during (\w+)(?: \(step \d+\))?: (.*)", str(err))
-        if m:
-            phase, summary = m.group(1), m.group(2)
-        tb = getattr(err, "remote_traceback", None) or str(err)
-    others = sorted(r for r in primary if r != rank)
-    also = f" (ranks {others} raised too)" if others else ""
-    return Failure(prop_of.get(phase, FORWARD), EXCEPTION, f"rank {rank} raised during {phase}: {summary}{also}",
-                   case=obs.case, rank=rank, traceback=(tb or "").rstrip() or None, variant=variant.name,
-                   details={"phase": phase, "ranks": sorted(primary)})
-
-
-def names_the_size(err: BaseException, sizes: Sequence[int]) -> bool:
-    """A clear refusal mentions divisibility (or a multiple) or one of the offending sizes."""
-    text = err.summary if isinstance(err, VariantRaised) else str(err)
-    if "divisib" in text.lower() or "multiple" in text.lower():
-        return True
-    return any(re.search(rf"(?<![\d.]){n}(?![\d.])", text) for n in sizes)
-
-
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal values, NaN where the other is NaN (a mean over no target is NaN on every rank)."""
     if torch.equal(a, b):
@@ -127,21 +96,21 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan])
 
 
-def replica(variant: Any, case: Any, values: list[dict[str, Any]], names: Sequence[tuple[str, str]]) -> Failure | None:
-    """``replica-divergence`` for the first of ``names`` (``(key, what)``: ``values[rank][key]``) that is
-    not the same bits on every rank of a tp group; None when all are."""
+def replica(variant: Any, case: Any, values: Sequence[Any], items: Sequence[Replicated]) -> Failure | None:
+    """``replica-divergence`` for the first of ``items`` (``(what, read)``: ``read(values[rank])`` is the
+    tensor) that is not the same bits on every rank of a tp group; None when all are."""
     for group in groups_of(case):
-        first = values[group[0]]
-        for key, what in names:
-            if first.get(key) is None:
+        for what, read in items:
+            first = read(values[group[0]])
+            if first is None:
                 continue
             for r in group[1:]:
-                other = values[r].get(key)
-                if other is None or other.shape != first[key].shape or not same_bits(other, first[key]):
-                    diff = float("nan") if other is None or other.shape != first[key].shape else float(
-                        (other.to(_F64) - first[key].to(_F64)).abs().max())
+                other = read(values[r])
+                if other is None or other.shape != first.shape or not same_bits(other, first):
+                    diff = float("nan") if other is None or other.shape != first.shape else float(
+                        (other.to(_F64) - first.to(_F64)).abs().max())
                     return failure(variant, case, REPLICA, REPLICA_DIVERGENCE,
                                     f"{what} differs between ranks {group[0]} and {r} of tp group {group} (max abs "
                                     f"difference {diff:.3g}); it must be the same bits on every rank", rank=r,
-                                    details={"ranks": [group[0], r], "what": key, "max_abs": diff})
+                                    details={"ranks": [group[0], r], "what": what, "max_abs": diff})
     return None

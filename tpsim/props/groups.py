@@ -17,6 +17,8 @@ collective over the wrong set of ranks mixes data of several groups and shows in
 :func:`wrong_group` recognises a result that is a reduction (or a gather) over another set of
 ranks than the rank's tp group — the whole world, the rank's data-parallel group, or its group
 in the other layout — and names that set (diagnosis ``wrong-group``).
+
+:func:`tp_group` is the rank side: every family's rank function calls it first, for its own group.
 """
 
 from __future__ import annotations
@@ -25,12 +27,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from tpsim.diagnosis import WRONG_GROUP, recogniser
 from tpsim.errors import InvalidArgument
 from tpsim.placement import Shard, shard_tensor
 
-__all__ = ["TP_LAYOUTS", "candidate_sets", "group_index", "tp_groups", "wrong_group"]
+__all__ = ["TP_LAYOUTS", "candidate_sets", "group_index", "tp_group", "tp_groups", "wrong_group"]
 
 #: How tp groups are laid out over the world (see the module docstring).
 TP_LAYOUTS = ("consecutive", "strided")
@@ -46,6 +49,23 @@ def tp_groups(world_size: int, tp_size: int, layout: str = "consecutive") -> lis
     if layout == "consecutive":
         return [[g * tp_size + i for i in range(tp_size)] for g in range(n)]
     return [[g + n * i for i in range(tp_size)] for g in range(n)]
+
+
+def tp_group(case: Any, global_rank: int) -> tuple[Any, int, int, int]:
+    """``(group, group index, tp rank, tp size)`` of this rank of the world running ``case`` (any
+    family's case: ``world_size``, ``tp_size``, ``tp_layout``). Creates every tp group: all ranks must
+    call ``new_group`` for every group, in the same order, so every rank calls this."""
+    tp = case.tp_size or case.world_size
+    if tp == case.world_size:
+        return dist.group.WORLD, 0, global_rank, tp
+    mine = None
+    for g, ranks in enumerate(tp_groups(case.world_size, tp, case.tp_layout)):
+        pg = dist.new_group(ranks)
+        if global_rank in ranks:
+            mine = (pg, g, ranks.index(global_rank), tp)
+    if mine is None:  # unreachable: the groups partition the world
+        raise InvalidArgument(f"rank {global_rank} is in no tp group of {case.describe()}")
+    return mine
 
 
 def group_index(rank: int, groups: Sequence[Sequence[int]]) -> tuple[int, int]:

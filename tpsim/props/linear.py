@@ -15,6 +15,7 @@ from typing import Any
 from torch import nn
 
 from tpsim.errors import InvalidArgument
+from tpsim.presets import preset_for_class
 from tpsim.props.case import Case
 from tpsim.props.checks import DIVISIBILITY, PROPERTIES, check_case
 from tpsim.props.strategies import cases
@@ -37,6 +38,9 @@ class LinearFamily:
         variants = isinstance(obj, (list, tuple)) and bool(obj) and all(isinstance(v, Variant) for v in obj)
         if not (isinstance(obj, Variant) or variants or (isinstance(obj, type) and issubclass(obj, nn.Module))):
             return None
+        preset = preset_for_class(obj) if isinstance(obj, type) else None
+        if preset is not None and preset[1] not in KINDS:
+            return None  # a library's embedding (a preset of another family's kind): that family's
         return resolve_target(target, **{k: v for k, v in options.items() if v is not None})
 
     def declared(self, target: str, module: ModuleType, options: Mapping[str, Any]) -> list[Any]:

@@ -15,8 +15,6 @@ worker processes can run it; there the variant is resolved again from its target
 
 from __future__ import annotations
 
-import sys
-import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,9 +26,11 @@ from tpsim.comm.board import mark_phase
 from tpsim.errors import InvalidArgument, RankError
 from tpsim.placement import Replicate, Shard, part_sizes, shard_tensor
 from tpsim.props.case import Case
-from tpsim.props.groups import tp_groups
+from tpsim.props.groups import tp_group
+from tpsim.props.launch import launch, variant_of
 from tpsim.props.layouts import apply_layout, expand_values
-from tpsim.target import resolve_variant
+from tpsim.props.raised import rank_errors, variant_raised
+from tpsim.props.results import OK, RankOutput
 from tpsim.variant import LayoutError, Variant, get_param
 
 __all__ = [
@@ -40,7 +40,6 @@ __all__ = [
     "Observation",
     "RankResult",
     "Reference",
-    "VariantRaised",
     "is_divisible",
     "make_masters",
     "non_divisible_sizes",
@@ -55,36 +54,17 @@ TRAIN_STEPS = 3
 LR = 0.1
 
 
-class VariantRaised(RuntimeError):
-    """The variant raised inside a rank; carries the phase (``build``/``forward``/``backward``),
-    the 0-based SGD step, a one-line summary and the original traceback text."""
-
-    def __init__(self, phase: str, step: int, summary: str, traceback_text: str) -> None:
-        super().__init__(phase, step, summary, traceback_text)
-        self.phase = phase
-        self.step = step
-        self.summary = summary
-        self.traceback_text = traceback_text
-
-    def __str__(self) -> str:
-        where = self.phase if self.phase == "build" else f"{self.phase} (step {self.step})"
-        return f"the variant raised during {where}: {self.summary}"
-
-
-#: :attr:`RankResult.status` values.
-OK = "ok"  # built, trained TRAIN_STEPS steps
-OUTPUT_SHAPE = "output-shape"  # the forward returned no tensor, or one of another shape than the upstream grad
-DETACHED = "detached"  # the output has no autograd graph although the input requires grad
-ACCEPTED = "accepted"  # a non-divisible case that the layer built and ran without refusing it
+#: :attr:`RankResult.status` of a non-divisible case that the layer built and ran without refusing it.
+ACCEPTED = "accepted"
 
 
 @dataclass
-class RankResult:
+class RankResult(RankOutput):
     """What one rank returns for one case (plain data: it travels back from gloo/nccl workers).
 
-    - ``status``: :data:`OK`, :data:`OUTPUT_SHAPE`, :data:`DETACHED` or :data:`ACCEPTED`;
-    - ``output``: the step-0 output (detached clone, its own dtype), None when the forward returned
-      no tensor; ``output_type``: the type name of what the forward returned;
+    Besides :class:`~tpsim.props.results.RankOutput`'s fields (``status`` is also
+    :data:`ACCEPTED`; ``output`` is the step-0 output, a detached clone in its own dtype):
+
     - ``output_shape``: for :data:`ACCEPTED`, the shape of the output of a non-divisible case;
     - ``input_grad``: the step-0 grad of the rank's input (None when it got none);
     - ``grads``: step-0 parameter grads as the layer left them, by master name (``weight``/``bias``),
@@ -94,13 +74,9 @@ class RankResult:
     - ``init``: the layer's own values of its replicated parameters right after construction, by
       parameter name (before the master values are loaded);
     - ``partial``: master names of the parameters whose grad the trainer sums (declared partial, or
-      marked ``sequence_parallel`` by the built module);
-    - ``group``/``tp_rank``: this rank's tp group index and rank within it.
+      marked ``sequence_parallel`` by the built module).
     """
 
-    status: str = OK
-    output: torch.Tensor | None = None
-    output_type: str | None = None
     output_shape: tuple[int, ...] | None = None
     input_grad: torch.Tensor | None = None
     grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
@@ -108,8 +84,6 @@ class RankResult:
     final: dict[str, torch.Tensor | None] = field(default_factory=dict)
     init: dict[str, torch.Tensor] = field(default_factory=dict)
     partial: tuple[str, ...] = ()
-    group: int = 0
-    tp_rank: int = 0
 
 
 @dataclass
@@ -181,11 +155,6 @@ def non_divisible_sizes(variant: Variant, case: Case) -> dict[str, int]:
 # --- the rank side -------------------------------------------------------------------------------
 
 
-def _raise_from(phase: str, step: int, err: BaseException) -> VariantRaised:
-    summary = f"{type(err).__name__}: {err}".splitlines()[0][:500]
-    return VariantRaised(phase, step, summary, traceback.format_exc())
-
-
 def _rank_input(variant: Variant, x: torch.Tensor, rank: int, ws: int, even: bool = True,
                 layout: str = "contiguous") -> torch.Tensor:
     if variant.input == "sharded":
@@ -196,22 +165,6 @@ def _rank_input(variant: Variant, x: torch.Tensor, rank: int, ws: int, even: boo
             x = shard_tensor(x, Shard(d), rank, ws) if even else torch.tensor_split(x, ws, dim=d)[rank]
     # A fresh leaf in the case's memory layout (laid out after sharding: what this rank is handed).
     return apply_layout(x, layout).requires_grad_(True)
-
-
-def _tp_group(case: Case, global_rank: int) -> tuple[Any, int, int, int]:
-    """``(group, group index, tp rank, tp size)`` of this rank; creates every tp group (all ranks
-    must call ``new_group`` for every group, in the same order)."""
-    tp = case.tp_size or case.world_size
-    if tp == case.world_size:
-        return dist.group.WORLD, 0, global_rank, tp
-    mine = None
-    for g, ranks in enumerate(tp_groups(case.world_size, tp, case.tp_layout)):
-        pg = dist.new_group(ranks)
-        if global_rank in ranks:
-            mine = (pg, g, ranks.index(global_rank), tp)
-    if mine is None:  # unreachable: the groups partition the world
-        raise InvalidArgument(f"rank {global_rank} is in no tp group of {case.describe()}")
-    return mine
 
 
 def _replicated_init(variant: Variant, case: Case, into: dict[str, Any]) -> Any:
@@ -252,11 +205,9 @@ def _partial_params(variant: Variant, module: Any, specs: list[Any]) -> tuple[st
 def rank_main(payload: dict[str, Any]) -> RankResult:
     """What every rank runs for one case (see the module docstring)."""
     case: Case = payload["case"]
-    variant: Variant | None = payload.get("variant")
-    if variant is None:
-        variant = resolve_variant(*payload["ref"])
+    variant: Variant = variant_of(payload)
     # rank/ws below are the tp rank and tp size: the layer sees its own tp group only.
-    group, g, rank, ws = _tp_group(case, dist.get_rank())
+    group, g, rank, ws = tp_group(case, dist.get_rank())
     m: Masters = payload["masters"].for_group(g)
     layout = payload.get("layout") or case.input_layout
     # Every rank seeded alike before the build, as training scripts do (replicas must agree).
@@ -273,13 +224,13 @@ def rank_main(payload: dict[str, Any]) -> RankResult:
             module = variant.build(case.in_features, case.out_features, case.bias, **kwargs,
                                    **variant.layout_kwargs(case.out_features))
         except Exception as err:
-            raise _raise_from("build", 0, err) from err
+            raise variant_raised("build", 0, err) from err
         x = _rank_input(variant, m.inputs[0], rank, ws, even=False, layout=layout)
         mark_phase("forward", 0)
         try:
             out = variant.call(module, x)
         except Exception as err:
-            raise _raise_from("forward", 0, err) from err
+            raise variant_raised("forward", 0, err) from err
         return RankResult(ACCEPTED, output_shape=tuple(out.shape) if isinstance(out, torch.Tensor) else None,
                           output_type=type(out).__name__, tp_rank=rank)
 
@@ -290,7 +241,7 @@ def rank_main(payload: dict[str, Any]) -> RankResult:
     except LayoutError:
         raise  # the parent diagnoses the shape (e.g. wrong-shard-dim)
     except Exception as err:
-        raise _raise_from("build", 0, err) from err
+        raise variant_raised("build", 0, err) from err
 
     specs = [s for s in variant.params or () if s.master == "weight" or case.bias]
     result = RankResult(OK, init=init, group=g, tp_rank=rank, partial=_partial_params(variant, module, specs))
@@ -301,29 +252,18 @@ def rank_main(payload: dict[str, Any]) -> RankResult:
         try:
             out = variant.call(module, x)
         except Exception as err:
-            raise _raise_from("forward", step, err) from err
+            raise variant_raised("forward", step, err) from err
         upstream = m.grads[step]
         if isinstance(variant.output_placement, Shard):  # sharded (packed: per part) or sequence-sharded
             upstream = shard_tensor(upstream, variant.output_placement, rank, ws)
         upstream = apply_layout(upstream, layout)
-        if not isinstance(out, torch.Tensor) or out.shape != upstream.shape:
-            # A wrong output shape cannot be back-propagated; report what came out.
-            result.status = OUTPUT_SHAPE
-            result.output = out.detach().clone() if isinstance(out, torch.Tensor) else None
-            result.output_type = type(out).__name__
-            return result
-        if out.grad_fn is None and not out.requires_grad and x.requires_grad:
-            # A collective outside autograd cut the graph: backward would raise ("does not require
-            # grad"); report what came out instead of an exception.
-            result.status = DETACHED
-            result.output = out.detach().clone()
-            result.output_type = type(out).__name__
-            return result
+        if result.unusable(out, upstream.shape, graph=x):
+            return result  # a wrong shape, or a collective outside autograd that cut the graph
         mark_phase("backward", step)
         try:
             out.backward(upstream.to(out.dtype))
         except Exception as err:
-            raise _raise_from("backward", step, err) from err
+            raise variant_raised("backward", step, err) from err
         if step == 0:
             result.output = out.detach().clone()
             result.output_type = type(out).__name__
@@ -367,13 +307,8 @@ class Observation:
     masters: Masters | None = None
 
     def rank_errors(self) -> dict[int, BaseException]:
-        """Every failed rank's exception (the runner's ``errors``, or the single failing rank)."""
-        if self.error is None:
-            return {}
-        errors = dict(self.error.errors)
-        if not errors:
-            errors = {self.error.rank: self.error}
-        return errors
+        """Every failed rank's own exception (:func:`tpsim.props.raised.rank_errors`)."""
+        return rank_errors(self.error)
 
 
 def observe(variant: Variant, case: Case, *, backend: str = "inproc", timeout: float = tpsim.DEFAULT_TIMEOUT,
@@ -394,69 +329,15 @@ def observe(variant: Variant, case: Case, *, backend: str = "inproc", timeout: f
     masters = make_masters(case)
     divisible = is_divisible(variant, case)
     payload: dict[str, Any] = {"case": case, "masters": masters, "divisible": divisible, "layout": layout}
-    if backend == "inproc" and not isolate:
-        payload["variant"] = variant
-    else:
-        if variant.target is None:
-            where = "the isolated inproc worker process" if backend == "inproc" else f"{backend} worker processes"
-            raise InvalidArgument(
-                f"variant {variant.name!r} has no target string, so {where} cannot import it; "
-                "declare it at module level and check it by target (e.g. tpsim check mymodule:Name)"
-            )
-        payload["ref"] = (variant.target, variant.name, variant.options)
-        _warm_workers(payload["ref"], case.world_size, backend, isolate)
     try:
         # rank_local: module globals each rank owns in a real job (a library's parallel state, the
         # module of a plain class); a SharedModuleState error is the harness's, not the variant's:
         # it is no RankError and propagates (tpsim check: exit 2 with its fix).
-        values = tpsim.run(rank_main, case.world_size, backend=backend, args=(payload,), timeout=timeout,
-                           isolate=isolate, rank_local=variant.rank_local, watch=_beside(variant.rank_local))
+        values = launch(rank_main, variant, payload, case.world_size, backend=backend, timeout=timeout,
+                        isolate=isolate)
     except RankError as err:
-        if "ref" in payload:
-            # A failed world may leave fresh worker processes behind: warm them again before the next case.
-            _warmed.discard(_warm_key(payload["ref"], case.world_size, backend, isolate))
         return Observation(case, divisible, error=err, masters=masters)
     return Observation(case, divisible, values=values, masters=masters)
-
-
-#: Seconds worker processes get to import a target the first time (a library such as Megatron-core
-#: takes seconds per process to import, many on a loaded machine).
-WARM_TIMEOUT = 300.0
-_warmed: set[tuple[Any, ...]] = set()
-
-
-def _resolve_only(ref: tuple[Any, ...]) -> bool:
-    resolve_variant(*ref)
-    return True
-
-
-def _warm_key(ref: tuple[Any, ...], world_size: int, backend: str, isolate: bool) -> tuple[Any, ...]:
-    return (ref[0], repr(ref[2]), world_size, backend, isolate)
-
-
-def _warm_workers(ref: tuple[Any, ...], world_size: int, backend: str, isolate: bool) -> None:
-    """Import the target in the worker processes once, before its first case: importing it is not
-    part of any case, and counted against a case's timeout (or against the grace the ranks of a
-    failed run get to report their own error) a slow import would look like the variant's fault."""
-    key = _warm_key(ref, world_size, backend, isolate)
-    if key in _warmed:
-        return
-    _warmed.add(key)
-    try:
-        tpsim.run(_resolve_only, world_size, backend=backend, args=(ref,), timeout=WARM_TIMEOUT, isolate=isolate)
-    except Exception:  # noqa: BLE001 - the case's own run reports whatever this is
-        pass
-
-
-def _beside(rank_local: tuple[str, ...]) -> tuple[str, ...]:
-    """The loaded modules of the packages a variant's rank-local modules belong to: a layer class in
-    ``pkg.layers`` may keep its tp group in ``pkg.state``, which inproc then watches for sharing
-    between ranks. A library preset declares its state itself and is not widened."""
-    from tpsim.presets import presets
-
-    declared = {t.split(".")[0] for p in presets() for t in p.targets}
-    tops = {name.split(".")[0] for name in rank_local} - declared
-    return tuple(name for name in list(sys.modules) if "." in name and name.split(".")[0] in tops)
 
 
 @dataclass

@@ -39,12 +39,13 @@ from tpsim.diagnosis import (
     close,
     recogniser,
 )
-from tpsim.errors import CollectiveError
 from tpsim.props.attention.case import AttentionCase
 from tpsim.props.attention.oracle import attention_reference
-from tpsim.props.checks import BIAS_GRAD, DIVISIBILITY, FORWARD, INPUT_GRAD, REPLICA, WEIGHT_GRAD
-from tpsim.props.comparing import compare, failure, groups_of, names_the_size, raised, replica, same_bits
-from tpsim.props.vocab.world import Observation
+from tpsim.props.attention.world import AttentionRankResult
+from tpsim.props.comparing import compare, failure, groups_of, replica, same_bits
+from tpsim.props.names import BIAS_GRAD, DIVISIBILITY, FORWARD, INPUT_GRAD, REPLICA, WEIGHT_GRAD
+from tpsim.props.raised import refusal_failure, run_failure
+from tpsim.props.results import OK, Observation
 
 __all__ = ["ATTENTION_PROPERTIES", "divides", "evaluate_attention", "qkv_rows"]
 
@@ -100,12 +101,12 @@ def _reference(case: AttentionCase, obs: Observation, g: int, **changes: Any) ->
                                world_size=tp, dtype=case.torch_dtype, **changes)
 
 
-def _outputs_match(variant: AttentionVariant, case: AttentionCase, values: list[dict[str, Any]], group: list[int],
+def _outputs_match(variant: AttentionVariant, case: AttentionCase, values: list[AttentionRankResult], group: list[int],
                    ref: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> bool:
     full, tol = ref["y"]
     tp = len(group)
     for i, r in enumerate(group):
-        got = values[r].get("output")
+        got = values[r].output
         expected = _piece(case, variant, "y", full, tp, i)
         if got is None or got.shape != expected.shape or not close(got, expected, _piece(case, variant, "y", tol, tp, i)):
             return False
@@ -113,7 +114,7 @@ def _outputs_match(variant: AttentionVariant, case: AttentionCase, values: list[
 
 
 @recogniser(ATTENTION_SCALE)
-def _attention_scale(variant: AttentionVariant, case: AttentionCase, obs: Observation, values: list[dict[str, Any]],
+def _attention_scale(variant: AttentionVariant, case: AttentionCase, obs: Observation, values: list[AttentionRankResult],
                      group: list[int], g: int) -> Failure | None:
     tp = len(group)
     if tp < 2:
@@ -150,7 +151,7 @@ def _held_kv_heads(case: AttentionCase, stored: torch.Tensor, masters: dict[str,
 
 
 @recogniser(QKV_HEAD_MISMATCH, KV_HEADS_NOT_REPLICATED)
-def _kv_pairing(variant: AttentionVariant, case: AttentionCase, obs: Observation, values: list[dict[str, Any]],
+def _kv_pairing(variant: AttentionVariant, case: AttentionCase, obs: Observation, values: list[AttentionRankResult],
                 group: list[int], g: int) -> Failure | None:
     """Read which key/value heads every rank holds; if a rank's differ from its query heads' groups,
     recompute the attention with that pairing and name it when the output matches."""
@@ -164,7 +165,7 @@ def _kv_pairing(variant: AttentionVariant, case: AttentionCase, obs: Observation
     kv_map: list[int] = [-1] * h
     wrong: list[int] = []
     for i, r in enumerate(group):
-        stored = (values[r].get("values") or {}).get("qkv.weight")
+        stored = values[r].values.get("qkv.weight")
         q_heads, own = q_heads_of(case, tp, i), kv_heads_of(case, tp, i)
         if stored is None or stored.shape[0] != (len(q_heads) + 2 * len(own)) * d:
             return None
@@ -192,27 +193,6 @@ def _kv_pairing(variant: AttentionVariant, case: AttentionCase, obs: Observation
                    f"with query heads paired {pairs}: {why}", rank=wrong[0], details={"kv_map": kv_map})
 
 
-def _refusal(variant: AttentionVariant, obs: Observation, wanted: Sequence[str]) -> list[Failure]:
-    case = obs.case
-    tp = case.tp_size or case.world_size
-    errors = obs.rank_errors()
-    did = sorted(r for r, e in errors.items() if not isinstance(e, CollectiveError))
-    what = (f"num_heads={case.num_heads}, num_kv_heads={case.num_kv_heads} cannot be split over tp_size={tp} "
-            "(num_heads divisible by it, num_kv_heads and it dividing one another)")
-    if len(did) == case.world_size:
-        unclear = [r for r in did if not names_the_size(errors[r], [case.num_heads, case.num_kv_heads, tp])]
-        if not unclear:
-            return []
-        found = failure(variant, case, DIVISIBILITY, DIVISIBILITY_UNCHECKED,
-                        f"{what}; every rank raised, but rank {unclear[0]}'s error names neither the sizes nor "
-                        f"divisibility: {str(errors[unclear[0]]).splitlines()[0]}", rank=unclear[0])
-    else:
-        found = failure(variant, case, DIVISIBILITY, DIVISIBILITY_UNCHECKED,
-                        f"{what}, and the block did not refuse it on every rank: ranks {did} raised, the others did "
-                        "not (they failed in a collective instead)", details={"raised": did})
-    return [found] if DIVISIBILITY in wanted else []
-
-
 _NAMES = {"y": "the output", "x": "the input's grad", "qkv.weight": "the qkv weight's grad",
           "qkv.bias": "the qkv bias's grad", "proj.weight": "the proj weight's grad", "proj.bias": "the proj bias's grad"}
 _PROPERTY = {"y": FORWARD, "x": INPUT_GRAD, "qkv.weight": WEIGHT_GRAD, "proj.weight": WEIGHT_GRAD,
@@ -225,14 +205,20 @@ def evaluate_attention(variant: AttentionVariant, obs: Observation, properties: 
     wanted = tuple(properties or ATTENTION_PROPERTIES)
     if not divides(case):
         if obs.error is not None:
-            return _refusal(variant, obs, wanted)
+            tp = case.tp_size or case.world_size
+            found = refusal_failure(
+                variant.name, case, obs.error,
+                f"num_heads={case.num_heads}, num_kv_heads={case.num_kv_heads} cannot be split over tp_size={tp} "
+                "(num_heads divisible by it, num_kv_heads and it dividing one another)",
+                [case.num_heads, case.num_kv_heads, tp], subject="block")
+            return [found] if found is not None and DIVISIBILITY in wanted else []
         found = failure(variant, case, DIVISIBILITY, DIVISIBILITY_UNCHECKED,
                         f"num_heads={case.num_heads}, num_kv_heads={case.num_kv_heads} cannot be split over "
                         f"tp_size={case.tp_size}, yet every rank built the block and ran it: the heads were silently "
                         "truncated or split unevenly; raise a ValueError naming the sizes")
         return [found] if DIVISIBILITY in wanted else []
     if obs.error is not None:
-        return [raised(variant, obs, {"build": FORWARD, "forward": FORWARD, "backward": INPUT_GRAD})]
+        return [run_failure(variant.name, case, obs.error)]
     values = obs.values or []
     failures: dict[str, Failure] = {}
     for g, group in enumerate(groups_of(case)):
@@ -240,14 +226,14 @@ def evaluate_attention(variant: AttentionVariant, obs: Observation, properties: 
         tp = len(group)
         for i, r in enumerate(group):
             v = values[r]
-            if v["status"] != "ok":
-                out = v.get("output")
+            if v.status != OK:
+                out = v.output
                 failures.setdefault(FORWARD, failure(
                     variant, case, FORWARD, SHAPE_ERROR,
-                    f"the output on rank {r} has shape {None if out is None else list(out.shape)} ({v.get('output_type')}); "
+                    f"the output on rank {r} has shape {None if out is None else list(out.shape)} ({v.output_type}); "
                     f"expected {list(_piece(case, variant, 'y', ref['y'][0], tp, i).shape)}", rank=r))
                 continue
-            got = {"y": v.get("output"), "x": v.get("input_grad"), **(v.get("grads") or {})}
+            got = {"y": v.output, "x": v.input_grad, **v.grads}
             for name, (full, tol) in ref.items():
                 prop = _PROPERTY[name]
                 if prop in failures or prop not in wanted:
@@ -266,13 +252,11 @@ def evaluate_attention(variant: AttentionVariant, obs: Observation, properties: 
     return [failures[p] for p in ATTENTION_PROPERTIES if p in failures]
 
 
-def _replicas(variant: AttentionVariant, case: AttentionCase, values: list[dict[str, Any]]) -> Failure | None:
-    flat = [{"y": v.get("output"), "x": v.get("input_grad"),
-             "proj.bias": (v.get("grads") or {}).get("proj.bias")} for v in values]
-    names = [("proj.bias", "the proj bias's grad")]
+def _replicas(variant: AttentionVariant, case: AttentionCase, values: list[AttentionRankResult]) -> Failure | None:
+    items = [("the proj bias's grad", lambda v: v.grads.get("proj.bias"))]
     if not variant.sequence_parallel:
-        names = [("y", "the output"), ("x", "the input's grad"), *names]
-    found = replica(variant, case, flat, names)
+        items = [("the output", lambda v: v.output), ("the input's grad", lambda v: v.input_grad), *items]
+    found = replica(variant, case, values, items)
     if found is not None:
         return found
     # A replicated key/value head: its K/V rows, and their grads, on every rank that holds it.
@@ -283,10 +267,10 @@ def _replicas(variant: AttentionVariant, case: AttentionCase, values: list[dict[
     for group in groups_of(case):
         for i, r in enumerate(group):
             first = group[i - i % (tp // kv)]
-            for key, what in (("values", "the K/V rows of a replicated key/value head"),
-                              ("grads", "the grad of a replicated key/value head's K/V rows")):
+            for read, what in ((lambda v: v.values, "the K/V rows of a replicated key/value head"),
+                               (lambda v: v.grads, "the grad of a replicated key/value head's K/V rows")):
                 for name in ("qkv.weight", "qkv.bias"):
-                    a, b = ((values[x].get(key) or {}).get(name) for x in (r, first))
+                    a, b = (read(values[x]).get(name) for x in (r, first))
                     if a is None or b is None or a.shape != b.shape:
                         continue
                     if not same_bits(a[q_rows:], b[q_rows:]):

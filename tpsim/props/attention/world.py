@@ -8,13 +8,13 @@ its bias, then per tp group the input ``[*batch, seq, hidden]`` and the upstream
 **The ranks** (:func:`attention_rank`, module-level so gloo workers can run it) build the block from
 the master parameters on their tp group (the variant's builder slices them: its split of the heads
 is under test), run forward and backward on their input (their slice of the sequence with
-sequence parallelism), and return the output, the input grad, every parameter's grad and value.
+sequence parallelism), and return the output, the input grad, every parameter's grad and value, as
+an :class:`AttentionRankResult`.
 """
 
 from __future__ import annotations
 
-import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,13 +23,15 @@ import torch.distributed as dist
 import tpsim
 from tpsim.attention_variant import ATTENTION_PARAMS, AttentionVariant
 from tpsim.comm.board import mark_phase
-from tpsim.errors import InvalidArgument, RankError
+from tpsim.errors import RankError
 from tpsim.props.attention.case import AttentionCase
-from tpsim.props.vocab.world import Observation
-from tpsim.props.world import VariantRaised, _tp_group
+from tpsim.props.groups import tp_group
+from tpsim.props.launch import launch, variant_of
+from tpsim.props.raised import variant_raised
+from tpsim.props.results import Observation, RankOutput
 from tpsim.variant import get_param
 
-__all__ = ["AttentionData", "attention_data", "attention_rank", "observe"]
+__all__ = ["AttentionData", "AttentionRankResult", "attention_data", "attention_rank", "observe"]
 
 
 @dataclass
@@ -64,25 +66,32 @@ def attention_data(case: AttentionCase) -> AttentionData:
     return AttentionData(masters, inputs, grads)
 
 
-def _raised(phase: str, err: BaseException) -> VariantRaised:
-    summary = f"{type(err).__name__}: {err}".splitlines()[0][:500]
-    return VariantRaised(phase, 0, summary, traceback.format_exc())
+@dataclass
+class AttentionRankResult(RankOutput):
+    """What one rank of an attention case returns (besides :class:`~tpsim.props.results.RankOutput`'s
+    fields), by the names of :data:`~tpsim.attention_variant.ATTENTION_PARAMS` (None: the block has
+    no such parameter, or it got no grad):
+
+    - ``values``: its parameters as built from the masters (before any step);
+    - ``input_grad``: the grad of its input (its slice of the sequence with sequence parallelism);
+    - ``grads``: its parameters' grads after the backward.
+    """
+
+    values: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    input_grad: torch.Tensor | None = None
+    grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
 
 
 def _sequence_slice(t: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
     return t.chunk(tp, dim=-2)[rank] if t.shape[-2] % tp == 0 else torch.tensor_split(t, tp, dim=-2)[rank]
 
 
-def attention_rank(payload: dict[str, Any]) -> dict[str, Any]:
+def attention_rank(payload: dict[str, Any]) -> AttentionRankResult:
     """What every rank runs for one attention case: build from the masters, forward, backward."""
     case: AttentionCase = payload["case"]
-    variant: AttentionVariant | None = payload.get("variant")
-    if variant is None:
-        from tpsim.props.family import resolve_variant
-
-        variant = resolve_variant(*payload["ref"])
+    variant: AttentionVariant = variant_of(payload)
     data: AttentionData = payload["data"]
-    group, g, rank, tp = _tp_group(case, dist.get_rank())
+    group, g, rank, tp = tp_group(case, dist.get_rank())
     torch.manual_seed(case.seed)  # every rank seeded alike before the build, as training scripts do
     mark_phase("build")
     try:
@@ -91,10 +100,10 @@ def attention_rank(payload: dict[str, Any]) -> dict[str, Any]:
                                dtype=case.torch_dtype,
                                masters={k: None if v is None else v.clone() for k, v in data.masters.items()})
     except Exception as err:
-        raise _raised("build", err) from err
+        raise variant_raised("build", 0, err) from err
     params = {ours: get_param(module, theirs) for ours, theirs in zip(ATTENTION_PARAMS, variant.params, strict=True)}
-    result: dict[str, Any] = {"status": "ok", "group": g, "tp_rank": rank,
-                              "values": {k: None if p is None else p.detach().clone() for k, p in params.items()}}
+    result = AttentionRankResult(group=g, tp_rank=rank,
+                                 values={k: None if p is None else p.detach().clone() for k, p in params.items()})
     x, upstream = data.inputs[g], data.grads[g]
     if variant.sequence_parallel:
         x, upstream = _sequence_slice(x, tp, rank), _sequence_slice(upstream, tp, rank)
@@ -103,19 +112,17 @@ def attention_rank(payload: dict[str, Any]) -> dict[str, Any]:
     try:
         out = variant.call(module, x)
     except Exception as err:
-        raise _raised("forward", err) from err
-    if not isinstance(out, torch.Tensor) or out.shape != upstream.shape:
-        result.update(status="output-shape", output=out.detach().clone() if isinstance(out, torch.Tensor) else None,
-                      output_type=type(out).__name__)
+        raise variant_raised("forward", 0, err) from err
+    if result.unusable(out, upstream.shape):
         return result
-    result["output"] = out.detach().clone()
+    result.output, result.output_type = out.detach().clone(), type(out).__name__
     mark_phase("backward", 0)
     try:
         out.backward(upstream.to(out.dtype))
     except Exception as err:
-        raise _raised("backward", err) from err
-    result["input_grad"] = None if x.grad is None else x.grad.detach().clone()
-    result["grads"] = {k: None if p is None or p.grad is None else p.grad.detach().clone() for k, p in params.items()}
+        raise variant_raised("backward", 0, err) from err
+    result.input_grad = None if x.grad is None else x.grad.detach().clone()
+    result.grads = {k: None if p is None or p.grad is None else p.grad.detach().clone() for k, p in params.items()}
     return result
 
 
@@ -123,19 +130,9 @@ def observe(variant: AttentionVariant, case: AttentionCase, *, backend: str = "i
             timeout: float = tpsim.DEFAULT_TIMEOUT, isolate: bool = False) -> Observation:
     """Run ``case`` once on ``case.world_size`` ranks of ``backend`` (see the module docstring)."""
     data = attention_data(case)
-    payload: dict[str, Any] = {"case": case, "data": data}
-    if backend == "inproc" and not isolate:
-        payload["variant"] = variant
-    else:
-        if variant.target is None:
-            raise InvalidArgument(
-                f"variant {variant.name!r} has no target string, so {backend} worker processes cannot import it; "
-                "declare it at module level and check it by target (e.g. tpsim check mymodule:Name)"
-            )
-        payload["ref"] = (variant.target, variant.name, variant.options)
     try:
-        values = tpsim.run(attention_rank, case.world_size, backend=backend, args=(payload,), timeout=timeout,
-                           isolate=isolate, rank_local=variant.rank_local)
+        values = launch(attention_rank, variant, {"case": case, "data": data}, case.world_size, backend=backend,
+                        timeout=timeout, isolate=isolate)
     except RankError as err:
         return Observation(case, data, error=err)
     return Observation(case, data, values=values)

@@ -37,7 +37,6 @@ Failures that follow from the same cause are listed under it (:func:`tpsim.diagn
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -68,11 +67,27 @@ from tpsim.diagnosis import (
     recogniser,
 )
 from tpsim.diagnosis import spec as diagnosis_spec
-from tpsim.errors import CollectiveError, InvalidArgument
+from tpsim.errors import InvalidArgument, RankDied
 from tpsim.module_variant import ModuleVariant
 from tpsim.patterns import bias_multiple, block_mapping, close, rank_summands, scale_factor
 from tpsim.placement import Placement, Replicate, Shard, part_sizes
-from tpsim.props.checks import (
+from tpsim.props.groups import tp_groups
+from tpsim.props.module.boundary import Capture
+from tpsim.props.module.case import ModuleCase
+from tpsim.props.module.sharding import ParamLayout, UnknownLayout, assemble_pieces, piece
+from tpsim.props.module.world import (
+    DECLARED,
+    EXTRA,
+    MISSING,
+    UNKNOWN,
+    LayoutProblem,
+    ModuleObservation,
+    ModuleRankResult,
+    input_placement,
+    observe,
+    output_placement,
+)
+from tpsim.props.names import (
     BIAS_GRAD,
     DIVISIBILITY,
     FORWARD,
@@ -82,13 +97,10 @@ from tpsim.props.checks import (
     TRAINING,
     WEIGHT_GRAD,
 )
-from tpsim.props.groups import tp_groups
-from tpsim.props.module.boundary import Capture
-from tpsim.props.module.case import ModuleCase
-from tpsim.props.module.sharding import assemble_pieces, piece
-from tpsim.props.module.world import ModuleObservation, input_placement, observe, output_placement
+from tpsim.props.raised import death_failure, refusal_failure, run_failure
+from tpsim.props.results import DETACHED, OUTPUT_SHAPE
 from tpsim.props.tolerance import tolerance
-from tpsim.props.world import LR, TRAIN_STEPS, VariantRaised
+from tpsim.props.world import LR, TRAIN_STEPS
 from tpsim.runner import DEFAULT_TIMEOUT
 
 __all__ = ["check_case", "evaluate", "grad_property"]
@@ -114,32 +126,24 @@ def owner(name: str) -> str | None:
     return name.rpartition(".")[0] or None
 
 
-@dataclass
-class _Layout:
-    placement: Placement
-    uneven: bool
-    declared: bool
-
-
 class _Ctx:
     """What the evaluators need about one tp group of one case."""
 
-    def __init__(self, variant: ModuleVariant, obs: ModuleObservation, g: int, values: list[dict[str, Any]]):
+    def __init__(self, variant: ModuleVariant, obs: ModuleObservation, g: int, values: list[ModuleRankResult]):
         self.variant, self.obs, self.g, self.values = variant, obs, g, values
         self.case = obs.case
         self.tp = len(values)
-        self.ref = obs.ref.groups[g]  # type: ignore[union-attr]
-        self.mag = self.ref["mag"]
+        self.ref = obs.ref.groups[g].value  # type: ignore[union-attr]
+        self.mag = obs.ref.groups[g].mag  # type: ignore[union-attr]
         self.dtype = obs.case.torch_dtype
         ref = obs.ref
         self.k = ref.reduction + obs.case.rows  # type: ignore[union-attr]
         # A kink within rounding of a pre-activation flips its derivative: in a dtype narrower than
         # float64, grads through it are not determined by first-order bounds (see magnitude.py).
         self.grads_bounded = not ref.kinked or self.dtype == _F64  # type: ignore[union-attr]
-        first = values[0]["layouts"]
-        self.layouts = {n: _Layout(*first[n]) for n in first}
+        self.layouts = dict(values[0].layouts)
         #: Replicated parameters whose grad the trainer sums (see tpsim.props.module.world).
-        self.partial = set(values[0].get("partial", ()))
+        self.partial = set(values[0].partial)
 
     def tol(self, magnitude: torch.Tensor, kind: str) -> torch.Tensor:
         # ``kind`` (forward, grad, training) names what is compared; the magnitude run's first-order
@@ -340,18 +344,17 @@ def diagnose_grad(pieces: list[torch.Tensor], full: torch.Tensor, tol: torch.Ten
 
 
 def _forward(ctx: _Ctx) -> Failure | None:
-    y = ctx.ref["y"]
+    y = ctx.ref.y
     for r, v in enumerate(ctx.values):
-        if v.get("status") == "output":
-            out = v.get("output")
-            if v.get("detached"):
+        if v.status in (OUTPUT_SHAPE, DETACHED):
+            if v.status == DETACHED:
                 return ctx.fail(FORWARD, Diagnosis(OUTPUT_DETACHED,
                     f"the output on rank {r} is detached from the autograd graph (grad_fn None) although the input "
                     "requires grad: a collective or a copy runs outside autograd, so nothing flows back"), r)
-            if out is None:
+            if v.output is None:
                 return ctx.fail(FORWARD, Diagnosis(SHAPE_ERROR,
-                                f"rank {r}'s forward returned {v.get('output_type')}, not a tensor"), r)
-    outs = [v["output"] for v in ctx.values]
+                                f"rank {r}'s forward returned {v.output_type}, not a tensor"), r)
+    outs = [v.output for v in ctx.values]
     for r, o in enumerate(outs):
         if o.dtype != ctx.dtype:
             return ctx.fail(FORWARD, Diagnosis(WRONG_DTYPE,
@@ -359,7 +362,7 @@ def _forward(ctx: _Ctx) -> Failure | None:
                             f"{ctx.case.dtype}: part of the module computes or communicates in another dtype"), r)
     pieces = [o.to(_F64) for o in outs]
     placement = output_placement(ctx.variant, y.dim())
-    tol = ctx.tol(ctx.mag["y"], "forward")
+    tol = ctx.tol(ctx.mag.y, "forward")
     summed = ctx.variant.output == "partial"
     ok, _ = _compare(pieces, y, tol, placement, summed)
     if ok:
@@ -377,17 +380,17 @@ def _forward(ctx: _Ctx) -> Failure | None:
 
 
 def _input_grad(ctx: _Ctx) -> Failure | None:
-    dx = ctx.ref["dx"]
+    dx = ctx.ref.dx
     if dx is None or not ctx.grads_bounded:
         return None
-    grads = [_f64(v.get("input_grad")) for v in ctx.values]
+    grads = [_f64(v.input_grad) for v in ctx.values]
     for r, g in enumerate(grads):
         if g is None:
             return ctx.fail(INPUT_GRAD, Diagnosis(GRAD_MISSING,
                             f"the input received no gradient on rank {r} (x.grad is None)"), r)
     placement = input_placement(ctx.variant, dx.dim())
     summed = ctx.variant.input == "replicated" and ctx.variant.input_grad == "partial"
-    tol = ctx.tol(ctx.mag["dx"], "grad")
+    tol = ctx.tol(ctx.mag.dx, "grad")
     ok, total = _compare(grads, dx, tol, placement, summed)  # type: ignore[arg-type]
     if ok:
         return None
@@ -451,11 +454,11 @@ def _param_grads(ctx: _Ctx, prop: str) -> Failure | None:
     if not ctx.grads_bounded:
         return None
     for name in ctx.layouts:
-        full = ctx.ref["grads"].get(name)
+        full = ctx.ref.grads.get(name)
         if grad_property(ctx.variant, name) != prop or full is None:
             continue  # another property's, or the parameter takes no part in the dense forward
-        grads = [v["grads"].get(name) for v in ctx.values]
-        diag = param_grad_diagnosis(ctx, name, grads, full, ctx.mag["grads"][name])
+        grads = [v.grads.get(name) for v in ctx.values]
+        diag = param_grad_diagnosis(ctx, name, grads, full, ctx.mag.grads[name])
         if diag is not None:
             return ctx.fail(prop, diag, diag.details.get("rank"), owner(name), param=name)
     return None
@@ -465,20 +468,20 @@ def _replica(ctx: _Ctx) -> Failure | None:
     items: list[tuple[str, list[Any], str | None]] = []
     for name, layout in ctx.layouts.items():
         if isinstance(layout.placement, Replicate):
-            items.append((f"{name} right after construction", [v.get("init", {}).get(name) for v in ctx.values],
+            items.append((f"{name} right after construction", [v.init.get(name) for v in ctx.values],
                           name))
     if ctx.variant.output == "replicated":
-        items.append(("the output", [v.get("output") for v in ctx.values], None))
+        items.append(("the output", [v.output for v in ctx.values], None))
     if ctx.variant.input == "replicated" and ctx.variant.input_grad == "complete":
-        items.append(("the input grad", [v.get("input_grad") for v in ctx.values], None))
+        items.append(("the input grad", [v.input_grad for v in ctx.values], None))
     for name, layout in ctx.layouts.items():
         if isinstance(layout.placement, Replicate):
             if name in ctx.partial:  # the trainer's sum must be the same bits everywhere
                 items.append((f"the {name} grad summed by the trainer",
-                              [v["summed_grads"].get(name) for v in ctx.values], name))
+                              [v.summed_grads.get(name) for v in ctx.values], name))
             else:
-                items.append((f"the {name} grad", [v["grads"].get(name) for v in ctx.values], name))
-            items.append((f"{name} after {TRAIN_STEPS} SGD steps", [v["final"].get(name) for v in ctx.values], name))
+                items.append((f"the {name} grad", [v.grads.get(name) for v in ctx.values], name))
+            items.append((f"{name} after {TRAIN_STEPS} SGD steps", [v.final.get(name) for v in ctx.values], name))
     for what, tensors, param in items:
         if any(t is None for t in tensors) or len({tuple(t.shape) for t in tensors}) > 1:
             continue  # missing or mis-shaped tensors are the equivalence properties' findings
@@ -501,8 +504,8 @@ def _training(ctx: _Ctx) -> Failure | None:
     if not ctx.grads_bounded:
         return None
     for name, layout in ctx.layouts.items():
-        want, mag = ctx.ref["final"][name], ctx.mag["final"][name]
-        raw = [v["final"].get(name) for v in ctx.values]
+        want, mag = ctx.ref.final[name], ctx.mag.final[name]
+        raw = [v.final.get(name) for v in ctx.values]
         if _holds(raw, want, mag, lambda m: ctx.tol(m, "training"), layout.placement, False, layout.uneven):
             continue
         finals = [_f64(t) for t in raw]
@@ -534,105 +537,91 @@ def _offending(variant: ModuleVariant, case: ModuleCase) -> dict[str, int]:
     return out
 
 
-def _names_the_size(err: BaseException, sizes: Sequence[int]) -> bool:
-    text = err.summary if isinstance(err, VariantRaised) else str(err)
-    if "divisib" in text.lower() or "multiple" in text.lower():
-        return True
-    return any(re.search(rf"(?<![\d.]){n}(?![\d.])", text) for n in sizes)
+def _truncated(problem: LayoutProblem, tp: int) -> bool:
+    """A piece cut along a dim that does not divide by ``tp``, yet no ``torch.tensor_split`` piece:
+    the evidence of a size silently truncated or padded (a dim that divides says nothing of the sort)."""
+    shape, full = problem.shape, problem.full
+    if shape is None or full is None or len(shape) != len(full):
+        return False
+    return any(s != f and f % tp for s, f in zip(shape, full, strict=True))
 
 
 @recogniser(DIVISIBILITY_UNCHECKED)
 def _divisibility(variant: ModuleVariant, obs: ModuleObservation) -> Failure | None:
     """Refused on every rank with a clear error: holds. Refused on some ranks, or without saying
-    why, or accepted with pieces that are not pieces of the dense parameters: ``divisibility-unchecked``."""
+    why, or accepted with pieces that are not pieces of the dense parameters: ``divisibility-unchecked``.
+    A piece that no layout explains along a dim that divides is :class:`UnknownLayout`, as in a
+    divisible case."""
     case = obs.case
     tp = case.tp_size or case.world_size
     offending = _offending(variant, case)
     size_name = "world_size" if tp == case.world_size else "tp_size"
     what = ", ".join(f"{n}={v}" for n, v in offending.items()) + f" is not divisible by {size_name}={tp}"
     if obs.error is not None:
-        errors = obs.rank_errors()
-        raised = sorted(r for r, e in errors.items() if not isinstance(e, CollectiveError))
-        stuck = sorted(r for r, e in errors.items() if isinstance(e, CollectiveError))
-        if len(raised) == case.world_size:
-            unclear = [r for r in raised if not _names_the_size(errors[r], list(offending.values()))]
-            if not unclear:
-                return None
-            err = errors[unclear[0]]
-            summary = err.summary if isinstance(err, VariantRaised) else f"{type(err).__name__}: {err}"
-            return Failure(DIVISIBILITY, DIVISIBILITY_UNCHECKED,
-                           f"{what}; every rank raised, but rank {unclear[0]}'s error does not say why (it names neither "
-                           f"the sizes nor divisibility): {summary.splitlines()[0]}; check the sizes at construction and "
-                           "raise a ValueError naming them", case=case, rank=unclear[0], variant=variant.name,
-                           traceback=getattr(err, "traceback_text", None), details={"raised": raised, "unclear": unclear})
-        others = stuck or sorted(set(range(case.world_size)) - set(raised))
-        detail = (f"ranks {raised} raised but ranks {others} did not" if raised else
-                  f"no rank raised a clear error; the ranks failed in a collective: {str(obs.error).splitlines()[0]}")
-        return Failure(DIVISIBILITY, DIVISIBILITY_UNCHECKED, f"{what}, and the module did not refuse it on every rank: "
-                       f"{detail}", case=case, variant=variant.name, details={"raised": raised, "collective": stuck})
+        return refusal_failure(variant.name, case, obs.error, what, list(offending.values()), subject="module")
     for r, v in enumerate(obs.values or []):
-        for problem in v.get("problems", ()):
-            if problem["full"] is None or problem["shape"] is None:
-                continue
-            return Failure(DIVISIBILITY, DIVISIBILITY_UNCHECKED,
-                           f"{what}, yet the module accepted it, and parameter {problem['param']!r} has shape "
-                           f"{problem['shape']} on rank {r} while the dense one is {problem['full']}: that is no "
-                           f"1/{tp} piece (nor a torch.tensor_split piece): the size was silently truncated or padded; "
-                           "raise a ValueError naming the sizes at construction", case=case, rank=r, variant=variant.name,
-                           sublayer=owner(problem["param"]), details={"param": problem["param"]})
+        for problem in v.problems:
+            if problem.kind == DECLARED or _truncated(problem, tp):
+                return Failure(DIVISIBILITY, DIVISIBILITY_UNCHECKED,
+                               f"{what}, yet the module accepted it, and parameter {problem.param!r} has shape "
+                               f"{list(problem.shape or ())} on rank {r} while the dense one is {list(problem.full or ())}: "
+                               f"that is no 1/{tp} piece (nor a torch.tensor_split piece): the size was silently truncated "
+                               "or padded; raise a ValueError naming the sizes at construction", case=case, rank=r,
+                               variant=variant.name, sublayer=owner(problem.param), details={"param": problem.param})
+    _refuse_unknown_layouts(obs)
     return None
 
 
+def _refuse_unknown_layouts(obs: ModuleObservation) -> None:
+    """Raise :class:`UnknownLayout` for the first parameter whose layout no shape explains."""
+    tp = obs.case.tp_size or obs.case.world_size
+    for r, v in enumerate(obs.values or []):
+        for problem in v.problems:
+            if problem.kind == UNKNOWN and problem.shape is not None and problem.full is not None:
+                raise UnknownLayout(problem.param, problem.shape, problem.full, r, tp)
+
+
 @recogniser(EXCEPTION)
-def _exception(variant: ModuleVariant, obs: ModuleObservation) -> Failure:
-    """The module raised on some rank (or on its one-rank reference group)."""
-    if obs.ref_error is not None:
-        return Failure(FORWARD, EXCEPTION,
-                       f"the module raised when built and run on a tp group of one rank (the dense reference, "
-                       f"float64): {obs.ref_error}", case=obs.case, variant=variant.name,
-                       traceback=obs.ref_error.traceback_text.rstrip() or None, details={"phase": "reference"})
-    errors = obs.rank_errors()
-    primary = {r: e for r, e in errors.items() if not isinstance(e, CollectiveError)}
-    pool = primary or errors
-    rank = min(pool)
-    err = pool[rank]
-    phase, step = "forward", 0
-    summary = str(err).splitlines()[0] if str(err) else type(err).__name__
-    tb = getattr(err, "remote_traceback", "") or ""
-    if isinstance(err, VariantRaised):
-        phase, step, summary, tb = err.phase, err.step, err.summary, err.traceback_text
-    elif isinstance(err, CollectiveError) and not primary:
-        summary = f"{err.collective or 'a collective'} #{err.call_index} could not complete: {summary}"
-    prop = TRAINING if step > 0 else INPUT_GRAD if phase == "backward" else FORWARD
-    where = phase if phase == "build" else f"{phase} (step {step})"
-    others = sorted(r for r in primary if r != rank)
-    also = f" (ranks {others} raised too)" if others else ""
-    return Failure(prop, EXCEPTION, f"rank {rank} raised during {where}: {summary}{also}", case=obs.case, rank=rank,
-                   traceback=tb.rstrip() or None, variant=variant.name,
-                   details={"phase": phase, "step": step, "ranks": sorted(primary)})
+def _failed_run(variant: ModuleVariant, obs: ModuleObservation) -> Failure:
+    """The run failed: on the one-rank reference group (the module raised, or its rank died), else
+    on the tp group (:func:`tpsim.props.raised.run_failure`, as in every family)."""
+    failed = obs.ref_error
+    if failed is None:
+        return run_failure(variant.name, obs.case, obs.error)  # type: ignore[arg-type]
+    where = "on a tp group of one rank (the dense reference, float64)"
+    if isinstance(failed.error, RankDied):
+        return death_failure(variant.name, obs.case, failed.error, context=f"{where}: ")
+    return Failure(FORWARD, EXCEPTION, f"the module raised when built and run {where}: {failed}", case=obs.case,
+                   variant=variant.name, traceback=failed.traceback_text.rstrip() or None,
+                   details={"phase": "reference"})
 
 
 def _layout_failure(variant: ModuleVariant, obs: ModuleObservation) -> Failure | None:
-    """A parameter whose shape no layout explains, in a case whose sizes all divide."""
+    """A parameter missing or extra on a rank, or whose shape contradicts its declared placement, in a
+    case whose sizes all divide; one laid out differently on different ranks. A shape no layout
+    explains is a usage error (:class:`UnknownLayout`), raised when nothing else is wrong."""
     for r, v in enumerate(obs.values or []):
-        for problem in v.get("problems", ()):
-            name = problem["param"]
-            if problem["why"] == "declared":
+        for problem in v.problems:
+            name = problem.param
+            if problem.kind == DECLARED:
                 spec = variant.param(name)
                 why = f"its declared placement {spec.placement if spec else '?'} implies another shape"
-            elif problem["shape"] is None or problem["full"] is None:
-                why = problem["why"]
+            elif problem.kind == MISSING:
+                why = "missing: the dense module has it, this rank's module does not"
+            elif problem.kind == EXTRA:
+                why = "extra: this rank's module has it, the dense module does not"
             else:
-                why = (f"it is neither the dense shape (replicated) nor a 1/{obs.case.tp_size} piece of it along one dim; "
-                       "if the module stores it in another layout, declare it with a ParamSpec")
+                continue
+            shape = None if problem.shape is None else list(problem.shape)
+            full = None if problem.full is None else list(problem.full)
             return Failure(FORWARD, SHAPE_ERROR,
-                           f"parameter {name!r} has shape {problem['shape']} on rank {r}, the dense module's is "
-                           f"{problem['full']}: {why}", case=obs.case, rank=r, variant=variant.name,
-                           sublayer=owner(name), details={"param": name, "shape": problem["shape"],
-                                                          "expected_shape": problem["full"]})
-    layouts = [v["layouts"] for v in obs.values or []]
+                           f"parameter {name!r} has shape {shape} on rank {r}, the dense module's is {full}: {why}",
+                           case=obs.case, rank=r, variant=variant.name, sublayer=owner(name),
+                           details={"param": name, "shape": shape, "expected_shape": full})
+    _refuse_unknown_layouts(obs)
+    layouts = [v.layouts for v in obs.values or []]
     for name in layouts[0] if layouts else {}:
-        seen = {(str(lay[name][0]), lay[name][1]) for lay in layouts if name in lay}
+        seen = {(str(lay[name].placement), lay[name].uneven) for lay in layouts if name in lay}
         if len(seen) > 1:
             return Failure(FORWARD, SHAPE_ERROR, f"parameter {name!r} is laid out differently on different ranks: "
                            f"{sorted(seen)}", case=obs.case, variant=variant.name, sublayer=owner(name),
@@ -647,15 +636,15 @@ def evaluate(variant: ModuleVariant, obs: ModuleObservation, properties: Sequenc
     if unknown:
         raise InvalidArgument(f"unknown properties {unknown}; expected some of {list(PROPERTIES)}")
     if obs.ref_error is not None:
-        return [_exception(variant, obs)]
+        return [_failed_run(variant, obs)]
     if not obs.divisible:
         f = _divisibility(variant, obs) if DIVISIBILITY in wanted else None
         if f is not None:
             return [f]
-        if obs.error is not None or any(v.get("problems") for v in obs.values or []):
+        if obs.error is not None or any(v.problems for v in obs.values or []):
             return []  # refused clearly: nothing else to check
     if obs.error is not None:
-        return [_exception(variant, obs)]
+        return [_failed_run(variant, obs)]
     layout = _layout_failure(variant, obs)
     if layout is not None:
         return [layout]
@@ -683,7 +672,7 @@ def _evaluate_group(ctx: _Ctx, wanted: Sequence[str]) -> list[Failure]:
         (BIAS_GRAD, lambda: _param_grads(ctx, BIAS_GRAD)),
         (REPLICA, lambda: _replica(ctx)),
     ]
-    if any(v.get("status") == "output" for v in ctx.values):
+    if any(v.status in (OUTPUT_SHAPE, DETACHED) for v in ctx.values):
         f = _forward(ctx)
         return [f] if f is not None else []
     failures = [f for name, fn in evaluators if name in wanted and (f := fn()) is not None]
@@ -746,14 +735,14 @@ class _Boundaries:
     def __init__(self, ctx: _Ctx, obs: ModuleObservation):
         self.ctx = ctx
         group = obs.ref.groups[ctx.g]  # type: ignore[union-attr]
-        self.ref = Capture.from_payload(group["capture"] or {})
-        self.mag = Capture.from_payload(group["mag"]["capture"] or {})
+        self.ref = Capture.from_payload(group.value.capture or {})
+        self.mag = Capture.from_payload(group.mag.capture or {})
         ranks = tp_groups(obs.case.world_size, obs.case.tp_size or obs.case.world_size, obs.case.tp_layout)[ctx.g]
-        self.ranks = [Capture.from_payload((obs.values or [])[r].get("capture") or {}) for r in ranks]
+        self.ranks = [Capture.from_payload((obs.values or [])[r].capture or {}) for r in ranks]
         self.masters = obs.ref.masters  # type: ignore[union-attr]
-        self.rank_grads = [(obs.values or [])[r].get("grads", {}) for r in ranks]
-        self.ref_grads = group["grads"]
-        self.mag_grads = group["mag"]["grads"]
+        self.rank_grads = [(obs.values or [])[r].grads for r in ranks]
+        self.ref_grads = group.value.grads
+        self.mag_grads = group.mag.grads
 
     def hints(self, name: str) -> list[tuple[int, ...]]:
         out = []
@@ -878,7 +867,7 @@ def _localise(ctx: _Ctx, obs: ModuleObservation) -> tuple[_Culprit | None, _Culp
 
 
 def _apply(failures: list[Failure], fwd: _Culprit | None, bwd: _Culprit | None,
-           layouts: dict[str, _Layout]) -> None:
+           layouts: dict[str, ParamLayout]) -> None:
     """Name the sublayer of every failure. Where the sublayer's tensors show a known mechanism that
     explains a failure's property, that is its diagnosis (the module-level one is kept in
     ``details``); otherwise the first failure traced to it says where the values first diverge.
@@ -908,7 +897,7 @@ def _apply(failures: list[Failure], fwd: _Culprit | None, bwd: _Culprit | None,
             f.message += _layout_hint(layouts, culprit.suspects)
 
 
-def _layout_hint(layouts: dict[str, _Layout], suspects: Sequence[str]) -> str:
+def _layout_hint(layouts: dict[str, ParamLayout], suspects: Sequence[str]) -> str:
     """A mismatch right after a sublayer whose weight was sharded by its shape alone may be the
     harness's reading of a packed layout, not a bug: say how to declare it."""
     inferred = [n for n, lay in layouts.items() if owner(n) in suspects and not lay.declared

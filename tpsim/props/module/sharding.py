@@ -14,6 +14,10 @@ Compared dim by dim, the two shapes say how the parameter is sharded:
 - anything else: no layout (reported: a truncated or padded piece, or a shape error).
 
 A :class:`~tpsim.variant.ParamSpec` on the variant overrides the inference (its shape is checked).
+
+A shape that no layout explains in a case whose sizes divide is :class:`UnknownLayout`: a usage
+error, never a finding, since correct modules store parameters so (key/value heads replicated
+because there are fewer than ranks, an undeclared packed layout).
 """
 
 from __future__ import annotations
@@ -24,9 +28,10 @@ from typing import Any
 
 import torch
 
+from tpsim.errors import InvalidArgument
 from tpsim.placement import Partial, Placement, Replicate, Shard, assemble, shard_shape, shard_tensor
 
-__all__ = ["ParamLayout", "assemble_pieces", "infer_layout", "piece", "uneven_size"]
+__all__ = ["ParamLayout", "UnknownLayout", "assemble_pieces", "infer_layout", "piece", "uneven_size"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,34 @@ class ParamLayout:
         if self.uneven:
             text += " (uneven)"
         return text + (" (declared)" if self.declared else "")
+
+
+class UnknownLayout(InvalidArgument):
+    """A parameter whose shape on a rank is neither the dense shape nor a ``1/tp`` piece of it along one
+    dim (see the module docstring): tpsim cannot tell from shapes how its values are laid out, so it
+    cannot judge it. Declared fields: ``param``, ``shape`` (on ``rank``), ``full`` (the dense
+    module's) and ``tp_size``."""
+
+    def __init__(self, param: str, shape: Sequence[int], full: Sequence[int], rank: int, tp_size: int) -> None:
+        master = "bias" if param.rpartition(".")[2] == "bias" else "weight"
+        super().__init__(
+            f"parameter {param!r} has shape {list(shape)} on rank {rank} (tp size {tp_size}) and {list(full)} in the "
+            f"dense module: neither the dense shape (replicated) nor a 1/{tp_size} piece of it along one dim, so tpsim "
+            "cannot tell from the shapes how its values are laid out over the ranks (a correct module may store it "
+            "so: key/value heads replicated because there are fewer than ranks, parts packed together). Declare its "
+            f"layout: ModuleVariant(params=(ParamSpec({param!r}, {master!r}, <placement>),)) with a Shard (parts=... "
+            "for packed parts) or Replicate placement; or, for an attention block, describe it as a "
+            "tpsim.attention_variant.AttentionVariant and check it with --kind attention, which reads each rank's "
+            "heads (replicated key/value heads included)"
+        )
+        self.param = param
+        self.shape = tuple(shape)
+        self.full = tuple(full)
+        self.rank = rank
+        self.tp_size = tp_size
+
+    def __reduce__(self) -> tuple[Any, ...]:  # the fields are the constructor's arguments
+        return (type(self), (self.param, self.shape, self.full, self.rank, self.tp_size))
 
 
 def uneven_size(size: int, tp: int, rank: int) -> int:

@@ -14,8 +14,8 @@ grad and parameter grads and the final parameters, then repeats the steps as the
 
 **The tp world** (``world_size`` ranks of the case's backend) builds the module on each rank's tp
 group, reads how each parameter is sharded (:mod:`tpsim.props.module.sharding`), loads its piece of
-every master, and runs the same steps on the group's data. Ranks return tensors; everything is
-compared in the parent (:mod:`tpsim.props.module.checks`).
+every master, and runs the same steps on the group's data. Ranks return tensors, as a
+:class:`ModuleRankResult`; everything is compared in the parent (:mod:`tpsim.props.module.checks`).
 
 With ``capture=True`` both worlds also record every sublayer's boundary tensors on step 0
 (:mod:`tpsim.props.module.boundary`); the checks ask for that only for a case that fails.
@@ -23,7 +23,6 @@ With ``capture=True`` both worlds also record every sublayer's boundary tensors 
 
 from __future__ import annotations
 
-import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,42 +31,39 @@ import torch.distributed as dist
 from torch import nn
 
 import tpsim
-from tpsim.errors import InvalidArgument, RankError
+from tpsim.comm.board import mark_phase
+from tpsim.errors import RankError
 from tpsim.module_variant import ModuleVariant
 from tpsim.placement import Replicate, Shard
-from tpsim.props.groups import tp_groups
+from tpsim.props.groups import tp_group
+from tpsim.props.launch import launch, variant_of
 from tpsim.props.module.boundary import Capture
 from tpsim.props.module.case import ModuleCase
 from tpsim.props.module.magnitude import MagnitudeMode, TapeEntry, UnboundedOp, ValueTape
 from tpsim.props.module.sharding import ParamLayout, declared_layout, infer_layout, piece
-from tpsim.props.world import LR, TRAIN_STEPS, VariantRaised
+from tpsim.props.raised import variant_raised
+from tpsim.props.results import RankOutput
+from tpsim.props.world import LR, TRAIN_STEPS
 
-__all__ = ["ModuleObservation", "Reference", "ReferenceFailed", "observe", "rank_main", "reference_main", "reference_run"]
+__all__ = [
+    "DECLARED",
+    "EXTRA",
+    "MISSING",
+    "UNKNOWN",
+    "GroupReference",
+    "LayoutProblem",
+    "ModuleObservation",
+    "ModuleRankResult",
+    "Reference",
+    "ReferenceFailed",
+    "StepTensors",
+    "observe",
+    "rank_main",
+    "reference_main",
+    "reference_run",
+]
 
 _F64 = torch.float64
-
-
-def _resolve(payload: dict[str, Any]) -> ModuleVariant:
-    variant = payload.get("variant")
-    if variant is None:
-        from tpsim.props.family import resolve_variant
-
-        variant = resolve_variant(*payload["ref"])
-    return variant
-
-
-def _target_ref(variant: ModuleVariant, where: str) -> tuple[str, str, tuple[tuple[str, Any], ...]]:
-    if variant.target is None:
-        raise InvalidArgument(
-            f"module variant {variant.name!r} has no target string, so {where} cannot import it; declare it at "
-            "module level and check it by target (e.g. tpsim check mymodule:Name)"
-        )
-    return (variant.target, variant.name, variant.options)
-
-
-def _raised(phase: str, step: int, err: BaseException) -> VariantRaised:
-    summary = f"{type(err).__name__}: {err}".splitlines()[0][:500]
-    return VariantRaised(phase, step, summary, traceback.format_exc())
 
 
 def _n_groups(case: ModuleCase) -> int:
@@ -104,13 +100,35 @@ def _check_magnitude(t: torch.Tensor | None, what: str) -> None:
 # --- the reference world ---------------------------------------------------------------------------
 
 
-def reference_main(payload: dict[str, Any]) -> dict[str, Any]:
+@dataclass
+class StepTensors:
+    """One tp group's steps on the dense module (or their magnitudes): the step-0 output ``y``, input
+    grad ``dx`` (None: the input got none) and parameter grads by dotted name, the sublayer
+    boundaries of step 0 (:meth:`Capture.as_payload`, None when not recorded), and every parameter
+    after the ``TRAIN_STEPS`` steps (``final``)."""
+
+    y: torch.Tensor
+    dx: torch.Tensor | None
+    grads: dict[str, torch.Tensor | None]
+    capture: dict[str, Any] | None = None
+    final: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class GroupReference:
+    """The reference of one tp group: its float64 values, and their magnitudes (for the tolerances)."""
+
+    value: StepTensors
+    mag: StepTensors
+
+
+def reference_main(payload: dict[str, Any]) -> Reference:
     """The one rank of the reference world (see the module docstring). Returns tensors only.
 
     Large modules (the lab note's MLP) make every full-size pass count: parameters are swapped in
     (``p.data = ...``) rather than copied, and grads and final values are kept, not cloned."""
     case: ModuleCase = payload["case"]
-    variant = _resolve(payload)
+    variant: ModuleVariant = variant_of(payload)
     torch.manual_seed(case.seed)
     dense = variant.reference(case.sizes, group=dist.group.WORLD, dtype=_F64)
     dtype = case.torch_dtype
@@ -128,12 +146,13 @@ def reference_main(payload: dict[str, Any]) -> dict[str, Any]:
     g_scale = min((_scale(tuple(t.shape)) for t in masters.values() if t.dim() >= 2), default=1.0) / max(case.rows, 1)
     inputs: list[list[torch.Tensor]] = []
     grads: list[list[torch.Tensor]] = []
-    groups: list[dict[str, Any]] = []
+    values: list[StepTensors] = []
     capture_on = bool(payload.get("capture"))
     tapes: list[list[list[TapeEntry]]] = []
     for _g in range(_n_groups(case)):
         _assign(dense, {n: t.to(_F64, copy=True) for n, t in masters.items()})
-        xs, gs, out, group_tapes = [], [], {}, []
+        xs, gs, group_tapes = [], [], []
+        first: tuple[Any, ...] = ()
         for step in range(TRAIN_STEPS):
             x_master = draw((*case.batch_shape, case.sizes[0]))
             x = x_master.to(_F64, copy=True).requires_grad_(True)
@@ -147,26 +166,28 @@ def reference_main(payload: dict[str, Any]) -> dict[str, Any]:
             if capture is not None:
                 capture.remove()
             if step == 0:
-                out = {"y": y.detach(), "dx": None if x.grad is None else x.grad.detach(),
-                       "grads": {n: p.grad for n, p in dense.named_parameters()},
-                       "capture": None if capture is None else capture.as_payload()}
+                first = (y.detach(), None if x.grad is None else x.grad.detach(),
+                         {n: p.grad for n, p in dense.named_parameters()},
+                         None if capture is None else capture.as_payload())
             xs.append(x_master)
             gs.append(g_master)
-            _sgd(dense)  # drops each grad after using it: the step-0 ones live on in ``out`` only
-        out["final"] = {n: p.detach() for n, p in dense.named_parameters()}
+            _sgd(dense)  # drops each grad after using it: the step-0 ones live on in ``first`` only
+        values.append(StepTensors(*first, final={n: p.detach() for n, p in dense.named_parameters()}))
         tapes.append(group_tapes)
         inputs.append(xs)
         grads.append(gs)
-        groups.append(out)
     measured = None
     # The magnitude run in float32 (half the memory traffic of float64 at the lab note's size; a
     # bound of non-negative sums needs no more precision), or float64 for a module that cannot
     # run in float32 once built in float64.
+    mags: list[StepTensors] = []
     for mag_dtype in (torch.float32, _F64):
         try:
-            for g, out in enumerate(groups):
-                out["mag"], measured = _magnitudes(variant, dense, masters, inputs[g], grads[g], tapes[g], capture_on,
-                                                   mag_dtype)
+            mags = []
+            for g in range(len(values)):
+                mag, measured = _magnitudes(variant, dense, masters, inputs[g], grads[g], tapes[g], capture_on,
+                                            mag_dtype)
+                mags.append(mag)
             break
         except UnboundedOp:
             raise
@@ -175,8 +196,8 @@ def reference_main(payload: dict[str, Any]) -> dict[str, Any]:
                 if isinstance(err, _Overflow):
                     raise UnboundedOp(f"a computation whose magnitudes overflow float64 ({err})") from None
                 raise
-    return {"masters": masters, "inputs": inputs, "grads": grads, "groups": groups,
-            "reduction": measured.reduction, "stages": measured.stages, "kinked": sorted(measured.kinked)}
+    groups = [GroupReference(v, m) for v, m in zip(values, mags, strict=True)]
+    return Reference(masters, inputs, grads, groups, measured.reduction, measured.stages, sorted(measured.kinked))
 
 
 def _assign(module: nn.Module, values: dict[str, torch.Tensor]) -> None:
@@ -187,13 +208,13 @@ def _assign(module: nn.Module, values: dict[str, torch.Tensor]) -> None:
 
 def _magnitudes(variant: ModuleVariant, dense: nn.Module, masters: dict[str, torch.Tensor], inputs: list[torch.Tensor],
                 grads: list[torch.Tensor], tapes: list[list[TapeEntry]], capture_on: bool,
-                dtype: torch.dtype) -> tuple[dict[str, Any], Any]:
+                dtype: torch.dtype) -> tuple[StepTensors, Any]:
     """The magnitude run of one tp group's steps: magnitudes of the step-0 output, input grad and
     parameter grads, and of the parameters after every step (first-order: each step's update adds
     ``LR`` times its grad's magnitude), computed in ``dtype``; parameter magnitudes are returned
     in float32 (they are as large as the weights)."""
     current = {n: t.to(dtype, copy=True).abs_() for n, t in masters.items()}
-    mag: dict[str, Any] = {}
+    first: tuple[Any, ...] = ()
     measured = None
     for step in range(TRAIN_STEPS):
         _assign(dense, current)
@@ -220,15 +241,14 @@ def _magnitudes(variant: ModuleVariant, dense: nn.Module, masters: dict[str, tor
         if step == 0:
             measured = mode.measured
             _check_magnitude(x.grad, "the input grad")
-            mag = {"y": y.detach().to(_F64), "dx": None if x.grad is None else x.grad.detach().to(_F64),
-                   "grads": {n: None if p.grad is None else p.grad.float() for n, p in dense.named_parameters()},
-                   "capture": None if capture is None else capture.as_payload()}
+            first = (y.detach().to(_F64), None if x.grad is None else x.grad.detach().to(_F64),
+                     {n: None if p.grad is None else p.grad.float() for n, p in dense.named_parameters()},
+                     None if capture is None else capture.as_payload())
         for name, p in dense.named_parameters():
             if p.grad is not None:
                 current[name].add_(p.grad, alpha=LR)  # also the parameter: it shares the storage
             p.grad = None
-    mag["final"] = {n: t.float() for n, t in current.items()}
-    return mag, measured
+    return StepTensors(*first, final={n: t.float() for n, t in current.items()}), measured
 
 
 @dataclass
@@ -238,7 +258,7 @@ class Reference:
     masters: dict[str, torch.Tensor]
     inputs: list[list[torch.Tensor]]
     grads: list[list[torch.Tensor]]
-    groups: list[dict[str, Any]]
+    groups: list[GroupReference]
     reduction: int
     stages: int
     kinked: list[str] = field(default_factory=list)
@@ -250,7 +270,8 @@ class Reference:
 
 
 class ReferenceFailed(Exception):
-    """The module raised when built or run on a one-rank group (the dense reference)."""
+    """The module failed when built or run on a one-rank group (the dense reference): ``error`` is
+    what it raised, or the :class:`tpsim.RankDied` of the reference world's rank."""
 
     def __init__(self, error: BaseException, traceback_text: str) -> None:
         super().__init__(f"{type(error).__name__}: {error}".splitlines()[0][:500])
@@ -260,41 +281,22 @@ class ReferenceFailed(Exception):
 
 def reference_run(variant: ModuleVariant, case: ModuleCase, *, timeout: float, capture: bool = False,
                   isolate: bool = False) -> Reference:
-    """Run the reference world. Raises :class:`ReferenceFailed` when the module raises on its
-    one-rank group (a finding: it fails without any parallelism) and :class:`UnboundedOp` when the
-    magnitude run cannot bound an operation (the harness's limit, reported as a usage error)."""
-    payload: dict[str, Any] = {"case": case, "capture": capture}
-    if isolate:
-        payload["ref"] = _target_ref(variant, "an isolated worker process")
-    else:
-        payload["variant"] = variant
+    """Run the reference world. Raises :class:`ReferenceFailed` when the module raises (or its rank
+    dies) on its one-rank group (a finding: it fails without any parallelism) and
+    :class:`UnboundedOp` when the magnitude run cannot bound an operation (the harness's limit,
+    reported as a usage error)."""
     try:
-        (out,) = tpsim.run(reference_main, 1, args=(payload,), timeout=timeout, rank_local=variant.rank_local,
-                           isolate=isolate)
+        (out,) = launch(reference_main, variant, {"case": case, "capture": capture}, 1, timeout=timeout,
+                        isolate=isolate)
     except RankError as err:
         cause = err.errors.get(0, err)
         if isinstance(cause, UnboundedOp):
             raise cause from None
         raise ReferenceFailed(cause, err.remote_traceback or "") from None
-    return Reference(**out)
+    return out
 
 
 # --- the tp world ----------------------------------------------------------------------------------
-
-
-def _tp_group(case: ModuleCase, global_rank: int) -> tuple[Any, int, int, int]:
-    """``(group, group index, tp rank, tp size)``; every rank creates every tp group, in order."""
-    tp = case.tp_size or case.world_size
-    if tp == case.world_size:
-        return dist.group.WORLD, 0, global_rank, tp
-    mine = None
-    for g, ranks in enumerate(tp_groups(case.world_size, tp, case.tp_layout)):
-        pg = dist.new_group(ranks)
-        if global_rank in ranks:
-            mine = (pg, g, ranks.index(global_rank), tp)
-    if mine is None:  # unreachable: the groups partition the world
-        raise InvalidArgument(f"rank {global_rank} is in no tp group of {case.describe()}")
-    return mine
 
 
 def input_placement(variant: ModuleVariant, ndim: int) -> Any:
@@ -325,22 +327,36 @@ def _cut(t: torch.Tensor, placement: Any, rank: int, tp: int) -> torch.Tensor:
     return t
 
 
+#: :attr:`LayoutProblem.kind` values.
+MISSING = "missing"  # the dense module has the parameter, this rank's module does not
+EXTRA = "extra"  # this rank's module has the parameter, the dense module does not
+DECLARED = "declared"  # its declared placement implies another shape than the rank's
+UNKNOWN = "unknown"  # neither the dense shape nor a 1/tp (or torch.tensor_split) piece along one dim
+
+
+@dataclass(frozen=True)
+class LayoutProblem:
+    """A parameter whose layout on a rank cannot be explained: ``kind`` (:data:`MISSING`,
+    :data:`EXTRA`, :data:`DECLARED`, :data:`UNKNOWN`), its shape on the rank (``shape``, None when
+    missing) and the dense module's (``full``, None when extra)."""
+
+    param: str
+    kind: str
+    shape: tuple[int, ...] | None
+    full: tuple[int, ...] | None
+
+
 def layouts_of(variant: ModuleVariant, module: nn.Module, shapes: dict[str, tuple[int, ...]], tp: int,
-               rank: int) -> tuple[dict[str, ParamLayout], list[dict[str, Any]]]:
-    """Every parameter's layout on this rank, and what cannot be explained (each problem a dict)."""
+               rank: int) -> tuple[dict[str, ParamLayout], list[LayoutProblem]]:
+    """Every parameter's layout on this rank, and the parameters whose layout cannot be explained."""
     layouts: dict[str, ParamLayout] = {}
-    problems: list[dict[str, Any]] = []
+    problems = [LayoutProblem(name, MISSING, None, tuple(full)) for name, full in shapes.items()
+                if name not in dict(module.named_parameters())]
     modules = dict(module.named_modules())
-    local = dict(module.named_parameters())
-    for name in shapes:
-        if name not in local:
-            problems.append({"param": name, "shape": None, "full": list(shapes[name]),
-                             "why": "missing: the dense module has it, this rank's module does not"})
-    for name, p in local.items():
+    for name, p in module.named_parameters():
         full = shapes.get(name)
         if full is None:
-            problems.append({"param": name, "shape": list(p.shape), "full": None,
-                             "why": "extra: this rank's module has it, the dense module does not"})
+            problems.append(LayoutProblem(name, EXTRA, tuple(p.shape), None))
             continue
         spec = variant.param(name)
         if spec is not None:
@@ -349,91 +365,109 @@ def layouts_of(variant: ModuleVariant, module: nn.Module, shapes: dict[str, tupl
             owner = modules.get(name.rpartition(".")[0], module)
             layout = infer_layout(full, tuple(p.shape), tp, rank, owner)
         if layout is None:
-            problems.append({"param": name, "shape": list(p.shape), "full": list(full),
-                             "why": "declared" if spec is not None else "inferred"})
+            problems.append(LayoutProblem(name, DECLARED if spec is not None else UNKNOWN, tuple(p.shape), tuple(full)))
         else:
             layouts[name] = layout
     return layouts, problems
 
 
-def rank_main(payload: dict[str, Any]) -> dict[str, Any]:
+@dataclass
+class ModuleRankResult(RankOutput):
+    """What one rank of the tp world returns (besides :class:`~tpsim.props.results.RankOutput`'s
+    fields; ``output`` is the step-0 output), parameters by dotted name:
+
+    - ``layouts``: how each parameter it could explain is laid out; ``problems``: the others;
+    - ``shapes``: every parameter's shape on this rank;
+    - ``partial``: the replicated parameters whose grad the trainer sums;
+    - ``init``: replicated parameters' own values right after construction (an initialised variant);
+    - ``input_grad``, ``grads``: step-0 grads (None where none came);
+    - ``summed_grads``: the step-0 grads of ``partial`` after the trainer's sum;
+    - ``final``: every parameter after ``TRAIN_STEPS`` SGD steps;
+    - ``capture``: the sublayer boundaries of step 0 (:meth:`Capture.as_payload`), when asked for.
+    """
+
+    layouts: dict[str, ParamLayout] = field(default_factory=dict)
+    problems: list[LayoutProblem] = field(default_factory=list)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    partial: tuple[str, ...] = ()
+    init: dict[str, torch.Tensor] = field(default_factory=dict)
+    input_grad: torch.Tensor | None = None
+    grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    summed_grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    final: dict[str, torch.Tensor] = field(default_factory=dict)
+    capture: dict[str, Any] | None = None
+
+
+def rank_main(payload: dict[str, Any]) -> ModuleRankResult:
     """What every rank of the tp world runs for one case (see the module docstring)."""
     case: ModuleCase = payload["case"]
-    variant = _resolve(payload)
-    group, g, rank, tp = _tp_group(case, dist.get_rank())
+    variant: ModuleVariant = variant_of(payload)
+    group, g, rank, tp = tp_group(case, dist.get_rank())
     shapes: dict[str, tuple[int, ...]] = payload["shapes"]
     masters: dict[str, torch.Tensor] = payload["masters"]
     inputs, upstream = payload["inputs"][g], payload["grads"][g]
     # Every rank seeded alike before the build, as training scripts do (replicas must agree).
     torch.manual_seed(case.seed)
+    mark_phase("build")  # an isolated worker names the phase of a rank that dies or hangs
     try:
         module = variant.instantiate(case.sizes, group=group, dtype=case.torch_dtype)
     except Exception as err:
-        raise _raised("build", 0, err) from err
+        raise variant_raised("build", 0, err) from err
+    # Problems are reported by the parent. The rank still runs its steps (on whatever it could
+    # load), so that its collectives stay in step with the ranks that found nothing wrong.
     layouts, problems = layouts_of(variant, module, shapes, tp, rank)
-    result: dict[str, Any] = {"status": "ok", "group": g, "tp_rank": rank, "problems": problems,
-                              "layouts": {n: (lay.placement, lay.uneven, lay.declared) for n, lay in layouts.items()},
-                              "shapes": {n: tuple(p.shape) for n, p in module.named_parameters()}}
-    if problems:
-        # Reported by the parent. The rank still runs its steps (on whatever it could load), so that
-        # its collectives stay in step with the ranks that found nothing wrong.
-        result["status"] = "layout"
     params = dict(module.named_parameters())
     # Replicated parameters whose grad the trainer sums (declared grad="partial", or Megatron's
     # ``sequence_parallel`` marker): summed over the tp group before each SGD step, as Megatron's
     # finalize_model_grads does.
-    partial = [n for n, lay in layouts.items() if isinstance(lay.placement, Replicate) and (
-        getattr(variant.param(n), "grad", "complete") == "partial" or getattr(params[n], "sequence_parallel", False) is True)]
-    result["partial"] = partial
-    result["summed_grads"] = {}
+    partial = tuple(n for n, lay in layouts.items() if isinstance(lay.placement, Replicate) and (
+        getattr(variant.param(n), "grad", "complete") == "partial" or getattr(params[n], "sequence_parallel", False) is True))
+    result = ModuleRankResult(group=g, tp_rank=rank, layouts=layouts, problems=problems, partial=partial,
+                              shapes={n: tuple(p.shape) for n, p in params.items()})
     if variant.initialised:
-        result["init"] = {n: params[n].detach().clone() for n, lay in layouts.items()
-                          if isinstance(lay.placement, Replicate)}
+        result.init = {n: params[n].detach().clone() for n, lay in layouts.items() if isinstance(lay.placement, Replicate)}
     with torch.no_grad():
         for name, layout in layouts.items():
             params[name].copy_(piece(masters[name], layout.placement, rank, tp, layout.uneven))
-    result.update(grads={}, final={})
     for step in range(TRAIN_STEPS):
         x_full = inputs[step]
         x = _cut(x_full, input_placement(variant, x_full.dim()), rank, tp).detach().clone().requires_grad_(True)
         capture = Capture().install(module) if payload.get("capture") and step == 0 else None
+        mark_phase("forward", step)
         try:
             out = variant.call(module, x)
         except Exception as err:
-            raise _raised("forward", step, err) from err
+            raise variant_raised("forward", step, err) from err
         g_full = upstream[step]
         want = _cut(g_full, output_placement(variant, g_full.dim()), rank, tp)
-        if not isinstance(out, torch.Tensor) or out.shape != want.shape or not out.requires_grad:
-            # Nothing to back-propagate (a wrong shape, or an output cut off from autograd): report it.
-            result["status"] = "output"
-            result["output"] = out.detach().clone() if isinstance(out, torch.Tensor) else None
-            result["output_type"] = type(out).__name__
-            result["detached"] = isinstance(out, torch.Tensor) and not out.requires_grad
+        if result.unusable(out, want.shape, graph=x):
             if capture is not None:
                 capture.remove()
-            return result
+            return result  # nothing to back-propagate: a wrong shape, or an output cut off from autograd
+        mark_phase("backward", step)
         try:
             out.backward(want.to(out.dtype))
         except Exception as err:
-            raise _raised("backward", step, err) from err
+            raise variant_raised("backward", step, err) from err
         if capture is not None:
             capture.remove()
-            result["capture"] = capture.as_payload()
+            result.capture = capture.as_payload()
         if step == 0:
-            result["output"] = out.detach().clone()
-            result["input_grad"] = None if x.grad is None else x.grad.detach().clone()
+            result.output, result.output_type = out.detach().clone(), type(out).__name__
+            result.input_grad = None if x.grad is None else x.grad.detach().clone()
             # Kept, not cloned: the SGD step below replaces each grad rather than changing it.
-            result["grads"] = {n: None if p.grad is None else p.grad.detach().clone() if n in partial else p.grad.detach()
-                               for n, p in module.named_parameters()}
+            result.grads = {n: None if p.grad is None else p.grad.detach().clone() if n in partial else p.grad.detach()
+                            for n, p in params.items()}
         for name in partial:
             p = params[name]
             # Every rank joins the sum, with zeros where its grad is None (reported as missing).
             total = p.grad if p.grad is not None else torch.zeros_like(p)
             dist.all_reduce(total, group=group)
             if step == 0:
-                result["summed_grads"][name] = total.detach().clone()
+                result.summed_grads[name] = total.detach().clone()
+        mark_phase("step", step)
         _sgd(module)
-    result["final"] = {n: p.detach() for n, p in module.named_parameters()}
+    result.final = {n: p.detach() for n, p in params.items()}
     return result
 
 
@@ -444,17 +478,10 @@ class ModuleObservation:
     case: ModuleCase
     divisible: bool
     ref: Reference | None
-    values: list[dict[str, Any]] | None = None
+    values: list[ModuleRankResult] | None = None
     error: RankError | None = None
-    #: The module raised on its one-rank group: no reference, nothing else ran.
+    #: The module failed on its one-rank group: no reference, nothing else ran.
     ref_error: ReferenceFailed | None = None
-
-    def rank_errors(self) -> dict[int, BaseException]:
-        """Every failed rank's exception (the runner's ``errors``, or the single failing rank)."""
-        if self.error is None:
-            return {}
-        errors = dict(getattr(self.error, "errors", {}) or {})
-        return errors or {self.error.rank: self.error}
 
 
 def is_divisible(variant: ModuleVariant, case: ModuleCase) -> bool:
@@ -478,13 +505,8 @@ def observe(variant: ModuleVariant, case: ModuleCase, *, backend: str = "inproc"
             return ModuleObservation(case, divisible, None, ref_error=failed)
     payload: dict[str, Any] = {"case": case, "shapes": ref.shapes, "masters": ref.masters, "inputs": ref.inputs,
                                "grads": ref.grads, "capture": capture}
-    if backend == "inproc" and not isolate:
-        payload["variant"] = variant
-    else:
-        payload["ref"] = _target_ref(variant, f"{backend} worker processes")
     try:
-        values = tpsim.run(rank_main, case.world_size, backend=backend, args=(payload,), timeout=timeout,
-                           rank_local=variant.rank_local, isolate=isolate)
+        values = launch(rank_main, variant, payload, case.world_size, backend=backend, timeout=timeout, isolate=isolate)
     except RankError as err:
         return ModuleObservation(case, divisible, ref, error=err)
     return ModuleObservation(case, divisible, ref, values=values)

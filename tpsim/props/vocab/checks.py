@@ -34,6 +34,7 @@ With hidden states the logits are themselves a product of length ``H`` in the dt
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
@@ -56,12 +57,20 @@ from tpsim.diagnosis import (
     rank_summands,
     recogniser,
 )
-from tpsim.errors import CollectiveError
-from tpsim.props.checks import DIVISIBILITY, FORWARD, INPUT_GRAD, REPLICA, WEIGHT_GRAD
-from tpsim.props.comparing import compare, failure, groups_of, names_the_size, raised, replica
+from tpsim.props.comparing import compare, failure, groups_of, replica
+from tpsim.props.names import DIVISIBILITY, FORWARD, INPUT_GRAD, REPLICA, WEIGHT_GRAD
+from tpsim.props.raised import refusal_failure, run_failure
+from tpsim.props.results import OK, OUTPUT_SHAPE, Observation
 from tpsim.props.tolerance import eps, tolerance
 from tpsim.props.vocab.case import CrossEntropyCase, EmbeddingCase
-from tpsim.props.vocab.world import Observation, dense_cross_entropy, vocab_rows
+from tpsim.props.vocab.world import (
+    NO_WEIGHT,
+    WEIGHT_SHAPE,
+    CrossEntropyRankResult,
+    EmbeddingRankResult,
+    dense_cross_entropy,
+    vocab_rows,
+)
 from tpsim.vocab_variant import CrossEntropyVariant, EmbeddingVariant
 
 __all__ = [
@@ -82,12 +91,12 @@ _F64 = torch.float64
 # --- embeddings ----------------------------------------------------------------------------------
 
 
-def _unmasked_leak(case: EmbeddingCase, values: list[dict[str, Any]], group: list[int], ids: torch.Tensor,
+def _unmasked_leak(case: EmbeddingCase, values: list[EmbeddingRankResult], group: list[int], ids: torch.Tensor,
                    ref: torch.Tensor) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
     """The outputs an embedding would give whose ranks add a row for ids they do not own (rows read from
     the ranks' stored tables); ``(how, leaky output, its magnitude)`` for each way of picking the row."""
     tp = len(group)
-    stored = [values[r].get("weight") for r in group]
+    stored = [values[r].weight for r in group]
     if any(w is None for w in stored):
         return
     sizes = [w.shape[0] for w in stored]
@@ -107,12 +116,12 @@ def _unmasked_leak(case: EmbeddingCase, values: list[dict[str, Any]], group: lis
 
 
 @recogniser(VOCAB_MASK_MISSING)
-def _vocab_mask_missing(variant: Any, case: EmbeddingCase, values: list[dict[str, Any]], group: list[int],
+def _vocab_mask_missing(variant: Any, case: EmbeddingCase, values: list[EmbeddingRankResult], group: list[int],
                         ids: torch.Tensor, ref: torch.Tensor, rank: int) -> Failure | None:
     """Every rank's output is the dense lookup plus one row of each rank not owning the id."""
     if len(group) < 2:
         return None
-    got = values[rank]["output"]
+    got = values[rank].output
     for how, leaky, mag in _unmasked_leak(case, values, group, ids, ref):
         tol = tolerance(case.torch_dtype, mag, reduction_length=len(group), world_size=len(group))
         if close(got, leaky, tol) and not close(got, ref, tol):
@@ -133,44 +142,44 @@ def evaluate_embedding(variant: EmbeddingVariant, obs: Observation, properties: 
     divides = case.vocab_size % tp == 0
     if obs.error is not None:
         if not divides:
-            return _refusal(variant, obs, wanted)
-        return [raised(variant, obs, {"build": FORWARD, "forward": FORWARD, "backward": WEIGHT_GRAD})]
+            found = refusal_failure(variant.name, case, obs.error, f"vocab_size={case.vocab_size} is not divisible by "
+                                    f"tp_size={tp}", [case.vocab_size, tp])
+            return [found] if found is not None and DIVISIBILITY in wanted else []
+        return [run_failure(variant.name, case, obs.error, backward=WEIGHT_GRAD)]
     values = obs.values or []
     failures: list[Failure] = []
     table = obs.data.table.to(_F64)
     for g, group in enumerate(groups_of(case)):
         ids, upstream = obs.data.ids[g], obs.data.grads[g].to(_F64)
         ref = F.embedding(ids, table)
-        sizes = [values[r].get("rows") for r in group]
+        sizes = [values[r].rows for r in group]
         dense_grad = _table_grad(case, ids, upstream) if WEIGHT_GRAD in wanted else None
         for i, r in enumerate(group):
             v = values[r]
-            status = v["status"]
-            if status != "ok":
+            if v.status != OK:
                 failures.append(_embedding_layout_failure(variant, case, v, r, divides))
                 break
-            found = compare(variant, case, FORWARD, "the embedding output", r, v.get("output"), ref,
+            found = compare(variant, case, FORWARD, "the embedding output", r, v.output, ref,
                              tolerance(case.torch_dtype, ref.abs(), reduction_length=1, world_size=tp),
                              [partial(_vocab_mask_missing, variant, case, values, group, ids, ref, r)])
             if found is not None and FORWARD in wanted:
                 failures.append(found)
                 break
-            where = vocab_rows(v["rows"], case.vocab_size, tp, i, sizes)  # type: ignore[arg-type]
+            where = vocab_rows(v.rows, case.vocab_size, tp, i, sizes)  # type: ignore[arg-type]
             if where is None:
-                failures.append(_embedding_layout_failure(variant, case, {**v, "status": "weight-shape",
-                                                                          "shape": (v["rows"], case.embedding_dim)},
-                                                          r, divides))
+                failures.append(_embedding_layout_failure(variant, case, dataclasses.replace(
+                    v, status=WEIGHT_SHAPE, shape=(v.rows, case.embedding_dim)), r, divides))
                 break
             if WEIGHT_GRAD in wanted:
                 expected, mag = _rows_of(case, dense_grad, where)  # type: ignore[arg-type]
                 tol = tolerance(case.torch_dtype, mag, reduction_length=case.tokens, world_size=tp)
-                found = compare(variant, case, WEIGHT_GRAD, "the embedding table's grad", r, v.get("weight_grad"),
+                found = compare(variant, case, WEIGHT_GRAD, "the embedding table's grad", r, v.weight_grad,
                                  expected, tol)
                 if found is not None:
                     failures.append(found)
                     break
     if REPLICA in wanted and not failures:
-        found = replica(variant, case, values, [("output", "the embedding output")])
+        found = replica(variant, case, values, [("the embedding output", lambda v: v.output)])
         if found is not None:
             failures.append(found)
     return [f for f in failures if f.property in wanted]
@@ -198,17 +207,16 @@ def _rows_of(case: EmbeddingCase, dense: tuple[torch.Tensor, torch.Tensor],
     return torch.cat([grad[lo:hi], zeros]), torch.cat([mag[lo:hi], zeros])
 
 
-def _embedding_layout_failure(variant: Any, case: EmbeddingCase, v: dict[str, Any], rank: int, divides: bool) -> Failure:
-    status = v["status"]
-    if status == "no-weight":
+def _embedding_layout_failure(variant: Any, case: EmbeddingCase, v: EmbeddingRankResult, rank: int,
+                              divides: bool) -> Failure:
+    if v.status == NO_WEIGHT:
         return failure(variant, case, FORWARD, SHAPE_ERROR, f"rank {rank}'s module has no parameter "
                         f"{variant.weight!r} (the variant's weight); name the table parameter with weight=", rank=rank)
-    if status == "output-shape":
-        out = v.get("output")
-        shape = None if out is None else list(out.shape)
+    if v.status == OUTPUT_SHAPE:
+        shape = None if v.output is None else list(v.output.shape)
         return failure(variant, case, FORWARD, SHAPE_ERROR, f"the embedding output on rank {rank} has shape {shape} "
-                        f"({v.get('output_type')}); expected {[*case.batch_shape, case.embedding_dim]}", rank=rank)
-    shape = list(v.get("shape") or ())
+                        f"({v.output_type}); expected {[*case.batch_shape, case.embedding_dim]}", rank=rank)
+    shape = list(v.shape or ())
     tp = case.tp_size or case.world_size
     if not divides and shape and shape[0] * tp < case.vocab_size:
         return failure(variant, case, DIVISIBILITY, DIVISIBILITY_UNCHECKED,
@@ -219,29 +227,6 @@ def _embedding_layout_failure(variant: Any, case: EmbeddingCase, v: dict[str, An
                     f"rank {rank} stores its table as shape {shape}: not a row shard of the [{case.vocab_size}, "
                     f"{case.embedding_dim}] table (the same rows on every rank, padded, or torch.tensor_split's "
                     "pieces)", rank=rank, details={"shape": shape})
-
-
-def _refusal(variant: Any, obs: Observation, wanted: Sequence[str]) -> list[Failure]:
-    """A vocabulary that does not divide was refused: on every rank, naming the sizes?"""
-    case = obs.case
-    tp = case.tp_size or case.world_size
-    errors = obs.rank_errors()
-    raised = sorted(r for r, e in errors.items() if not isinstance(e, CollectiveError))
-    what = f"vocab_size={case.vocab_size} is not divisible by tp_size={tp}"
-    if len(raised) == case.world_size:
-        unclear = [r for r in raised if not names_the_size(errors[r], [case.vocab_size, tp])]
-        if not unclear:
-            return []
-        r = unclear[0]
-        found = failure(variant, case, DIVISIBILITY, DIVISIBILITY_UNCHECKED,
-                         f"{what}; every rank raised, but rank {r}'s error names neither the sizes nor divisibility: "
-                         f"{str(errors[r]).splitlines()[0]}; raise a ValueError naming them", rank=r)
-    else:
-        others = sorted(set(range(case.world_size)) - set(raised))
-        found = failure(variant, case, DIVISIBILITY, DIVISIBILITY_UNCHECKED,
-                         f"{what}, and the layer did not refuse it on every rank: ranks {raised} raised, ranks "
-                         f"{others} did not (they failed in a collective instead)", details={"raised": raised})
-    return [found] if DIVISIBILITY in wanted else []
 
 
 # --- cross-entropies -----------------------------------------------------------------------------
@@ -354,13 +339,14 @@ class _CrossEntropyReference:
         return (1 - ls) * nll + ls * (log_z - total / (shifted.shape[-1] if count is None else count))
 
 
-def _loss_candidate(variant: Any, case: CrossEntropyCase, ref: _CrossEntropyReference, values: list[dict[str, Any]],
+def _loss_candidate(variant: Any, case: CrossEntropyCase, ref: _CrossEntropyReference, values: list[CrossEntropyRankResult],
                     group: list[int], name: str, candidate: Callable[[int], torch.Tensor | None], message: str) -> Failure | None:
-    """A failure named ``name`` when every rank's loss equals ``candidate(rank index)`` within the bound."""
-    hits = 0
+    """A failure named ``name`` when every rank's loss equals ``candidate(rank index)`` within the bound,
+    and that bound tells it apart from the dense loss on some rank (else it is no evidence)."""
+    hits, told_apart = 0, False
     for i, r in enumerate(group):
         cand = candidate(i)
-        got = values[r].get("output")
+        got = values[r].output
         if cand is None or got is None or got.shape != cand.shape:
             return None
         # The buggy computation's own reductions may be up to tp times longer (a gathered vocabulary).
@@ -368,14 +354,15 @@ def _loss_candidate(variant: Any, case: CrossEntropyCase, ref: _CrossEntropyRefe
                                                            world_size=len(group))
         if not close(got, cand, tol):
             return None
+        told_apart = told_apart or not close(got, ref.loss, tol)
         hits += 1
-    if not hits:
+    if not hits or not told_apart:
         return None
     return failure(variant, case, FORWARD, name, message, rank=group[0])
 
 
 @recogniser(LOSS_OFF_BY_LOG_TP)
-def _loss_off_by_log_tp(variant: Any, case: CrossEntropyCase, ref: _CrossEntropyReference, values: list[dict[str, Any]],
+def _loss_off_by_log_tp(variant: Any, case: CrossEntropyCase, ref: _CrossEntropyReference, values: list[CrossEntropyRankResult],
                         group: list[int]) -> Failure | None:
     tp = len(group)
     if tp < 2:
@@ -389,7 +376,7 @@ def _loss_off_by_log_tp(variant: Any, case: CrossEntropyCase, ref: _CrossEntropy
 
 
 @recogniser(LABEL_SMOOTHING_PER_SHARD)
-def _smoothing_per_shard(variant: Any, case: CrossEntropyCase, ref: _CrossEntropyReference, values: list[dict[str, Any]],
+def _smoothing_per_shard(variant: Any, case: CrossEntropyCase, ref: _CrossEntropyReference, values: list[CrossEntropyRankResult],
                          group: list[int]) -> Failure | None:
     tp, ls, vocab = len(group), case.label_smoothing, case.vocab_size
     if tp < 2 or ls == 0.0:
@@ -408,22 +395,32 @@ def _smoothing_per_shard(variant: Any, case: CrossEntropyCase, ref: _CrossEntrop
         mean = shard_mean(i)
         return None if mean is None else ref.reduce((1 - ls) * nll + ls * (log_z - mean))
 
-    def megatron_form(i: int) -> torch.Tensor | None:  # Megatron's smoothing with the shard's size as V
-        mean, n = shard_mean(i), min((i + 1) * width, vocab) - min(i * width, vocab)
-        if mean is None or n < 2:
-            return None
-        s = ls * n / (n - 1)
-        return ref.reduce((1 - s) * nll - s * (mean - log_z))
+    def megatron_form(given: float) -> Callable[[int], torch.Tensor | None]:
+        def form(i: int) -> torch.Tensor | None:  # Megatron's smoothing with the shard's size as V
+            mean, n = shard_mean(i), min((i + 1) * width, vocab) - min(i * width, vocab)
+            if mean is None or n < 2:
+                return None
+            s = given * n / (n - 1)
+            return ref.reduce((1 - s) * nll - s * (mean - log_z))
+
+        return form
+
+    from tpsim.presets.megatron import megatron_label_smoothing
 
     message = (f"with label_smoothing={ls:g}, each rank's loss averages the smoothing term -log p_j over its own "
                f"vocabulary shard only (so the {tp} ranks' losses differ): all-reduce the sum of the shard's "
                "log-probabilities (or logits) and divide by the whole vocabulary size (Megatron-LM #737)")
-    return (_loss_candidate(variant, case, ref, values, group, LABEL_SMOOTHING_PER_SHARD, torch_form, message)
-            or _loss_candidate(variant, case, ref, values, group, LABEL_SMOOTHING_PER_SHARD, megatron_form, message))
+    # Megatron's code given eps itself, or given its own label_smoothing for the same targets (the
+    # Megatron preset passes eps (V-1)/V: docs/presets.md).
+    for form in (torch_form, megatron_form(ls), megatron_form(megatron_label_smoothing(ls, vocab))):
+        found = _loss_candidate(variant, case, ref, values, group, LABEL_SMOOTHING_PER_SHARD, form, message)
+        if found is not None:
+            return found
+    return None
 
 
 @recogniser(MAX_NOT_REDUCED)
-def _max_not_reduced(variant: Any, case: CrossEntropyCase, ref: _CrossEntropyReference, values: list[dict[str, Any]],
+def _max_not_reduced(variant: Any, case: CrossEntropyCase, ref: _CrossEntropyReference, values: list[CrossEntropyRankResult],
                      group: list[int]) -> Failure | None:
     tp, vocab = len(group), case.vocab_size
     if tp < 2:
@@ -446,7 +443,7 @@ def _max_not_reduced(variant: Any, case: CrossEntropyCase, ref: _CrossEntropyRef
 
 
 @recogniser(VOCAB_PADDING_IN_SOFTMAX)
-def _padding_in_softmax(variant: Any, case: CrossEntropyCase, ref: _CrossEntropyReference, values: list[dict[str, Any]],
+def _padding_in_softmax(variant: Any, case: CrossEntropyCase, ref: _CrossEntropyReference, values: list[CrossEntropyRankResult],
                         group: list[int]) -> Failure | None:
     full = ref.padded_logits
     if full.shape[-1] == case.vocab_size:
@@ -461,8 +458,8 @@ def _padding_in_softmax(variant: Any, case: CrossEntropyCase, ref: _CrossEntropy
 
 @recogniser(GRAD_NOT_REDUCED)
 def _hidden_grad_not_reduced(variant: Any, case: CrossEntropyCase, ref: _CrossEntropyReference,
-                             values: list[dict[str, Any]], group: list[int], rank: int) -> Failure | None:
-    grads = [values[r].get("hidden_grad") for r in group]
+                             values: list[CrossEntropyRankResult], group: list[int], rank: int) -> Failure | None:
+    grads = [values[r].hidden_grad for r in group]
     if len(group) < 2 or any(g is None for g in grads):
         return None
     if not rank_summands([g.to(_F64) for g in grads], ref.hidden_grad, ref.hidden_tol):
@@ -480,7 +477,7 @@ def evaluate_cross_entropy(variant: CrossEntropyVariant, obs: Observation,
     case: CrossEntropyCase = obs.case
     wanted = tuple(properties or CROSS_ENTROPY_PROPERTIES)
     if obs.error is not None:
-        return [raised(variant, obs, {"forward": FORWARD, "backward": INPUT_GRAD})]
+        return [run_failure(variant.name, case, obs.error)]
     values = obs.values or []
     tp = case.tp_size or case.world_size
     failures: list[Failure] = []
@@ -488,17 +485,17 @@ def evaluate_cross_entropy(variant: CrossEntropyVariant, obs: Observation,
         ref = _CrossEntropyReference(variant, case, obs, g)
         for r in group:
             v = values[r]
-            if v["status"] != "ok":
-                out = v.get("output")
+            if v.status != OK:
+                out = v.output
                 expected = list(case.batch_shape) if case.reduction == "none" else []
                 failures.append(failure(variant, case, FORWARD, SHAPE_ERROR,
                                          f"the loss on rank {r} has shape {None if out is None else list(out.shape)} "
-                                         f"({v.get('output_type')}); expected {expected} for reduction="
+                                         f"({v.output_type}); expected {expected} for reduction="
                                          f"{case.reduction!r}", rank=r))
                 return [f for f in failures if f.property in wanted]
             loss_recognisers = [partial(fn, variant, case, ref, values, group) for fn in
                                 (_loss_off_by_log_tp, _smoothing_per_shard, _max_not_reduced, _padding_in_softmax)]
-            found = compare(variant, case, FORWARD, "the loss", r, v.get("output"), ref.loss, ref.loss_tol,
+            found = compare(variant, case, FORWARD, "the loss", r, v.output, ref.loss, ref.loss_tol,
                              loss_recognisers)
             if found is not None:
                 failures.append(found)
@@ -508,10 +505,10 @@ def evaluate_cross_entropy(variant: CrossEntropyVariant, obs: Observation,
             if variant.input == "logits":
                 width = ref.logits_grad.shape[-1] // tp
                 cols = slice(i * width, (i + 1) * width)
-                found = compare(variant, case, INPUT_GRAD, "the logits' grad", r, v.get("input_grad"),
+                found = compare(variant, case, INPUT_GRAD, "the logits' grad", r, v.input_grad,
                                  ref.logits_grad[..., cols], ref.logits_tol[..., cols])
             else:
-                found = compare(variant, case, INPUT_GRAD, "the hidden states' grad", r, v.get("hidden_grad"),
+                found = compare(variant, case, INPUT_GRAD, "the hidden states' grad", r, v.hidden_grad,
                                  ref.hidden_grad, ref.hidden_tol,
                                  [partial(_hidden_grad_not_reduced, variant, case, ref, values, group, r)])
             if found is not None:
@@ -521,15 +518,15 @@ def evaluate_cross_entropy(variant: CrossEntropyVariant, obs: Observation,
             width = ref.weight_grad.shape[0] // tp
             for i, r in enumerate(group):
                 rows = slice(i * width, (i + 1) * width)
-                found = compare(variant, case, WEIGHT_GRAD, "the classifier rows' grad", r, values[r].get("weight_grad"),
+                found = compare(variant, case, WEIGHT_GRAD, "the classifier rows' grad", r, values[r].weight_grad,
                                  ref.weight_grad[rows], ref.weight_tol[rows])
                 if found is not None:
                     failures.append(found)
                     break
     if REPLICA in wanted:
-        names = [("output", "the loss")] + ([("hidden_grad", "the hidden states' grad")]
-                                            if variant.input == "hidden" else [])
-        found = replica(variant, case, values, names)
+        items = [("the loss", lambda v: v.output)] + ([("the hidden states' grad", lambda v: v.hidden_grad)]
+                                                      if variant.input == "hidden" else [])
+        found = replica(variant, case, values, items)
         if found is not None:
             failures.append(found)
     seen: set[str] = set()

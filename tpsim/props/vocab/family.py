@@ -71,8 +71,18 @@ class _VocabFamily:
         return variant
 
     def resolve(self, target: str, obj: Any, options: Mapping[str, Any]) -> list[Any] | None:
+        from tpsim.presets import preset_for_class
         from tpsim.target import import_target_module
 
+        preset = None if isinstance(obj, (self.variant_type, list, tuple)) else preset_for_class(obj)
+        if preset is not None and (preset[1] in self.kinds or options.get("kind") in self.kinds):
+            library, kind = preset
+            if kind not in self.kinds:
+                raise InvalidArgument(f"{target} derives from {library.name}'s {kind} layer; --kind {options['kind']} "
+                                      "contradicts it")
+            # A library's layer or function, or a subclass of one (a patch): the library's preset, which
+            # declares the rank-local state itself.
+            return [self._adapt(v, options, target, None) for v in library.variants(obj, kind)]
         if isinstance(obj, self.variant_type):
             found = [obj]
         elif isinstance(obj, (list, tuple)) and obj and all(isinstance(v, self.variant_type) for v in obj):
@@ -89,6 +99,11 @@ class _VocabFamily:
             return []
         if any(options.get(k) is not None for k in _FOREIGN):
             return []  # the options adapt another family's variants of a bare module
+        from tpsim.presets import library_variants, preset_for_target
+
+        preset = preset_for_target(target)
+        if preset is not None:  # a library's own layers: its preset's variants of this family's kinds
+            return [self._adapt(v, options, f"{target}:{v.name}", None) for v in library_variants(preset, self.kinds)]
         declared = getattr(module, "TPSIM_VOCAB", None)
         if declared is not None:
             items = [v for v in declared if isinstance(v, self.variant_type)]
@@ -170,6 +185,14 @@ class CrossEntropyFamily(_VocabFamily):
             raise InvalidArgument(f"properties={list(properties)!r}: cross-entropy {variant.name!r} is checked for "
                                   f"{', '.join(applies)}")
         notes = list(variant.notes)
+        if variant.dtypes:
+            kept_dtypes = tuple(d for d in dtypes if d in variant.dtypes)
+            if not kept_dtypes:
+                raise InvalidArgument(f"dtypes={list(dtypes)!r}: cross-entropy {variant.name!r} is checked in "
+                                      f"{', '.join(variant.dtypes)} only")
+            if kept_dtypes != tuple(dtypes):
+                notes.append(f"{variant.name} declares dtypes {', '.join(variant.dtypes)} only")
+            dtypes = kept_dtypes
         missing = [k for k in ("label_smoothing", "ignore_index", "vocab_size", "reduction", "group")
                    if k not in variant.accepts]
         consequence = {"label_smoothing": "no label smoothing", "ignore_index": "no ignored targets",

@@ -80,7 +80,9 @@ def embedding_cases(variant: EmbeddingVariant, *, world_sizes: Sequence[int], dt
         dtype = draw(st.sampled_from(names))
         vocab = _vocab(draw, tp, non_divisible)
         dim = draw(st.integers(1, 6))
-        batch = draw(batch_shapes(max_dims=2, max_size=4))
+        batch = draw(batch_shapes(max_dims=variant.max_batch_dims, max_size=4, min_dims=variant.min_batch_dims))
+        if variant.sequence_dim is not None:  # a dim the layer scatters its output along: a multiple of tp
+            batch = tuple(n * tp if d == variant.sequence_dim else n for d, n in enumerate(batch))
         seed = draw(st.integers(0, 2**31 - 1))
         return EmbeddingCase(world, vocab, dim, batch, dtype, seed, tp, layout, target=variant.target,
                              variant=variant.name, options=variant.options)

@@ -11,8 +11,9 @@ the logits hold a large value (:data:`PADDING_LOGIT`): an implementation that le
 softmax is far off.
 
 **The ranks** (:func:`embedding_rank`, :func:`cross_entropy_rank`, module-level so gloo workers can
-run them) build or call the variant on their tp group and return tensors; everything is compared in
-the parent (:mod:`tpsim.props.vocab.checks`).
+run them) build or call the variant on their tp group and return tensors, as an
+:class:`EmbeddingRankResult` or a :class:`CrossEntropyRankResult`; everything is compared in the
+parent (:mod:`tpsim.props.vocab.checks`).
 
 **Which rows a rank holds** is read from the shape it stores (:func:`vocab_rows`): ``n`` rows on
 every rank of a vocabulary padded to ``tp * n`` (Megatron), or ``torch.tensor_split``'s uneven pieces.
@@ -21,7 +22,6 @@ every rank of a vocabulary padded to ``tp * n`` (Megatron), or ``torch.tensor_sp
 from __future__ import annotations
 
 import math
-import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,16 +32,22 @@ import torch.nn.functional as F
 import tpsim
 from tpsim.comm.board import mark_phase
 from tpsim.errors import RankError
+from tpsim.props.groups import tp_group
+from tpsim.props.launch import launch, variant_of
+from tpsim.props.raised import variant_raised
+from tpsim.props.results import Observation, RankOutput
 from tpsim.props.vocab.case import CrossEntropyCase, EmbeddingCase
-from tpsim.props.world import VariantRaised, _tp_group
 from tpsim.variant import get_param
 from tpsim.vocab_variant import CrossEntropyVariant, EmbeddingVariant
 
 __all__ = [
+    "NO_WEIGHT",
     "PADDING_LOGIT",
+    "WEIGHT_SHAPE",
     "CrossEntropyData",
+    "CrossEntropyRankResult",
     "EmbeddingData",
-    "Observation",
+    "EmbeddingRankResult",
     "boundary_ids",
     "cross_entropy_data",
     "cross_entropy_rank",
@@ -145,42 +151,49 @@ def embedding_data(case: EmbeddingCase, padding_multiple: int = 1) -> EmbeddingD
     return EmbeddingData(table, ids, grads)
 
 
-def _raised(phase: str, err: BaseException) -> VariantRaised:
-    summary = f"{type(err).__name__}: {err}".splitlines()[0][:500]
-    return VariantRaised(phase, 0, summary, traceback.format_exc())
+#: :attr:`EmbeddingRankResult.status` values of an embedding's own (besides :mod:`tpsim.props.results`').
+NO_WEIGHT = "no-weight"  # the module has no parameter of the variant's weight name
+WEIGHT_SHAPE = "weight-shape"  # the stored table is no row shard of the table (``shape`` says what it is)
 
 
-def _variant(payload: dict[str, Any]) -> Any:
-    variant = payload.get("variant")
-    if variant is None:
-        from tpsim.props.family import resolve_variant
+@dataclass
+class EmbeddingRankResult(RankOutput):
+    """What one rank of an embedding case returns (besides :class:`~tpsim.props.results.RankOutput`'s
+    fields; ``status`` may be :data:`NO_WEIGHT` or :data:`WEIGHT_SHAPE`):
 
-        variant = resolve_variant(*payload["ref"])
-    return variant
+    - ``rows``: how many rows of the table it stores (None without a table);
+    - ``shape``: the stored table's shape, for :data:`WEIGHT_SHAPE`;
+    - ``weight``: the stored table after loading (padding rows included);
+    - ``weight_grad``: its grad after the backward (None when it got none).
+    """
+
+    rows: int | None = None
+    shape: tuple[int, ...] | None = None
+    weight: torch.Tensor | None = None
+    weight_grad: torch.Tensor | None = None
 
 
-def embedding_rank(payload: dict[str, Any]) -> dict[str, Any]:
+def embedding_rank(payload: dict[str, Any]) -> EmbeddingRankResult:
     """What every rank runs for one embedding case: build, load (``load=True``), forward, backward."""
     case: EmbeddingCase = payload["case"]
-    variant: EmbeddingVariant = _variant(payload)
+    variant: EmbeddingVariant = variant_of(payload)
     data: EmbeddingData = payload["data"]
-    group, g, rank, tp = _tp_group(case, dist.get_rank())
+    group, g, rank, tp = tp_group(case, dist.get_rank())
     torch.manual_seed(case.seed)  # every rank seeded alike before the build, as training scripts do
     mark_phase("build")
     try:
         module = variant.build(case.vocab_size, case.embedding_dim, group=group, dtype=case.torch_dtype,
                                weight=data.table.clone())
     except Exception as err:
-        raise _raised("build", err) from err
+        raise variant_raised("build", 0, err) from err
     weight = get_param(module, variant.weight)
-    result: dict[str, Any] = {"status": "ok", "group": g, "tp_rank": rank}
+    result = EmbeddingRankResult(group=g, tp_rank=rank)
     if weight is None:
-        result.update(status="no-weight")
+        result.status = NO_WEIGHT
         return result
-    rows = weight.shape[0]
-    result["rows"] = rows
+    rows = result.rows = weight.shape[0]
     if tuple(weight.shape[1:]) != (case.embedding_dim,):
-        result.update(status="weight-shape", shape=tuple(weight.shape))
+        result.status, result.shape = WEIGHT_SHAPE, tuple(weight.shape)
         return result
     if variant.load:
         # Every rank's stored size decides the layout (uneven or padded): exchange them first.
@@ -188,32 +201,30 @@ def embedding_rank(payload: dict[str, Any]) -> dict[str, Any]:
         dist.all_gather(sizes, torch.tensor([rows]), group=group)
         where = vocab_rows(rows, case.vocab_size, tp, rank, [int(s) for s in sizes])
         if where is None:
-            result.update(status="weight-shape", shape=tuple(weight.shape))
+            result.status, result.shape = WEIGHT_SHAPE, tuple(weight.shape)
             return result
         start, stop = where
         with torch.no_grad():
             weight.zero_()
             real = data.table[min(start, case.vocab_size):min(stop, case.vocab_size)]
             weight[: real.shape[0]].copy_(real)
-    result["weight"] = weight.detach()  # the module is dropped after the run: no copy needed
+    result.weight = weight.detach()  # the module is dropped after the run: no copy needed
     ids = data.ids[g]
     mark_phase("forward", 0)
     try:
         out = variant.call(module, ids)
     except Exception as err:
-        raise _raised("forward", err) from err
+        raise variant_raised("forward", 0, err) from err
     upstream = data.grads[g]
-    if not isinstance(out, torch.Tensor) or out.shape != upstream.shape:
-        result.update(status="output-shape", output=out.detach().clone() if isinstance(out, torch.Tensor) else None,
-                      output_type=type(out).__name__)
+    if result.unusable(out, upstream.shape):
         return result
-    result["output"] = out.detach()
+    result.output, result.output_type = out.detach(), type(out).__name__
     mark_phase("backward", 0)
     try:
         out.backward(upstream.to(out.dtype))
     except Exception as err:
-        raise _raised("backward", err) from err
-    result["weight_grad"] = None if weight.grad is None else weight.grad.detach()
+        raise variant_raised("backward", 0, err) from err
+    result.weight_grad = None if weight.grad is None else weight.grad.detach()
     return result
 
 
@@ -266,12 +277,24 @@ def _rows(full: torch.Tensor, width: int, tp: int, rank: int) -> torch.Tensor:
     return torch.cat([full, pad]).chunk(tp, dim=0)[rank]
 
 
-def cross_entropy_rank(payload: dict[str, Any]) -> dict[str, Any]:
+@dataclass
+class CrossEntropyRankResult(RankOutput):
+    """What one rank of a cross-entropy case returns (besides :class:`~tpsim.props.results.RankOutput`'s
+    fields; ``output`` is the loss): the grads of its leaves after the backward, None where it got
+    none — ``input_grad`` (its logits' shard), or ``hidden_grad`` and ``weight_grad`` (the hidden
+    states and its classifier rows)."""
+
+    input_grad: torch.Tensor | None = None
+    hidden_grad: torch.Tensor | None = None
+    weight_grad: torch.Tensor | None = None
+
+
+def cross_entropy_rank(payload: dict[str, Any]) -> CrossEntropyRankResult:
     """What every rank runs for one cross-entropy case: call it on its shard, backward."""
     case: CrossEntropyCase = payload["case"]
-    variant: CrossEntropyVariant = _variant(payload)
+    variant: CrossEntropyVariant = variant_of(payload)
     data: CrossEntropyData = payload["data"]
-    group, g, rank, tp = _tp_group(case, dist.get_rank())
+    group, g, rank, tp = tp_group(case, dist.get_rank())
     target = data.targets[g]
     if variant.input == "hidden":
         hidden = data.hidden[g].clone().requires_grad_()
@@ -285,70 +308,41 @@ def cross_entropy_rank(payload: dict[str, Any]) -> dict[str, Any]:
         loss = variant.call(leaves, target, label_smoothing=case.label_smoothing, ignore_index=case.ignore_index,
                             vocab_size=case.vocab_size, reduction=case.reduction, group=group)
     except Exception as err:
-        raise _raised("forward", err) from err
+        raise variant_raised("forward", 0, err) from err
     upstream = data.grads[g]
-    result: dict[str, Any] = {"status": "ok", "group": g, "tp_rank": rank}
-    if not isinstance(loss, torch.Tensor) or loss.shape != upstream.shape:
-        result.update(status="output-shape", output=loss.detach().clone() if isinstance(loss, torch.Tensor) else None,
-                      output_type=type(loss).__name__)
+    result = CrossEntropyRankResult(group=g, tp_rank=rank)
+    if result.unusable(loss, upstream.shape):
         return result
-    result["output"] = loss.detach().clone()
+    result.output, result.output_type = loss.detach().clone(), type(loss).__name__
     mark_phase("backward", 0)
     try:
         loss.backward(upstream.to(loss.dtype))
     except Exception as err:
-        raise _raised("backward", err) from err
-    names = ("hidden_grad", "weight_grad") if variant.input == "hidden" else ("input_grad",)
-    for name, leaf in zip(names, leaves, strict=True):
-        result[name] = None if leaf.grad is None else leaf.grad.detach().clone()
+        raise variant_raised("backward", 0, err) from err
+    grads = [None if leaf.grad is None else leaf.grad.detach().clone() for leaf in leaves]
+    if variant.input == "hidden":
+        result.hidden_grad, result.weight_grad = grads
+    else:
+        (result.input_grad,) = grads
     return result
 
 
 # --- the parent side -----------------------------------------------------------------------------
 
 
-@dataclass
-class Observation:
-    """What one world run produced: per-rank result dicts, or the runner's error."""
-
-    case: Any
-    data: Any
-    values: list[dict[str, Any]] | None = None
-    error: RankError | None = None
-
-    def rank_errors(self) -> dict[int, BaseException]:
-        """Every failed rank's exception (the runner's ``errors``, or the single failing rank)."""
-        if self.error is None:
-            return {}
-        errors = dict(getattr(self.error, "errors", {}) or {})
-        return errors or {self.error.rank: self.error}
-
-
 def observe(variant: Any, case: Any, *, backend: str = "inproc", timeout: float = tpsim.DEFAULT_TIMEOUT,
             isolate: bool = False) -> Observation:
     """Run ``case`` once on ``case.world_size`` ranks of ``backend`` (see the module docstring);
     ``isolate=True`` runs an inproc world in a supervised worker process (see :func:`tpsim.run`)."""
-    from tpsim.errors import InvalidArgument
-
     if isinstance(variant, EmbeddingVariant):
         data: Any = embedding_data(case, variant.padding_multiple)
-        fn = embedding_rank
+        fn: Any = embedding_rank
     else:
         data = cross_entropy_data(case, "ignore_index" in variant.accepts)
         fn = cross_entropy_rank
-    payload: dict[str, Any] = {"case": case, "data": data}
-    if backend == "inproc" and not isolate:
-        payload["variant"] = variant
-    else:
-        if variant.target is None:
-            raise InvalidArgument(
-                f"variant {variant.name!r} has no target string, so {backend} worker processes cannot import it; "
-                "declare it at module level and check it by target (e.g. tpsim check mymodule:Name)"
-            )
-        payload["ref"] = (variant.target, variant.name, variant.options)
     try:
-        values = tpsim.run(fn, case.world_size, backend=backend, args=(payload,), timeout=timeout,
-                           isolate=isolate, rank_local=variant.rank_local)
+        values = launch(fn, variant, {"case": case, "data": data}, case.world_size, backend=backend, timeout=timeout,
+                        isolate=isolate)
     except RankError as err:
         return Observation(case, data, error=err)
     return Observation(case, data, values=values)

@@ -1,0 +1,113 @@
+"""Running a family's rank function on a world: how the variant reaches the ranks, and warm workers.
+
+Every family's world run goes through :func:`launch`. In this process (``inproc`` without
+``isolate``) the ranks get the variant object itself; worker processes (gloo, nccl, the isolated
+inproc worker) get its target string, name and options and resolve it again (:func:`variant_of`),
+so a variant needs a target string there (:func:`target_ref` says so otherwise).
+
+Importing a target is not part of a case: :func:`warm_workers` imports it in the worker processes
+once, before the first case of that world size, so that a slow import (Megatron-core takes seconds
+per process, many on a loaded machine) is never counted against a case's timeout — or against the
+grace the ranks of a failed run get to report their own error — where it would look like the
+variant's fault. A failed world may leave fresh workers behind: they are warmed again before the
+next case.
+
+The variant's ``rank_local`` modules are made per rank on inproc, and the other loaded modules of
+their packages watched for sharing between ranks (:func:`watched`).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import tpsim
+from tpsim.errors import InvalidArgument, RankError
+
+__all__ = ["WARM_TIMEOUT", "launch", "target_ref", "variant_of", "warm_workers", "watched"]
+
+#: Seconds worker processes get to import a target the first time.
+WARM_TIMEOUT = 300.0
+_warmed: set[tuple[Any, ...]] = set()
+
+Ref = tuple[str, str, tuple[tuple[str, Any], ...]]
+
+
+def target_ref(variant: Any, backend: str, isolate: bool) -> Ref:
+    """``(target, name, options)``: what worker processes resolve ``variant`` from; raises
+    :class:`tpsim.InvalidArgument` when it has no target string."""
+    if variant.target is None:
+        where = "the isolated inproc worker process" if backend == "inproc" else f"{backend} worker processes"
+        raise InvalidArgument(
+            f"variant {variant.name!r} has no target string, so {where} cannot import it; declare it at module "
+            "level and check it by target (e.g. tpsim check mymodule:Name)"
+        )
+    return (variant.target, variant.name, tuple(variant.options))
+
+
+def variant_of(payload: dict[str, Any]) -> Any:
+    """The variant a rank runs: the object itself, or resolved again from ``payload["ref"]``."""
+    variant = payload.get("variant")
+    if variant is None:
+        from tpsim.props.family import resolve_variant
+
+        variant = resolve_variant(*payload["ref"])
+    return variant
+
+
+def launch(fn: Callable[[dict[str, Any]], Any], variant: Any, payload: dict[str, Any], world_size: int, *,
+           backend: str = "inproc", timeout: float = tpsim.DEFAULT_TIMEOUT, isolate: bool = False) -> list[Any]:
+    """``fn(payload)`` on every rank of a world of ``world_size`` ranks of ``backend``; the per-rank
+    values. The variant is added to ``payload`` (see the module docstring). Raises the run's
+    :class:`tpsim.RankError`; a :class:`tpsim.SharedModuleState` (the harness's finding about the
+    setup, not the variant's failure) propagates."""
+    ref = None
+    if backend == "inproc" and not isolate:
+        payload["variant"] = variant
+    else:
+        ref = payload["ref"] = target_ref(variant, backend, isolate)
+        warm_workers(ref, world_size, backend=backend, isolate=isolate)
+    try:
+        return tpsim.run(fn, world_size, backend=backend, args=(payload,), timeout=timeout, isolate=isolate,
+                         rank_local=variant.rank_local, watch=watched(variant.rank_local))
+    except RankError:
+        if ref is not None:
+            _warmed.discard(_warm_key(ref, world_size, backend, isolate))
+        raise
+
+
+def _resolve_only(ref: Ref) -> bool:
+    variant_of({"ref": ref})
+    return True
+
+
+def _warm_key(ref: Ref, world_size: int, backend: str, isolate: bool) -> tuple[Any, ...]:
+    return (ref[0], repr(ref[2]), world_size, backend, isolate)
+
+
+def warm_workers(ref: Ref, world_size: int, *, backend: str, isolate: bool) -> None:
+    """Import the target ``ref`` names in the worker processes of a world of ``world_size`` ranks of
+    ``backend`` (``isolate``: the isolated inproc worker), once per target, options, world size and
+    backend: before its first case (see the module docstring). In-process worlds need nothing."""
+    if backend == "inproc" and not isolate:
+        return
+    key = _warm_key(ref, world_size, backend, isolate)
+    if key in _warmed:
+        return
+    _warmed.add(key)
+    try:
+        tpsim.run(_resolve_only, world_size, backend=backend, args=(ref,), timeout=WARM_TIMEOUT, isolate=isolate)
+    except Exception:  # noqa: BLE001 - the case's own run reports whatever this is
+        pass
+
+
+def watched(rank_local: tuple[str, ...]) -> tuple[str, ...]:
+    """The loaded modules of the packages a variant's rank-local modules belong to: a layer class in
+    ``pkg.layers`` may keep its tp group in ``pkg.state``, which inproc then watches for sharing
+    between ranks. A library preset declares its state itself and is not widened."""
+    from tpsim.presets import presets
+
+    declared = {t.split(".")[0] for p in presets() for t in p.targets}
+    tops = {name.split(".")[0] for name in rank_local} - declared
+    return tuple(name for name in list(sys.modules) if "." in name and name.split(".")[0] in tops)
