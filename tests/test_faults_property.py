@@ -48,6 +48,16 @@ def test_every_generated_fault_is_surfaced_on_the_builtin_layers(target):
     assert any(r.caught_by for r in reports)  # some corruption was caught by an equivalence property
 
 
+def test_faults_run_isolated_report_what_they_report_in_process():
+    # What `tpsim check --faults` runs: the worlds in the supervised worker process.
+    variant = resolve_target(COLUMN)[0]
+    runs = {isolate: check_faults(variant, world_sizes=(2, 3), max_examples=12, seed=5, timeout=1.0, isolate=isolate)
+            for isolate in (False, True)}
+    assert [r.message for r in runs[True] if not r.ok] == []
+    assert [(r.plan, r.outcome, r.caught_by) for r in runs[True]] == [
+        (r.plan, r.outcome, r.caught_by) for r in runs[False]]
+
+
 def test_a_drop_is_reported_with_rank_and_call():
     variant = resolve_target(ROW)[0]
     case = Case(world_size=2, in_features=4, out_features=4, batch_shape=(2,), faults=(Drop(1, 1).to_json(),))

@@ -222,3 +222,46 @@ def test_check_case_directly():
     case = CrossEntropyCase(2, 5, (3,), label_smoothing=0.1)
     assert CROSS_ENTROPY.check_case(builtin_variants.vocab_cross_entropy, case, backend="inproc") == []
     assert EMBEDDING.check_case(builtin_variants.vocab_embedding, EmbeddingCase(3, 7, 2, (6,)), backend="inproc") == []
+
+
+# --- label smoothing over the shard: strict recognisers --------------------------------------------
+
+
+def test_tpsim_cross_entropy_with_smoothing_passes_at_every_tp_size():
+    # The correct cross-entropy must never be named label-smoothing-per-shard (its loss, its grad,
+    # its one-id-per-rank cases).
+    report = search(builtin_variants.vocab_cross_entropy, max_examples=40, seed=0, world_sizes=(1, 2, 3, 4, 8))
+    assert report.passed, [f.describe() for f in report.failures]
+
+
+def _divides_by_shard_size_minus_one(vocab_parallel_logits, target, label_smoothing=0.0):
+    """Megatron's smoothing factor from the shard's size alone (and a correct loss otherwise)."""
+    from tpsim.layers import vocab_parallel_cross_entropy
+
+    n = vocab_parallel_logits.shape[-1]
+    if label_smoothing > 0:
+        label_smoothing * n / (n - 1)  # ZeroDivisionError where each rank owns one id
+    return vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing)
+
+
+@pytest.mark.parametrize(("vocab", "smoothing", "diagnosis"), [
+    (2, 0.1, "label-smoothing-per-shard"),  # one id per rank: the same bug, as a crash
+    (4, 0.1, None),  # two ids per rank: the factor is finite (and unused): passes
+    (2, 0.0, None),  # no smoothing, no division
+])
+def test_a_zero_division_is_the_smoothing_bug_only_where_each_rank_owns_one_id(vocab, smoothing, diagnosis):
+    variant = cross_entropy_from_function(_divides_by_shard_size_minus_one)
+    case = CrossEntropyCase(2, vocab, (3,), "float32", 0, smoothing)
+    failures = CROSS_ENTROPY.check_case(variant, case, backend="inproc")
+    assert [f.diagnosis for f in failures] == ([diagnosis] if diagnosis else [])
+    if diagnosis:
+        assert failures[0].property == "forward-equivalence" and "every rank owns one id" in failures[0].message
+
+
+def test_another_error_where_each_rank_owns_one_id_stays_an_exception():
+    def raises(vocab_parallel_logits, target, label_smoothing=0.0):
+        raise ValueError("not a division")
+
+    failures = CROSS_ENTROPY.check_case(cross_entropy_from_function(raises), CrossEntropyCase(2, 2, (3,), "float32", 0, 0.1),
+                                        backend="inproc")
+    assert [f.diagnosis for f in failures] == ["exception"]

@@ -533,6 +533,7 @@ def _fault_failures(variant: Any, args: argparse.Namespace) -> tuple[list[Any], 
         seed=args.seed or 0,
         backend=args.backend,
         timeout=min(args.timeout, FAULT_TIMEOUT),
+        isolate=args.isolate and args.backend == "inproc" and variant.target is not None,
     )
     failures = []
     for report in reports:

@@ -416,12 +416,14 @@ VOCAB_MASK_MISSING = register(DiagnosisSpec(
     consequences=(_WEIGHT_GRAD,),
 ))
 LABEL_SMOOTHING_PER_SHARD = register(DiagnosisSpec(
-    "label-smoothing-per-shard", (_FORWARD,),
+    "label-smoothing-per-shard", (_FORWARD, _INPUT_GRAD),
     "with label smoothing, each rank's loss averages the smoothing term over its own vocabulary shard "
     "instead of the whole vocabulary, so the ranks' losses differ (Megatron-LM #737)",
     "label_smoothing > 0, tp >= 2, and every rank's loss equals the smoothed loss recomputed with the "
     "mean log-probability taken over that rank's shard only (as F.cross_entropy smooths, or as Megatron "
-    "does with the shard's size as the vocabulary size), within tolerance",
+    "does with the shard's size as the vocabulary size), within tolerance; or every rank's logits grad "
+    "equals the autograd grad of that rank's per-shard loss, within the grad's bound; or, with one id "
+    "per rank, every rank's own code raised ZeroDivisionError in the forward (the factor n/(n-1))",
     "cross-entropy-smoothing-per-shard",
     consequences=(_INPUT_GRAD, _REPLICA),
 ))

@@ -218,7 +218,7 @@ def _resolve_uncached(target: str, options: Mapping[str, Any]) -> list[Variant]:
                               "apply to plain classes")
         overrides = {k: options[k] for k in ("input", "output", "input_grad") if options.get(k) is not None}
         # Its linear layers (its embedding and cross-entropy belong to the families of tpsim.props.vocab).
-        variants = [v.replace(**overrides) if overrides else v for v in library_variants(library, KINDS)]
+        variants = [v.replace(**overrides) if overrides else v for v in library_variants(library, KINDS, module_part)]
         return _finish(target, variants, options)
     if module_part in _DECLARED_IN:
         declared = declared_variants(_import(_DECLARED_IN[module_part]))

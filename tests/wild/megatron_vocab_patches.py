@@ -5,7 +5,8 @@ the embedding derives from ``VocabParallelEmbedding``, the cross-entropies from 
 function ``_VocabParallelCrossEntropy`` that ``vocab_parallel_cross_entropy`` applies.
 
 - ``UnmaskedVocabParallelEmbedding``: shifts the ids into its shard (those it does not own become
-  row 0) but drops the zeroing of their rows before the all-reduce: ``vocab-mask-missing``;
+  row 0) but drops the zeroing of their rows before the all-reduce: ``vocab-mask-missing`` (the rest
+  of Megatron's forward, deterministic_mode and reduce_scatter_embeddings included, is kept);
 - ``LocalMaxVocabParallelCrossEntropy``: drops the all-reduce MAX of the logits' maximum ("the
   exponentials are summed over the ranks anyway"): ``max-not-reduced``;
 - ``GlobalFactorVocabParallelCrossEntropy``: a half fix of Megatron's label smoothing: the smoothing
@@ -29,7 +30,10 @@ from megatron.core.parallel_state import (
 )
 from megatron.core.tensor_parallel import VocabParallelEmbedding
 from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy, _VocabParallelCrossEntropy
-from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+from megatron.core.tensor_parallel.mappings import (
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
 from megatron.core.tensor_parallel.utils import VocabUtility
 
 
@@ -40,8 +44,14 @@ class UnmaskedVocabParallelEmbedding(VocabParallelEmbedding):
         outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
         masked_input = input_.clone() - self.vocab_start_index
         masked_input[outside] = 0
-        output_parallel = torch.nn.functional.embedding(masked_input, self.weight)
+        if self.deterministic_mode:
+            output_parallel = self.weight[masked_input]
+        else:
+            output_parallel = torch.nn.functional.embedding(masked_input, self.weight)
         # the bug: output_parallel[outside, :] = 0.0 is gone, so every rank adds its row 0 for ids it does not own
+        if self.reduce_scatter_embeddings:  # as Megatron's: [b, s, h] -> [s, b, h], the sequence scattered
+            output_parallel = output_parallel.transpose(0, 1).contiguous()
+            return reduce_scatter_to_sequence_parallel_region(output_parallel, group=self.tp_group)
         return reduce_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
 
 

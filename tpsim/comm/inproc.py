@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tpsim.comm import modstate, ops, threadworld
+from tpsim.comm import modstate, ops, runclock, threadworld
 from tpsim.comm._inject import RankFaults, checksum, corrupt_, crash, mismatched_call
 from tpsim.comm.modstate import ModuleGlobals
 from tpsim.comm.result import WorldResult
@@ -563,18 +563,23 @@ class InprocProcessGroup(dist.ProcessGroup):
         if isinstance(fault, Delay):
             # A real stall, holding the baton as a busy rank would; cut short if the world
             # breaks meanwhile (its peers timed out), so the thread never outlives the run.
+            # The stall's length is the rank's own time (runclock), the clock the timeout is read on:
+            # a machine that deschedules the process stretches both alike, so a Delay below the
+            # timeout never looks like a hang and one above it always does.
             slot.stalled_call = call
             sched = self._world.sched
-            end = time.monotonic() + fault.seconds
+            step = 0.01
+            clock = runclock.RunClock(step)
+            clock.start(runclock.thread_paths(threading.get_native_id()))
             try:
                 while sched.broken is None:
-                    left = end - time.monotonic()
+                    left = fault.seconds - clock.sample()
                     if left <= 0:
                         break
-                    time.sleep(min(left, 0.01))
+                    time.sleep(min(left, step))
             finally:
                 slot.stalled_call = None
-                sched.last_handoff = time.monotonic()  # the stall was the plan, not a hang
+                sched.restart_clock()  # the stall was the plan, not a hang
             if sched.broken is not None:
                 slot.planned = ops.STALLED  # the world gave up while this rank was still stalled
                 raise collective_error(sched.broken, self._global_rank)
@@ -985,6 +990,7 @@ def _rank_main(world: _SimWorld, rank: int, fn: Callable, args: tuple, kwargs: d
     threadworld.enter_rank_world(_Owner(world, rank))
     sched = world.sched
     sched.slots[rank].thread_ident = threading.get_ident()
+    sched.slots[rank].native_id = threading.get_native_id()
     note = "returned"
     try:
         sched.enter(rank)
@@ -1108,17 +1114,23 @@ def _uninstall_after(threads: list[threading.Thread]) -> None:
 
 
 def _supervise(world: _SimWorld) -> None:
-    """Wait for the world to finish; give up when no hand-off happened for too long.
+    """Wait for the world to finish, judging the running rank on its run clock meanwhile.
 
-    Ranks bound their own waits; this only catches a rank that never reaches a
-    collective again (a busy loop, a sleep): its thread cannot be killed, so it is
-    abandoned (daemon) and the error names it.
+    A rank that runs its own code past the timeout while others wait breaks the world
+    (:meth:`Scheduler.watch`); one that then still never reaches a collective again (a busy
+    loop, a sleep) cannot be killed: its thread is abandoned (daemon) and the error names it.
+    Both verdicts count the rank's own time (CPU and sleep, :mod:`tpsim.comm.runclock`), not
+    time the machine kept it waiting; the wall-time backstop only ends a wait the machine never
+    let the rank use.
     """
     sched = world.sched
     margin = 2.0
-    while not sched.finished.wait(0.05):
+    interval = 0.05
+    wall_limit = runclock.backstop(world.timeout)
+    while not sched.finished.wait(interval):
+        own = sched.watch(interval)
         idle = time.monotonic() - sched.last_handoff
-        if idle <= world.timeout + margin:
+        if own <= world.timeout + margin and idle <= wall_limit:
             continue
         running = [s for s in sched.slots if s.state == "running"]
         detail = "; ".join(s.doing() for s in running) or "no rank running"
@@ -1133,7 +1145,8 @@ def _supervise(world: _SimWorld) -> None:
                 call_index=err.call_index, group=err.group, faulty_ranks=err.faulty_ranks, trace=trace,
                 faults_fired=fired)
         raise CollectiveError(
-            f"the in-process world made no progress for {idle:.1f} s (timeout {world.timeout:g} s); "
+            f"the in-process world made no progress for {own:.1f} s of the running rank's own time "
+            f"({idle:.1f} s of wall time; timeout {world.timeout:g} s); "
             f"{detail}. The rank threads are abandoned (daemon threads).",
             rank=running[0].rank if running else 0,
             faulty_ranks=tuple(s.rank for s in running), trace=trace, faults_fired=fired,

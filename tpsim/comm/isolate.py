@@ -59,6 +59,7 @@ from tpsim.comm import _wire, deaths, lifeline, limits
 from tpsim.comm._payload import dump_call, load_call
 from tpsim.comm.board import Board, BoardView, install
 from tpsim.comm.result import WorldResult
+from tpsim.comm.runclock import RunClock, backstop, process_paths
 from tpsim.errors import BackendUnavailable, CollectiveError, InvalidArgument, RankError
 
 __all__ = ["OOM_SCORE_ADJ", "START_BOUND", "helper_pids", "live_worker_pid", "run_isolated", "shutdown",
@@ -632,7 +633,7 @@ def _hung(view: BoardView, idle: float, timeout: float) -> RankError:
             "arguments: does importing their module block?); it was killed and replaced", rank=0)
     at = deaths.where(*view.phase_of(rank))
     return CollectiveError(
-        f"the in-process world made no progress for {idle:.1f} s (timeout {timeout:g} s): rank {rank} kept "
+        f"the in-process world made no progress for {idle:.1f} s of the worker's own run time (timeout {timeout:g} s): rank {rank} kept "
         f"running {at} without handing on the baton or returning to Python (native code holding the "
         "interpreter lock?); the isolated worker process was killed with it and replaced",
         rank=rank, faulty_ranks=(rank,))
@@ -655,6 +656,12 @@ def _await(worker: _Worker, run_id: int, world_size: int, timeout: float) -> tup
 
     After a death or a hang the worker is replaced before the error is raised."""
     stall = stall_bound(timeout)
+    # Judged on the worker's own time (runclock), not wall time: on a loaded machine the worker can
+    # sit descheduled for seconds, and a hang declared on wall time would blame correct code. The
+    # wall-time backstop still ends the wait on a machine that never lets it run.
+    clock = RunClock(_POLL_S)
+    paths = process_paths(worker.proc.pid)
+    clock.start(paths)
     last = worker.board.handoffs()
     since = time.monotonic()
     reporting_since: float | None = None
@@ -677,15 +684,20 @@ def _await(worker: _Worker, run_id: int, world_size: int, timeout: float) -> tup
         handoffs = worker.board.handoffs()
         if handoffs != last:
             last, since = handoffs, now
+            paths = process_paths(worker.proc.pid)  # its threads come and go with the worlds
+            clock.start(paths)
             continue
+        own = clock.sample(paths)
         view = worker.board.view(world_size)
-        if view.state == "reporting":
-            reporting_since = reporting_since if reporting_since is not None else now
-            if now - reporting_since <= max(_REPORT_BOUND, timeout):
+        if now - since > backstop(max(stall, START_BOUND)):
+            pass  # the machine never let the worker run: end the wait all the same
+        elif view.state == "reporting":
+            reporting_since = reporting_since if reporting_since is not None else own
+            if own - reporting_since <= max(_REPORT_BOUND, timeout):
                 continue
-        elif now - since <= (stall if handoffs else max(stall, START_BOUND)):
+        elif own <= (stall if handoffs else max(stall, START_BOUND)):
             continue  # before the first hand-off the worker may be importing fn's module: allow for that
-        err = _hung(view, now - since, timeout)
+        err = _hung(view, own, timeout)
         _replace(worker)
         raise err
 

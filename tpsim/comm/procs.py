@@ -89,13 +89,12 @@ MAX_POOLS = _env_count("TPSIM_MAX_POOLS", 6)
 #: default holds, e.g., the pools of world sizes 1-4 (10 workers) plus one of size 6.
 MAX_POOL_WORKERS = _env_count("TPSIM_MAX_POOL_WORKERS", 16)
 
-#: After one rank failed, how long ranks still running their own code get to report their own
-#: error before the world is stopped (ranks blocked in a collective are not waited for).
-GRACE_S = 0.5
-
-#: How long every unreported rank's status must stay "in a collective", unchanged, before the world
-#: is stopped without waiting out the grace: a rank that has just finished a collective (its peer
-#: failed only after it) may not have updated its status yet, and would be reported in the wrong call.
+#: After a rank failed, the world is stopped once every unreported rank is provably stuck (blocked in
+#: a collective no reported rank went past, or held by a planned stall) and its status stayed so,
+#: unchanged, this long: a rank that has just finished a collective (its peer failed only after it)
+#: may not have updated its status yet, and would be reported in the wrong call. Ranks still running
+#: their own code are waited for (they may be about to report their own error, and a busy machine
+#: may keep them descheduled for seconds), up to the run's bound.
 STUCK_S = 0.1
 
 #: Size of each rank's status slot (see tpsim.comm._tracing.StatusSlot).
@@ -279,12 +278,11 @@ class _Pool:
                     for c in o.calls:
                         passed[c.group] = max(passed.get(c.group, 0), c.call_index)
                 statuses = [self.status(r) for r in pending]
-                in_collective = all(st.state == "collective" and (st.call_index or 0) >= passed.get(st.group, 0)
-                                    for st in statuses)
-                stuck = not refused and in_collective and now - seen_at >= STUCK_S
-                if now - failed_at >= GRACE_S or stuck:
+                held = all(st.state == "stalled" or (
+                    st.state == "collective" and (st.call_index or 0) >= passed.get(st.group, 0)) for st in statuses)
+                if not refused and held and now - seen_at >= STUCK_S:
                     break
-                wake = min(start + limit, failed_at + GRACE_S, now + 0.02)
+                wake = min(start + limit, now + 0.02)
             else:
                 wake = start + limit
             handles = [self.conns[r] for r in pending] + [self.procs[r].sentinel for r in pending]

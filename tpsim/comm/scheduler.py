@@ -11,8 +11,13 @@ then it passes the baton to the next ready rank in rank order. Consequences, all
   what each rank is doing;
 - the cost of a collective is a few lock operations, not a wake-up storm of N threads.
 
-Every wait is bounded by the world's timeout (a rank that computes for longer than that
-without reaching a collective makes the others time out with a message saying so).
+Every wait is bounded. A rank that runs its own code for longer than the world's timeout
+without reaching a collective makes the others time out with a message saying so; that time is
+the rank's own (:mod:`tpsim.comm.runclock`: CPU time it used and time it slept by choice), never
+wall time that includes stretches the process was descheduled, so a busy machine does not make a
+correct rank look stuck. The world's supervisor (:meth:`Scheduler.watch`) is the one judge; a
+waiting rank only wakes now and then to see whether the world broke (or, past the wall-time
+:func:`~tpsim.comm.runclock.backstop`, ends the wait itself).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tpsim.comm import board, ops
+from tpsim.comm import board, ops, runclock
 from tpsim.comm.modstate import ModuleGlobals
 from tpsim.comm.threadworld import ProcessLocalState
 from tpsim.comm.trace import CollectiveCall
@@ -88,6 +93,7 @@ class RankSlot:
     # the first misuse of the backend the rank was refused for (a helper's collective out of turn,
     # another rank's group object): the run reports it even if something else was raised over it.
     thread_ident: int = 0
+    native_id: int = 0  # the OS thread id, for the run clock (0 until the thread has started)
     misuse: BaseException | None = None
     # Set by a fault plan: the kind of end it gave the rank (ops.DROPPED, ops.CRASHED,
     # ops.STALLED), the fault and the call; stalled_call while a Delay fault sleeps.
@@ -136,6 +142,10 @@ class Scheduler:
         self.holder: int | None = None
         self.finished = threading.Event()
         self.last_handoff = time.monotonic()
+        #: Counts hand-offs (and planned stalls that ended): the run clock restarts when it moves.
+        self.handoffs = 0
+        self._watched = -1  # the hand-off count the run clock was started at
+        self._clock: runclock.RunClock | None = None
         self._lock = threading.Lock()  # only contended after a timeout (two threads awake)
         #: The rank board of an isolated worker (None elsewhere): told of every hand-off, so the
         #: worker's supervisor can name the running rank if the process dies.
@@ -251,6 +261,7 @@ class Scheduler:
         slot.state = RUNNING
         self.holder = rank
         self.last_handoff = time.monotonic()
+        self.handoffs += 1
         if self.board is not None:
             self.board.handoff(rank)
         try:
@@ -259,33 +270,16 @@ class Scheduler:
             pass
 
     def _wait_baton(self, slot: RankSlot) -> None:
-        if not slot.baton.acquire(timeout=self.timeout):
-            with self._lock:
-                holder = self.holder
-                held = self.slots[holder] if holder is not None and holder != slot.rank else None
-                if held is not None and held.stalled_call is not None:
-                    # A fault plan stalls the running rank: name it and the call it stalls before.
-                    call = held.stalled_call
-                    self.break_world(WorldBroken(
-                        ops.stall_message(call.describe(), self.timeout, held.rank, held.planned_fault),
-                        collective=call.op, call_index=call.call_index, group=call.group,
-                        faulty_ranks=(held.rank,)))
-                    raise self.broken  # type: ignore[misc]
-                note = (
-                    f"rank {slot.rank} waited {self.timeout:g} s for its turn: "
-                    + (f"rank {holder} has been running for over {self.timeout:g} s without "
-                       f"reaching a collective (last: {held.last_call()})"
-                       if held is not None else "no rank made progress")
-                )
-                waiting = slot.waiting_on
-                self.break_world(WorldBroken(
-                    f"timed out: {note}",
-                    collective=waiting.op if waiting is not None else None,
-                    call_index=waiting.call_index() if waiting is not None else None,
-                    group=waiting.group_name if waiting is not None else None,
-                    faulty_ranks=(holder,) if holder is not None else (),
-                ))
-            raise self.broken  # type: ignore[misc]
+        # No verdict here: the supervisor judges the rank holding the baton on its run clock
+        # (watch). A waiter wakes now and then only to see whether the world broke meanwhile, or
+        # to end the wait itself past the wall-time backstop (a supervisor that cannot run).
+        while not slot.baton.acquire(timeout=self.timeout):
+            if self.broken is not None:
+                raise self.broken
+            if time.monotonic() - self.last_handoff > runclock.backstop(self.timeout):
+                with self._lock:
+                    self._overrun(self._clock.own if self._clock is not None else 0.0, backstop=True)
+                raise self.broken  # type: ignore[misc]
         self.holder = slot.rank
         saved = slot.saved
         if saved is not None:
@@ -294,6 +288,83 @@ class Scheduler:
                 self._local.restore(saved.globals)
         if self._watch is not None:
             self._watch.enter(slot.rank)
+
+    # -- judging a rank that keeps the baton ---------------------------------------------
+    def restart_clock(self) -> None:
+        """The running rank's planned stall ended: its own time counts afresh (the stall was the plan)."""
+        self.last_handoff = time.monotonic()
+        self.handoffs += 1
+
+    def watch(self, interval: float) -> float:
+        """The running rank's own time (:mod:`tpsim.comm.runclock`) since it last got the baton.
+
+        The supervisor calls this every ``interval`` s. Once that time passes the timeout while
+        another rank waits, the world is broken naming the running rank (or the planned stall that
+        holds it), and the waiters are woken to raise.
+        """
+        handoffs = self.handoffs
+        holder = self.holder
+        if holder is None or self.slots[holder].state != RUNNING:
+            # The world broke and woken waiters finished: watch a rank still running its code.
+            holder = next((s.rank for s in self.slots if s.state == RUNNING), None)
+            if holder is None:
+                return 0.0
+        key = handoffs * self.world_size + holder
+        clock = self._clock
+        if key != self._watched or clock is None:
+            native = self.slots[holder].native_id
+            if not native:  # its thread has not started yet
+                return 0.0
+            self._watched = key
+            clock = self._clock = runclock.RunClock(interval)
+            clock.start(runclock.thread_paths(native))
+            return 0.0
+        own = clock.sample()
+        if own > self.timeout and self.broken is None and any(s.state in (BLOCKED, READY) for s in self.slots):
+            with self._lock:
+                self._overrun(own)
+        return own
+
+    def _overrun(self, own: float, *, backstop: bool = False) -> None:
+        """Break the world: the running rank kept the baton past the timeout (``own``: its own time)."""
+        if self.broken is not None:
+            return
+        holder = self.holder
+        held = self.slots[holder] if holder is not None else None
+        waiters = [s for s in self.slots if s.state in (BLOCKED, READY)]  # every rank waiting for the baton
+        waiter = next((s for s in waiters if s.waiting_on is not None), waiters[0] if waiters else None)
+        if held is not None and held.stalled_call is not None:
+            # A fault plan stalls the running rank: name it and the call it stalls before.
+            call = held.stalled_call
+            self.break_world(WorldBroken(
+                ops.stall_message(call.describe(), self.timeout, held.rank, held.planned_fault),
+                collective=call.op, call_index=call.call_index, group=call.group,
+                faulty_ranks=(held.rank,)))
+        else:
+            who = f"rank {waiter.rank} waited for its turn: " if waiter is not None else ""
+            if held is None:
+                note = f"{who}no rank made progress"
+            elif backstop:
+                wall = time.monotonic() - self.last_handoff
+                note = (f"{who}rank {held.rank} kept the baton for {wall:.0f} s of wall time without reaching a "
+                        f"collective (last: {held.last_call()}), of which it ran or slept for {own:.1f} s; the "
+                        "machine may have been too busy to let it run")
+            else:
+                note = (f"{who}rank {held.rank} has been running for over {self.timeout:g} s without reaching a "
+                        f"collective (last: {held.last_call()}; its own CPU and sleep time, not counting time "
+                        "the machine kept it waiting)")
+            waiting = waiter.waiting_on if waiter is not None else None
+            self.break_world(WorldBroken(
+                f"timed out: {note}",
+                collective=waiting.op if waiting is not None else None,
+                call_index=waiting.call_index() if waiting is not None else None,
+                group=waiting.group_name if waiting is not None else None,
+                faulty_ranks=(held.rank,) if held is not None else (),
+            ))
+        # Wake one waiter; each rank that raises hands the baton to the next (finish).
+        nxt = next((s.rank for s in self.slots if s.state == READY), None)
+        if nxt is not None:
+            self._give(nxt)
 
     def _declare_stuck(self, me: RankSlot | None) -> None:
         """No rank can proceed: explain the first unfinished wait and what every rank does."""

@@ -51,9 +51,11 @@ def preset_for_class(obj: Any) -> tuple[Preset, str] | None:
     return None
 
 
-def library_variants(preset: Preset, kinds: Collection[str] | None = None) -> list[Any]:
+def library_variants(preset: Preset, kinds: Collection[str] | None = None, module: str | None = None) -> list[Any]:
     """The variants of the library's own layers (what a module target checks), of ``kinds`` only
-    when given (each family asks for its own)."""
+    when given (each family asks for its own), and of the layers defined in ``module`` or below it
+    only when given (``megatron.core.tensor_parallel.layers`` is not its ``cross_entropy``)."""
     checked = preset.load()
-    return [v for path, obj in checked.items() if kinds is None or preset.classes[path] in kinds
+    return [v for path, obj in checked.items()
+            if (kinds is None or preset.classes[path] in kinds) and (module is None or path.startswith(module + "."))
             for v in preset.variants(obj, preset.classes[path])]

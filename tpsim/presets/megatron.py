@@ -322,13 +322,17 @@ def _embedding_variants(cls: type, rank_local: tuple[str, ...], description: str
             load=True,  # its own init is overwritten with this rank's rows of the master table
             forward=_gathered_sequence if scatters else None,
             description=description,
+            # The layer takes ids [b, s] (its docstring and GPTModel's); one dim or two are checked. A 0-dim
+            # id is outside that contract, and deterministic_mode cannot take one: self.weight[ids] with a
+            # 0-dim index is basic indexing, a view of the weight, which the masking then writes in place.
             # reduce_scatter_embeddings transposes [b, s] ids to a sequence-first output and scatters the
             # sequence: ids of two dims whose second divides by the tp size.
-            min_batch_dims=2 if scatters else 0,
+            min_batch_dims=2 if scatters else 1,
             max_batch_dims=2,
             sequence_dim=1 if scatters else None,
             notes=(f"{name} declares ids [b, s] with s divisible by the tp size only (its output is the "
-                   "sequence-first [s/tp, b, h], gathered back to compare)",) if scatters else (),
+                   "sequence-first [s/tp, b, h], gathered back to compare)",) if scatters else
+                  (f"{name} declares ids of 1 or 2 dims only ([b, s]: a 0-dim id is outside its contract)",),
             rank_local=rank_local,
         ))
     return out

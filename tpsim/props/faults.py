@@ -37,6 +37,7 @@ from tpsim.diagnosis import FAULT_NOT_SURFACED, recogniser
 from tpsim.errors import InvalidArgument, RankError
 from tpsim.faults import FAULT_KINDS, Corrupt, Crash, Delay, Drop, Fault, Mismatch, parse_plan
 from tpsim.props.case import Case
+from tpsim.props.launch import WARM_TIMEOUT, resolve_only, target_ref
 from tpsim.props.world import Observation, is_divisible, make_masters, rank_main
 from tpsim.variant import Variant
 
@@ -179,17 +180,29 @@ def fault_plans(
 # --- running a case under a plan -----------------------------------------------------------------
 
 
-def _payload(variant: Variant, case: Case, backend: str) -> dict[str, Any]:
-    # Mirrors tpsim.props.world.observe (which takes no fault plan yet).
+def _payload(variant: Variant, case: Case, backend: str, isolate: bool) -> dict[str, Any]:
+    # Mirrors tpsim.props.world.observe (which takes no fault plan): the variant itself in this
+    # process, its target reference in worker processes (the isolated worker included).
     payload: dict[str, Any] = {"case": case, "masters": make_masters(case), "divisible": is_divisible(variant, case)}
-    if backend == "inproc":
+    if backend == "inproc" and not isolate:
         payload["variant"] = variant
     else:
-        if variant.target is None:
-            raise InvalidArgument(f"variant {variant.name!r} has no target string, so {backend} workers cannot "
-                                  "import it; check it by target (e.g. mymodule:Name)")
-        payload["ref"] = (variant.target, variant.name, variant.options)
+        payload["ref"] = target_ref(variant, backend, isolate)
     return payload
+
+
+_warm_worker: list[int | None] = [None]
+
+
+def _ensure_isolated_worker(ref: tuple[Any, ...], world_size: int) -> None:
+    """A worker replaced after an earlier fault (a hang abandons it) is started, and the target
+    imported in it, before the run is timed: its start-up is not the run's."""
+    from tpsim.comm.isolate import live_worker_pid
+
+    pid = live_worker_pid()
+    if pid is None or pid != _warm_worker[0]:
+        tpsim.run_world(resolve_only, world_size, args=(ref,), timeout=WARM_TIMEOUT, isolate=True)
+        _warm_worker[0] = live_worker_pid()
 
 
 def _leftovers() -> list[str]:
@@ -242,6 +255,7 @@ def fault_detection(
     timeout: float = 5.0,
     checksum: bool = False,
     clean: tpsim.WorldResult | None = None,
+    isolate: bool = False,
 ) -> FaultReport:
     """Check the fault-detection property for ``case`` under ``plan`` (default: ``case.faults``).
 
@@ -250,7 +264,8 @@ def fault_detection(
     the caller has it (otherwise it is run here).
     """
     plan_t = parse_plan(case.faults if plan is None else plan)
-    report = _detect(variant, case, plan_t, backend=backend, timeout=timeout, checksum=checksum, clean=clean)
+    report = _detect(variant, case, plan_t, backend=backend, timeout=timeout, checksum=checksum, clean=clean,
+                     isolate=isolate)
     if not report.ok:
         raise FaultNotSurfaced(report)
     return report
@@ -258,22 +273,25 @@ def fault_detection(
 
 @recogniser(FAULT_NOT_SURFACED)
 def _detect(variant: Variant, case: Case, plan: tuple[Fault, ...], *, backend: str, timeout: float,
-            checksum: bool, clean: tpsim.WorldResult | None) -> FaultReport:
+            checksum: bool, clean: tpsim.WorldResult | None, isolate: bool = False) -> FaultReport:
     ws = case.world_size
-    payload = _payload(variant, case, backend)
+    payload = _payload(variant, case, backend, isolate)
     if clean is None:
-        clean = tpsim.run_world(rank_main, ws, backend=backend, args=(payload,), timeout=max(timeout, 30.0))
+        clean = tpsim.run_world(rank_main, ws, backend=backend, args=(payload,), timeout=max(timeout, 30.0),
+                                isolate=isolate)
     bound = timeout + sum(f.seconds for f in plan if isinstance(f, Delay)) + SLACK_S.get(backend, 10.0)
     if backend != "inproc":
         from tpsim.comm.procs import ensure_pool
 
         ensure_pool(backend, ws)  # a pool replaced after an earlier fault: its start-up is not the run's
+    elif isolate:
+        _ensure_isolated_worker(payload["ref"], ws)
     t0 = time.monotonic()
     error: RankError | None = None
     result = None
     try:
         result = tpsim.run_world(rank_main, ws, backend=backend, args=(payload,), faults=plan, timeout=timeout,
-                                 checksum=checksum)
+                                 checksum=checksum, isolate=isolate)
         fired_pairs = result.faults_fired
     except RankError as err:
         error = err
@@ -347,13 +365,17 @@ def check_faults(
     backend: str = "inproc",
     timeout: float = 5.0,
     checksum: bool = False,
+    isolate: bool = False,
 ) -> list[FaultReport]:
     """Run ``variant`` (or a target string naming one) under generated fault plans.
 
     One small divisible case per world size (features a multiple of it, a batch of 2, float64,
     bias); plans drawn by :func:`fault_plans` with ``at_call`` within the calls each rank makes in
     the clean run and delays of ``timeout / 10`` and ``timeout * 2``. Returns a report per example,
-    ``ok=False`` for every fault the harness or the layer failed to surface.
+    ``ok=False`` for every fault the harness or the layer failed to surface. ``isolate``: run the
+    inproc worlds in the supervised worker process (what ``tpsim check --faults`` does), so a rank
+    that dies or hangs in native code is reported instead of taking the caller with it; the variant
+    then needs a target string.
     """
     if isinstance(variant, str):
         from tpsim.target import resolve_target
@@ -369,8 +391,9 @@ def check_faults(
     for ws in sizes:
         case = Case(world_size=ws, in_features=2 * ws, out_features=2 * ws, batch_shape=(2,), bias=True, seed=seed,
                     target=variant.target, variant=variant.name, property=FAULT_DETECTION)
-        payload = _payload(variant, case, backend)
-        clean[ws] = (case, tpsim.run_world(rank_main, ws, backend=backend, args=(payload,), timeout=max(timeout, 30)))
+        payload = _payload(variant, case, backend, isolate)
+        clean[ws] = (case, tpsim.run_world(rank_main, ws, backend=backend, args=(payload,), timeout=max(timeout, 30),
+                                           isolate=isolate))
     # A world where no rank issues a collective (e.g. one rank: layers skip their collectives)
     # gives a fault nothing to act on.
     sizes = [ws for ws in sizes if any(clean[ws][1].trace.of(r) for r in range(ws))]
@@ -396,7 +419,8 @@ def check_faults(
     def run_one(example: tuple[Case, tuple[Fault, ...]]) -> None:
         case, plan = example
         reports.append(_detect(variant, case.replace(faults=tuple(f.to_json() for f in plan)), plan,
-                               backend=backend, timeout=timeout, checksum=checksum, clean=clean[case.world_size][1]))
+                               backend=backend, timeout=timeout, checksum=checksum, clean=clean[case.world_size][1],
+                               isolate=isolate))
 
     run_one()
     return reports

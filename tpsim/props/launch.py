@@ -25,7 +25,7 @@ from typing import Any
 import tpsim
 from tpsim.errors import InvalidArgument, RankError
 
-__all__ = ["WARM_TIMEOUT", "launch", "target_ref", "variant_of", "warm_workers", "watched"]
+__all__ = ["WARM_TIMEOUT", "launch", "resolve_only", "target_ref", "variant_of", "warm_workers", "watched"]
 
 #: Seconds worker processes get to import a target the first time.
 WARM_TIMEOUT = 300.0
@@ -77,7 +77,8 @@ def launch(fn: Callable[[dict[str, Any]], Any], variant: Any, payload: dict[str,
         raise
 
 
-def _resolve_only(ref: Ref) -> bool:
+def resolve_only(ref: Ref) -> bool:
+    """Resolve the variant ``ref`` names (a world's warm-up: the import is not part of any case)."""
     variant_of({"ref": ref})
     return True
 
@@ -97,7 +98,7 @@ def warm_workers(ref: Ref, world_size: int, *, backend: str, isolate: bool) -> N
         return
     _warmed.add(key)
     try:
-        tpsim.run(_resolve_only, world_size, backend=backend, args=(ref,), timeout=WARM_TIMEOUT, isolate=isolate)
+        tpsim.run(resolve_only, world_size, backend=backend, args=(ref,), timeout=WARM_TIMEOUT, isolate=isolate)
     except Exception:  # noqa: BLE001 - the case's own run reports whatever this is
         pass
 

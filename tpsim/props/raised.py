@@ -57,27 +57,34 @@ __all__ = [
 class VariantRaised(RuntimeError):
     """The variant raised inside a rank. Declared fields: ``phase`` (``build``, ``forward``,
     ``backward``), ``step`` (0-based SGD step), ``summary`` (``Type: message``, one line),
-    ``traceback_text`` (the rank's traceback) and ``collective``: the :class:`~tpsim.CollectiveError`
+    ``traceback_text`` (the rank's traceback), ``collective``: the :class:`~tpsim.CollectiveError`
     that stopped the variant when it was a collective that could not complete (None when the
-    variant's own code failed)."""
+    variant's own code failed), ``error_type``: the class of the variant's exception (``ValueError``,
+    ``package.module.Error``) and ``raised_in``: the module whose code raised it (the innermost frame),
+    so that a recogniser can tell an error of the variant's own code without reading any message."""
 
     phase: str
     step: int
     summary: str
     traceback_text: str
     collective: CollectiveError | None
+    error_type: str
+    raised_in: str
 
     def __init__(self, phase: str, step: int, summary: str, traceback_text: str,
-                 collective: CollectiveError | None = None) -> None:
+                 collective: CollectiveError | None = None, error_type: str = "", raised_in: str = "") -> None:
         super().__init__(phase, step, summary, traceback_text)
         self.phase = phase
         self.step = step
         self.summary = summary
         self.traceback_text = traceback_text
         self.collective = collective
+        self.error_type = error_type
+        self.raised_in = raised_in
 
     def __reduce__(self) -> tuple[Any, ...]:  # every field survives pickling (gloo, the isolated worker)
-        return (type(self), (self.phase, self.step, self.summary, self.traceback_text, self.collective))
+        return (type(self), (self.phase, self.step, self.summary, self.traceback_text, self.collective,
+                             self.error_type, self.raised_in))
 
     def __str__(self) -> str:
         where = self.phase if self.phase == "build" else f"{self.phase} (step {self.step})"
@@ -88,7 +95,14 @@ def variant_raised(phase: str, step: int, err: BaseException) -> VariantRaised:
     """The :class:`VariantRaised` a rank raises for ``err``, which the variant's code raised during
     ``phase`` of SGD step ``step`` (``raise variant_raised("forward", step, err) from err``)."""
     summary = f"{type(err).__name__}: {err}".splitlines()[0][:500]
-    return VariantRaised(phase, step, summary, "".join(traceback.format_exception(err)), _collective_in(err))
+    cls = type(err)
+    error_type = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    raised_in = "" if tb is None else str(tb.tb_frame.f_globals.get("__name__", ""))
+    return VariantRaised(phase, step, summary, "".join(traceback.format_exception(err)), _collective_in(err),
+                         error_type, raised_in)
 
 
 def _collective_in(err: BaseException) -> CollectiveError | None:

@@ -41,7 +41,7 @@ from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
 
 from tpsim.comm.limits import check_world_size
-from tpsim.diagnosis import MISMATCH, SHAPE_ERROR, Failure, group_causes
+from tpsim.diagnosis import MISMATCH, SHAPE_ERROR, Failure, follows_from, group_causes
 from tpsim.errors import InvalidArgument
 from tpsim.props.case import DTYPES, Case
 from tpsim.props.checks import DIVISIBILITY, PROPERTIES, check_case
@@ -439,7 +439,9 @@ def _merge(found: list[_Found], first_seen: dict[tuple[str, str], int]) -> list[
        :func:`tpsim.diagnosis.group_causes` listed under it on that case;
     2. other causes on those minimal cases are added when their property is not covered yet;
     3. a shrunk key that was seen as a *consequence* of another cause (on that cause's minimal case)
-       is listed under that cause, not beside it;
+       is listed under that cause, not beside it; so is one with that cause's diagnosis on a property
+       the registry lists among its consequences (the same mechanism, recognised on its own minimal
+       case, e.g. a grad that is wrong where the loss is still within its bound);
     4. a fallback diagnosis (``mismatch`` for values, ``shape-error`` for shapes: no recogniser saw
        its pattern) on a property that also has a recognised cause is listed under that cause: the
        same property failing where the pattern could not be seen (low precision, a size the bug
@@ -468,6 +470,8 @@ def _merge(found: list[_Found], first_seen: dict[tuple[str, str], int]) -> list[
     causes: list[Failure] = []
     for f in chosen:
         owner = next((c for c in causes if (f.property, f.diagnosis) in {(x.property, x.diagnosis) for x in c.consequences}), None)
+        if owner is None and f.diagnosis not in _FALLBACKS:  # rule 3: the same diagnosis, a property it explains
+            owner = next((c for c in causes if c.diagnosis == f.diagnosis and follows_from(c, f)), None)
         if owner is None and f.diagnosis in _FALLBACKS:
             owner = next((c for c in causes if c.property == f.property and c.diagnosis not in _FALLBACKS), None)
         if owner is None:

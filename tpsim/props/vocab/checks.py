@@ -57,9 +57,10 @@ from tpsim.diagnosis import (
     rank_summands,
     recogniser,
 )
+from tpsim.errors import RankError
 from tpsim.props.comparing import compare, failure, groups_of, replica
 from tpsim.props.names import DIVISIBILITY, FORWARD, INPUT_GRAD, REPLICA, WEIGHT_GRAD
-from tpsim.props.raised import refusal_failure, run_failure
+from tpsim.props.raised import VariantRaised, blame, refusal_failure, run_failure
 from tpsim.props.results import OK, OUTPUT_SHAPE, Observation
 from tpsim.props.tolerance import eps, tolerance
 from tpsim.props.vocab.case import CrossEntropyCase, EmbeddingCase
@@ -286,8 +287,11 @@ class _CrossEntropyReference:
                                                  world_size=self.tp)
             self.loss_tol = summed * scale + u * self.loss.abs()
         # the logits' grad, per entry: (p_j - (1-eps)[j=t] - eps/V) g, its magnitude (p_j + (1-eps)[j=t] + eps/V)|g|
+        self.upstream = upstream
         g_tok = (upstream if case.reduction == "none" else upstream / (1 if case.reduction == "sum" else count))
-        g_abs = g_tok.expand(self.target.shape).abs().masked_fill(self.ignored, 0.0).unsqueeze(-1)
+        #: each token's factor of its logits' grad (zero for ignored tokens), [..., 1]
+        self.token_grad = g_tok.expand(self.target.shape).masked_fill(self.ignored, 0.0).unsqueeze(-1)
+        g_abs = self.token_grad.abs()
         p = torch.softmax(xs, -1)
         mag = p.add(ls / vocab).mul_(g_abs)
         mag.scatter_add_(-1, safe.unsqueeze(-1), (1 - ls) * g_abs)
@@ -375,48 +379,155 @@ def _loss_off_by_log_tp(variant: Any, case: CrossEntropyCase, ref: _CrossEntropy
                            "output without gather_output), or use a dense cross-entropy on gathered logits")
 
 
-@recogniser(LABEL_SMOOTHING_PER_SHARD)
-def _smoothing_per_shard(variant: Any, case: CrossEntropyCase, ref: _CrossEntropyReference, values: list[CrossEntropyRankResult],
-                         group: list[int]) -> Failure | None:
-    tp, ls, vocab = len(group), case.label_smoothing, case.vocab_size
-    if tp < 2 or ls == 0.0:
-        return None
-    xs = ref.x.detach()
+#: A candidate loss of a per-shard smoothing bug: ``form(logits, i)`` is tp rank ``i``'s loss (reduced as
+#: the case asks) of the float64 logits ``[..., V]`` (a leaf, so that autograd gives its grad), None where
+#: the form does not apply.
+_ShardForm = Callable[[torch.Tensor, int], "torch.Tensor | None"]
+
+
+def _per_shard_forms(case: CrossEntropyCase, ref: _CrossEntropyReference, tp: int) -> list[_ShardForm]:
+    """The smoothed losses that average the smoothing term over rank ``i``'s shard only: as F.cross_entropy
+    smooths, ``(1-eps) nll + eps (log Z - mean_shard x)``; and as Megatron does with the shard's ``n``
+    ids as the vocabulary size, ``(1-s) nll - s (mean_shard x - log Z)`` with ``s = given n/(n-1)``,
+    given eps itself or the Megatron preset's ``eps (V-1)/V`` (docs/presets.md). Megatron's backward is
+    the derivative of that forward (the softmax minus ``(1-s)`` at the target minus ``s/n``), so the
+    same forms give the grads it returns."""
+    from tpsim.presets.megatron import megatron_label_smoothing
+
+    ls, vocab = case.label_smoothing, case.vocab_size
     width = ref.padded_logits.shape[-1] // tp
-    log_z = torch.logsumexp(xs, -1)
     safe = ref.target.masked_fill(ref.ignored, 0)
-    nll = log_z - xs.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
 
-    def shard_mean(i: int) -> torch.Tensor | None:
+    def pieces(x: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
         lo, hi = min(i * width, vocab), min((i + 1) * width, vocab)
-        return None if hi <= lo else xs[..., lo:hi].mean(-1)
+        if hi <= lo:
+            return None
+        log_z = torch.logsumexp(x, -1)
+        nll = log_z - x.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+        return log_z, nll, x[..., lo:hi].mean(-1), hi - lo
 
-    def torch_form(i: int) -> torch.Tensor | None:
-        mean = shard_mean(i)
-        return None if mean is None else ref.reduce((1 - ls) * nll + ls * (log_z - mean))
+    def torch_form(x: torch.Tensor, i: int) -> torch.Tensor | None:
+        got = pieces(x, i)
+        if got is None:
+            return None
+        log_z, nll, mean, _ = got
+        return ref.reduce((1 - ls) * nll + ls * (log_z - mean))
 
-    def megatron_form(given: float) -> Callable[[int], torch.Tensor | None]:
-        def form(i: int) -> torch.Tensor | None:  # Megatron's smoothing with the shard's size as V
-            mean, n = shard_mean(i), min((i + 1) * width, vocab) - min(i * width, vocab)
-            if mean is None or n < 2:
+    def megatron_form(given: float) -> _ShardForm:
+        def form(x: torch.Tensor, i: int) -> torch.Tensor | None:
+            got = pieces(x, i)
+            if got is None or got[3] < 2:  # one id: Megatron divides by n - 1 = 0 (see _smoothing_shard_of_one)
                 return None
+            log_z, nll, mean, n = got
             s = given * n / (n - 1)
             return ref.reduce((1 - s) * nll - s * (mean - log_z))
 
         return form
 
-    from tpsim.presets.megatron import megatron_label_smoothing
+    return [torch_form, megatron_form(ls), megatron_form(megatron_label_smoothing(ls, vocab))]
 
-    message = (f"with label_smoothing={ls:g}, each rank's loss averages the smoothing term -log p_j over its own "
-               f"vocabulary shard only (so the {tp} ranks' losses differ): all-reduce the sum of the shard's "
-               "log-probabilities (or logits) and divide by the whole vocabulary size (Megatron-LM #737)")
-    # Megatron's code given eps itself, or given its own label_smoothing for the same targets (the
-    # Megatron preset passes eps (V-1)/V: docs/presets.md).
-    for form in (torch_form, megatron_form(ls), megatron_form(megatron_label_smoothing(ls, vocab))):
-        found = _loss_candidate(variant, case, ref, values, group, LABEL_SMOOTHING_PER_SHARD, form, message)
+
+def _smoothing_message(case: CrossEntropyCase, tp: int) -> str:
+    return (f"with label_smoothing={case.label_smoothing:g}, each rank's loss averages the smoothing term -log p_j "
+            f"over its own vocabulary shard only (so the {tp} ranks' losses differ, and so do their grads): "
+            "all-reduce the sum of the shard's log-probabilities (or logits) and divide by the whole vocabulary "
+            "size (Megatron-LM #737)")
+
+
+@recogniser(LABEL_SMOOTHING_PER_SHARD)
+def _smoothing_per_shard(variant: Any, case: CrossEntropyCase, ref: _CrossEntropyReference, values: list[CrossEntropyRankResult],
+                         group: list[int]) -> Failure | None:
+    """The loss: every rank's loss is one per-shard form's loss of its rank (:func:`_per_shard_forms`)."""
+    tp = len(group)
+    if tp < 2 or case.label_smoothing == 0.0:
+        return None
+    xs = ref.x.detach()
+    for form in _per_shard_forms(case, ref, tp):
+        found = _loss_candidate(variant, case, ref, values, group, LABEL_SMOOTHING_PER_SHARD,
+                                partial(form, xs), _smoothing_message(case, tp))
         if found is not None:
             return found
     return None
+
+
+@recogniser(LABEL_SMOOTHING_PER_SHARD)
+def _smoothing_per_shard_grad(variant: Any, case: CrossEntropyCase, ref: _CrossEntropyReference,
+                              values: list[CrossEntropyRankResult], group: list[int]) -> Failure | None:
+    """The logits' grad: every rank's grad is the derivative of one per-shard form's loss of its rank with
+    respect to its own columns (autograd through the form, the case's upstream grad), within the bound the
+    dense grad has (the module docstring) for the candidate's own entries, and some rank's grad is told
+    apart from the dense one by it. Its own minimal case may be one where the losses stay within their
+    (looser) bound, e.g. in bfloat16."""
+    tp = len(group)
+    if tp < 2 or case.label_smoothing == 0.0 or variant.input != "logits":
+        return None
+    dt, vocab = case.torch_dtype, case.vocab_size
+    width = ref.logits_grad.shape[-1] // tp
+    pad = ref.logits_grad.shape[-1] - vocab
+    u = eps(dt)
+    softmax_part = torch.softmax(ref.x.detach(), -1) * ref.token_grad  # p_j g: the dense and the candidate's
+    for form in _per_shard_forms(case, ref, tp):
+        all_dense = True  # evidence needs a rank whose grad the candidate tells apart from the dense one
+        for i, r in enumerate(group):
+            x = ref.x.detach().clone().requires_grad_()
+            loss = form(x, i)
+            got = values[r].input_grad
+            if loss is None or got is None:
+                break
+            (grad,) = torch.autograd.grad(loss, x, ref.upstream)
+            # entries (p_j - c_j) g: magnitude |p_j g| + |c_j g|, as the dense grad's bound is derived
+            mag = softmax_part.abs() + (grad - softmax_part).abs()
+            tol = tolerance(dt, mag, reduction_length=vocab, world_size=tp) + 2 * u * grad.abs()
+            if pad:
+                grad, tol = F.pad(grad, (0, pad)), F.pad(tol, (0, pad))
+            cols = slice(i * width, (i + 1) * width)
+            cand, tol = grad[..., cols], tol[..., cols]
+            if got.shape != cand.shape or not close(got, cand, tol):
+                break
+            all_dense = all_dense and close(got, ref.logits_grad[..., cols], ref.logits_tol[..., cols])
+        else:
+            if not all_dense:
+                return failure(variant, case, INPUT_GRAD, LABEL_SMOOTHING_PER_SHARD,
+                               _smoothing_message(case, tp) + "; each rank's logits grad is the grad of its own "
+                               "rank's per-shard loss", rank=group[0])
+    return None
+
+
+#: tpsim's own packages whose code is the variant's (a layer, a mutant), not the harness around it.
+_VARIANT_PACKAGES = ("tpsim.layers", "tpsim.mutants")
+
+
+def _variants_own(err: BaseException, error_type: str, phase: str) -> bool:
+    """Whether ``err`` is a :class:`VariantRaised` of class ``error_type`` raised during ``phase`` by the
+    variant's own code (its innermost frame outside the harness), read from its declared fields only."""
+    if not isinstance(err, VariantRaised) or err.collective is not None:
+        return False
+    where = err.raised_in
+    harness = where.split(".")[0] == "tpsim" and not where.startswith(_VARIANT_PACKAGES)
+    return err.phase == phase and err.error_type == error_type and bool(where) and not harness
+
+
+@recogniser(LABEL_SMOOTHING_PER_SHARD)
+def _smoothing_shard_of_one(variant: Any, case: CrossEntropyCase, obs: Observation) -> Failure | None:
+    """The crash of the same bug where each rank owns one id: the smoothing factor ``s n/(n-1)`` with the
+    shard's ``n = 1`` as the vocabulary size divides by zero. Evidence: label_smoothing > 0, tp >= 2, a
+    shard width of 1, and every rank's own code raised ZeroDivisionError in the forward."""
+    tp = case.tp_size or case.world_size
+    if tp < 2 or case.label_smoothing == 0.0 or obs.data.width // tp != 1 or not isinstance(obs.error, RankError):
+        return None
+    b = blame(obs.error)
+    if b.death is not None or sorted(b.raised) != list(range(case.world_size)):
+        return None
+    if not all(_variants_own(e, "ZeroDivisionError", "forward") for e in b.raised.values()):
+        return None
+    first = b.raised[0]
+    return Failure(FORWARD, LABEL_SMOOTHING_PER_SHARD,
+                   f"with label_smoothing={case.label_smoothing:g} and vocab_size={case.vocab_size} over tp_size={tp}, "
+                   f"every rank owns one id, and every rank raised ZeroDivisionError in the forward "
+                   f"({first.raised_in}): the smoothing factor s*n/(n-1) takes the shard's n = 1 ids as the "
+                   "vocabulary size; use the whole vocabulary's size and all-reduce the shard's log-probabilities "
+                   "(Megatron-LM #737)", case=case, rank=0, variant=variant.name,
+                   traceback=first.traceback_text.rstrip() or None, details={"phase": "forward", "shard_width": 1})
 
 
 @recogniser(MAX_NOT_REDUCED)
@@ -477,7 +588,8 @@ def evaluate_cross_entropy(variant: CrossEntropyVariant, obs: Observation,
     case: CrossEntropyCase = obs.case
     wanted = tuple(properties or CROSS_ENTROPY_PROPERTIES)
     if obs.error is not None:
-        return [run_failure(variant.name, case, obs.error)]
+        found = _smoothing_shard_of_one(variant, case, obs) if FORWARD in wanted else None
+        return [found if found is not None else run_failure(variant.name, case, obs.error)]
     values = obs.values or []
     tp = case.tp_size or case.world_size
     failures: list[Failure] = []
@@ -506,7 +618,8 @@ def evaluate_cross_entropy(variant: CrossEntropyVariant, obs: Observation,
                 width = ref.logits_grad.shape[-1] // tp
                 cols = slice(i * width, (i + 1) * width)
                 found = compare(variant, case, INPUT_GRAD, "the logits' grad", r, v.input_grad,
-                                 ref.logits_grad[..., cols], ref.logits_tol[..., cols])
+                                 ref.logits_grad[..., cols], ref.logits_tol[..., cols],
+                                 [partial(_smoothing_per_shard_grad, variant, case, ref, values, group)])
             else:
                 found = compare(variant, case, INPUT_GRAD, "the hidden states' grad", r, v.hidden_grad,
                                  ref.hidden_grad, ref.hidden_tol,

@@ -103,7 +103,7 @@ class _VocabFamily:
 
         preset = preset_for_target(target)
         if preset is not None:  # a library's own layers: its preset's variants of this family's kinds
-            return [self._adapt(v, options, f"{target}:{v.name}", None) for v in library_variants(preset, self.kinds)]
+            return [self._adapt(v, options, f"{target}:{v.name}", None) for v in library_variants(preset, self.kinds, target)]
         declared = getattr(module, "TPSIM_VOCAB", None)
         if declared is not None:
             items = [v for v in declared if isinstance(v, self.variant_type)]
