@@ -107,8 +107,18 @@ def watched(rank_local: tuple[str, ...]) -> tuple[str, ...]:
     """The loaded modules of the packages a variant's rank-local modules belong to: a layer class in
     ``pkg.layers`` may keep its tp group in ``pkg.state``, which inproc then watches for sharing
     between ranks. A library preset declares its state itself and is not widened."""
+    # Asked once per world run: remembered while no module is imported (sys.modules only grows in
+    # a check, so its size tells when to look again).
+    key = (rank_local, len(sys.modules))
+    if _watched[0] is not None and _watched[0][0] == key:
+        return _watched[0][1]
     from tpsim.presets import presets
 
     declared = {t.split(".")[0] for p in presets() for t in p.targets}
     tops = {name.split(".")[0] for name in rank_local} - declared
-    return tuple(name for name in list(sys.modules) if "." in name and name.split(".")[0] in tops)
+    found = tuple(name for name in list(sys.modules) if "." in name and name.split(".")[0] in tops)
+    _watched[0] = (key, found)
+    return found
+
+
+_watched: list[tuple[tuple[Any, ...], tuple[str, ...]] | None] = [None]
