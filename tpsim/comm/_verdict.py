@@ -112,11 +112,15 @@ def settle(
         if outcome.collective:
             call = outcome.failed_call or last
             if not isinstance(exc, CollectiveError):
+                own = exc
                 exc = CollectiveError(
                     f"rank {rank} failed in {call.describe() if call else 'a collective'}: "
                     f"{outcome.error_type}: {outcome.error_text}".strip(),
                     rank=rank, collective=call.op if call else None, call_index=call.call_index if call else None,
                     group=call.group if call else None, remote_traceback=outcome.traceback)
+                # The rank's own exception (a layer's, or a harness's wrapper that records the phase and
+                # the collective it was stopped in) stays reachable, as inproc keeps it.
+                exc.__cause__ = own
             ends[rank] = ops.RankEnd(rank, ops.COLLECTIVE, call, error=exc, error_type=outcome.error_type,
                                      error_text=outcome.error_text)
             continue

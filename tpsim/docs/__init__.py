@@ -97,6 +97,12 @@ def main(argv: list[str] | None = None) -> int:
         from tpsim.docs.examples import update_pages
 
         stale += update_pages(root, check=args.check)
+        if not args.check:  # the regions that copy a page whose console output was just written
+            for page, (old, new) in generated(root).items():
+                if old != new:
+                    with open(os.path.join(root, page), "w", encoding="utf-8") as fh:
+                        fh.write(new)
+                    print(f"wrote {page}")
     if args.check and stale:
         print(f"\nstale: {', '.join(stale)}; regenerate with: python -m tpsim.docs", file=sys.stderr)
         return 1

@@ -31,7 +31,9 @@ from dataclasses import dataclass, field
 __all__ = ["Block", "blocks", "matches", "normalise", "run_block", "update_pages"]
 
 #: Pages whose console blocks are run, relative to the repository root.
-PAGES = ("README.md", "docs/cli.md", "docs/bugs.md", "docs/design.md", "docs/dtensor.md")
+#: (docs/bugs.md shows docs/_found_in_libraries.md in a generated region: its blocks are run at their source,
+#: and ``python -m tpsim.docs --examples`` copies the region again afterwards.)
+PAGES = ("README.md", "docs/cli.md", "docs/_found_in_libraries.md", "docs/bugs.md", "docs/design.md", "docs/dtensor.md")
 #: Seconds one command may take before the block fails.
 COMMAND_TIMEOUT = 600
 
@@ -67,7 +69,7 @@ def blocks(page: str, text: str) -> list[Block]:
             files[title.group("name")] = m.group("body")
     out = []
     for m in _FENCE.finditer(text):
-        if m.group("info").strip() != "console":
+        if m.group("info").strip() != "console" or _in_generated_region(text, m.start()):
             continue
         before = text[: m.start()].rstrip("\n").splitlines()
         directives = []
@@ -84,6 +86,12 @@ def blocks(page: str, text: str) -> list[Block]:
                 block.skip = d.group("text")[4:].strip() or "skipped"
         out.append(block)
     return out
+
+
+def _in_generated_region(text: str, at: int) -> bool:
+    """Whether offset ``at`` lies inside a generated region (a copy of another page's text)."""
+    begin = text.rfind("<!-- BEGIN GENERATED", 0, at)
+    return begin >= 0 and text.rfind("<!-- END GENERATED", begin, at) < 0
 
 
 def _commands(body: str) -> list[tuple[str, str]]:

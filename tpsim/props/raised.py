@@ -134,8 +134,16 @@ def rank_errors(error: RankError | None) -> dict[int, BaseException]:
     if error is None:
         return {}
     if error.errors or isinstance(error, CollectiveError):
-        return dict(error.errors)
-    return {error.rank: error}
+        return {r: _own(e) for r, e in error.errors.items()}
+    return {error.rank: _own(error)}
+
+
+def _own(err: BaseException) -> BaseException:
+    """A rank's own :class:`VariantRaised`, where a process backend wrapped it in the
+    :class:`~tpsim.CollectiveError` of the call it failed in (its ``__cause__``): the phase and the
+    collective's verdict are the variant's, as on inproc."""
+    cause = err.__cause__
+    return cause if isinstance(err, CollectiveError) and isinstance(cause, VariantRaised) else err
 
 
 @dataclass(frozen=True)
@@ -191,6 +199,19 @@ def _facts(err: BaseException) -> tuple[str | None, int | None, str, str]:
 def _first_line(text: str) -> str:
     lines = text.strip().splitlines()
     return lines[0] if lines else ""
+
+
+def _collective_summary(b: Blame, error: RankError) -> str:
+    """One line on the collective the ranks were stopped in: the lowest waiting rank's, with its phase
+    (tpsim's wrapper around it left out), or the run's own summary."""
+    if b.waiting:
+        r = min(b.waiting)
+        err = b.waiting[r]
+        phase, step, summary, _ = _facts(err)
+        collective = err.collective if isinstance(err, VariantRaised) else None
+        text = _first_line(collective.summary) if collective is not None else summary
+        return f"rank {r} during {_where(phase, step)}: {text}"
+    return _first_line(error.summary)
 
 
 def _where(phase: str | None, step: int | None) -> str:
@@ -289,6 +310,6 @@ def refusal_failure(variant: str, case: Any, error: RankError, what: str, sizes:
         detail = f"ranks {raised} raised but ranks {others} did not" + (
             " (they failed waiting in a collective instead)" if waiting else "")
     else:
-        detail = f"no rank raised a clear error; the ranks failed in a collective: {_first_line(error.summary)}"
+        detail = f"no rank raised a clear error; the ranks failed in a collective: {_collective_summary(b, error)}"
     return Failure(DIVISIBILITY, DIVISIBILITY_UNCHECKED, f"{what}, and the {subject} did not refuse it on every rank: "
                    f"{detail}", case=case, variant=variant, details={"raised": raised, "collective": waiting})
