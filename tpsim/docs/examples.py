@@ -108,12 +108,12 @@ def _commands(body: str) -> list[tuple[str, str]]:
 def normalise(text: str, *, workspace: str | None = None, root: str | None = None) -> str:
     """What may differ between two runs of the same command, made equal: durations (``3.1s``,
     ``(0.4s)``, ``12 s``), traceback line numbers and directories, the ``workspace`` and any other temporary directory (``<tmp>``), and the
-    repository ``root`` (``<root>``)."""
+    repository ``root`` (paths relative to it)."""
     if workspace:
         for path in dict.fromkeys((workspace, os.path.realpath(workspace))):
             text = text.replace(path, "<tmp>")
     if root:
-        text = text.replace(root, "<root>")
+        text = _relative(text, root)
     text = re.sub(r"/tmp/[^/\s'\":]+", "<tmp>", text)
     text = re.sub(r" *\b\d+(?:\.\d+)?(?: ?s)\b", " <T>s", text)
     # A traceback's line numbers move with every edit of the file they point into; the frames
@@ -121,6 +121,12 @@ def normalise(text: str, *, workspace: str | None = None, root: str | None = Non
     # The directory a frame's file lies in differs between checkouts and Python installations.
     text = re.sub(r'File "[^"]*?([^"/]+/[^"/]+)", line \d+', r'File ".../\1", line <N>', text)
     return "\n".join(line.rstrip() for line in text.strip("\n").splitlines())
+
+
+def _relative(text: str, root: str) -> str:
+    """``text`` with the repository ``root`` left out of its paths (``tpsim/variant.py``), so that a page
+    reads the same from any checkout."""
+    return text.replace(root.rstrip(os.sep) + os.sep, "").replace(root, ".")
 
 
 def matches(expected: str, actual: str) -> bool:
@@ -194,7 +200,7 @@ def update_pages(root: str, *, check: bool = False) -> list[str]:
             if all(_fits(root, expected, actual, where) for _, expected, actual, where in results):
                 continue
             body = "".join(f"$ {command}\n" + (expected if _fits(root, expected, actual, where)
-                                                else actual.replace(where, "/tmp/tpsim-docs"))
+                                                else _relative(actual.replace(where, "/tmp/tpsim-docs"), root))
                            for command, expected, actual, where in results)
             new = new[: block.span[0]] + body + new[block.span[1]:]
         if new != text:
