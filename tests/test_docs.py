@@ -120,7 +120,7 @@ def _tracked_text_files() -> list[pathlib.Path]:
 
 
 def test_nothing_cites_the_internal_tracker() -> None:
-    # A reader cannot see the project's own tracker: "issue 3's workload" tells them nothing.
+    # A reader cannot see the project's own tracker: a bare tracker number tells them nothing.
     # Public upstream reports ("Megatron-LM #7452") are fine: they name the project.
     pattern = re.compile(r"\b[Ii]ssues? #?\d+|\([Ii]ssue #?\d+")
     offenders = []

@@ -26,6 +26,7 @@ import dataclasses
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,7 @@ __all__ = [
     "Case",
     "CaseFileError",
     "case_file_stem",
+    "case_values",
     "load_case",
     "save_case",
     "save_failure",
@@ -115,6 +117,34 @@ def _frozen_option(name: str, value: Any) -> Any:
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
     raise InvalidArgument(f"option {name}={value!r} must be a string, a number, a bool, null or a list of them")
+
+
+def case_values(cls: type, data: Any, *, what: str, required: Sequence[str],
+                tuples: Sequence[str] = ("batch_shape",)) -> dict[str, Any]:
+    """The constructor arguments of a ``what`` (``case``, ``module case``, ...) of dataclass ``cls`` from its
+    JSON ``data``, every family's case file read alike: only known fields, the ``required`` ones present,
+    the lists named by ``tuples`` as tuples, ``options`` frozen (:func:`_frozen_option`). Raises
+    :class:`tpsim.InvalidArgument` naming the bad field."""
+    if not isinstance(data, dict):
+        raise InvalidArgument(f"a {what} must be a JSON object, got {type(data).__name__}")
+    unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise InvalidArgument(f"unknown {what} field(s) {sorted(unknown)}")
+    missing = [n for n in required if n not in data]
+    if missing:
+        raise InvalidArgument(f"{what} is missing field(s) {missing}")
+    values = dict(data)
+    for key in tuples:
+        if key in values:
+            if not isinstance(values[key], list):
+                raise InvalidArgument(f"{key}={values[key]!r} must be a list")
+            values[key] = tuple(values[key])
+    if "options" in values:
+        opts = values["options"] or {}
+        if not isinstance(opts, dict):
+            raise InvalidArgument(f"options={opts!r} must be an object")
+        values["options"] = tuple(sorted((k, _frozen_option(k, v)) for k, v in opts.items()))
+    return values
 
 
 @dataclass(frozen=True)
@@ -230,25 +260,7 @@ class Case:
     @classmethod
     def from_dict(cls, data: Any) -> Case:
         """Inverse of :meth:`to_dict`; raises :class:`tpsim.InvalidArgument` naming a bad field."""
-        if not isinstance(data, dict):
-            raise InvalidArgument(f"a case must be a JSON object, got {type(data).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - names
-        if unknown:
-            raise InvalidArgument(f"unknown case field(s) {sorted(unknown)}")
-        missing = [n for n in ("world_size", "in_features", "out_features") if n not in data]
-        if missing:
-            raise InvalidArgument(f"case is missing field(s) {missing}")
-        values = dict(data)
-        if "batch_shape" in values:
-            if not isinstance(values["batch_shape"], list):
-                raise InvalidArgument(f"batch_shape={values['batch_shape']!r} must be a list of ints")
-            values["batch_shape"] = tuple(values["batch_shape"])
-        if "options" in values:
-            opts = values["options"] or {}
-            if not isinstance(opts, dict):
-                raise InvalidArgument(f"options={opts!r} must be an object")
-            values["options"] = tuple(sorted((k, _frozen_option(k, v)) for k, v in opts.items()))
+        values = case_values(cls, data, what="case", required=("world_size", "in_features", "out_features"))
         if "faults" in values:
             faults = values["faults"] or []
             if not isinstance(faults, list):

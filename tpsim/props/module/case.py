@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import torch
 
 from tpsim.errors import InvalidArgument
-from tpsim.props.case import DTYPES, MAX_SEED, MAX_TENSOR_ELEMENTS, TP_LAYOUTS
+from tpsim.props.case import DTYPES, MAX_SEED, MAX_TENSOR_ELEMENTS, TP_LAYOUTS, case_values
 
 __all__ = ["ModuleCase"]
 
@@ -152,26 +152,8 @@ class ModuleCase:
     @classmethod
     def from_dict(cls, data: Any) -> ModuleCase:
         """Inverse of :meth:`to_dict`; raises :class:`tpsim.InvalidArgument` naming a bad field."""
-        if not isinstance(data, dict):
-            raise InvalidArgument(f"a module case must be a JSON object, got {type(data).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - names
-        if unknown:
-            raise InvalidArgument(f"unknown module case field(s) {sorted(unknown)}")
-        missing = [n for n in ("world_size", "sizes") if n not in data]
-        if missing:
-            raise InvalidArgument(f"module case is missing field(s) {missing}")
-        values = dict(data)
-        for key in ("sizes", "batch_shape", "size_names"):
-            if key in values:
-                if not isinstance(values[key], list):
-                    raise InvalidArgument(f"{key}={values[key]!r} must be a list")
-                values[key] = tuple(values[key])
-        if "options" in values:
-            opts = values["options"] or {}
-            if not isinstance(opts, dict):
-                raise InvalidArgument(f"options={opts!r} must be an object")
-            values["options"] = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in opts.items()))
+        values = case_values(cls, data, what="module case", required=("world_size", "sizes"),
+                             tuples=("sizes", "batch_shape", "size_names"))
         return cls(**values)
 
     def key(self) -> str:

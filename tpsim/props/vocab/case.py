@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import torch
 
 from tpsim.errors import InvalidArgument
-from tpsim.props.case import DTYPES, MAX_BATCH_DIMS, MAX_SEED, MAX_TENSOR_ELEMENTS, TP_LAYOUTS
+from tpsim.props.case import DTYPES, MAX_BATCH_DIMS, MAX_SEED, MAX_TENSOR_ELEMENTS, TP_LAYOUTS, case_values
 
 __all__ = ["REDUCTIONS", "CrossEntropyCase", "EmbeddingCase", "SizedCase"]
 
@@ -106,25 +106,8 @@ class SizedCase:
     @classmethod
     def from_dict(cls, data: Any) -> Any:
         """Inverse of :meth:`to_dict`; raises :class:`tpsim.InvalidArgument` naming a bad field."""
-        if not isinstance(data, dict):
-            raise InvalidArgument(f"a {cls.family} case must be a JSON object, got {type(data).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-        unknown = set(data) - names
-        if unknown:
-            raise InvalidArgument(f"unknown {cls.family} case field(s) {sorted(unknown)}")
-        missing = [n for n in ("world_size", *cls._SIZES) if n not in data and n not in cls._MAY_BE_ZERO]
-        if missing:
-            raise InvalidArgument(f"{cls.family} case is missing field(s) {missing}")
-        values = dict(data)
-        if "batch_shape" in values:
-            if not isinstance(values["batch_shape"], list):
-                raise InvalidArgument(f"batch_shape={values['batch_shape']!r} must be a list of ints")
-            values["batch_shape"] = tuple(values["batch_shape"])
-        if "options" in values:
-            opts = values["options"] or {}
-            if not isinstance(opts, dict):
-                raise InvalidArgument(f"options={opts!r} must be an object")
-            values["options"] = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in opts.items()))
+        values = case_values(cls, data, what=f"{cls.family} case",  # type: ignore[arg-type]
+                             required=[n for n in ("world_size", *cls._SIZES) if n not in cls._MAY_BE_ZERO])
         return cls(**values)
 
     def key(self) -> str:
