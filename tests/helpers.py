@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import subprocess
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ __all__ = [
     "forward_backward",
     "run_cli",
     "steps_loop",
+    "tracked_files",
 ]
 
 # ------------------------------------------------------------------------------ the tpsim command
@@ -34,6 +36,17 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 BUGGY = "examples/skill_convention.py:BuggyRowParallelLinear"
 #: Small budgets keep each run to about a second on the in-process backend.
 FAST = ["--max-examples", "10", "--world-sizes", "1,2,3", "--seed", "0"]
+
+
+def tracked_files(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
+    """The files git tracks under ``root`` (that still exist in the working tree).
+
+    Project tests read these and nothing else: a checkout holds untracked things that are not the
+    project's (a ``venv`` made inside it, build output), and CI's fresh clone has only these.
+    """
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True).stdout
+    paths = [root / name for name in listed.decode().split("\0") if name]
+    return [p for p in paths if p.is_file()]
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

@@ -9,10 +9,11 @@ import re
 import subprocess
 
 import pytest
+from helpers import tracked_files
 
-from tpsim.docs import generated
-from tpsim.docs.examples import PAGES, blocks, matches, normalise, run_block
-from tpsim.docs.regions import RegionError, fill
+from tools.docs import generated
+from tools.docs.examples import PAGES, blocks, matches, normalise, run_block
+from tools.docs.regions import RegionError, fill
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -21,14 +22,14 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def test_generated_regions_are_current(page: str) -> None:
     old, new = generated(str(ROOT))[page]
     diff = "".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True), page, "generated"))
-    assert old == new, f"{page} is stale; regenerate with: python -m tpsim.docs\n{diff}"
+    assert old == new, f"{page} is stale; regenerate with: python -m tools.docs\n{diff}"
 
 
 def test_every_generated_page_has_its_regions() -> None:
     # A page that lost its markers would pass the test above while nothing is generated in it.
     expected = {"README.md": ["diagnoses"], "docs/cli.md": ["cli-check-options", "cli-exit-codes", "cli-replay-options"],
                 "docs/bugs.md": ["bugs-catch-table", "bugs-diagnoses", "bugs-found-in-libraries"]}
-    from tpsim.docs.regions import region_names
+    from tools.docs.regions import region_names
 
     for page, names in expected.items():
         assert region_names((ROOT / page).read_text()) == names, page
@@ -54,8 +55,8 @@ def test_the_catch_table_lists_every_mutant_once() -> None:
 
 
 def test_cli_reference_tables_name_every_option() -> None:
+    from tools.docs.reference import _subparser
     from tpsim.cli import build_parser
-    from tpsim.docs.reference import _subparser
 
     text = (ROOT / "docs" / "cli.md").read_text()
     for command in ("check", "replay"):
@@ -87,6 +88,53 @@ def test_normalise_and_match() -> None:
     assert not matches("a\nd", "a\nb\nd") and not matches("PASS y ...", "PASS x 1")
 
 
+def _shown_failure() -> str:
+    """A failing search's output as a page shows it (a FAIL line, a diagnosis, a minimal case, the summary)."""
+    for block in BLOCKS:
+        for _, expected in block.commands:
+            if "\nFAIL " in expected and "minimal case:" in expected and "\nPASS " in "\n" + expected:
+                return expected
+    raise AssertionError("no console block shows a failing search beside a passing one")
+
+
+def test_normalising_keeps_the_substance() -> None:
+    # What legitimately varies (a failed search's example counts, timings) is made equal; a changed
+    # verdict, diagnosis, minimal case, budget or line is not.
+    shown = _shown_failure()
+    want = normalise(shown)
+
+    def fits(text: str) -> bool:
+        return matches(want, normalise(text))
+
+    fail = next(line for line in shown.splitlines() if line.startswith("FAIL "))
+    summary = next(line for line in shown.splitlines() if "cause" in line and "of failure" in line)
+    slower = re.sub(r"\b\d+ examples +\d+\.\ds", "9999 examples  123.4s", fail)
+    assert slower != fail
+    varied = shown.replace(fail, slower).replace(summary, re.sub(r"\(\d+ examples, [\d.]+s\)", "(9 examples, 0.1s)",
+                                                                     summary))
+    assert varied != shown and fits(varied)
+    assert fits(shown)
+
+    diagnosis = re.search(r"  FAILED [\w-]+: (?:[\w.]+: )?([\w-]+)", shown).group(1)
+    case = re.search(r"minimal case: world_size=(\d+)", shown)
+    passed = next(line for line in shown.splitlines() if line.startswith("PASS "))
+    changed = {
+        "verdict": shown.replace(fail, "PASS" + fail[4:]),
+        "diagnosis": shown.replace(f": {diagnosis}\n", ": missing-all-reduce\n"),
+        "minimal case": shown.replace(case.group(0), f"minimal case: world_size={int(case.group(1)) + 1}"),
+        "a passing search's count": shown.replace(passed, re.sub(r"\b(\d+) examples", lambda m: f"{int(m.group(1)) - 1} examples",
+                                                                 passed, count=1)),
+        "the budget": re.sub(r"up to (\d+) examples", lambda m: f"up to {int(m.group(1)) + 1} examples", shown),
+        "a line dropped": "\n".join(line for line in shown.splitlines() if not line.startswith("    minimal case:")),
+        "a line added": shown.rstrip("\n") + "\nFAIL AnotherVariant    3 examples     0.1s\n",
+        "the cause count": shown.replace(summary, summary.replace("1 cause of failure", "2 causes of failure", 1)
+                                         if "1 cause of failure" in summary else "0" + summary),
+    }
+    for what, text in changed.items():
+        assert text != shown, what
+        assert not fits(text), f"normalising hid a changed {what}"
+
+
 def test_there_are_console_blocks_to_run() -> None:
     assert len(BLOCKS) >= 8 and any(b.page == "README.md" for b in BLOCKS)
 
@@ -103,7 +151,7 @@ def test_console_block_runs_as_shown(block) -> None:
         got = normalise(actual, workspace=where, root=str(ROOT))
         assert matches(want, got), (
             f"{block.id}: `{command}` printed something else than the page shows "
-            f"(regenerate with: python -m tpsim.docs --examples)\n"
+            f"(regenerate with: python -m tools.docs --examples)\n"
             + "".join(difflib.unified_diff((want + "\n").splitlines(True), (got + "\n").splitlines(True),
                                            "shown", "printed"))
         )
@@ -112,22 +160,48 @@ def test_console_block_runs_as_shown(block) -> None:
 # --- honest references --------------------------------------------------------------------------
 
 
-def _tracked_text_files() -> list[pathlib.Path]:
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout.splitlines()
+def _tracked_text_files(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
     suffixes = {".py", ".md", ".toml", ".ini", ".txt", ".cfg", ""}
-    return [ROOT / p for p in listed if pathlib.Path(p).suffix in suffixes and (ROOT / p).is_file()]
+    return [p for p in tracked_files(root) if p.suffix in suffixes]
+
+
+_TRACKER = re.compile(r"\b[Ii]ssues? #?\d+|\([Ii]ssue #?\d+")
+
+
+def _tracker_citations(root: pathlib.Path = ROOT) -> list[str]:
+    offenders = []
+    for path in _tracked_text_files(root):
+        if path.name == "test_docs.py":
+            continue
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if _TRACKER.search(line):
+                offenders.append(f"{path.relative_to(root)}:{n}: {line.strip()}")
+    return offenders
 
 
 def test_nothing_cites_the_internal_tracker() -> None:
     # A reader cannot see the project's own tracker: a bare tracker number tells them nothing.
     # Public upstream reports ("Megatron-LM #7452") are fine: they name the project.
-    pattern = re.compile(r"\b[Ii]ssues? #?\d+|\([Ii]ssue #?\d+")
-    offenders = []
-    for path in _tracked_text_files():
-        if path.name == "test_docs.py":
-            continue
-        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-            if pattern.search(line):
-                offenders.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    offenders = _tracker_citations()
     assert not offenders, "\n".join(offenders)
+
+
+def test_only_tracked_files_are_read(tmp_path: pathlib.Path) -> None:
+    # A venv made inside the checkout (`python -m venv venv`, `.venv`) is full of third-party text
+    # that cites its own trackers: the project's checks read what git tracks, nothing else.
+    def git(*argv: str) -> None:
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *argv], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    citing = "# fixed upstream, " + "issue" + " #9\n"  # composed, so that this file cites nothing itself
+    git("init", "-q")
+    (tmp_path / "README.md").write_text("ours\n")
+    (tmp_path / "tracked.py").write_text(citing)
+    git("add", "README.md", "tracked.py")
+    git("commit", "-q", "-m", "ours")
+    for venv in ("venv", ".venv"):
+        (tmp_path / venv / "lib").mkdir(parents=True)
+        (tmp_path / venv / "lib" / "third_party.py").write_text(citing)
+    (tmp_path / "notes.md").write_text(citing)
+    assert _tracked_text_files(tmp_path) == [tmp_path / "README.md", tmp_path / "tracked.py"]
+    assert _tracker_citations(tmp_path) == ["tracked.py:1: " + citing.strip()]  # the check still bites

@@ -8,6 +8,7 @@ import pathlib
 import re
 
 import pytest
+from helpers import tracked_files
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -42,6 +43,58 @@ def test_torch_pin_admits_no_newer_release() -> None:
     assert "torch==2.13.0" in (ROOT / "constraints.txt").read_text()
     tox = (ROOT / "tox.ini").read_text()
     assert "PIP_CONSTRAINT = {toxinidir}/constraints.txt" in tox
+
+
+def _locked() -> dict[str, str]:
+    """``{normalised name: version}`` of constraints.txt's ``name==version`` lines."""
+    from packaging.utils import canonicalize_name
+
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, sep, version = line.partition("==")
+            assert sep and version, f"constraints.txt: {line!r} is not an exact pin (name==version)"
+            pins[canonicalize_name(name)] = version
+    return pins
+
+
+def _requirements(extras: tuple[str, ...]) -> dict[str, str]:
+    """Every distribution ``tpsim[extras]`` needs, transitively: ``{normalised name: who asks}``."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    found: dict[str, str] = {}
+    todo = [("tpsim", extras, "tpsim")]
+    while todo:
+        dist, wanted, asker = todo.pop()
+        try:
+            requires = metadata.requires(dist) or []
+        except metadata.PackageNotFoundError:
+            raise AssertionError(f"{dist} (needed by {asker}) is not installed: the tests run in the environment "
+                                 f"that `pip install -c constraints.txt -e \".[dev]\"` makes") from None
+        for raw in requires:
+            req = Requirement(raw)
+            if req.marker and not any(req.marker.evaluate({"extra": e}) for e in ("", *wanted)):
+                continue
+            name = canonicalize_name(req.name)
+            if name not in found:
+                found[name] = asker
+                todo.append((req.name, tuple(req.extras), name))
+    return found
+
+
+def test_the_lock_pins_everything_the_tests_install() -> None:
+    # A fresh machine must run the tests with the versions they were written against (Hypothesis's
+    # version changes the example counts the docs show): constraints.txt pins all of tpsim[dev].
+    locked = _locked()
+    missing = {name: asker for name, asker in _requirements(("dev",)).items() if name not in locked}
+    assert not missing, f"constraints.txt does not pin {missing} (regenerate it as its header says)"
+    assert locked["torch"] == "2.13.0" and locked["hypothesis"]
+    for name in ("deepspeed", "transformers", "torchtitan", "triton", "megatron-core", "fairscale"):
+        assert name in locked, name
 
 
 @pytest.mark.parametrize("module", ["tpsim", "tpsim.layers", "tpsim.faults", "tpsim.mutants", "tpsim.props"])
@@ -284,13 +337,14 @@ def test_only_tpsim_is_installed_top_level(tmp_path: pathlib.Path) -> None:
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
     include = config["tool"]["setuptools"]["packages"]["find"]["include"]
     assert set(include) == {"tpsim", "tpsim.*"}, include
-    # Build the wheel from a copy of the tree (a build writes build/ and *.egg-info next to the
-    # sources) that keeps every top-level directory a stray package could come from.
+    # Build the wheel from a copy of the tracked files (a build writes build/ and *.egg-info next to
+    # the sources; a venv inside the checkout is not the project's), which keeps every top-level
+    # directory a stray package could come from.
     src = tmp_path / "src"
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
-        ".git", "__pycache__", "*.egg-info", ".tox", ".hypothesis", ".pytest_cache", ".ruff_cache", "build",
-        "dist", ".tpsim", "tpsim-cases", "*.png"))
-    assert (src / "properties").is_dir() and (src / "tests").is_dir()
+    for path in tracked_files(ROOT):
+        (src / path.relative_to(ROOT)).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, src / path.relative_to(ROOT))
+    assert (src / "properties").is_dir() and (src / "tests").is_dir() and (src / "tools").is_dir()
     out = tmp_path / "wheel"
     proc = subprocess.run(
         [sys.executable, "-c", f"from setuptools import build_meta; print(build_meta.build_wheel({str(out)!r}))"],
@@ -303,6 +357,7 @@ def test_only_tpsim_is_installed_top_level(tmp_path: pathlib.Path) -> None:
         assert zf.read(top_level).decode().split() == ["tpsim"]
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"tpsim"}, tops
+    assert not [n for n in names if n.startswith("tpsim/docs/")], "the docs tooling lives in tools/, uninstalled"
 
 
 if __name__ == "__main__":  # python tests/test_project.py prints the import graph

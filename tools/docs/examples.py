@@ -15,7 +15,7 @@ written into the workspace before any block runs.
 Every block runs in a fresh temporary workspace holding a copy of ``examples/`` and those files,
 commands in order through ``bash`` (``$?`` is the previous command's exit code), stdout and stderr
 together. Output is compared modulo what varies from run to run (:func:`normalise`): durations,
-temporary paths, the repository root. In the expected output a line ``...`` stands for any lines,
+the example counts of a failed search, temporary paths, the repository root. In the expected output a line ``...`` stands for any lines,
 and a line ending in ``...`` for any line starting with what precedes it.
 """
 
@@ -32,7 +32,7 @@ __all__ = ["Block", "blocks", "matches", "normalise", "run_block", "update_pages
 
 #: Pages whose console blocks are run, relative to the repository root.
 #: (docs/bugs.md shows docs/_found_in_libraries.md in a generated region: its blocks are run at their source,
-#: and ``python -m tpsim.docs --examples`` copies the region again afterwards.)
+#: and ``python -m tools.docs --examples`` copies the region again afterwards.)
 PAGES = ("README.md", "docs/cli.md", "docs/_found_in_libraries.md", "docs/bugs.md", "docs/design.md", "docs/dtensor.md")
 #: Seconds one command may take before the block fails.
 COMMAND_TIMEOUT = 600
@@ -107,8 +107,12 @@ def _commands(body: str) -> list[tuple[str, str]]:
 
 def normalise(text: str, *, workspace: str | None = None, root: str | None = None) -> str:
     """What may differ between two runs of the same command, made equal: durations (``3.1s``,
-    ``(0.4s)``, ``12 s``), traceback line numbers and directories, the ``workspace`` and any other temporary directory (``<tmp>``), and the
-    repository ``root`` (paths relative to it)."""
+    ``(0.4s)``, ``12 s``), the example counts of a search that failed (:func:`_example_counts`),
+    traceback line numbers and directories, the ``workspace`` and any other temporary directory
+    (``<tmp>``), and the repository ``root`` (paths relative to it).
+
+    Everything else is the output's substance and must match: verdicts, variants, diagnoses and
+    their messages, minimal cases, case files, the lines themselves and their order."""
     if workspace:
         for path in dict.fromkeys((workspace, os.path.realpath(workspace))):
             text = text.replace(path, "<tmp>")
@@ -120,7 +124,25 @@ def normalise(text: str, *, workspace: str | None = None, root: str | None = Non
     # (file and function) are what a reader follows.
     # The directory a frame's file lies in differs between checkouts and Python installations.
     text = re.sub(r'File "[^"]*?([^"/]+/[^"/]+)", line \d+', r'File ".../\1", line <N>', text)
+    text = "\n".join(_example_counts(line) for line in text.splitlines())
     return "\n".join(line.rstrip() for line in text.strip("\n").splitlines())
+
+
+#: ``17 examples`` (with the padding that right-aligns it in a column).
+_EXAMPLES = re.compile(r" *\b\d+ examples\b")
+
+
+def _example_counts(line: str) -> str:
+    """``line`` with the example counts of a failed search as ``<N> examples``.
+
+    After its first failure Hypothesis goes on generating for a while (how many examples depends
+    on the machine's speed) and then shrinks (its steps change between its versions): a ``FAIL``
+    line's count and the failure summary's total vary from run to run. A passing search
+    runs exactly its budget, and the header states the budget: those counts are kept.
+    """
+    if line.startswith(("PASS ", "all properties hold:")) or not _EXAMPLES.search(line):
+        return line
+    return _EXAMPLES.sub(lambda m: m.group(0) if line[: m.start()].endswith(" up to") else " <N> examples", line)
 
 
 def _relative(text: str, root: str) -> str:

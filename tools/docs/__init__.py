@@ -1,4 +1,4 @@
-"""The project's generated documentation: ``python -m tpsim.docs`` regenerates it, ``--check`` compares.
+"""The project's generated documentation: ``python -m tools.docs`` regenerates it, ``--check`` compares.
 
 What is generated, and from what:
 
@@ -10,10 +10,12 @@ What is generated, and from what:
 - with ``--bench``: ``docs/bench.md``, its plots and the README's Performance section, re-rendered
   from ``docs/bench.json`` by ``python -m bench --render`` (nothing is measured again);
 - with ``--examples``: the output shown under every ``$`` command of the console blocks of the
-  README and docs, by running the commands (:mod:`tpsim.docs.examples`).
+  README and docs, by running the commands (:mod:`tools.docs.examples`).
 
-Hand-written prose stays hand-written: only the generated regions (:mod:`tpsim.docs.regions`) of
-a page are replaced. ``python -m tpsim.docs --bench --examples`` regenerates everything at once.
+Hand-written prose stays hand-written: only the generated regions (:mod:`tools.docs.regions`) of
+a page are replaced. ``python -m tools.docs --bench --examples`` regenerates everything at once.
+
+This is repository tooling, not part of the installed ``tpsim`` package: run it from a checkout's root.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ import subprocess
 import sys
 from collections.abc import Callable
 
-from tpsim.docs import reference
-from tpsim.docs.regions import fill
+from tools.docs import reference
+from tools.docs.regions import fill
 
 __all__ = ["generated", "main"]
 
@@ -64,14 +66,13 @@ def generated(root: str) -> dict[str, tuple[str, str]]:
 
 
 def _root() -> str:
-    # The repository this package was installed from (editable install), else the working directory.
-    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return here if os.path.isfile(os.path.join(here, "pyproject.toml")) else os.getcwd()
+    # The repository this tooling lies in (tools/docs/ is not installed: it runs from a checkout).
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tpsim.docs", description=__doc__.splitlines()[0])
-    parser.add_argument("--root", default=None, help="the repository root (default: the one tpsim is installed from)")
+    parser = argparse.ArgumentParser(prog="python -m tools.docs", description=__doc__.splitlines()[0])
+    parser.add_argument("--root", default=None, help="the repository root (default: the checkout this tooling lies in)")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 and show the difference when "
                         "the committed pages differ from the generated ones")
     parser.add_argument("--bench", action="store_true", help="also re-render docs/bench.md, the plots and the "
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.bench and not args.check:
         subprocess.run([sys.executable, "-m", "bench", "--render"], cwd=root, check=True)
     if args.examples:
-        from tpsim.docs.examples import update_pages
+        from tools.docs.examples import update_pages
 
         stale += update_pages(root, check=args.check)
         if not args.check:  # the regions that copy a page whose console output was just written
@@ -104,6 +105,6 @@ def main(argv: list[str] | None = None) -> int:
                         fh.write(new)
                     print(f"wrote {page}")
     if args.check and stale:
-        print(f"\nstale: {', '.join(stale)}; regenerate with: python -m tpsim.docs", file=sys.stderr)
+        print(f"\nstale: {', '.join(stale)}; regenerate with: python -m tools.docs", file=sys.stderr)
         return 1
     return 0

@@ -2,7 +2,7 @@
 
 A region is delimited by two HTML comments (invisible when the page is rendered)::
 
-    <!-- BEGIN GENERATED cli-check-options (python -m tpsim.docs) -->
+    <!-- BEGIN GENERATED cli-check-options (python -m tools.docs) -->
     ...whatever the renderer of "cli-check-options" returns...
     <!-- END GENERATED cli-check-options -->
 

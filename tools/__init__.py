@@ -1,0 +1,1 @@
+"""The repository's own tooling (not installed with tpsim): ``python -m tools.docs`` regenerates the docs."""
