@@ -190,7 +190,9 @@ def _interrupted_run(tmp_path: pathlib.Path, *extra: str) -> subprocess.Complete
                             start_new_session=True)
     try:
         deadline = time.monotonic() + 240
-        # Wait until the search has found the failure and is busy shrinking it.
+        # The event: 20 forward calls. Every case fails and examples run one after another, so by
+        # then the first failing example has been recorded (it made 3 calls with --seed 0) and the
+        # search is shrinking it. A count of calls, not a delay: a loaded machine only makes it later.
         while not (counter.exists() and len(counter.read_text()) >= 20):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"the search did not get going: {proc.communicate()}")

@@ -102,7 +102,11 @@ def rank_returns_a_lambda() -> Any:
     return lambda: dist.get_rank()
 
 
-def rank_sleeps(seconds: float) -> int:
+def rank_sleeps(seconds: float, started: str | None = None) -> int:
+    """Sleep ``seconds``; with ``started``, first create the file ``STARTED.RANK``: the event a test
+    waits for to know that the world is running (a sleep of the test's own would only guess)."""
+    if started is not None:
+        Path(f"{started}.{dist.get_rank()}").touch()
     time.sleep(seconds)
     return dist.get_rank()
 
@@ -148,6 +152,19 @@ def _children(pid: int) -> list[int]:
             if ppid == pid:
                 out.append(int(entry))
     return out
+
+
+def _wait_started(parent: subprocess.Popen[str], started: Path, bound: float = 300) -> None:
+    """Wait until rank 0 of the parent's world created its ``started`` file (see :func:`rank_sleeps`;
+    on inproc one rank runs at a time, so rank 0 sleeping is the world running): the event, not a
+    guessed delay, so a loaded machine only makes it later."""
+    deadline = time.monotonic() + bound
+    while not Path(f"{started}.0").exists():
+        if parent.poll() is not None:
+            raise AssertionError(f"the parent exited with {parent.returncode} before its world started")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the parent's world did not start within {bound:.0f} s")
+        time.sleep(0.05)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -239,7 +256,7 @@ def test_a_rank_that_dies_is_named_and_the_checker_goes_on(how: str, cls: type, 
     if how.startswith("sys.exit"):  # raised and caught in the rank: the worker itself lives on
         assert isolate.live_worker_pid() == before
     else:  # the worker died with the rank; the next world ran in a fresh one
-        assert before is not None and _wait_gone([before], 10) == []
+        assert before is not None and _wait_gone([before], 60) == []
         assert isolate.live_worker_pid() not in (None, before)
 
 
@@ -286,7 +303,7 @@ def test_a_rank_stuck_in_native_code_is_abandoned_with_its_worker(hold_gil: bool
     assert 1 in info.value.faulty_ranks and "during backward (step 2)" in str(info.value)
     assert "replaced" in str(info.value)
     # No pile-up: the stuck process and its 300 MB are gone, not parked in the checker.
-    assert stuck is not None and _wait_gone([stuck], 10) == []
+    assert stuck is not None and _wait_gone([stuck], 60) == []
     assert _rss_mb() - rss < 100
     assert tpsim.run(rank_trivial, 3, isolate=True) == [3, 3, 3]
 
@@ -596,7 +613,7 @@ from test_isolation import rank_sleeps, rank_trivial
 if __name__ == "__main__":
     tpsim.run(rank_trivial, 2, isolate=True)
     print(isolate.live_worker_pid(), flush=True)
-    tpsim.run(rank_sleeps, 2, args=(300.0,), isolate=True, timeout=600)
+    tpsim.run(rank_sleeps, 2, args=(300.0, {started!r}), isolate=True, timeout=600)
 """
 
 _INTERRUPTED_PARENT = """
@@ -609,7 +626,7 @@ if __name__ == "__main__":
     tpsim.run(rank_trivial, 2, isolate=True)
     print(isolate.live_worker_pid(), flush=True)
     try:
-        tpsim.run(rank_sleeps, 2, args=(300.0,), isolate=True, timeout=600)
+        tpsim.run(rank_sleeps, 2, args=(300.0, {started!r}), isolate=True, timeout=600)
     except KeyboardInterrupt:
         print("interrupted", isolate.live_worker_pid(), flush=True)
         sys.exit(130)
@@ -628,7 +645,7 @@ if __name__ == "__main__":
 
 def _start_parent(tmp_path: Path, source: str) -> subprocess.Popen[str]:
     script = tmp_path / "parent.py"
-    script.write_text(textwrap.dedent(source.format(tests=str(ROOT / "tests"))))
+    script.write_text(textwrap.dedent(source.format(tests=str(ROOT / "tests"), started=str(tmp_path / "started"))))
     return subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
 
 
@@ -645,12 +662,12 @@ def test_an_isolated_worker_dies_with_a_checker_killed_mid_run(tmp_path: Path) -
     try:
         assert parent.stdout is not None
         worker = int(parent.stdout.readline())
-        time.sleep(1.0)  # the sleeping world is running in the worker now
+        _wait_started(parent, tmp_path / "started")  # the sleeping world is running in the worker now
         family = _descendants(parent.pid)
         assert worker in family
     finally:
         _kill(parent)
-    assert _wait_gone(family, 30) == []
+    assert _wait_gone(family, 60) == []
 
 
 def test_ctrl_c_mid_run_reaches_the_caller_and_ends_the_worker(tmp_path: Path) -> None:
@@ -658,13 +675,13 @@ def test_ctrl_c_mid_run_reaches_the_caller_and_ends_the_worker(tmp_path: Path) -
     try:
         assert parent.stdout is not None
         worker = int(parent.stdout.readline())
-        time.sleep(1.0)
+        _wait_started(parent, tmp_path / "started")  # Ctrl-C mid-run: the world is running in the worker
         parent.send_signal(signal.SIGINT)
         assert parent.stdout.readline().split() == ["interrupted", "None"]
-        assert parent.wait(30) == 130
+        assert parent.wait(120) == 130
     finally:
         _kill(parent)
-    assert _wait_gone([worker], 10) == []
+    assert _wait_gone([worker], 60) == []
 
 
 @pytest.mark.gloo
@@ -673,7 +690,7 @@ def test_gloo_workers_die_with_a_checker_killed_while_they_start(tmp_path: Path)
     try:
         assert parent.stdout is not None
         assert parent.stdout.readline().strip() == "starting"
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 300  # a bound, not a delay: the loop ends when the ranks exist
         family: list[int] = []
         while time.monotonic() < deadline and len(_ranks(family)) < 4:  # the four ranks are being spawned
             time.sleep(0.05)

@@ -50,9 +50,18 @@ def test_cases_respect_the_variant_and_the_options(data: st.DataObject) -> None:
     assert case.world_size in (1, 3, 5)
     assert case.dtype in ("float32", "bfloat16")
     assert 0 <= len(case.batch_shape) <= 3
-    # The sequence dim of a sequence-parallel variant holds a few tokens per rank (up to 3 * ws).
+    # The sequence dim of a sequence-parallel variant holds k * tp tokens, k = 1..max_per_rank (3):
+    # a few per rank; a sequence-sharded output may also get k * tp + r, r = 1..tp-1, which does not
+    # divide (the layer must refuse it). Every other batch dim is 1..3.
     seq = variant.sequence_dim_of(len(case.batch_shape) + 1)
-    assert all(1 <= s <= (3 * case.world_size if i == seq else 3) for i, s in enumerate(case.batch_shape))
+    for i, size in enumerate(case.batch_shape):
+        if i != seq:
+            assert 1 <= size <= 3
+            continue
+        tp = case.tp_size
+        assert tp <= size <= 3 * tp + tp - 1
+        if variant.output != "sequence-sharded":
+            assert size % tp == 0  # a sequence-sharded input arrives already cut: it always divides
     assert case.variant == variant.name and case.target == variant.target
     sharded = {"in_features": case.in_features, "out_features": case.out_features}
     dim = variant.sharded_features()[0]

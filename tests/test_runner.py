@@ -69,11 +69,13 @@ def _zombie(pid: int) -> bool:
 
 
 _SCRIPT = textwrap.dedent("""
-    import sys, time, torch.distributed as dist, tpsim
+    import pathlib, sys, time, torch.distributed as dist, tpsim
     from tpsim.comm import procs
 
-    def rank_sleep(s):
+    def rank_sleep(s, started=None):
         dist.barrier()
+        if started is not None:  # the event the test waits for: this rank is in the run
+            pathlib.Path(f"{started}.{dist.get_rank()}").touch()
         time.sleep(s)
         return dist.get_rank()
 
@@ -81,7 +83,7 @@ _SCRIPT = textwrap.dedent("""
         assert tpsim.run(rank_sleep, 2, backend="gloo", args=(0.0,)) == [0, 1]
         print("PIDS", *procs.live_worker_pids()[("gloo", 2)], flush=True)
         if sys.argv[1] == "interrupt":
-            tpsim.run(rank_sleep, 2, backend="gloo", args=(120.0,), timeout=200)
+            tpsim.run(rank_sleep, 2, backend="gloo", args=(120.0, sys.argv[2]), timeout=200)
         print("DONE", flush=True)
 """)
 
@@ -95,20 +97,26 @@ def _script(tmp_path):
 
 def test_ctrl_c_leaves_no_children(tmp_path):
     path, env = _script(tmp_path)
-    proc = subprocess.Popen([sys.executable, str(path), "interrupt"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=env, text=True)
+    started = tmp_path / "started"
+    proc = subprocess.Popen([sys.executable, str(path), "interrupt", str(started)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env, text=True)
     try:
         line = proc.stdout.readline()
         assert line.startswith("PIDS"), proc.stderr.read()
         pids = [int(p) for p in line.split()[1:]]
-        time.sleep(1.0)  # the second run is under way
+        # The second run is under way once both ranks have said so (an event: a loaded machine only
+        # makes it later; the bound is a backstop).
+        deadline = time.monotonic() + 300
+        while not all((tmp_path / f"started.{rank}").exists() for rank in (0, 1)):
+            assert proc.poll() is None and time.monotonic() < deadline, "the second run did not start"
+            time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode != 0 and "KeyboardInterrupt" in err
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while any(os.path.exists(f"/proc/{p}") and not _zombie(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert [p for p in pids if os.path.exists(f"/proc/{p}") and not _zombie(p)] == []
