@@ -205,3 +205,52 @@ def test_only_tracked_files_are_read(tmp_path: pathlib.Path) -> None:
     (tmp_path / "notes.md").write_text(citing)
     assert _tracked_text_files(tmp_path) == [tmp_path / "README.md", tmp_path / "tracked.py"]
     assert _tracker_citations(tmp_path) == ["tracked.py:1: " + citing.strip()]  # the check still bites
+
+
+# --- environment knobs ----------------------------------------------------------------------------
+
+
+def _environment_reads() -> dict[str, str]:
+    """``{variable: where}`` for every environment variable tpsim/ reads by a name it spells out:
+    ``os.environ.get(NAME)``, ``os.environ[NAME]``, ``os.getenv(NAME)`` or a helper whose name says
+    env (``_env_count(NAME, ...)``), NAME a string or a module-level string constant."""
+    import ast
+
+    found: dict[str, str] = {}
+    for path in sorted((ROOT / "tpsim").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        constants = {t.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
+                     and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+                     for t in node.targets if isinstance(t, ast.Name)}
+
+        def name_of(arg: ast.expr, constants: dict[str, str] = constants) -> str | None:
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                return arg.value
+            return constants.get(arg.id) if isinstance(arg, ast.Name) else None
+
+        for node in ast.walk(tree):
+            arg = None
+            if isinstance(node, ast.Call) and node.args:
+                func = node.func
+                called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+                receiver = ast.unparse(func.value) if isinstance(func, ast.Attribute) else ""
+                if (called == "get" and receiver.endswith("environ")) or called == "getenv" or "env" in called.lower():
+                    arg = node.args[0]
+            elif isinstance(node, ast.Subscript) and ast.unparse(node.value).endswith("environ"):
+                arg = node.slice
+            name = name_of(arg) if arg is not None else None
+            if name and re.fullmatch(r"[A-Z][A-Z0-9_]+", name):
+                found.setdefault(name, f"{path.relative_to(ROOT)}:{node.lineno}")
+    return found
+
+
+def test_every_environment_variable_is_documented() -> None:
+    reads = _environment_reads()
+    # The scanner itself can fail: the knobs known today are among what it finds.
+    assert {"TPSIM_CHECKSUM", "TPSIM_MAX_WORLD_SIZE", "TPSIM_WORKER_MEMORY", "TPSIM_VERIFY_COLLECTIVES",
+            "TPSIM_MAX_POOLS", "TPSIM_INPROC_PIN", "TPSIM_THOROUGH", "PYTEST_XDIST_WORKER"} <= set(reads), reads
+    text = (ROOT / "docs" / "cli.md").read_text()
+    section = text[text.index("## Environment variables"):]
+    section = section[: section.index("\n## ", 1)]
+    missing = {name: where for name, where in reads.items() if f"`{name}`" not in section}
+    assert not missing, f"docs/cli.md's Environment variables section does not document {missing}"
