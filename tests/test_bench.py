@@ -30,6 +30,8 @@ SECTION_TITLES = (
 )
 
 
+# The quick benchmark run takes minutes and runs real gloo worlds (in its own process, where the
+# conftest's gloo guard cannot see them): the tests that read it are slow and gloo (thorough tier).
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
@@ -39,6 +41,8 @@ def quick_run(tmp_path_factory):
     return out, done.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.gloo
 def test_quick_run_writes_every_output(quick_run):
     out, stdout = quick_run
     assert sorted(os.listdir(out)) == ["bench.json", "bench.md", "bench_props.png", "bench_step.png"]
@@ -48,6 +52,8 @@ def test_quick_run_writes_every_output(quick_run):
     assert "[bench] wrote" in stdout and "inproc/floor=" in stdout
 
 
+@pytest.mark.slow
+@pytest.mark.gloo
 def test_quick_markdown_has_every_table(quick_run):
     out, _ = quick_run
     text = (out / "bench.md").read_text()
@@ -68,6 +74,8 @@ def test_quick_markdown_has_every_table(quick_run):
                 j += 1
 
 
+@pytest.mark.slow
+@pytest.mark.gloo
 def test_quick_json_is_well_formed(quick_run):
     out, _ = quick_run
     result = json.loads((out / "bench.json").read_text())

@@ -79,6 +79,7 @@ def rank_gathers() -> dict:
     }
 
 
+@pytest.mark.smoke  # its gloo runs stay in the fast tier: every collective on a real process group
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("ws", WORLD_SIZES)
 def test_every_collective_matches_torch_arithmetic(backend, ws):

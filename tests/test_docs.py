@@ -139,10 +139,15 @@ def test_there_are_console_blocks_to_run() -> None:
     assert len(BLOCKS) >= 8 and any(b.page == "README.md" for b in BLOCKS)
 
 
-@pytest.mark.parametrize(
-    "block",
-    [pytest.param(b, marks=[pytest.mark.slow] if b.slow else [], id=b.id) for b in BLOCKS],
-)
+def _marks(block) -> list[pytest.MarkDecorator]:
+    """``slow`` as the page says; ``gloo`` when a command (or the setup) runs on real gloo."""
+    commands = [command for command, _ in block.commands] + block.setup
+    return ([pytest.mark.slow] if block.slow else []) + (
+        [pytest.mark.gloo] if any(re.search(r"--backend[ =]gloo\b", c) for c in commands) else [])
+
+
+@pytest.mark.thorough  # each block runs real commands (seconds to minutes): the thorough tier
+@pytest.mark.parametrize("block", [pytest.param(b, marks=_marks(b), id=b.id) for b in BLOCKS])
 def test_console_block_runs_as_shown(block) -> None:
     if block.skip:
         pytest.skip(block.skip)

@@ -20,7 +20,8 @@ from tpsim.props.search import search
 
 #: Budget for catching a mutant: every one is caught well within it (the table shows how fast).
 CATCH_BUDGET = 200
-SEEDS = (0, 1)
+#: Seed 0 in the fast tier (every mutant caught once), the others in the thorough tier.
+SEEDS = (0, pytest.param(1, marks=pytest.mark.thorough))
 CORRECT_VARIANTS = CORRECT + builtin_variants.TPSIM_VARIANTS
 
 _TABLE: list[tuple[str, str, int, str, float]] = []
@@ -95,6 +96,7 @@ def test_correct_variant_passes_500_examples(variant) -> None:
     assert report.examples == 500
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("backend", ["gloo"])
 def test_search_on_gloo_catches_a_mutant_and_passes_a_correct_variant(backend) -> None:
     by_name = {m.name: m for m in CATALOG}

@@ -53,6 +53,7 @@ def test_replay_json(capsys, buggy_case) -> None:
 
 
 @pytest.mark.gloo
+@pytest.mark.smoke
 def test_a_case_found_on_inproc_replays_on_gloo(capsys, buggy_case) -> None:
     code, out, err = run_cli(capsys, "replay", buggy_case, "--backend", "gloo")
     assert code == 1, out + err

@@ -4,7 +4,8 @@ A console block is a fenced ``console`` block whose lines starting with ``$ `` a
 lines after each, its output. HTML comments right before the fence steer the run (they are
 invisible on the rendered page):
 
-- ``<!-- console: slow -->``: the block takes long (tests mark it ``slow``);
+- ``<!-- console: slow -->``: the block takes long (tests mark it ``slow``; every block's test is in
+  the thorough tier, and a block that runs ``--backend gloo`` is marked ``gloo``);
 - ``<!-- console-setup: COMMAND -->``: run COMMAND first, its output ignored (e.g. the check
   that writes the case file a block replays);
 - ``<!-- console: skip REASON -->``: never run (e.g. a command that needs GPUs).
