@@ -103,6 +103,7 @@ def false_alarms(variant: Variant, examples: int, seed: int) -> list[str]:
     return found
 
 
+@pytest.mark.thorough  # minutes over all layers; the fast tier searches every correct variant (test_mutants)
 @pytest.mark.parametrize("variant", OWN_LAYERS, ids=lambda v: v.name)
 def test_low_precision_tiny_cases_pass(variant: Variant) -> None:
     found = false_alarms(variant, examples=30, seed=0)

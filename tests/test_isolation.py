@@ -708,7 +708,6 @@ def test_gloo_workers_die_with_a_checker_killed_while_they_start(tmp_path: Path)
 
 
 @pytest.mark.gloo
-@pytest.mark.smoke
 @pytest.mark.parametrize(("how", "cls"), [("os._exit(0)", tpsim.RankExited), ("segfault", tpsim.RankCrashed),
                                           ("sys.exit(3)", tpsim.RankExited)])
 def test_a_gloo_rank_that_dies_is_named_with_its_phase(how: str, cls: type) -> None:

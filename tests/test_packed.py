@@ -104,6 +104,7 @@ def test_cli_packed_option(tmp_path, capsys) -> None:
     assert "expected K >= 2" in capsys.readouterr().err
 
 
+@pytest.mark.gloo
 def test_packed_mutant_caught_on_gloo() -> None:
     report = search(MUTANTS["packed-gate-up-contiguous"].variant, backend="gloo", world_sizes=(2,), max_examples=5, seed=0)
     assert "packed-shard-layout" in [f.diagnosis for f in report.failures]

@@ -12,6 +12,8 @@ from helpers import tracked_files
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
+pytest_plugins = ["pytester"]
+
 
 def readme_commands() -> list[str]:
     """The commands of the README's first code block (the two set-up commands)."""
@@ -35,6 +37,39 @@ def test_ci_runs_exactly_the_readme_commands() -> None:
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     for command in readme_commands():
         assert command in ci, f".ci/run does not run the README command {command!r}"
+
+
+def test_ci_runs_the_thorough_tier_and_fails_an_empty_one() -> None:
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "python -m pytest -n auto -m thorough" in ci.splitlines()
+    assert '"$rc" -eq 5' in ci  # pytest's "no tests collected" is a failure, never a pass
+    assert "-m 'not thorough'" in (ROOT / "pyproject.toml").read_text()  # the README's command: the fast tier
+
+
+@pytest.mark.gloo
+def test_a_test_that_starts_gloo_without_the_marker_fails(pytester: pytest.Pytester) -> None:
+    # The repository's conftest.py watches every gloo world a test starts in its process.
+    pytester.makeconftest((ROOT / "conftest.py").read_text())
+    pytester.makepyfile(test_worlds="""
+        import pytest, tpsim
+        import torch.distributed as dist
+
+        def rank():
+            return dist.get_rank()
+
+        def test_unmarked():
+            assert tpsim.run(rank, 1, backend="gloo") == [0]
+
+        @pytest.mark.gloo
+        def test_marked():
+            assert tpsim.run(rank, 1, backend="gloo") == [0]
+
+        def test_inproc():
+            assert tpsim.run(rank, 2) == [0, 1]
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-m", "")
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(["*test_unmarked started 1 real gloo world(s)*without the 'gloo' marker*"])
 
 
 def test_torch_pin_admits_no_newer_release() -> None:

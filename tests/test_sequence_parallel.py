@@ -110,6 +110,7 @@ def test_sequence_parallel_norm_grads_must_be_all_reduced() -> None:
     assert "NeMo #7184" in report.failures[0].message
 
 
+@pytest.mark.gloo
 def test_norm_check_on_gloo() -> None:
     report = search_norm(NormVariant("no-reduce", _no_reduce), world_sizes=(2,), max_examples=2, backend="gloo")
     assert report.failures[0].diagnosis == "grad-not-reduced"
@@ -125,6 +126,7 @@ def test_cli_sequence_options(tmp_path, capsys) -> None:
     assert "-1 is the feature dim" in capsys.readouterr().err
 
 
+@pytest.mark.gloo
 def test_sequence_mutant_caught_on_gloo() -> None:
     case = Case(world_size=2, in_features=2, out_features=3, batch_shape=(4,), bias=True, seed=2)
     failures = check_case(MUTANTS["sequence-bias-grad-not-reduced"].variant, case, backend="gloo")

@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass, field
 
@@ -179,6 +180,9 @@ def _workspace(root: str, block: Block) -> str:
 def _run(command: str, cwd: str, last: int) -> tuple[int, str]:
     env = dict(os.environ)
     env.pop("COLUMNS", None)
+    # `tpsim` (and `python`) are the ones installed beside the interpreter running this, as in an
+    # activated venv: not whichever other installation comes first on PATH.
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     done = subprocess.run(["bash", "-c", f"(exit {last}); {command}"], cwd=cwd, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=COMMAND_TIMEOUT)
     return done.returncode, done.stdout
