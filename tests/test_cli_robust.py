@@ -174,14 +174,20 @@ class SlowDoubledColumn(nn.Module):
         with open({counter!r}, "a") as fh:
             fh.write(".")
         time.sleep(0.05)
+        # From the 20th call on, wait (bounded, within the example timeout) for the test to release
+        # it: the search is then surely still running when Ctrl-C arrives, however loaded the machine.
+        if os.path.getsize({counter!r}) >= 20:
+            deadline = time.monotonic() + 20
+            while not os.path.exists({release!r}) and time.monotonic() < deadline:
+                time.sleep(0.05)
         return 2 * F.linear(x, self.weight)
 '''
 
 
 def _interrupted_run(tmp_path: pathlib.Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    counter = tmp_path / "calls"
+    counter, release = tmp_path / "calls", tmp_path / "release"
     module = tmp_path / "slow.py"
-    module.write_text(SLOW_AND_WRONG.format(counter=str(counter)))
+    module.write_text(SLOW_AND_WRONG.format(counter=str(counter), release=str(release)))
     argv = [sys.executable, "-m", "tpsim", "check", f"{module}:SlowDoubledColumn", "--input-grad", "partial",
             "--max-examples", "1000", "--world-sizes", "1,2", "--seed", "0", "--cases-dir", str(tmp_path / "cases"),
             *extra]
@@ -192,12 +198,14 @@ def _interrupted_run(tmp_path: pathlib.Path, *extra: str) -> subprocess.Complete
         deadline = time.monotonic() + 240
         # The event: 20 forward calls. Every case fails and examples run one after another, so by
         # then the first failing example has been recorded (it made 3 calls with --seed 0) and the
-        # search is shrinking it. A count of calls, not a delay: a loaded machine only makes it later.
+        # search is shrinking it; the 20th call waits for the release below, so the search cannot
+        # end before Ctrl-C. A count of calls, not a delay: a loaded machine only makes it later.
         while not (counter.exists() and len(counter.read_text()) >= 20):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"the search did not get going: {proc.communicate()}")
             time.sleep(0.1)
         os.killpg(proc.pid, signal.SIGINT)
+        release.touch()
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:

@@ -299,7 +299,9 @@ def test_a_rank_stuck_in_native_code_is_abandoned_with_its_worker(hold_gil: bool
     with pytest.raises(tpsim.CollectiveError) as info:
         tpsim.run(rank_stuck_in_native_code, 3, args=(hold_gil, 300), isolate=True, timeout=timeout)
     took = time.monotonic() - started
-    assert took < isolate.stall_bound(timeout) + 5.0
+    # Abandoned, not waited out: the rank sleeps 600 s in C. (A bound near stall_bound would measure
+    # the machine's load, not the abandonment: 26 s were seen beside a busy test suite.)
+    assert took < 300, took
     assert 1 in info.value.faulty_ranks and "during backward (step 2)" in str(info.value)
     assert "replaced" in str(info.value)
     # No pile-up: the stuck process and its 300 MB are gone, not parked in the checker.
