@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tpsim.comm import ops
+from tpsim.comm import backend_names, ops
 from tpsim.comm._inject import RankFaults, checksum, corrupt_, crash, mismatched_call
 from tpsim.comm.trace import CollectiveCall
 from tpsim.errors import CollectiveError, InvalidArgument
@@ -362,6 +362,8 @@ class TracingProcessGroup(dist.ProcessGroup):
         self._global_ranks = tuple(global_ranks) if global_ranks else tuple(range(size))
         self._device_type = device_type
         self._backend_name = backend_name
+        #: The tpsim backend this group belongs to (:mod:`tpsim.comm.backend_names` reads it).
+        self.tpsim_backend = backend_name
         self._label: str | None = None
 
     # -- identity: functional collectives resolve groups by name, object collectives by device
@@ -779,8 +781,13 @@ def register_backends(*, loopback: bool) -> None:
     if _REGISTERED:
         return
     dist.Backend.register_backend(BACKEND_NAMES["gloo"], _create_gloo, extended_api=True, devices=["cpu"])
+    gloo, nccl = BACKEND_NAMES["gloo"], BACKEND_NAMES["nccl"]
+    # dist.get_backend() names the real backend (code branches on "gloo"; monitored_barrier needs it),
+    # and groups asked for by that name inside the world are traced too.
+    backend_names.present_as(gloo, "gloo", aliases={"gloo": gloo})
     if dist.is_nccl_available():
-        dist.Backend.register_backend(BACKEND_NAMES["nccl"], _create_nccl, extended_api=True, devices=["cuda"])
+        dist.Backend.register_backend(nccl, _create_nccl, extended_api=True, devices=["cuda"])
+        backend_names.present_as(nccl, "nccl", aliases={"nccl": nccl, "gloo": gloo})
     _REGISTERED["done"] = True
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tpsim.comm import modstate, ops, runclock, threadworld
+from tpsim.comm import backend_names, modstate, ops, runclock, threadworld
 from tpsim.comm._inject import RankFaults, checksum, corrupt_, crash, mismatched_call
 from tpsim.comm.modstate import ModuleGlobals
 from tpsim.comm.result import WorldResult
@@ -422,7 +422,11 @@ class InprocProcessGroup(dist.ProcessGroup):
     """A torch.distributed process group whose members are threads of this process.
 
     Created by torch through :func:`register`'s backend hook; never construct it yourself.
+    ``dist.get_backend()`` says ``gloo`` for it (:mod:`tpsim.comm.backend_names`).
     """
+
+    #: The tpsim backend this group belongs to (:mod:`tpsim.comm.backend_names` reads it).
+    tpsim_backend = BACKEND_NAME
 
     def __init__(self, world: _SimWorld, state: _GroupState, group_rank: int, global_rank: int) -> None:
         super().__init__(group_rank, state.size)
@@ -1006,6 +1010,10 @@ def register() -> None:
         if _registered:
             return
         dist.Backend.register_backend(BACKEND_NAME, _create_pg, extended_api=True, devices=["cpu"])
+        # dist.get_backend() says "gloo" (a CPU backend, the path code asking "is this gloo?" takes), and
+        # a group asked for as gloo or nccl inside a world is an inproc group too.
+        backend_names.present_as(BACKEND_NAME, "gloo",
+                                 aliases={"gloo": BACKEND_NAME, "nccl": BACKEND_NAME, BACKEND_NAME: BACKEND_NAME})
         _registered = True
 
 
