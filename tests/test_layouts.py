@@ -143,9 +143,9 @@ def test_the_layout_table_is_what_plain_gloo_does(tmp_path) -> None:
     storage) or refused."""
     import json
 
+    import plain_gloo_layouts
     import torch.multiprocessing as mp
 
-    import plain_gloo_layouts
     from tpsim.comm import ops
 
     mp.start_processes(plain_gloo_layouts.probe, args=(2, str(tmp_path)), nprocs=2, start_method="spawn")

@@ -147,6 +147,17 @@ def test_check_fails_the_blocking_ring_layer_and_passes_its_twin(capsys, tmp_pat
     assert code == 0, _failures(report)
 
 
+@pytest.mark.gloo
+def test_a_ring_of_blocking_sends_fails_on_gloo_too() -> None:
+    # gloo cannot tell a deadlock from a slow peer: it fails once the timeout passes, every rank in its send.
+    with pytest.raises(tpsim.CollectiveError) as info:
+        tpsim.run(blocking_ring, 3, backend="gloo", timeout=3)
+    lines = info.value.summary.splitlines()[1:]
+    assert len(lines) == 3 and all(line.split(": ", 1)[1] in (
+        "failed in send #1 on group world", "was blocked in send #1 on group world when tpsim stopped the world")
+        for line in lines), lines
+
+
 # --- 2. collectives on views ---------------------------------------------------------------------------
 
 def reduce_view(kind: str) -> list[float]:
@@ -183,8 +194,8 @@ def test_a_collective_on_a_view_a_backend_gets_wrong_names_the_rank_the_call_and
     assert isinstance(own, tpsim.CollectiveOnStridedView)
     assert own.diagnosis == COLLECTIVE_ON_STRIDED_VIEW
     assert (own.rank, own.collective, own.call_index, own.group, own.strides) == (0, "all_reduce", 1, "world", strides)
-    assert err.summary.startswith(f"rank 0 raised CollectiveOnStridedView: all_reduce #1 on group world: on rank 0, "
-                                  f"the tensor is a view that is ")
+    assert err.summary.startswith("rank 0 raised CollectiveOnStridedView: all_reduce #1 on group world: on rank 0, "
+                                  "the tensor is a view that is ")
     assert f"strides {strides}" in err.summary
     words = {"padded": "not dense", "every-other": "not dense", "expanded": "overlapping",
              "transposed": "dense but not contiguous"}[kind]
@@ -235,6 +246,18 @@ def test_check_fails_the_strided_view_layers_with_their_finding(capsys, tmp_path
     found = _failures(report)
     assert [f["diagnosis"] for f in found] == [COLLECTIVE_ON_STRIDED_VIEW]
     assert "all_reduce #1 on group world: on rank 0, the tensor is a view that is not dense" in found[0]["message"]
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("target, options, words", [
+    ("PaddedViewRow", ROW, "collective-on-strided-view"),
+    ("ClassAttrColumn", COLUMN, "AttributeError: type object 'ClassAttrColumn' has no attribute 'shards'"),
+])
+def test_the_same_layers_fail_on_gloo(capsys, tmp_path, target, options, words) -> None:
+    code, out, err = run_cli(capsys, "check", f"{LAYERS}:{target}", *options, "--backend", "gloo", "--max-examples", "3",
+                             "--world-sizes", "2", "--dtypes", "float64", "--seed", "0", "--cases-dir", str(tmp_path))
+    assert code == 1, out + err
+    assert words in out
 
 
 def test_check_passes_the_contiguous_twin(capsys, tmp_path) -> None:
