@@ -24,6 +24,15 @@ is a *mismatched collective*, explained by :func:`mismatch_message` with a major
 breaks it raises on its own rank at the call, before anything is exchanged, as a real backend's
 argument check does, so the error names the rank whose buffer is wrong.
 
+**Layouts** (:func:`strided_view`): a tensor that gloo computes on its storage (a view that is not
+dense, or a dense one where gloo reads storage order) or that NCCL refuses is refused on its own rank
+at the call with :class:`tpsim.CollectiveOnStridedView`, on every backend; the table says, by op and
+place, what each backend does (tests/test_layouts.py checks gloo's column against plain torch gloo).
+
+**Group names** (:func:`group_label`, :func:`group_words`): ``world`` for the default group, else the
+group's description, else its ranks, the same on every backend; messages add the ranks to a
+description (``all_reduce #1 on group tp [2,3]``).
+
 **Precedence and blame** (:func:`explain`): when a world fails, one rank's failure explains the
 others'. In order: a rank whose own code raised or whose process died; a crash the fault plan
 injected; a rank the plan dropped; a rank the plan stalled; a verdict every member of a
