@@ -25,6 +25,9 @@ Sections (see ``docs/bench.md`` for the tables they produce):
 - ``memory``: peak resident memory of an inproc world vs the dense reference (fresh subprocesses);
 - ``dtensor``: per-example time of the DTensor adapters on inproc vs gloo.
 
+A change's cost in examples/s, against the commit it started from (``git archive BASE | tar -x -C
+DIR``), side by side: ``python -m bench.compare DIR`` (:mod:`bench.compare`; not part of the report).
+
 Every measurement that could hang or run long runs in a subprocess with a time limit; a limit hit is
 reported as ``> limit`` and larger sizes of that series are skipped. The document records the load
 average at the start and end of the run (the machine may be shared).

@@ -92,11 +92,70 @@ def wrong_gather_list() -> None:
     dist.all_gather(outs, x)
 
 
+def reduce_in_a_padded_view() -> None:
+    """all_reduce on ``big[..., :n]``: gloo would reduce the storage's first elements; both refuse it."""
+    r = dist.get_rank()
+    big = torch.zeros(2, 4, dtype=torch.float64)
+    big[:, :3] = r + 1
+    dist.all_reduce(big)  # call #1: the whole buffer is fine
+    dist.all_reduce(big[:, :3])
+
+
+def reduce_every_other() -> None:
+    x = torch.arange(8, dtype=torch.float64).reshape(2, 4) + dist.get_rank()
+    dist.all_reduce(x[..., ::2])
+
+
+def gathers_into_views() -> list[torch.Tensor]:
+    """List outputs of any layout are fine on both real backends (they copy from a flat buffer)."""
+    r, ws = dist.get_rank(), dist.get_world_size()
+    out = torch.zeros(2, 2 * ws, dtype=torch.float64)
+    dist.all_gather(list(out.chunk(ws, dim=1)), torch.full((2, 2), float(r), dtype=torch.float64))
+    return [out]
+
+
+def named_groups() -> list[float]:
+    """A group of every rank that is not the default one, a described group, an undescribed one."""
+    r, ws = dist.get_rank(), dist.get_world_size()
+    everyone = dist.new_group(list(range(ws)))
+    tp = dist.new_group([0, 1], group_desc="tp")
+    pair = dist.new_group([1, 2])
+    t = torch.ones(1, dtype=torch.float64)
+    dist.all_reduce(t)
+    dist.all_reduce(t, group=everyone)
+    if r in (0, 1):
+        dist.all_reduce(t, group=tp)
+    if r in (1, 2):
+        dist.all_reduce(t, group=pair)
+    return [t.item()]
+
+
+def asks_the_backend() -> list[str]:
+    cpu = dist.new_group(list(range(dist.get_world_size())), backend="gloo")
+    dist.monitored_barrier()
+    t = torch.ones(1)
+    dist.all_reduce(t, group=cpu)
+    return [dist.get_backend(), dist.get_backend(cpu), str(t.item())]
+
+
+class _Holder:
+    pass
+
+
+def state_on_a_class() -> None:
+    """Rank 0 keeps a tensor on a class; the other ranks read it there (each rank is a process on gloo)."""
+    if dist.get_rank() == 0:
+        _Holder.weight = torch.ones(2)
+    dist.barrier()
+    _Holder.weight.sum()
+
+
 # -- running one program on both backends ------------------------------------------------------------
 
 def _run(backend: str, fn, **kw):
+    kw = {"timeout": TIMEOUT, **kw}
     try:
-        return tpsim.run_world(fn, WS, backend=backend, timeout=TIMEOUT, **kw), None
+        return tpsim.run_world(fn, WS, backend=backend, **kw), None
     except tpsim.RankError as err:
         return None, err
 
@@ -158,6 +217,8 @@ SUCCEEDING = {
     "p2p-then-collectives": (p2p_then_collectives, {}, 0),
     "short-delay": (steps_loop, {"faults": [Delay(rank=2, at_call=2, seconds=0.2)]}, 3),
     "corrupt-unchecked": (steps_loop, {"faults": [Corrupt(rank=1, at_call=2, how="scale")]}, 3),
+    "gather-into-views": (gathers_into_views, {}, 0),
+    "named-groups": (named_groups, {"timeout": 30.0}, 0),  # making gloo groups: slow on a busy machine
 }
 
 FAILING = {
@@ -170,6 +231,9 @@ FAILING = {
     "mismatch-shape": (steps_loop, {"faults": [Mismatch(rank=1, at_call=3, what="shape")]}, 3),
     "mismatch-dtype": (steps_loop, {"faults": [Mismatch(rank=1, at_call=4, what="dtype")]}, 4),
     "wrong-buffer": (wrong_gather_list, {}, 2),
+    "padded-view": (reduce_in_a_padded_view, {}, 2),
+    "every-other-view": (reduce_every_other, {}, 1),
+    "state-on-a-class": (state_on_a_class, {}, 1),
 }
 
 
@@ -278,3 +342,19 @@ def test_a_rank_tpsim_stopped_is_never_the_one_an_error_is_about():
     assert err.rank == 0
     assert 2 not in getattr(err, "faulty_ranks", ())
     assert "#None" not in str(err)
+
+
+@pytest.mark.gloo
+def test_code_asking_the_backend_sees_the_same_on_inproc_and_gloo():
+    a, err_a = _run("inproc", asks_the_backend, timeout=30.0)
+    b, err_b = _run("gloo", asks_the_backend, timeout=30.0)
+    assert err_a is None and err_b is None, (err_a, err_b)
+    assert a.values == b.values == [["gloo", "gloo", "3.0"]] * WS
+
+
+def test_groups_are_named_by_their_own_names_with_ranks_listed():
+    trace = tpsim.run_world(named_groups, WS).trace
+    assert [c.describe() for c in trace.of(1)] == [
+        "all_reduce #1 on group world", "all_reduce #1 on group [0,1,2]", "all_reduce #1 on group tp [0,1]",
+        "all_reduce #1 on group [1,2]"]
+    assert [c.group for c in trace.of(1)] == ["world", "[0,1,2]", "tp", "[1,2]"]

@@ -57,7 +57,10 @@ def test_layouts_needing_a_batch_dim_refuse_a_vector() -> None:
         Case(world_size=1, in_features=2, out_features=2, input_layout="diagonal")
 
 
-# --- every collective on non-contiguous views ----------------------------------------------------
+# --- collectives on non-contiguous views ----------------------------------------------------------
+# Refused on every backend where gloo or NCCL computes the view wrongly or refuses it (the layout
+# table of tpsim.comm.ops, checked against plain gloo below); the gloo path never computes a
+# contiguous stand-in instead (it would make the call right where gloo gets it wrong).
 
 
 def _base(rank: int, rows: int = 4, cols: int = 6) -> torch.Tensor:
@@ -69,52 +72,98 @@ def _t(x: torch.Tensor) -> torch.Tensor:
     return x.t().contiguous().t()
 
 
-def rank_noncontiguous_collectives() -> dict[str, torch.Tensor]:
+def rank_collective_on_a_view(op: str) -> None:
+    """``op`` with a non-contiguous tensor where a real backend gets it wrong (every rank alike)."""
     rank, ws = dist.get_rank(), dist.get_world_size()
-    out: dict[str, torch.Tensor] = {}
     x = _t(_base(rank))
-    dist.all_reduce(x)
-    out["all_reduce"] = x.clone()
-    x = _t(_base(rank))
-    dist.broadcast(x, src=1)
-    out["broadcast"] = x.clone()
-    x = _t(_base(rank))
-    dist.reduce(x, dst=0)
-    out["reduce"] = x.clone()
+    if op == "all_reduce":
+        dist.all_reduce(x)
+    elif op == "broadcast":
+        dist.broadcast(x, src=1)
+    elif op == "reduce":
+        dist.reduce(x, dst=0)
+    elif op == "all_gather":
+        dist.all_gather([torch.zeros(4, 6, dtype=torch.float64) for _ in range(ws)], x)
+    elif op == "scatter":
+        dist.scatter(x, [_base(r) for r in range(ws)] if rank == 0 else None, src=0)
+    elif op == "reduce_scatter":
+        dist.reduce_scatter(torch.zeros(2, 6, dtype=torch.float64)[:, ::2], [_base(rank, 2, 3) for _ in range(ws)])
+    elif op == "all_to_all_single":
+        dist.all_to_all_single(_t(torch.zeros(ws * 2, 3, dtype=torch.float64)), _base(rank, ws * 2, 3))
+    elif op == "all_gather_into_tensor":
+        dist.all_gather_into_tensor(torch.zeros(ws * 4, 6, dtype=torch.float64), x)
+    elif op == "reduce_scatter_tensor":
+        dist.reduce_scatter_tensor(torch.zeros(4, 6, dtype=torch.float64), _t(_base(rank, ws * 4, 6)))
+    elif op == "all_to_all":
+        dist.all_to_all([torch.zeros(4, 6, dtype=torch.float64) for _ in range(ws)], [x] * ws)
+
+
+VIEW_OPS = ["all_reduce", "broadcast", "reduce", "all_gather", "scatter", "reduce_scatter", "all_to_all_single",
+            "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all"]
+
+
+# Every op on inproc; on gloo (a refused call costs a fresh worker pool) one of each place's rule.
+_VIEW_CASES = [(op, "inproc") for op in VIEW_OPS] + [
+    pytest.param(op, "gloo", marks=pytest.mark.gloo) for op in ("all_reduce", "scatter", "all_gather_into_tensor")]
+
+
+@pytest.mark.parametrize("op, backend", _VIEW_CASES)
+def test_a_collective_on_a_view_a_backend_gets_wrong_is_refused_on_every_backend(op, backend) -> None:
+    with pytest.raises(tpsim.RankError) as info:
+        tpsim.run(rank_collective_on_a_view, WS, args=(op,), backend=backend, timeout=30)
+    err = info.value
+    assert err.rank == 0 and isinstance(err.errors[0], tpsim.CollectiveOnStridedView), err
+    own = err.errors[0]
+    assert (own.rank, own.collective, own.call_index, own.group) == (0, op, 1, "world")
+    assert err.summary.startswith(f"rank 0 raised CollectiveOnStridedView: {op} #1 on group world: on rank 0, ")
+
+
+def rank_gathers_into_views() -> list[torch.Tensor]:
+    """all_gather's list outputs may be any layout: gloo and NCCL both copy them from a flat buffer."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
     gathered = [_t(torch.zeros(4, 6, dtype=torch.float64)) for _ in range(ws)]
-    dist.all_gather(gathered, _t(_base(rank)))
-    out["all_gather"] = torch.stack(gathered)
-    target = _t(torch.zeros(4, 6, dtype=torch.float64))
-    dist.scatter(target, [_t(_base(r)) for r in range(ws)] if rank == 0 else None, src=0)
-    out["scatter"] = target.clone()
-    chunks = [_base(rank, 2, 6)[:, ::2] for _ in range(ws)]  # strided slices
-    result = torch.zeros(2, 6, dtype=torch.float64)[:, ::2]
-    dist.reduce_scatter(result, chunks)
-    out["reduce_scatter"] = result.clone()
-    src = _t(_base(rank, ws * 2, 3))
-    dst = _t(torch.zeros(ws * 2, 3, dtype=torch.float64))
-    dist.all_to_all_single(dst, src)
-    out["all_to_all_single"] = dst.clone()
-    flat = torch.zeros(ws * 4, 6, dtype=torch.float64)
-    dist.all_gather_into_tensor(flat, _t(_base(rank)))
-    out["all_gather_into_tensor"] = flat
-    return out
+    dist.all_gather(gathered, _base(rank))
+    columns = torch.zeros(4, 6 * ws, dtype=torch.float64)
+    dist.all_gather(list(columns.chunk(ws, dim=1)), _base(rank))
+    return [torch.stack(gathered), columns]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_every_collective_is_correct_on_non_contiguous_views(backend) -> None:
-    values = tpsim.run(rank_noncontiguous_collectives, WS, backend=backend, timeout=30)
-    total = sum(_base(r) for r in range(WS))
-    for rank, got in enumerate(values):
-        assert torch.equal(got["all_reduce"], total), backend
-        assert torch.equal(got["broadcast"], _base(1)), backend
-        assert torch.equal(got["all_gather"], torch.stack([_base(r) for r in range(WS)])), backend
-        assert torch.equal(got["scatter"], _base(rank)), backend
-        assert torch.equal(got["reduce_scatter"], sum(_base(r, 2, 6)[:, ::2] for r in range(WS))), backend
-        expected_a2a = torch.cat([_base(r, WS * 2, 3)[2 * rank:2 * rank + 2] for r in range(WS)])
-        assert torch.equal(got["all_to_all_single"], expected_a2a), backend
-        assert torch.equal(got["all_gather_into_tensor"], torch.cat([_base(r) for r in range(WS)])), backend
-    assert torch.equal(values[0]["reduce"], total), backend
+def test_views_both_backends_compute_right_pass(backend) -> None:
+    values = tpsim.run(rank_gathers_into_views, WS, backend=backend, timeout=30)
+    for stacked, columns in values:
+        assert torch.equal(stacked, torch.stack([_base(r) for r in range(WS)])), backend
+        assert torch.equal(columns, torch.cat([_base(r) for r in range(WS)], dim=1)), backend
+
+
+@pytest.mark.gloo
+def test_the_layout_table_is_what_plain_gloo_does(tmp_path) -> None:
+    """For every op and place the table judges, plain torch gloo (no tpsim) with a slice (not dense) and a
+    transposed tensor (dense) gets exactly the outcome the table says: right, wrong (computed on the
+    storage) or refused."""
+    import json
+
+    import plain_gloo_layouts
+    import torch.multiprocessing as mp
+
+    from tpsim.comm import ops
+
+    mp.start_processes(plain_gloo_layouts.probe, args=(2, str(tmp_path)), nprocs=2, start_method="spawn")
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    seen: dict[tuple[str, str, str], str] = {}
+    for key in ranks[0]:
+        outcomes = {ranks[0][key], ranks[1][key]}
+        op, place, layout = key.split("|")
+        seen[(op, place, layout)] = ops.RAISES if "raises" in outcomes else (
+            ops.STORAGE if "storage" in outcomes else ops.OK)
+    wrong = []
+    for (op, place, layout), outcome in sorted(seen.items()):
+        rule = ops._LAYOUT_RULES[op][0 if place == "input" else 1]
+        expected = ops.OK if rule is None else (rule.gloo_sparse if layout == "slice" else rule.gloo_dense)
+        if outcome != expected:
+            wrong.append(f"{op} {place} {layout}: plain gloo {outcome}, the table says {expected}")
+    assert not wrong, "\n".join(wrong)
+    assert len(seen) == 2 * 21
 
 
 # --- variants on non-contiguous inputs -----------------------------------------------------------

@@ -9,6 +9,7 @@ import pathlib
 import pytest
 
 from tpsim.cli import main
+from tpsim.diagnosis import COLLECTIVE_ON_STRIDED_VIEW
 from tpsim.props.search import search
 from tpsim.target import resolve_target
 
@@ -55,6 +56,14 @@ def test_a_harmless_subclass_passes_every_option_combination(path, cls, library)
     assert all(v.name.startswith(cls) and f"({library} preset)" in v.description for v in variants)
     for v in variants:
         report = search(v, max_examples=8, seed=0, world_sizes=(1, 2, 4))
+        if library == "Megatron-core" and "sequence_parallel=True" in v.name and cls.endswith("ColumnParallelLinear"):
+            # The library's own finding, inherited (docs/_found_in_libraries.md): its sequence-parallel
+            # column layer all-gathers a non-contiguous input as given, which NCCL refuses. Only that,
+            # and only on a non-contiguous input.
+            assert report.failures, v.name
+            for f in report.failures:
+                assert f.diagnosis == COLLECTIVE_ON_STRIDED_VIEW and f.case.input_layout != "contiguous", (v.name, f)
+            continue
         assert report.passed, (v.name, [(f.property, f.diagnosis, f.message) for f in report.failures])
 
 

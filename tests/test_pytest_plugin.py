@@ -75,11 +75,14 @@ def test_gloo_backend_option(pytester: pytest.Pytester) -> None:
     result = _user_suite(
         pytester,
         """
+        import os
+
         import torch.distributed as dist
 
         def test_backend(tpsim_world, tpsim_backend):
             assert tpsim_backend == "gloo"
-            assert tpsim_world(dist.get_backend, 2) != ["inproc", "inproc"]
+            assert tpsim_world(dist.get_backend, 2) == ["gloo", "gloo"]
+            assert len(set(tpsim_world(os.getpid, 2))) == 2  # processes, not threads
         """,
         "--tpsim-backend", "gloo",
     )

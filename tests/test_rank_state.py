@@ -285,18 +285,15 @@ def test_install_nests_and_uninstall_undoes_the_outermost():
     assert not threadworld.is_installed() and c10d._world is original
 
 
-_SHARED_GROUP: list = []
-
-
-def rank_uses_another_ranks_group() -> None:
+def rank_uses_another_ranks_group(shared: list) -> None:
     if dist.get_rank() == 0:
-        _SHARED_GROUP.append(dist.group.WORLD)  # a container, mutated: the watch does not see it
+        shared.append(dist.group.WORLD)  # one list object every rank was handed: nothing makes it per rank
     dist.barrier()
-    dist.all_reduce(torch.ones(1), group=_SHARED_GROUP[0])
+    dist.all_reduce(torch.ones(1), group=shared[0])
 
 
 def test_a_group_object_that_reaches_another_rank_is_named():
-    _SHARED_GROUP.clear()
+    # (A module-level list would not carry it: the containers module code mutates are per rank.)
     with pytest.raises(tpsim.RankError, match=r"rank 1 raised RuntimeError: rank 1 issued all_reduce on rank 0's "
                                               r"process group object .*--rank-local MODULE"):
-        tpsim.run(rank_uses_another_ranks_group, 2)
+        tpsim.run(rank_uses_another_ranks_group, 2, args=([],))

@@ -11,6 +11,7 @@ from tpsim.comm.trace import CollectiveCall, Trace
 from tpsim.errors import (
     BackendUnavailable,
     CollectiveError,
+    CollectiveOnStridedView,
     InvalidArgument,
     RankCrashed,
     RankDied,
@@ -40,6 +41,7 @@ __all__ = [
     "BackendUnavailable",
     "CollectiveCall",
     "CollectiveError",
+    "CollectiveOnStridedView",
     "CrossEntropyVariant",
     "EmbeddingVariant",
     "InvalidArgument",

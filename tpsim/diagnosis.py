@@ -362,6 +362,18 @@ EXCEPTION = register(DiagnosisSpec(
     None,
     consequences=_PER_CASE,
 ))
+COLLECTIVE_ON_STRIDED_VIEW = register(DiagnosisSpec(
+    "collective-on-strided-view", _PER_CASE,
+    "a collective was given a view that a real backend computes wrongly or refuses: a slice that is "
+    "not dense (big[..., :n], x[..., ::2]), an expanded tensor, or a transposed one where the backend "
+    "reads storage order. Plain gloo computes on the first numel elements of the storage instead; NCCL "
+    "refuses it. The report names the rank, the collective and the view's shape and strides",
+    "a rank raised tpsim.CollectiveOnStridedView at the call, on inproc and gloo alike: the tensor is not "
+    "contiguous and the layout table of tpsim.comm.ops (gloo's column measured against plain torch gloo, "
+    "NCCL's from its checks) says one of the two computes it wrongly or refuses it for that op and place",
+    "row-reduce-strided-view",
+    consequences=_PER_CASE,
+))
 MISMATCH = register(DiagnosisSpec(
     "mismatch", _PER_CASE,
     "the values differ from the dense reference in no recognised pattern: the message quotes the "

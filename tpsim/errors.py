@@ -11,6 +11,7 @@ from typing import Any
 __all__ = [
     "BackendUnavailable",
     "CollectiveError",
+    "CollectiveOnStridedView",
     "InvalidArgument",
     "RankCrashed",
     "RankDied",
@@ -27,6 +28,46 @@ class TpsimError(Exception):
 
 class InvalidArgument(TpsimError, ValueError):
     """A tpsim API was called with an argument it cannot use (the message names it)."""
+
+
+class CollectiveOnStridedView(InvalidArgument):
+    """A rank passed a collective a tensor that a real backend computes wrongly or refuses.
+
+    Raised on that rank at the call, before anything is exchanged, on every backend: a view that
+    is not dense (``big[..., :n]``, ``x[..., ::2]``), overlaps itself (an ``expand``), or is dense
+    but not contiguous where a backend reads it in storage order (gloo computes on the first
+    ``numel`` elements of the storage; NCCL refuses it). Diagnosis ``collective-on-strided-view``.
+    Declared fields (they survive pickling): ``rank``, ``collective``, ``call_index``, ``group``,
+    ``tensor`` (which of the call's tensors: ``the tensor``, ``the output list's tensor 1``...),
+    ``shape``, ``strides`` and ``storage_offset``.
+    """
+
+    #: The diagnosis that names this error in reports (``tpsim.diagnosis``).
+    diagnosis = "collective-on-strided-view"
+
+    rank: int
+    collective: str
+    call_index: int | None
+    group: str
+    tensor: str
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    storage_offset: int
+
+    def __init__(self, message: str, *, rank: int, collective: str, call_index: int | None, group: str,
+                 tensor: str, shape: tuple[int, ...], strides: tuple[int, ...], storage_offset: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.collective = collective
+        self.call_index = call_index
+        self.group = group
+        self.tensor = tensor
+        self.shape = tuple(shape)
+        self.strides = tuple(strides)
+        self.storage_offset = storage_offset
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.__dict__.copy(), self.args))
 
 
 class BackendUnavailable(TpsimError, RuntimeError):

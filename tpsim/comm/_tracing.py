@@ -6,13 +6,14 @@ methods of :class:`TracingProcessGroup`, which
 1. records a :class:`~tpsim.comm.trace.CollectiveCall` in the active :class:`RankSession`
    (op name, group, 1-based call index on that group, input shapes/dtypes, reduce op, peer);
 2. refuses a call whose own buffers are wrong (:func:`tpsim.comm.ops.buffer_problem`, the rule
-   inproc uses), then hands it to :meth:`TracingProcessGroup.intercept`, the single per-call hook
-   point where the fault plan acts (drop, crash, delay, corrupt, mismatch) and where the members
-   exchange fingerprints of the call before issuing it (mismatches are refused by name, not left
-   to hang);
-3. runs the real backend op on contiguous stand-ins where the caller passed non-contiguous
-   tensors (gloo writes e.g. ``scatter`` outputs in storage order, pytorch #192920), copying
-   the results back before anyone can read them;
+   inproc uses) or that passes a tensor a real backend computes wrongly or refuses (a view that is
+   not dense, or not contiguous where gloo reads it in storage order: :func:`tpsim.comm.ops.strided_view`,
+   :class:`tpsim.CollectiveOnStridedView`), then hands it to :meth:`TracingProcessGroup.intercept`, the
+   single per-call hook point where the fault plan acts (drop, crash, delay, corrupt, mismatch) and
+   where the members exchange fingerprints of the call before issuing it (mismatches are refused by
+   name, not left to hang);
+3. issues the real backend op on the caller's tensors exactly as given: the wrapper never changes
+   what a collective computes;
 4. returns a :class:`TracedWork` whose ``wait`` turns a backend failure (peer gone, timeout)
    into a :class:`tpsim.CollectiveError` naming the collective and its call index.
 
@@ -36,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tpsim.comm import ops
+from tpsim.comm import backend_names, ops
 from tpsim.comm._inject import RankFaults, checksum, corrupt_, crash, mismatched_call
 from tpsim.comm.trace import CollectiveCall
 from tpsim.errors import CollectiveError, InvalidArgument
@@ -64,9 +65,6 @@ __all__ = [
 
 #: tpsim backend name -> the name of the tracing c10d backend registered for it.
 BACKEND_NAMES = {"gloo": "tpsim_gloo", "nccl": "tpsim_nccl"}
-
-#: Label used in traces and messages for the default (whole-world) group.
-WORLD_GROUP = "world"
 
 
 class StatusSlot:
@@ -237,63 +235,6 @@ def _flat(obj: Any) -> list[torch.Tensor]:
     return out
 
 
-class _Contiguous:
-    """Swaps non-contiguous tensors for contiguous stand-ins and copies results back.
-
-    gloo computes on a tensor's storage in memory order, so a non-contiguous output (a
-    transposed view, a strided slice) silently receives scrambled data (pytorch #192920).
-    Running the op on stand-ins and copying back is correct on every backend.
-    """
-
-    def __init__(self) -> None:
-        self._writeback: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._standins: list[tuple[torch.Tensor, torch.Tensor]] = []  # every (original, stand-in)
-
-    @property
-    def needed(self) -> bool:
-        """Whether some written tensor was replaced (so results must be copied back)."""
-        return bool(self._writeback)
-
-    def read(self, obj: Any) -> Any:
-        """Stand-ins for tensors the op only reads."""
-        return self._map(obj, write=False)
-
-    def write(self, obj: Any) -> Any:
-        """Stand-ins for tensors the op writes (or reads and writes)."""
-        return self._map(obj, write=True)
-
-    def _map(self, obj: Any, *, write: bool) -> Any:
-        if isinstance(obj, torch.Tensor):
-            if obj.is_contiguous():
-                return obj
-            standin = obj.contiguous()
-            self._standins.append((obj, standin))
-            if write:
-                self._writeback.append((obj, standin))
-            return standin
-        if isinstance(obj, (list, tuple)):
-            return [self._map(item, write=write) for item in obj]
-        return obj
-
-    def resync(self) -> None:
-        """Refresh stand-ins from their originals (after a fault perturbed the originals)."""
-        with torch.no_grad():
-            for original, standin in self._standins:
-                standin.copy_(original)
-
-    def sent(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """What the backend will read for ``tensors``: their stand-ins where there are any."""
-        swap = {id(o): s for o, s in self._standins}
-        return [swap.get(id(t), t) for t in tensors]
-
-    def copy_back(self) -> None:
-        """Write the stand-ins' results into the caller's tensors."""
-        with torch.no_grad():
-            for original, standin in self._writeback:
-                original.copy_(standin)
-        self._writeback.clear()
-
-
 class _AllWork(dist.Work):
     """One handle over several backend works (used to emulate coalesced ops gloo lacks)."""
 
@@ -320,8 +261,7 @@ class TracedWork(dist.Work):
     """The handle returned for every traced collective.
 
     ``wait`` waits on the backend work, converts a backend failure into a
-    :class:`tpsim.CollectiveError` for this rank, copies non-contiguous results back, and keeps
-    the rank's status slot honest (in a collective until the wait returns). C++ callers
+    :class:`tpsim.CollectiveError` for this rank, and keeps the rank's status slot honest (in a collective until the wait returns). C++ callers
     (functional collectives, autograd) reach this ``wait`` through torch's Work trampoline.
     """
 
@@ -330,13 +270,11 @@ class TracedWork(dist.Work):
         inner: Any,
         call: CollectiveCall | None,
         session: RankSession | None,
-        fix: _Contiguous | None = None,
     ) -> None:
         super().__init__()
         self._inner = inner
         self._call = call
         self._session = session
-        self._fix = fix
         self._done = False
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
@@ -349,8 +287,6 @@ class TracedWork(dist.Work):
         finally:
             if self._session is not None and self._call is not None:
                 self._session.left(self._call)
-        if self._fix is not None:
-            self._fix.copy_back()
         self._done = True
         return bool(result) if result is not None else True
 
@@ -426,6 +362,8 @@ class TracingProcessGroup(dist.ProcessGroup):
         self._global_ranks = tuple(global_ranks) if global_ranks else tuple(range(size))
         self._device_type = device_type
         self._backend_name = backend_name
+        #: The tpsim backend this group belongs to (:mod:`tpsim.comm.backend_names` reads it).
+        self.tpsim_backend = backend_name
         self._label: str | None = None
 
     # -- identity: functional collectives resolve groups by name, object collectives by device
@@ -453,15 +391,14 @@ class TracingProcessGroup(dist.ProcessGroup):
 
     @property
     def trace_label(self) -> str:
-        """Group name used in traces: ``world``, else the group's description, else its c10d name."""
+        """Group name used in traces (:func:`tpsim.comm.ops.group_label`, as on inproc): ``world``, else the
+        group's description, else its ranks."""
         if self._label is None:
-            if self._is_world:
-                self._label = WORLD_GROUP
-            else:
-                desc = ""
+            desc = ""
+            if not self._is_world:
                 with contextlib.suppress(Exception):
                     desc = str(self.group_desc)
-                self._label = desc if desc and desc not in ("undefined", "default_pg") else self._group_name
+            self._label = ops.group_label(self._is_world, desc, self._global_ranks)
         return self._label
 
     @property
@@ -491,15 +428,14 @@ class TracingProcessGroup(dist.ProcessGroup):
         call: CollectiveCall | None,
         tensors: list[torch.Tensor],
         issue: Callable[[], Any],
-        fix: _Contiguous | None = None,
     ) -> Any:
         """Issue one recorded collective; return the backend's work handle.
 
         The per-call hook point where the fault plan acts: ``call`` is the record just made (None
         outside a tpsim run), ``tensors`` the rank's contribution as the caller passed it,
         ``issue()`` runs the real op. A Drop ends this process here (``os._exit``: its peers see a
-        real dead peer), a Crash raises, a Delay sleeps, a Corrupt perturbs ``tensors`` (and the
-        stand-ins ``fix`` made of them) before they are sent, a Mismatch changes what this rank
+        real dead peer), a Crash raises, a Delay sleeps, a Corrupt perturbs ``tensors`` before they
+        are sent, a Mismatch changes what this rank
         claims to issue. With the session's ``verify`` on, the group first exchanges fingerprints
         of the call (op, call index, signature, checksums) and every member refuses a disagreement
         with the same :class:`tpsim.CollectiveError`, naming the deviating rank(s).
@@ -525,13 +461,11 @@ class TracingProcessGroup(dist.ProcessGroup):
             elif isinstance(fault, Corrupt):
                 if call.op != "recv":  # a receive buffer is no contribution
                     corrupt_(fault, tensors)
-                    if fix is not None:
-                        fix.resync()
             elif isinstance(fault, Mismatch):
                 mismatched_call(fault, call)
                 signature = ops.mismatched_signature(signature, ops.signature_of(call), fault.what)
         if session.verify and call.op not in ops.P2P_OPS and self.size() > 1:
-            sent = checksum(fix.sent(tensors) if fix is not None else tensors) if session.checksum else 0
+            sent = checksum(tensors) if session.checksum else 0
             self._verify(call, session, ops.describe_signature(call.op, signature), crc, sent, note)
         return issue()
 
@@ -565,12 +499,14 @@ class TracingProcessGroup(dist.ProcessGroup):
         for r, (op, index, sig, _, _, rnote) in prints.items():
             members[r] = ops.Member(op, int(index) if index.isdigit() else 0, sig, rnote)
         if len({(m.op, m.signature) for m in members.values()}) > 1:
-            message, faulty, ref = ops.mismatch_message(call.group, members, session.injected_ranks)
+            where = ops.group_words(call.group, call.group_ranks)
+            message, faulty, ref = ops.mismatch_message(where, members, session.injected_ranks)
             self._refuse(call, session, message, faulty, members[ref].op, members[ref].call_index)
         bad = [(r, int(p[3] or "0", 16), int(p[4] or "0", 16), p[5]) for r, p in sorted(prints.items()) if p[3] != p[4]]
         if bad:
             first = members[min(members)]
-            self._refuse(call, session, ops.checksum_message(first.op, first.call_index, call.group, bad),
+            where = ops.group_words(call.group, call.group_ranks)
+            self._refuse(call, session, ops.checksum_message(first.op, first.call_index, where, bad),
                          tuple(r for r, *_ in bad), first.op, first.call_index)
 
     def _refuse(self, call: CollectiveCall, session: RankSession, message: str, faulty: Sequence[int],
@@ -586,11 +522,11 @@ class TracingProcessGroup(dist.ProcessGroup):
         op: str,
         inputs: Any,
         issue: Callable[[], Any],
-        fix: _Contiguous,
         *,
         reduce_op: Any = None,
         peer: int | None = None,
         problem: str | None = None,
+        strided: tuple[str, torch.Tensor, str] | None = None,
     ) -> TracedWork:
         session = current_session()
         tensors = _flat(inputs)
@@ -609,17 +545,21 @@ class TracingProcessGroup(dist.ProcessGroup):
                 rank = call.rank if call is not None else self._peer(self.rank())
                 where = call.describe() if call is not None else op
                 raise InvalidArgument(f"{where}: on rank {rank}, {problem}")
-            inner = self.intercept(call, tensors, issue, fix)
+            if strided is not None:  # a view a real backend computes wrongly or refuses: refused, as on inproc
+                raise ops.strided_view_error(call if call is not None else self._bare_call(op, tensors), strided)
+            inner = self.intercept(call, tensors, issue)
         except BaseException:
             if session is not None and call is not None:
                 session.left(call)  # refused at issue time: the rank is not blocked in it
             raise
-        work = TracedWork(inner, call, session, fix if fix.needed else None)
-        if fix.needed:
-            # Copy results back before returning, whatever way the caller later waits
-            # (work.wait, get_future, a C++ wait_tensor): correctness over overlap.
-            work.wait()
-        return work
+        return TracedWork(inner, call, session)
+
+    def _bare_call(self, op: str, tensors: Sequence[torch.Tensor]) -> CollectiveCall:
+        """A record of ``op`` for messages outside a tpsim run (no session numbers calls)."""
+        return CollectiveCall(rank=self._peer(self.rank()), op=op, group=self.trace_label,
+                              group_ranks=self._global_ranks, call_index=0,
+                              shapes=tuple(tuple(t.shape) for t in tensors),
+                              dtypes=tuple(ops.dtype_name(t.dtype) for t in tensors))
 
     def _problem(self, op: str, inputs: Any, outputs: Any, root: int | None = None,
                  splits: tuple[Sequence[int], Sequence[int]] | None = None) -> str | None:
@@ -631,49 +571,40 @@ class TracingProcessGroup(dist.ProcessGroup):
             return self._global_ranks[group_rank]
         return group_rank
 
-    # -- forwarded ops --------------------------------------------------------------------
+    # -- forwarded ops (the caller's tensors, exactly as given) ---------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TracedWork:
         opts = dist.AllreduceOptions() if opts is None else opts
-        fix = _Contiguous()
-        ts = fix.write(tensors)
-        return self._collective(
-            "all_reduce", tensors, lambda: self.inner.allreduce(ts, opts), fix, reduce_op=opts.reduceOp
-        )
+        return self._collective("all_reduce", tensors, lambda: self.inner.allreduce(tensors, opts),
+                                reduce_op=opts.reduceOp, strided=ops.strided_view("all_reduce", tensors))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> TracedWork:
         opts = dist.AllreduceCoalescedOptions() if opts is None else opts
-        fix = _Contiguous()
-        ts = fix.write(tensors)
-        return self._collective(
-            "all_reduce", tensors, lambda: self.inner.allreduce_coalesced(ts, opts), fix, reduce_op=opts.reduceOp
-        )
+        return self._collective("all_reduce", tensors, lambda: self.inner.allreduce_coalesced(tensors, opts),
+                                reduce_op=opts.reduceOp, strided=ops.strided_view("all_reduce", tensors))
 
     def allgather(
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
     ) -> TracedWork:
         opts = _opts("AllgatherOptions") if opts is None else opts
-        fix = _Contiguous()
-        outs, ins = fix.write(output_tensors), fix.read(input_tensors)
-        return self._collective("all_gather", input_tensors, lambda: self.inner.allgather(outs, ins, opts), fix,
-                                problem=self._problem("all_gather", input_tensors, output_tensors))
+        return self._collective("all_gather", input_tensors,
+                                lambda: self.inner.allgather(output_tensors, input_tensors, opts),
+                                problem=self._problem("all_gather", input_tensors, output_tensors),
+                                strided=ops.strided_view("all_gather", input_tensors, output_tensors))
 
     def allgather_coalesced(
         self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor], opts: Any = None
     ) -> TracedWork:
         opts = _opts("AllgatherOptions") if opts is None else opts
-        fix = _Contiguous()
-        outs, ins = fix.write(output_lists), fix.read(input_list)
-        return self._collective(
-            "all_gather", input_list, lambda: self.inner.allgather_coalesced(outs, ins, opts), fix
-        )
+        return self._collective("all_gather", input_list,
+                                lambda: self.inner.allgather_coalesced(output_lists, input_list, opts),
+                                strided=ops.strided_view("all_gather", input_list, output_lists))
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> TracedWork:
         opts = _opts("AllgatherOptions") if opts is None else opts
-        fix = _Contiguous()
-        out, inp = fix.write(output), fix.read(input)
         return self._collective(
-            "all_gather_into_tensor", [input], lambda: self.inner._allgather_base(out, inp, opts), fix,
+            "all_gather_into_tensor", [input], lambda: self.inner._allgather_base(output, input, opts),
             problem=self._problem("all_gather_into_tensor", input, output),
+            strided=ops.strided_view("all_gather_into_tensor", input, output),
         )
 
     all_gather_single = _allgather_base  # torch >= 2.13 name of the same op
@@ -682,19 +613,18 @@ class TracingProcessGroup(dist.ProcessGroup):
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> TracedWork:
         opts = _opts("AllgatherOptions") if opts is None else opts
-        fix = _Contiguous()
-        outs, ins = fix.write(outputs), fix.read(inputs)
 
         def issue() -> Any:
             native = getattr(self.inner, "allgather_into_tensor_coalesced", None)
             if native is not None:
-                return native(outs, ins, opts)
+                return native(outputs, inputs, opts)
             # gloo has no coalesced form: one op per tensor, in the same order on every rank.
-            return _AllWork([self.inner._allgather_base(o, i, opts) for o, i in zip(outs, ins, strict=True)])
+            return _AllWork([self.inner._allgather_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)])
 
         problem = next((q for o, i in zip(outputs, inputs, strict=False)
                         if (q := self._problem("all_gather_into_tensor", i, o)) is not None), None)
-        return self._collective("all_gather_into_tensor", inputs, issue, fix, problem=problem)
+        return self._collective("all_gather_into_tensor", inputs, issue, problem=problem,
+                                strided=ops.strided_view("all_gather_into_tensor", inputs, outputs))
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
@@ -702,20 +632,19 @@ class TracingProcessGroup(dist.ProcessGroup):
         self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None
     ) -> TracedWork:
         opts = dist.ReduceScatterOptions() if opts is None else opts
-        fix = _Contiguous()
-        outs, ins = fix.write(output_tensors), fix.read(input_tensors)
         return self._collective(
-            "reduce_scatter", input_tensors, lambda: self.inner.reduce_scatter(outs, ins, opts), fix,
+            "reduce_scatter", input_tensors, lambda: self.inner.reduce_scatter(output_tensors, input_tensors, opts),
             reduce_op=opts.reduceOp, problem=self._problem("reduce_scatter", input_tensors, output_tensors),
+            strided=ops.strided_view("reduce_scatter", input_tensors, output_tensors),
         )
 
     def _reduce_scatter_base(self, outputTensor: torch.Tensor, inputTensor: torch.Tensor, opts: Any = None) -> TracedWork:
         opts = dist.ReduceScatterOptions() if opts is None else opts
-        fix = _Contiguous()
-        out, inp = fix.write(outputTensor), fix.read(inputTensor)
         return self._collective(
-            "reduce_scatter_tensor", [inputTensor], lambda: self.inner._reduce_scatter_base(out, inp, opts), fix,
+            "reduce_scatter_tensor", [inputTensor],
+            lambda: self.inner._reduce_scatter_base(outputTensor, inputTensor, opts),
             reduce_op=opts.reduceOp, problem=self._problem("reduce_scatter_tensor", inputTensor, outputTensor),
+            strided=ops.strided_view("reduce_scatter_tensor", inputTensor, outputTensor),
         )
 
     reduce_scatter_single = _reduce_scatter_base  # torch >= 2.13 name of the same op
@@ -724,71 +653,64 @@ class TracingProcessGroup(dist.ProcessGroup):
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> TracedWork:
         opts = dist.ReduceScatterOptions() if opts is None else opts
-        fix = _Contiguous()
-        outs, ins = fix.write(outputs), fix.read(inputs)
 
         def issue() -> Any:
             native = getattr(self.inner, "reduce_scatter_tensor_coalesced", None)
             if native is not None:
-                return native(outs, ins, opts)
-            return _AllWork([self.inner._reduce_scatter_base(o, i, opts) for o, i in zip(outs, ins, strict=True)])
+                return native(outputs, inputs, opts)
+            return _AllWork([self.inner._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)])
 
         problem = next((q for o, i in zip(outputs, inputs, strict=False)
                         if (q := self._problem("reduce_scatter_tensor", i, o)) is not None), None)
-        return self._collective("reduce_scatter_tensor", inputs, issue, fix, reduce_op=opts.reduceOp,
-                                problem=problem)
+        return self._collective("reduce_scatter_tensor", inputs, issue, reduce_op=opts.reduceOp, problem=problem,
+                                strided=ops.strided_view("reduce_scatter_tensor", inputs, outputs))
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> TracedWork:
         opts = dist.BroadcastOptions() if opts is None else opts
-        fix = _Contiguous()
-        ts = fix.write(tensors)
-        return self._collective(
-            "broadcast", tensors, lambda: self.inner.broadcast(ts, opts), fix, peer=self._peer(opts.rootRank)
-        )
+        return self._collective("broadcast", tensors, lambda: self.inner.broadcast(tensors, opts),
+                                peer=self._peer(opts.rootRank), strided=ops.strided_view("broadcast", tensors))
 
     def scatter(
         self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None
     ) -> TracedWork:
         opts = dist.ScatterOptions() if opts is None else opts
-        fix = _Contiguous()
-        outs, ins = fix.write(output_tensors), fix.read(input_tensors)
         # The root contributes the scatter list; the other ranks only a buffer to receive into.
         shown = input_tensors if _flat(input_tensors) else output_tensors
         return self._collective(
-            "scatter", shown, lambda: self.inner.scatter(outs, ins, opts), fix, peer=self._peer(opts.rootRank),
+            "scatter", shown, lambda: self.inner.scatter(output_tensors, input_tensors, opts),
+            peer=self._peer(opts.rootRank),
             problem=self._problem("scatter", input_tensors, output_tensors, opts.rootRank),
+            strided=ops.strided_view("scatter", input_tensors, output_tensors),
         )
 
     def gather(
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
     ) -> TracedWork:
         opts = dist.GatherOptions() if opts is None else opts
-        fix = _Contiguous()
-        outs, ins = fix.write(output_tensors), fix.read(input_tensors)
         return self._collective(
-            "gather", input_tensors, lambda: self.inner.gather(outs, ins, opts), fix, peer=self._peer(opts.rootRank),
+            "gather", input_tensors, lambda: self.inner.gather(output_tensors, input_tensors, opts),
+            peer=self._peer(opts.rootRank),
             problem=self._problem("gather", input_tensors, output_tensors, opts.rootRank),
+            strided=ops.strided_view("gather", input_tensors, output_tensors),
         )
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TracedWork:
         opts = dist.ReduceOptions() if opts is None else opts
-        fix = _Contiguous()
-        ts = fix.write(tensors)
         return self._collective(
-            "reduce", tensors, lambda: self.inner.reduce(ts, opts), fix,
-            reduce_op=opts.reduceOp, peer=self._peer(opts.rootRank),
+            "reduce", tensors, lambda: self.inner.reduce(tensors, opts),
+            reduce_op=opts.reduceOp, peer=self._peer(opts.rootRank), strided=ops.strided_view("reduce", tensors),
         )
 
     def alltoall(
         self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any = None
     ) -> TracedWork:
         opts = dist.AllToAllOptions() if opts is None else opts
-        fix = _Contiguous()
-        outs, ins = fix.write(output_tensors), fix.read(input_tensors)
-        return self._collective("all_to_all", input_tensors, lambda: self.inner.alltoall(outs, ins, opts), fix,
-                                problem=self._problem("all_to_all", input_tensors, output_tensors))
+        return self._collective("all_to_all", input_tensors,
+                                lambda: self.inner.alltoall(output_tensors, input_tensors, opts),
+                                problem=self._problem("all_to_all", input_tensors, output_tensors),
+                                strided=ops.strided_view("all_to_all", input_tensors, output_tensors))
 
     def alltoall_base(
         self,
@@ -799,20 +721,19 @@ class TracingProcessGroup(dist.ProcessGroup):
         opts: Any = None,
     ) -> TracedWork:
         opts = dist.AllToAllOptions() if opts is None else opts
-        fix = _Contiguous()
-        out, inp = fix.write(output), fix.read(input)
         out_splits, in_splits = list(output_split_sizes), list(input_split_sizes)
         return self._collective(
             "all_to_all_single", [input],
-            lambda: self.inner.alltoall_base(out, inp, out_splits, in_splits, opts), fix,
+            lambda: self.inner.alltoall_base(output, input, out_splits, in_splits, opts),
             problem=self._problem("all_to_all_single", input, output, splits=(out_splits, in_splits)),
+            strided=ops.strided_view("all_to_all_single", input, output),
         )
 
     all_to_all_single = alltoall_base  # torch >= 2.13 name of the same op
 
     def barrier(self, opts: Any = None) -> TracedWork:
         opts = dist.BarrierOptions() if opts is None else opts
-        return self._collective("barrier", [], lambda: self.inner.barrier(opts), _Contiguous())
+        return self._collective("barrier", [], lambda: self.inner.barrier(opts))
 
     def monitored_barrier(self, timeout: datetime.timedelta | None = None, wait_all_ranks: bool = False) -> None:
         def issue() -> None:
@@ -821,22 +742,19 @@ class TracingProcessGroup(dist.ProcessGroup):
             else:
                 self.inner.monitored_barrier(timeout, wait_all_ranks)
 
-        self._collective("barrier", [], issue, _Contiguous()).wait()
+        self._collective("barrier", [], issue).wait()
 
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> TracedWork:
-        fix = _Contiguous()
-        ts = fix.read(tensors)
-        return self._collective("send", tensors, lambda: self.inner.send(ts, dstRank, tag), fix, peer=self._peer(dstRank))
+        return self._collective("send", tensors, lambda: self.inner.send(tensors, dstRank, tag),
+                                peer=self._peer(dstRank), strided=ops.strided_view("send", tensors))
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> TracedWork:
-        fix = _Contiguous()
-        ts = fix.write(tensors)
-        return self._collective("recv", tensors, lambda: self.inner.recv(ts, srcRank, tag), fix, peer=self._peer(srcRank))
+        return self._collective("recv", tensors, lambda: self.inner.recv(tensors, srcRank, tag),
+                                peer=self._peer(srcRank), strided=ops.strided_view("recv", tensors))
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> TracedWork:
-        fix = _Contiguous()
-        ts = fix.write(tensors)
-        return self._collective("recv", tensors, lambda: self.inner.recv_anysource(ts, tag), fix)
+        return self._collective("recv", tensors, lambda: self.inner.recv_anysource(tensors, tag),
+                                strided=ops.strided_view("recv", tensors))
 
 
 def _opts(name: str) -> Any:
@@ -863,8 +781,13 @@ def register_backends(*, loopback: bool) -> None:
     if _REGISTERED:
         return
     dist.Backend.register_backend(BACKEND_NAMES["gloo"], _create_gloo, extended_api=True, devices=["cpu"])
+    gloo, nccl = BACKEND_NAMES["gloo"], BACKEND_NAMES["nccl"]
+    # dist.get_backend() names the real backend (code branches on "gloo"; monitored_barrier needs it),
+    # and groups asked for by that name inside the world are traced too.
+    backend_names.present_as(gloo, "gloo", aliases={"gloo": gloo})
     if dist.is_nccl_available():
-        dist.Backend.register_backend(BACKEND_NAMES["nccl"], _create_nccl, extended_api=True, devices=["cuda"])
+        dist.Backend.register_backend(nccl, _create_nccl, extended_api=True, devices=["cuda"])
+        backend_names.present_as(nccl, "nccl", aliases={"nccl": nccl, "gloo": gloo})
     _REGISTERED["done"] = True
 
 

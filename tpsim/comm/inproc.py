@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tpsim.comm import modstate, ops, runclock, threadworld
+from tpsim.comm import backend_names, modstate, ops, runclock, threadworld
 from tpsim.comm._inject import RankFaults, checksum, corrupt_, crash, mismatched_call
 from tpsim.comm.modstate import ModuleGlobals
 from tpsim.comm.result import WorldResult
@@ -43,9 +43,12 @@ from tpsim.comm.trace import CollectiveCall, Trace
 from tpsim.errors import CollectiveError, InvalidArgument
 from tpsim.faults import Corrupt, Crash, Delay, Drop, Fault, InjectedCrash, Mismatch, parse_plan
 
-__all__ = ["BACKEND_NAME", "InprocProcessGroup", "register", "run_inproc"]
+__all__ = ["BACKEND_NAME", "BUFFERED_SENDS_ENV", "InprocProcessGroup", "register", "run_inproc"]
 
 BACKEND_NAME = "inproc"
+
+#: Environment variable that makes point-to-point sends eager (buffered): ``1`` on, anything else off.
+BUFFERED_SENDS_ENV = "TPSIM_BUFFERED_SENDS"
 
 
 # ----------------------------------------------------------------------------------------
@@ -131,7 +134,7 @@ class _Instance(Wait):
 
     def describe_wait(self, rank: int) -> str:
         call = self.calls.get(self.group.ranks.index(rank))
-        return call.describe() if call is not None else ops.call_name(self.op, None, self.group.name)
+        return call.describe() if call is not None else ops.call_name(self.op, None, self.group.name, self.group.ranks)
 
     def call_index(self) -> int | None:
         """The lowest-ranked arrived member's call index (how messages name the instance)."""
@@ -146,7 +149,8 @@ class _Instance(Wait):
         if self.sigs is not None:
             head = self.mismatch_message()[0]
             return f"{head}; ranks {','.join(map(str, waiting))} waiting; " + "; ".join(missing)
-        return ops.departure_message(ops.call_name(self.op, self.call_index(), self.group.name), waiting, missing)
+        return ops.departure_message(ops.call_name(self.op, self.call_index(), self.group.name, self.group.ranks),
+                                     waiting, missing)
 
     def suspects(self) -> tuple[int, ...]:
         """Ranks to blame when this instance can never complete: deviating or missing members."""
@@ -164,41 +168,101 @@ class _Instance(Wait):
             members[ranks[m]] = ops.Member(op, call.call_index, ops.describe_signature(op, sig), notes.get(m, ""))
             if m in notes:
                 injected.add(ranks[m])
-        text, faulty, ref = ops.mismatch_message(self.group.name, members, injected)
+        text, faulty, ref = ops.mismatch_message(self.group.label, members, injected)
         return text, faulty, members[ref]
 
 
-class _Recv(Wait):
-    """A pending receive (p2p waits are described like collectives in messages)."""
+class _Message:
+    """One posted ``send``: its data as it was at the call, and the ``recv`` it matched (None until then)."""
 
-    op = "recv"
+    __slots__ = ("data", "dst", "index", "order", "recv", "src", "tag")
 
-    def __init__(self, group: _GroupState, me: int, src: int | None, tag: int, index: int) -> None:
-        self.group = group
+    def __init__(self, src: int, dst: int, tag: int, index: int, data: list[torch.Tensor], order: int) -> None:
+        self.src = src
+        self.dst = dst
+        self.tag = tag
+        self.index = index
+        self.data = data
+        self.order = order  # posting order in the group (an any-source recv takes the oldest send)
+        self.recv: _Posted | None = None
+
+
+class _Posted:
+    """One posted ``recv``; ``msg`` is the send it matched (None until then)."""
+
+    __slots__ = ("index", "me", "msg", "src", "tag")
+
+    def __init__(self, me: int, src: int | None, tag: int, index: int) -> None:
         self.me = me
         self.src = src
         self.tag = tag
         self.index = index
+        self.msg: _Message | None = None
+
+
+class _P2PWait(Wait):
+    """A rank blocked in a point-to-point call (described like collectives in messages).
+
+    A ``recv`` waits for a matching ``send``; a ``send`` waits for its ``recv`` to be posted: a
+    blocking send completes only then, on gloo and on NCCL alike, so a cycle of blocking sends is
+    a deadlock here too.
+    """
+
+    def __init__(self, op: str, group: _GroupState, me: int, peer: int | None, tag: int, index: int) -> None:
+        self.op = op
+        self.group = group
+        self.me = me
+        self.peer = peer  # group rank; None: a recv from any rank
+        self.tag = tag
+        self.index = index
+        self.blamed: tuple[int, ...] | None = None  # the ranks of a deadlock cycle, once described
 
     @property
     def group_name(self) -> str:  # type: ignore[override]
         return self.group.name
 
     def describe_wait(self, rank: int) -> str:
-        src = "any rank" if self.src is None else f"rank {self.group.ranks[self.src]}"
-        return f"recv #{self.index} from {src} on group {self.group.name}"
+        peer = "any rank" if self.peer is None else f"rank {self.group.ranks[self.peer]}"
+        way = "to" if self.op == "send" else "from"
+        tag = f" (tag {self.tag})" if self.tag else ""
+        return f"{self.op} #{self.index} {way} {peer}{tag} on group {self.group.label}"
 
     def call_index(self) -> int | None:
         return self.index
 
     def missing_ranks(self) -> tuple[int, ...]:
-        return () if self.src is None else (self.group.ranks[self.src],)
+        return () if self.peer is None else (self.group.ranks[self.peer],)
+
+    def _cycle(self, slots: list) -> list[tuple[int, _P2PWait]] | None:
+        """The ranks that wait on each other point to point, starting here, when they form a cycle."""
+        chain: list[tuple[int, _P2PWait]] = []
+        seen: set[int] = set()
+        rank = self.group.ranks[self.me]
+        while rank not in seen:
+            seen.add(rank)
+            slot = slots[rank]
+            wait = slot.waiting_on
+            if slot.state != BLOCKED or not isinstance(wait, _P2PWait) or wait.peer is None:
+                return None
+            chain.append((rank, wait))
+            rank = wait.group.ranks[wait.peer]
+        return chain[next(i for i, (r, _) in enumerate(chain) if r == rank):]
 
     def suspects(self) -> tuple[int, ...]:
-        return self.missing_ranks()
+        return self.blamed if self.blamed is not None else self.missing_ranks()
 
     def describe_stuck(self, slots: list) -> str:
         me = self.group.ranks[self.me]
+        cycle = self._cycle(slots)
+        if cycle:
+            self.blamed = tuple(sorted(r for r, _ in cycle))
+            who = ", ".join(f"rank {r} in {w.describe_wait(r)}" for r, w in cycle)
+            text = f"{self.describe_wait(me)}: deadlock: every rank of the cycle waits for the next one: {who}"
+            if any(w.op == "send" for _, w in cycle):
+                text += (". A blocking send completes only once its recv is posted (on gloo and NCCL alike): "
+                         "post the recv first on one side, or use dist.isend/dist.irecv (or "
+                         "dist.batch_isend_irecv) and wait after both are posted")
+            return text
         others = [slots[g].doing() for g in self.missing_ranks()]
         return f"{self.describe_wait(me)}: rank {me} waiting; " + ("; ".join(others) or "no sender")
 
@@ -206,14 +270,24 @@ class _Recv(Wait):
 class _GroupState:
     """State shared by the members of one group (one per group name per world)."""
 
-    def __init__(self, name: str, ranks: tuple[int, ...]) -> None:
-        self.name = name
+    def __init__(self, name: str, ranks: tuple[int, ...], is_world: bool = False) -> None:
+        self.name = name  # as traces show it (ops.group_label)
         self.ranks = ranks
+        self.is_world = is_world
         self.size = len(ranks)
         self.seq = [0] * len(ranks)  # collectives issued so far, per group rank (matching)
         self.numbered = [0] * len(ranks)  # calls issued so far, p2p included, per group rank (ops' rule)
         self.pending: dict[int, _Instance] = {}
-        self.mail: dict[tuple[int, int, int], deque] = {}  # (src, dst, tag) -> tensors
+        # Point to point: posted sends not yet received, per (src, dst, tag), and posted receives not yet
+        # matched, per (dst, tag), each in posting order (as MPI matches: non-overtaking).
+        self.sends: dict[tuple[int, int, int], deque[_Message]] = {}
+        self.recvs: dict[tuple[int, int], deque[_Posted]] = {}
+        self.posted = 0  # sends posted so far (their order)
+
+    @property
+    def label(self) -> str:
+        """The group as messages name it: its name, with its ranks where the name does not list them."""
+        return ops.group_words(self.name, self.ranks)
 
 
 class _SimWorld:
@@ -235,17 +309,20 @@ class _SimWorld:
             for r in range(world_size)
         ]
         self.checksum = bool(checksum)
+        #: Eager point-to-point: a send completes at once, buffered (TPSIM_BUFFERED_SENDS=1; never the
+        #: default: gloo and NCCL complete a blocking send only once its recv is posted).
+        self.buffered_sends = os.environ.get(BUFFERED_SENDS_ENV, "0") not in ("", "0")
         self.cpu = _choose_cpu()
 
     def faults_fired(self) -> list[tuple[Fault, CollectiveCall]]:
         """Every fault that acted, with the call it acted on, in rank order."""
         return [item for rf in self.rank_faults if rf is not None for item in rf.fired]
 
-    def group(self, name: str, ranks: tuple[int, ...]) -> _GroupState:
+    def group(self, key: str, ranks: tuple[int, ...], is_world: bool) -> _GroupState:
         with self.group_lock:
-            g = self.groups.get(name)
+            g = self.groups.get(key)
             if g is None:
-                g = self.groups[name] = _GroupState(name, ranks)
+                g = self.groups[key] = _GroupState(ops.group_label(is_world, None, ranks), ranks, is_world)
             return g
 
 
@@ -345,7 +422,11 @@ class InprocProcessGroup(dist.ProcessGroup):
     """A torch.distributed process group whose members are threads of this process.
 
     Created by torch through :func:`register`'s backend hook; never construct it yourself.
+    ``dist.get_backend()`` says ``gloo`` for it (:mod:`tpsim.comm.backend_names`).
     """
+
+    #: The tpsim backend this group belongs to (:mod:`tpsim.comm.backend_names` reads it).
+    tpsim_backend = BACKEND_NAME
 
     def __init__(self, world: _SimWorld, state: _GroupState, group_rank: int, global_rank: int) -> None:
         super().__init__(group_rank, state.size)
@@ -370,7 +451,7 @@ class InprocProcessGroup(dist.ProcessGroup):
 
     def _set_group_desc(self, desc: str) -> None:
         self._tpsim_desc = desc
-        self._state.name = threadworld.group_display_name(self, self._state.ranks, self._world.world_size)
+        self._state.name = ops.group_label(self._state.is_world, desc, self._state.ranks)
 
     @property
     def group_desc(self) -> str:
@@ -403,7 +484,8 @@ class InprocProcessGroup(dist.ProcessGroup):
     # -- the core: join a collective --------------------------------------------------
     def _join(self, op: str, tensors: Sequence[torch.Tensor], payload: Any, compute: Callable,
               *, reduce_op: Any = None, peer: int | None = None,
-              result: list[torch.Tensor] | None = None, problem: str | None = None) -> _Work:
+              result: list[torch.Tensor] | None = None, problem: str | None = None,
+              strided: tuple[str, torch.Tensor, str] | None = None) -> _Work:
         sched = self._sched
         slot = self._slot
         if slot.dropped:  # a dropped rank's code may still call (from a finally): it is dead
@@ -430,6 +512,8 @@ class InprocProcessGroup(dist.ProcessGroup):
             raise collective_error(sched.broken, self._global_rank)
         if problem is not None:  # this member's own buffers are wrong: it raises, as a real backend does
             raise InvalidArgument(f"{call.describe()}: on rank {self._global_rank}, {problem}")
+        if strided is not None:  # a view a real backend computes wrongly or refuses: it raises here
+            raise ops.strided_view_error(call, strided)
         seq = state.seq
         index = seq[me] = seq[me] + 1
         signature = ops.signature(op, shapes, dtypes, op_name, call.peer)
@@ -544,7 +628,7 @@ class InprocProcessGroup(dist.ProcessGroup):
         if not bad:
             return
         index = inst.call_index() or inst.index
-        msg = ops.checksum_message(inst.op, index, inst.group.name, bad)
+        msg = ops.checksum_message(inst.op, index, inst.group.label, bad)
         err = WorldBroken(msg, collective=inst.op, call_index=index, group=inst.group.name,
                           faulty_ranks=tuple(r for r, *_ in bad))
         self._world.sched.break_world(err)
@@ -598,7 +682,8 @@ class InprocProcessGroup(dist.ProcessGroup):
                 for r in range(n):
                     p[r][i].copy_(acc)
 
-        return self._join("all_reduce", tensors, tensors, compute, reduce_op=op)
+        strided = None if len(tensors) == 1 and tensors[0].is_contiguous() else ops.strided_view("all_reduce", tensors)
+        return self._join("all_reduce", tensors, tensors, compute, reduce_op=op, strided=strided)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
         return self.allreduce(tensors, opts)
@@ -610,7 +695,8 @@ class InprocProcessGroup(dist.ProcessGroup):
             acc = _reduce_in_rank_order([p[r][0] for r in range(len(p))], op)
             p[root][0].copy_(acc)
 
-        return self._join("reduce", tensors, tensors, compute, reduce_op=op, peer=root)
+        return self._join("reduce", tensors, tensors, compute, reduce_op=op, peer=root,
+                          strided=ops.strided_view("reduce", tensors))
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> _Work:
         root = opts.rootRank
@@ -621,7 +707,8 @@ class InprocProcessGroup(dist.ProcessGroup):
                     if r != root:
                         p[r][i].copy_(src)
 
-        return self._join("broadcast", tensors, tensors, compute, peer=root)
+        return self._join("broadcast", tensors, tensors, compute, peer=root,
+                          strided=ops.strided_view("broadcast", tensors))
 
     def _problem(self, op: str, inputs: Any, outputs: Any, root: int | None = None,
                  splits: tuple[Sequence[int], Sequence[int]] | None = None) -> str | None:
@@ -637,7 +724,8 @@ class InprocProcessGroup(dist.ProcessGroup):
 
         return self._join("all_gather", input_tensors, (output_tensors, input_tensors), compute,
                           result=[t for lst in output_tensors for t in lst],
-                          problem=self._problem("all_gather", input_tensors, output_tensors))
+                          problem=self._problem("all_gather", input_tensors, output_tensors),
+                          strided=ops.strided_view("all_gather", input_tensors, output_tensors))
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> _Work:
         def compute(p: dict[int, tuple]) -> None:
@@ -648,7 +736,8 @@ class InprocProcessGroup(dist.ProcessGroup):
                 out.copy_(flat.view(out.shape))
 
         return self._join("all_gather_into_tensor", [input], (output, input), compute, result=[output],
-                          problem=self._problem("all_gather_into_tensor", input, output))
+                          problem=self._problem("all_gather_into_tensor", input, output),
+                          strided=ops.strided_view("all_gather_into_tensor", input, output))
 
     _allgather_base = all_gather_single
 
@@ -664,7 +753,7 @@ class InprocProcessGroup(dist.ProcessGroup):
         problem = next((q for o, i in zip(outputs, inputs, strict=False)
                         if (q := self._problem("all_gather_into_tensor", i, o)) is not None), None)
         return self._join("all_gather_into_tensor", inputs, (outputs, inputs), compute, result=list(outputs),
-                          problem=problem)
+                          problem=problem, strided=ops.strided_view("all_gather_into_tensor", inputs, outputs))
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
@@ -678,7 +767,8 @@ class InprocProcessGroup(dist.ProcessGroup):
                     torch._foreach_copy_(list(outs[src]), list(p[src][1]))
 
         return self._join("all_gather", inputs, (output_lists, inputs), compute,
-                          result=[t for lst in output_lists for t in lst])
+                          result=[t for lst in output_lists for t in lst],
+                          strided=ops.strided_view("all_gather", inputs, output_lists))
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                        opts: Any = None) -> _Work:
@@ -692,7 +782,8 @@ class InprocProcessGroup(dist.ProcessGroup):
 
         return self._join("reduce_scatter", [t for lst in input_tensors for t in lst],
                           (output_tensors, input_tensors), compute, reduce_op=op, result=list(output_tensors),
-                          problem=self._problem("reduce_scatter", input_tensors, output_tensors))
+                          problem=self._problem("reduce_scatter", input_tensors, output_tensors),
+                          strided=ops.strided_view("reduce_scatter", input_tensors, output_tensors))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> _Work:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
@@ -706,7 +797,8 @@ class InprocProcessGroup(dist.ProcessGroup):
                 out.copy_(acc[r * m:(r + 1) * m].view(out.shape))
 
         return self._join("reduce_scatter_tensor", [input], (output, input), compute, reduce_op=op,
-                          result=[output], problem=self._problem("reduce_scatter_tensor", input, output))
+                          result=[output], problem=self._problem("reduce_scatter_tensor", input, output),
+                          strided=ops.strided_view("reduce_scatter_tensor", input, output))
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -726,7 +818,8 @@ class InprocProcessGroup(dist.ProcessGroup):
         problem = next((q for o, i in zip(outputs, inputs, strict=False)
                         if (q := self._problem("reduce_scatter_tensor", i, o)) is not None), None)
         return self._join("reduce_scatter_tensor", inputs, (outputs, inputs), compute, reduce_op=op,
-                          result=list(outputs), problem=problem)
+                          result=list(outputs), problem=problem,
+                          strided=ops.strided_view("reduce_scatter_tensor", inputs, outputs))
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
@@ -742,7 +835,8 @@ class InprocProcessGroup(dist.ProcessGroup):
         sent = input_tensors[0] if input_tensors else []
         return self._join("scatter", list(sent) or list(output_tensors), (output_tensors, input_tensors),
                           compute, peer=root, result=list(output_tensors),
-                          problem=self._problem("scatter", input_tensors, output_tensors, root))
+                          problem=self._problem("scatter", input_tensors, output_tensors, root),
+                          strided=ops.strided_view("scatter", input_tensors, output_tensors))
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                opts: Any) -> _Work:
@@ -755,7 +849,8 @@ class InprocProcessGroup(dist.ProcessGroup):
 
         return self._join("gather", input_tensors, (output_tensors, input_tensors), compute, peer=root,
                           result=[t for lst in output_tensors for t in lst],
-                          problem=self._problem("gather", input_tensors, output_tensors, root))
+                          problem=self._problem("gather", input_tensors, output_tensors, root),
+                          strided=ops.strided_view("gather", input_tensors, output_tensors))
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                  opts: Any = None) -> _Work:
@@ -766,7 +861,8 @@ class InprocProcessGroup(dist.ProcessGroup):
 
         return self._join("all_to_all", input_tensors, (output_tensors, input_tensors), compute,
                           result=list(output_tensors),
-                          problem=self._problem("all_to_all", input_tensors, output_tensors))
+                          problem=self._problem("all_to_all", input_tensors, output_tensors),
+                          strided=ops.strided_view("all_to_all", input_tensors, output_tensors))
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                           input_split_sizes: list[int], opts: Any = None) -> _Work:
@@ -783,7 +879,8 @@ class InprocProcessGroup(dist.ProcessGroup):
 
         splits = (list(output_split_sizes), list(input_split_sizes))
         return self._join("all_to_all_single", [input], (output, input, *splits), compute, result=[output],
-                          problem=self._problem("all_to_all_single", input, output, splits=splits))
+                          problem=self._problem("all_to_all_single", input, output, splits=splits),
+                          strided=ops.strided_view("all_to_all_single", input, output))
 
     alltoall_base = all_to_all_single
 
@@ -793,7 +890,7 @@ class InprocProcessGroup(dist.ProcessGroup):
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
         self.barrier().wait()
 
-    # -- point to point (buffered sends, blocking receives) ---------------------------
+    # -- point to point (a send completes when its recv is posted; a recv when its send is) -------
     def _p2p_call(self, op: str, tensors: list[torch.Tensor], peer: int) -> tuple[int, Fault | None]:
         state = self._state
         slot = self._slot
@@ -810,6 +907,9 @@ class InprocProcessGroup(dist.ProcessGroup):
         slot.calls.append(call)
         if self._sched.broken is not None:
             raise collective_error(self._sched.broken, self._global_rank)
+        strided = ops.strided_view(op, tensors)
+        if strided is not None:  # gloo refuses a non-contiguous p2p tensor; NCCL sends its storage
+            raise ops.strided_view_error(call, strided)
         rf = self._rf
         fault = rf.next_call(call) if rf is not None else None
         if fault is not None and not isinstance(fault, Mismatch):
@@ -818,17 +918,27 @@ class InprocProcessGroup(dist.ProcessGroup):
         return index, fault
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> _Work:
-        _, fault = self._p2p_call("send", tensors, dst)
+        state, me = self._state, self._group_rank
+        index, fault = self._p2p_call("send", tensors, dst)
         sent = [t.detach().clone() for t in tensors]  # the data as it was at send time
         if isinstance(fault, Mismatch):  # at a send, a mismatch changes what is sent
             if fault.what == "dtype":
                 sent = [t.to(torch.float32 if t.dtype == torch.float64 else torch.float64) for t in sent]
             else:
                 sent = [torch.cat([t.reshape(-1), t.reshape(-1)[:1]]) if t.numel() else torch.zeros(1) for t in sent]
-        box = self._state.mail.setdefault((self._group_rank, dst, tag), deque())
-        box.append(sent)
-        self._world.sched.wake(self._state.ranks[dst])
-        return _done_work(self, tensors)
+        state.posted += 1
+        msg = _Message(me, dst, tag, index, sent, state.posted)
+        waiting = state.recvs.get((dst, tag))
+        posted = next((p for p in waiting if p.src is None or p.src == me), None) if waiting else None
+        if posted is not None:  # the receiver is there already: matched now
+            waiting.remove(posted)  # type: ignore[union-attr]
+            posted.msg, msg.recv = msg, posted
+            self._sched.wake(state.ranks[dst])
+        else:
+            state.sends.setdefault((me, dst, tag), deque()).append(msg)
+        if self._world.buffered_sends:  # TPSIM_BUFFERED_SENDS=1: eager sends, complete at once
+            return _done_work(self, tensors)
+        return _Work(self, lambda: msg.recv is not None, _P2PWait("send", state, me, dst, tag, index), tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> _Work:
         return self._recv(tensors, src, tag)
@@ -839,35 +949,32 @@ class InprocProcessGroup(dist.ProcessGroup):
     def _recv(self, tensors: list[torch.Tensor], src: int | None, tag: int) -> _Work:
         state, me = self._state, self._group_rank
         index, _ = self._p2p_call("recv", tensors, -1 if src is None else src)
-        pending = _Recv(state, me, src, tag, index)
-        got: list = []
-
-        def box() -> deque | None:
-            sources = range(state.size) if src is None else (src,)
-            for s in sources:
-                q = state.mail.get((s, me, tag))
-                if q:
-                    return q
-            return None
-
-        def ready() -> bool:
-            return bool(got) or box() is not None
+        posted = _Posted(me, src, tag, index)
+        sources = range(state.size) if src is None else (src,)
+        queues = [q for s in sources if (q := state.sends.get((s, me, tag)))]
+        if queues:  # a send is there already: the oldest one (any source: the first posted)
+            queue = min(queues, key=lambda q: q[0].order)
+            msg = queue.popleft()
+            posted.msg, msg.recv = msg, posted
+            self._sched.wake(state.ranks[msg.src])
+        else:
+            state.recvs.setdefault((me, tag), deque()).append(posted)
 
         def finish() -> None:
-            if not got:
-                got.append(box().popleft())  # type: ignore[union-attr]
-            for dst, data in zip(tensors, got[0], strict=False):
+            msg = posted.msg
+            for dst, data in zip(tensors, msg.data, strict=False):  # type: ignore[union-attr]
                 if dst.shape != data.shape or dst.dtype != data.dtype:
-                    sender = "the sender" if src is None else f"rank {state.ranks[src]}"
+                    sender = f"rank {state.ranks[msg.src]}"  # type: ignore[union-attr]
                     raise CollectiveError(
-                        f"recv #{index} on group {state.name}: expected shape {tuple(dst.shape)} "
+                        f"recv #{index} on group {state.label}: expected shape {tuple(dst.shape)} "
                         f"dtype {_dtype_name(dst.dtype)}, {sender} sent shape {tuple(data.shape)} "
                         f"dtype {_dtype_name(data.dtype)}",
                         rank=self._global_rank, collective="recv", call_index=index, group=state.name,
-                        faulty_ranks=() if src is None else (state.ranks[src],))
+                        faulty_ranks=(state.ranks[msg.src],))  # type: ignore[union-attr]
                 dst.copy_(data)
 
-        return _Work(self, ready, pending, tensors, finish)
+        return _Work(self, lambda: posted.msg is not None, _P2PWait("recv", state, me, src, tag, index), tensors,
+                     finish)
 
 
 # ----------------------------------------------------------------------------------------
@@ -884,9 +991,11 @@ def _create_pg(opts: Any, backend_options: Any = None) -> InprocProcessGroup:
             "the 'inproc' backend only works inside a rank started by tpsim.run(..., backend='inproc') "
             "(or a thread such a rank started)")
     world = owner.world
+    # The default group is created with an empty rank list: it spans the whole world (and only it is
+    # named "world"; a new_group of every rank is another group, named by its ranks or description).
+    is_world = not opts.global_ranks_in_group
     ranks = tuple(opts.global_ranks_in_group) or tuple(range(world.world_size))
-    state = world.group(str(opts.group_id), ranks)
-    state.name = threadworld.group_display_name(None, ranks, world.world_size)
+    state = world.group(str(opts.group_id), ranks, is_world)
     return InprocProcessGroup(world, state, int(opts.group_rank), owner.rank)
 
 
@@ -901,6 +1010,10 @@ def register() -> None:
         if _registered:
             return
         dist.Backend.register_backend(BACKEND_NAME, _create_pg, extended_api=True, devices=["cpu"])
+        # dist.get_backend() says "gloo" (a CPU backend, the path code asking "is this gloo?" takes), and
+        # a group asked for as gloo or nccl inside a world is an inproc group too.
+        backend_names.present_as(BACKEND_NAME, "gloo",
+                                 aliases={"gloo": BACKEND_NAME, "nccl": BACKEND_NAME, BACKEND_NAME: BACKEND_NAME})
         _registered = True
 
 

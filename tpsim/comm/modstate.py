@@ -18,11 +18,25 @@ per-rank RNG):
   rebound once and then only read (a lazily built cache, a warn-once flag) is never reported on a
   run that succeeds: on a correct program that sharing changes nothing.
 
-Globals rebound from outside their module (``mod.X = ...``) are not watched.
+* **rank-local attributes and containers** (always on): what the functions of those modules (rank-local
+  or watched) write besides their own globals is per rank too, found once per module from their
+  bytecode: attributes of classes (``Cls.w = w``, ``type(self).n += 1``, ``cls.x = ...`` in a
+  classmethod, ``setattr(Cls, "w", w)``), of functions (``fn.calls += 1``) and of module-level objects
+  (``_STATE.group = g``), and the contents of module-level containers mutated in place
+  (``_CACHE[k] = v``, ``_HANDLES.append(h)``) in watched modules. Each rank starts from the value the
+  world started with and its own writes are swapped in and out at hand-offs (a container keeps its
+  identity: its contents are swapped), so a value one rank stores is never what another rank reads,
+  as on gloo: rank 0 storing a weight on a class that the other ranks then read fails here too.
+
+Globals rebound from outside their module (``mod.X = ...``), attributes set through a name computed at
+run time (``setattr(obj, name, v)``) and containers mutated through another name than their module's
+are not watched.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import dis
 import importlib
@@ -34,7 +48,7 @@ from typing import Any
 
 from tpsim.errors import InvalidArgument, SharedModuleState
 
-__all__ = ["ModuleGlobals", "rebound_names", "resolve_modules", "watched_modules"]
+__all__ = ["ModuleGlobals", "Writes", "module_writes", "rebound_names", "resolve_modules", "watched_modules"]
 
 #: Values whose equality is their identity for our purposes: rebinding to an equal one is no change.
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
@@ -229,6 +243,243 @@ def rebound_names(module: types.ModuleType) -> tuple[str, ...]:
     return names
 
 
+# -- attributes and containers a module's functions write ---------------------------------------------
+
+#: Methods that change a container in place.
+_MUTATORS = frozenset({
+    "append", "extend", "insert", "pop", "popitem", "remove", "clear", "update", "setdefault", "add", "discard",
+    "appendleft", "extendleft", "popleft", "sort", "reverse", "intersection_update", "difference_update",
+    "symmetric_difference_update", "__setitem__", "__delitem__", "__iadd__", "__ior__",
+})
+#: Module-level values whose contents are swapped per rank when the module's code mutates them.
+_BOXES = (dict, list, set, collections.OrderedDict, collections.defaultdict, collections.deque)
+_CLASS = "<the method's class>"  # an attribute written on the class of the method (cls, type(self), __class__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Writes:
+    """What a module's functions write besides rebinding globals (:func:`module_writes`).
+
+    ``attributes``: ``(owner, name)`` pairs, ``owner`` a global's name or a class (the class of the
+    method that writes ``cls.name``, ``type(self).name``, ``__class__.name``); ``mutated``: globals whose
+    value a function changes in place (``X[k] = v``, ``X.append(v)``)."""
+
+    attributes: tuple[tuple[Any, str], ...] = ()
+    mutated: tuple[str, ...] = ()
+
+
+def _functions(obj: Any, module_dict: dict[str, Any], cls: type | None, out: list, seen: set[int]) -> None:
+    """``(code, class or None, the classmethod's first argument or None)`` of the module's functions."""
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, classmethod):
+        func = obj.__func__
+        if isinstance(func, types.FunctionType) and func.__globals__ is module_dict:
+            code = func.__code__
+            out.append((code, cls, code.co_varnames[0] if code.co_argcount else None))
+    elif isinstance(obj, staticmethod):
+        _functions(obj.__func__, module_dict, cls, out, seen)
+    elif isinstance(obj, property):
+        for f in (obj.fget, obj.fset, obj.fdel):
+            if f is not None:
+                _functions(f, module_dict, cls, out, seen)
+    elif isinstance(obj, types.FunctionType):
+        if obj.__globals__ is module_dict:
+            out.append((obj.__code__, cls, None))
+        wrapped = getattr(obj, "__wrapped__", None)
+        if wrapped is not None:
+            _functions(wrapped, module_dict, cls, out, seen)
+    elif isinstance(obj, type) and obj.__module__ == module_dict.get("__name__"):
+        for value in list(vars(obj).values()):
+            _functions(value, module_dict, obj, out, seen)
+
+
+def _owner_of(ins: list[dis.Instruction], k: int, cls: type | None, first_arg: str | None) -> Any:
+    """The object instruction ``k`` leaves on the stack, when it is one whose attributes matter: a
+    global's name, or :data:`_CLASS` (the method's class); None otherwise."""
+    if k < 0:
+        return None
+    op, arg = ins[k].opname, ins[k].argval
+    if op in ("LOAD_GLOBAL", "LOAD_NAME"):
+        return arg
+    if cls is None:
+        return None
+    if op in ("LOAD_DEREF", "LOAD_CLASSDEREF") and arg == "__class__":
+        return _CLASS
+    if op == "LOAD_ATTR" and arg == "__class__":
+        return _CLASS
+    if op.startswith("LOAD_FAST") and first_arg is not None and arg == first_arg:
+        return _CLASS
+    if op == "CALL":  # type(x): LOAD_GLOBAL type, one LOAD_FAST*, [PRECALL], CALL
+        j = k - 1 - (ins[k - 1].opname == "PRECALL")
+        if j >= 1 and ins[j].opname.startswith("LOAD_FAST") and ins[j - 1].opname == "LOAD_GLOBAL" \
+                and ins[j - 1].argval == "type":
+            return _CLASS
+    return None
+
+
+def _scan(code: types.CodeType, cls: type | None, first_arg: str | None, attrs: set[tuple[Any, str]],
+          mutated: set[str], depth: int = 0) -> None:
+    ins = list(dis.get_instructions(code))
+    for i, x in enumerate(ins):
+        if x.opname in ("STORE_ATTR", "DELETE_ATTR"):
+            owner = _owner_of(ins, i - 1, cls, first_arg)
+            if owner is None:  # X.a += v: X, COPY 1, LOAD_ATTR a, ..., STORE_ATTR a
+                for k in range(i - 3, max(i - 24, -1), -1):
+                    if ins[k + 1].opname == "COPY" and ins[k + 1].arg == 1 and ins[k + 2].opname == "LOAD_ATTR" \
+                            and ins[k + 2].argval == x.argval:
+                        owner = _owner_of(ins, k, cls, first_arg)
+                        break
+            if owner is not None:
+                attrs.add((cls if owner == _CLASS else owner, x.argval))
+        elif x.opname == "LOAD_GLOBAL" and x.argval == "setattr" and i + 2 < len(ins):
+            owner = _owner_of(ins, i + 1, cls, first_arg)
+            name = ins[i + 2]
+            if owner is not None and name.opname == "LOAD_CONST" and isinstance(name.argval, str):
+                attrs.add((cls if owner == _CLASS else owner, name.argval))
+        if x.opname == "LOAD_GLOBAL" and _mutates(ins, i):
+            mutated.add(x.argval)
+    if depth < 8:
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                _scan(const, cls, None, attrs, mutated, depth + 1)
+
+
+def _mutates(ins: list[dis.Instruction], i: int) -> bool:
+    """Whether the value ``ins[i]`` loads is changed in place by what follows (a mutating method
+    called on it, or a subscript stored into or deleted while it is still on the stack)."""
+    nxt = ins[i + 1] if i + 1 < len(ins) else None
+    if nxt is None:
+        return False
+    if nxt.opname in ("LOAD_METHOD", "LOAD_ATTR") and nxt.argval in _MUTATORS:
+        return True
+    above = 0  # how many stack items lie above the loaded value
+    for x in ins[i + 1:i + 24]:
+        if x.opname in ("STORE_SUBSCR", "DELETE_SUBSCR") and above >= 1:
+            return True
+        if x.opcode in dis.hasjrel or x.opcode in dis.hasjabs:
+            return False
+        try:
+            above += dis.stack_effect(x.opcode, x.arg) if x.opcode >= dis.HAVE_ARGUMENT else dis.stack_effect(x.opcode)
+        except ValueError:
+            return False
+        if above < 0:
+            return False
+    return False
+
+
+_WRITES: dict[tuple[str, int], Writes] = {}
+
+
+def module_writes(module: types.ModuleType) -> Writes:
+    """The attributes and containers ``module``'s functions write (see :class:`Writes`); found once per
+    module per process from the bytecode of its functions and of its classes' methods."""
+    key = (module.__name__, id(module))
+    found = _WRITES.get(key)
+    if found is not None:
+        return found
+    module_dict = vars(module)
+    functions: list[tuple[types.CodeType, type | None, str | None]] = []
+    seen: set[int] = set()
+    for value in list(module_dict.values()):
+        _functions(value, module_dict, None, functions, seen)
+    attrs: set[tuple[Any, str]] = set()
+    mutated: set[str] = set()
+    for code, cls, first_arg in functions:
+        _scan(code, cls, first_arg, attrs, mutated)
+    found = _WRITES[key] = Writes(tuple(sorted(attrs, key=lambda a: (str(getattr(a[0], "__qualname__", a[0])), a[1]))),
+                                  tuple(sorted(mutated)))
+    return found
+
+
+def _not_ours(obj: Any) -> bool:
+    """Objects of the interpreter, torch or the harness (never made per rank)."""
+    home = obj if isinstance(obj, (type, types.FunctionType)) else type(obj)
+    top = str(getattr(home, "__module__", "") or "").split(".")[0]
+    return top in _NOT_WATCHED or top == "builtins" or isinstance(obj, types.ModuleType)
+
+
+def _rank_local_attributes(modules: Sequence[types.ModuleType]) -> list[tuple[Any, str, bool]]:
+    """``(owner, name, owner is a class)`` for every attribute the modules' functions write."""
+    out: list[tuple[Any, str, bool]] = []
+    done: set[tuple[int, str]] = set()
+    for module in modules:
+        scope = vars(module)
+        for owner, name in module_writes(module).attributes:
+            if isinstance(owner, str):
+                value = scope.get(owner, _MISSING)
+                if value is _MISSING or isinstance(value, _SCALARS) or isinstance(value, _BOXES):
+                    continue
+                owners = [value]
+            else:  # the method's class: it and its subclasses (``cls`` may be either)
+                owners = _with_subclasses(owner)
+            for obj in owners:
+                if _not_ours(obj) or (id(obj), name) in done or not hasattr(obj, "__dict__"):
+                    continue
+                if not isinstance(obj, type) and not isinstance(getattr(obj, "__dict__", None), dict):
+                    continue
+                done.add((id(obj), name))
+                out.append((obj, name, isinstance(obj, type)))
+    return out
+
+
+def _with_subclasses(cls: type) -> list[type]:
+    found, todo = [], [cls]
+    while todo:
+        c = todo.pop()
+        if c not in found:
+            found.append(c)
+            with contextlib.suppress(TypeError):  # type.__subclasses__ needs the class itself
+                todo.extend(type.__subclasses__(c))
+    return found
+
+
+def _rank_local_containers(modules: Sequence[types.ModuleType]) -> list[Any]:
+    """The module-level containers the modules' functions mutate in place (each object once)."""
+    out: list[Any] = []
+    for module in modules:
+        scope = vars(module)
+        for name in module_writes(module).mutated:
+            value = scope.get(name)
+            if isinstance(value, _BOXES) and not name.startswith("__") and all(value is not b for b in out):
+                out.append(value)
+    return out
+
+
+def _contents(box: Any) -> Any:
+    return box.copy() if not isinstance(box, collections.deque) else collections.deque(box)
+
+
+def _load(box: Any, contents: Any) -> None:
+    """Make ``box``'s contents ``contents`` (the object stays the same: other names for it see them)."""
+    if isinstance(box, dict):
+        box.clear()
+        box.update(contents)
+    elif isinstance(box, list):
+        box[:] = contents
+    else:  # set, deque
+        box.clear()
+        box.update(contents) if isinstance(box, set) else box.extend(contents)
+
+
+def _get_attr(owner: Any, name: str) -> Any:
+    return owner.__dict__.get(name, _MISSING)
+
+
+def _set_attr(owner: Any, name: str, is_type: bool, value: Any) -> None:
+    if is_type:
+        if value is _MISSING:
+            if name in owner.__dict__:
+                type.__delattr__(owner, name)
+        else:
+            type.__setattr__(owner, name, value)
+    elif value is _MISSING:
+        owner.__dict__.pop(name, None)
+    else:
+        owner.__dict__[name] = value
+
+
 # -- the per-world state -------------------------------------------------------------------------------
 
 _CONTAINERS = (tuple, list, dict, set, frozenset)
@@ -277,6 +528,11 @@ class ModuleGlobals:
         self._local = tuple(vars(m) for m in self.local_modules)
         #: The rank-local modules' globals when the world started (also what they return to after).
         self.start = tuple(d.copy() for d in self._local)
+        # Attributes and containers the modules' functions write: per rank, from their values now.
+        self._attrs = _rank_local_attributes((*self.local_modules, *watched))
+        self._attr_start = tuple(_get_attr(o, n) for o, n, _ in self._attrs)
+        self._boxes = _rank_local_containers(watched)  # a rank-local module's containers are copied with it
+        self._box_start = tuple(_contents(b) for b in self._boxes)
         keys: list[tuple[str, dict[str, Any], str]] = []
         for module in watched:
             for name in rebound_names(module):
@@ -298,8 +554,18 @@ class ModuleGlobals:
 
     @property
     def has_local(self) -> bool:
-        """Whether rank-local modules are swapped at hand-offs."""
-        return bool(self._local)
+        """Whether rank-local modules, attributes or containers are swapped at hand-offs."""
+        return bool(self._local or self._attrs or self._boxes)
+
+    @property
+    def rank_local_attributes(self) -> list[tuple[str, str]]:
+        """``(owner, attribute)`` of the attributes made per rank (for messages and tests)."""
+        return [(getattr(o, "__qualname__", type(o).__qualname__), n) for o, n, _ in self._attrs]
+
+    @property
+    def rank_local_containers(self) -> int:
+        """How many module-level containers have per-rank contents."""
+        return len(self._boxes)
 
     @property
     def has_watch(self) -> bool:
@@ -311,32 +577,44 @@ class ModuleGlobals:
         """``(module, global)`` pairs the watch compares at hand-offs."""
         return [(m, n) for m, _, n in self._keys]
 
-    # -- rank-local modules ------------------------------------------------------------------
-    def fresh(self) -> tuple[dict[str, Any], ...] | None:
-        """A new rank's own copy of the rank-local modules' starting globals."""
-        if not self._local:
+    # -- rank-local modules, attributes and containers ---------------------------------------
+    def fresh(self) -> tuple[Any, ...] | None:
+        """A new rank's own copy of the rank-local state as the world started."""
+        if not self.has_local:
             return None
-        return tuple({k: (v if k.startswith("__") else _own_copy(v)) for k, v in d.items()} for d in self.start)
+        dicts = tuple({k: (v if k.startswith("__") else _own_copy(v)) for k, v in d.items()} for d in self.start)
+        return dicts, self._attr_start, self._box_start
 
-    def save(self) -> tuple[dict[str, Any], ...] | None:
-        """The running rank's rank-local globals, to restore when it runs again."""
-        if not self._local:
+    def save(self) -> tuple[Any, ...] | None:
+        """The running rank's rank-local state, to restore when it runs again."""
+        if not self.has_local:
             return None
-        return tuple(d.copy() for d in self._local)
+        return (tuple(d.copy() for d in self._local), tuple([_get_attr(o, n) for o, n, _ in self._attrs]),
+                tuple([_contents(b) for b in self._boxes]))
 
-    def restore(self, saved: tuple[dict[str, Any], ...] | None) -> None:
-        """Make ``saved`` (from :meth:`save` or :meth:`fresh`) the rank-local modules' globals."""
+    def restore(self, saved: tuple[Any, ...] | None) -> None:
+        """Make ``saved`` (from :meth:`save` or :meth:`fresh`) the rank-local state."""
         if saved is None:
             return
-        for d, s in zip(self._local, saved, strict=True):
+        dicts, attrs, boxes = saved
+        for d, s in zip(self._local, dicts, strict=True):
             d.update(s)
             if len(d) != len(s) or d.keys() != s.keys():
                 for k in d.keys() - s.keys():
-                    del d[k]
+                    # Dunder names are the process's, not a rank's: torch.compile installs its compiled
+                    # code as __compiled_fn_... / __resume_at_... globals of the compiled function's
+                    # module, which every rank runs (its code cache is per process).
+                    if not k.startswith("__"):
+                        del d[k]
+        for (owner, name, is_type), value in zip(self._attrs, attrs, strict=True):
+            if _get_attr(owner, name) is not value:
+                _set_attr(owner, name, is_type, value)
+        for box, contents in zip(self._boxes, boxes, strict=True):
+            _load(box, contents)
 
     def restore_start(self) -> None:
-        """Put the rank-local modules back as they were when the world started."""
-        self.restore(self.start)
+        """Put the rank-local modules, attributes and containers back as they were when the world started."""
+        self.restore((self.start, self._attr_start, self._box_start))
 
     # -- the watch ----------------------------------------------------------------------------
     def restore_watched(self) -> None:

@@ -24,6 +24,15 @@ is a *mismatched collective*, explained by :func:`mismatch_message` with a major
 breaks it raises on its own rank at the call, before anything is exchanged, as a real backend's
 argument check does, so the error names the rank whose buffer is wrong.
 
+**Layouts** (:func:`strided_view`): a tensor that gloo computes on its storage (a view that is not
+dense, or a dense one where gloo reads storage order) or that NCCL refuses is refused on its own rank
+at the call with :class:`tpsim.CollectiveOnStridedView`, on every backend; the table says, by op and
+place, what each backend does (tests/test_layouts.py checks gloo's column against plain torch gloo).
+
+**Group names** (:func:`group_label`, :func:`group_words`): ``world`` for the default group, else the
+group's description, else its ranks, the same on every backend; messages add the ranks to a
+description (``all_reduce #1 on group tp [2,3]``).
+
 **Precedence and blame** (:func:`explain`): when a world fails, one rank's failure explains the
 others'. In order: a rank whose own code raised or whose process died; a crash the fault plan
 injected; a rank the plan dropped; a rank the plan stalled; a verdict every member of a
@@ -42,8 +51,8 @@ from typing import Any
 
 import torch
 
-from tpsim.comm.trace import CollectiveCall, call_name
-from tpsim.errors import CollectiveError, RankError
+from tpsim.comm.trace import CollectiveCall, call_name, group_label, group_words
+from tpsim.errors import CollectiveError, CollectiveOnStridedView, RankError
 
 __all__ = [
     "COLLECTIVE",
@@ -61,6 +70,9 @@ __all__ = [
     "RankEnd",
     "altered_signature",
     "buffer_problem",
+    "describe_layout",
+    "strided_view",
+    "strided_view_error",
     "call_name",
     "checksum_message",
     "crashed_text",
@@ -71,6 +83,8 @@ __all__ = [
     "dtype_name",
     "explain",
     "fault_note",
+    "group_label",
+    "group_words",
     "mismatch_message",
     "mismatched_signature",
     "plan_suffix",
@@ -304,6 +318,193 @@ _BUFFER_RULES: dict[str, Any] = {
     "all_to_all_single": _all_to_all_single_rule,
 }
 
+
+
+# -- layouts --------------------------------------------------------------------------------------
+#
+# What the real backends do with a tensor that is not contiguous, by op and by the place the tensor
+# has in the call (measured with plain torch gloo: tests/test_backend_rules.py::test_the_layout_table_
+# is_what_plain_gloo_does; NCCL from ProcessGroupNCCL's checks). Codes: OK (computes it right),
+# STORAGE (computes on its storage as if the tensor were contiguous: wrong), RAISES (refuses it).
+# ``gloo`` has one code for views that are not dense (or overlap) and one for dense ones.
+# ``nccl``'s RAISES is its "Tensors must be contiguous" check, which accepts a tensor contiguous in
+# its suggested memory format (channels_last). A tensor is refused (CollectiveOnStridedView) unless
+# both backends compute it right: inproc takes the stricter of the two.
+
+OK, STORAGE, RAISES = "ok", "storage", "raises"
+
+
+@dataclass(frozen=True)
+class _Place:
+    """What gloo (not dense, dense) and NCCL do with a non-contiguous tensor in one place of a call."""
+
+    gloo_sparse: str
+    gloo_dense: str
+    nccl: str
+
+
+_ELEMENTWISE = _Place(STORAGE, OK, RAISES)  # gloo reduces storage order: right only for a dense layout
+_FLATTENED = _Place(OK, OK, RAISES)  # gloo copies it through a flat buffer; NCCL checks it
+_SCRAMBLED = _Place(STORAGE, STORAGE, RAISES)
+_P2P = _Place(RAISES, RAISES, STORAGE)  # NCCL only warns for point-to-point, then sends the storage
+
+#: op -> (its inputs' place, its outputs' place); None: not checked (both backends copy it).
+_LAYOUT_RULES: dict[str, tuple[_Place | None, _Place | None]] = {
+    "all_reduce": (_ELEMENTWISE, None),
+    "broadcast": (_ELEMENTWISE, None),
+    "reduce": (_ELEMENTWISE, None),
+    "all_gather": (_FLATTENED, None),
+    "all_gather_into_tensor": (_FLATTENED, _FLATTENED),
+    "reduce_scatter": (_Place(OK, STORAGE, OK), _SCRAMBLED),
+    "reduce_scatter_tensor": (_FLATTENED, _FLATTENED),
+    "scatter": (_Place(STORAGE, STORAGE, STORAGE), _SCRAMBLED),
+    "gather": (_FLATTENED, _Place(OK, OK, STORAGE)),
+    "all_to_all": (_Place(OK, OK, STORAGE), _Place(OK, OK, STORAGE)),
+    "all_to_all_single": (_Place(RAISES, RAISES, RAISES), _SCRAMBLED),
+    "send": (_P2P, None),
+    "recv": (_P2P, None),
+}
+
+_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+
+def _suggested_contiguous(t: torch.Tensor) -> bool:
+    """NCCL's test: contiguous in the tensor's suggested memory format (row-major or channels_last)."""
+    fmt = _CHANNELS_LAST.get(t.dim())
+    return fmt is not None and t.is_contiguous(memory_format=fmt)
+
+
+def _verdict(t: torch.Tensor, place: _Place) -> tuple[str, str] | None:
+    """``(what gloo does, what NCCL does)`` with a non-contiguous ``t``; None when both compute it right."""
+    dense = _dense(t)
+    gloo = place.gloo_dense if dense else place.gloo_sparse
+    nccl = place.nccl
+    if nccl == RAISES and _suggested_contiguous(t):
+        nccl = OK
+    elif nccl == STORAGE and dense and _suggested_contiguous(t):
+        nccl = OK
+    if gloo == OK and nccl == OK:
+        return None
+    return gloo, nccl
+
+
+def _first_bad(obj: Any, place: _Place) -> tuple[int, torch.Tensor, tuple[str, str]] | None:
+    """The first tensor of ``obj`` (a tensor or nested lists) a backend gets wrong: (flat index, it, verdict)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_contiguous():
+            return None
+        verdict = _verdict(obj, place)
+        return None if verdict is None else (0, obj, verdict)
+    index = 0
+    for item in obj or ():
+        if isinstance(item, torch.Tensor):
+            if not item.is_contiguous():
+                verdict = _verdict(item, place)
+                if verdict is not None:
+                    return index, item, verdict
+            index += 1
+        else:
+            found = _first_bad(item, place)
+            if found is not None:
+                return index + found[0], found[1], found[2]
+            index += sum(1 for _ in _iter_tensors(item))
+    return None
+
+
+def _iter_tensors(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        return
+    for item in obj or ():
+        yield from _iter_tensors(item)
+
+
+def _which(op: str, side: str, obj: Any, index: int) -> str:
+    """How a message names the tensor: ``the tensor``, ``the input``, ``the output list's tensor 1``."""
+    count = sum(1 for _ in _iter_tensors(obj))
+    if op in ("all_reduce", "broadcast", "reduce", "send", "recv"):
+        return "the tensor" if count == 1 else f"tensor {index} of the call"
+    if isinstance(obj, torch.Tensor) or (count == 1 and op not in ("all_to_all",)):
+        return f"the {side}"
+    return f"the {side} list's tensor {index}"
+
+
+def strided_view(op: str, inputs: Any, outputs: Any = None) -> tuple[str, torch.Tensor, str] | None:
+    """The first of one member's tensors that a real backend computes wrongly or refuses for ``op``.
+
+    ``inputs``/``outputs`` as :func:`buffer_problem` takes them (tensors or lists, as torch hands them
+    to the process group). Returns ``(which tensor, the tensor, why)`` with ``why`` naming what gloo
+    and NCCL do with it, or None. Only non-contiguous tensors are looked at, so a call on contiguous
+    tensors costs one ``is_contiguous`` per tensor. (Called on every collective.)
+    """
+    rules = _LAYOUT_RULES.get(op)
+    if rules is None:
+        return None
+    for side, obj, place in (("input", inputs, rules[0]), ("output", outputs, rules[1])):
+        if place is None or obj is None:
+            continue
+        found = _first_bad(obj, place)
+        if found is not None:
+            index, t, (gloo, nccl) = found
+            return _which(op, side, obj, index), t, _why(t, gloo, nccl)
+    return None
+
+
+def _why(t: torch.Tensor, gloo: str, nccl: str) -> str:
+    """What the real backends do with ``t`` (one clause per backend that gets it wrong or refuses it)."""
+    parts = []
+    if gloo == STORAGE:
+        if _dense(t):
+            parts.append("gloo reads and writes its storage as if it were contiguous, so the elements land in "
+                         "another order")
+        else:
+            past = " (past the tensor's own memory)" if _overlaps(t) else ""
+            parts.append(f"gloo computes on the {t.numel()} consecutive elements of its storage from the view's "
+                         f"start instead{past}")
+    elif gloo == RAISES:
+        parts.append("gloo refuses it")
+    if nccl == RAISES:
+        parts.append("NCCL refuses it (\"Tensors must be contiguous\")")
+    elif nccl == STORAGE:
+        parts.append("NCCL reads and writes its storage as if it were contiguous")
+    return "; ".join(parts)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` covers a block of its storage exactly once, in some order (``is_non_overlapping_and_dense``)."""
+    if t.numel() <= 1:
+        return True
+    expected = 1
+    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape, strict=True) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _overlaps(t: torch.Tensor) -> bool:
+    return any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape, strict=True))
+
+
+def describe_layout(t: torch.Tensor) -> str:
+    """``not dense (shape [3, 4], strides (7, 1), storage offset 0)``: a non-contiguous tensor's layout."""
+    if _dense(t):
+        kind = "dense but not contiguous"
+    else:
+        kind = "overlapping" if _overlaps(t) else "not dense"
+    return f"{kind} (shape {list(t.shape)}, strides {tuple(t.stride())}, storage offset {t.storage_offset()})"
+
+
+def strided_view_error(call: CollectiveCall, found: tuple[str, torch.Tensor, str]) -> CollectiveOnStridedView:
+    """The :class:`tpsim.CollectiveOnStridedView` a rank raises at ``call`` for :func:`strided_view`'s ``found``,
+    with the same words on every backend."""
+    which, t, why = found
+    message = (f"{call.describe()}: on rank {call.rank}, {which} is a view that is {describe_layout(t)}: {why}. "
+               "Pass a contiguous tensor (buf = t.contiguous(); the collective on buf; t.copy_(buf) where the "
+               "collective writes it)")
+    return CollectiveOnStridedView(message, rank=call.rank, collective=call.op, call_index=call.call_index,
+                                   group=call.group, tensor=which, shape=tuple(t.shape), strides=tuple(t.stride()),
+                                   storage_offset=t.storage_offset())
 
 # -- messages ---------------------------------------------------------------------------------------
 

@@ -25,7 +25,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 __all__ = [
@@ -251,12 +250,3 @@ class ProcessLocalState:
         if torch.get_default_dtype() != self.dtype:
             torch.set_default_dtype(self.dtype)
 
-
-def group_display_name(pg: dist.ProcessGroup | None, ranks: tuple[int, ...], world_size: int) -> str:
-    """A short, human name for a group in messages: ``world``, a user's desc, or its ranks."""
-    desc = getattr(pg, "_tpsim_desc", None) if pg is not None else None
-    if desc and desc not in ("default_pg", "undefined"):
-        return str(desc)
-    if not ranks or len(ranks) == world_size and list(ranks) == list(range(world_size)):
-        return "world"
-    return "[" + ",".join(str(r) for r in ranks) + "]"

@@ -9,14 +9,38 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["CollectiveCall", "Trace", "call_name"]
+__all__ = ["CollectiveCall", "Trace", "call_name", "group_label", "group_words"]
+
+#: Group descriptions torch gives groups nobody named (never shown as a group's name).
+_UNNAMED = ("", "undefined", "default_pg")
 
 
-def call_name(op: str, index: int | None, group: str | None) -> str:
-    """``all_reduce #3 on group world``; never ``#None`` (an unknown index says so)."""
+def group_label(is_world: bool, desc: str | None, ranks: tuple[int, ...] | list[int]) -> str:
+    """A group's name in traces, the same on every backend: ``world`` for the default group, else the
+    ``group_desc`` it was given (``tp``, ``mesh_tp``), else its ranks (``[0,1]``)."""
+    if is_world:
+        return "world"
+    if desc and str(desc) not in _UNNAMED:
+        return str(desc)
+    return "[" + ",".join(str(r) for r in ranks) + "]"
+
+
+def group_words(group: str | None, ranks: tuple[int, ...] | list[int] = ()) -> str:
+    """How messages name a group: its name, with its ranks where the name does not list them
+    (``tp [0,1]``: two groups may share a description, e.g. every tp group of a device mesh)."""
+    if not group:
+        return "?"
+    if group == "world" or group.startswith("[") or not ranks:
+        return group
+    return f"{group} [" + ",".join(str(r) for r in ranks) + "]"
+
+
+def call_name(op: str, index: int | None, group: str | None, ranks: tuple[int, ...] | list[int] = ()) -> str:
+    """``all_reduce #3 on group world`` (``on group tp [0,1]``); never ``#None`` (an unknown index says so)."""
+    where = group_words(group, ranks)
     if index is None or index < 1:
-        return f"{op} (call index unknown) on group {group or '?'}"
-    return f"{op} #{index} on group {group}"
+        return f"{op} (call index unknown) on group {where}"
+    return f"{op} #{index} on group {where}"
 
 
 @dataclass(eq=True, slots=True)
@@ -44,7 +68,7 @@ class CollectiveCall:
 
     def describe(self) -> str:
         """Short human form, e.g. ``all_reduce #3 on group world``."""
-        return call_name(self.op, self.call_index, self.group)
+        return call_name(self.op, self.call_index, self.group, self.group_ranks)
 
 
 @dataclass

@@ -35,6 +35,7 @@ from tpsim.diagnosis import (
     BIAS_DUPLICATION,
     BIAS_GRAD_RANK0_ONLY,
     BIAS_MISSING,
+    COLLECTIVE_ON_STRIDED_VIEW,
     DIVISIBILITY_UNCHECKED,
     DOUBLE_REDUCTION,
     EXCEPTION,
@@ -90,6 +91,7 @@ from tpsim.mutants.row import (
     RowHalfPrecisionReduce,
     RowNoReduceWithoutBias,
     RowReduceFloat32,
+    RowReduceStridedView,
     RowReduceTwice,
     RowWeightData,
 )
@@ -261,6 +263,7 @@ _ENTRIES = [
     _mutant("row-reduce-twice", RowReduceTwice, "row", DOUBLE_REDUCTION, needs="world size >= 2"),
     _mutant("row-weight-data", RowWeightData, "row", GRAD_MISSING),
     _mutant("row-reduce-float32", RowReduceFloat32, "row", WRONG_DTYPE, needs="a dtype other than float32"),
+    _mutant("row-reduce-strided-view", RowReduceStridedView, "row", COLLECTIVE_ON_STRIDED_VIEW),
     _mutant("column-gather-no-autograd", ColumnGatherNoAutograd, "column", OUTPUT_DETACHED, output="gathered"),
     # Packed weights and sequence parallelism; each docstring cites its report.
     _mutant("packed-gate-up-contiguous", PackedGateUpContiguous, "column", PACKED_SHARD_LAYOUT,

@@ -23,6 +23,7 @@ __all__ = [
     "RowHalfPrecisionReduce",
     "RowNoReduceWithoutBias",
     "RowReduceFloat32",
+    "RowReduceStridedView",
     "RowReduceTwice",
     "RowWeightData",
 ]
@@ -143,3 +144,30 @@ class RowReduceFloat32(CorrectRow):
         y = self.reduce(F.linear(x, self.weight).float())
         return y + self.bias.float() if self.bias is not None else y
 
+
+
+class _ReduceInPadded(torch.autograd.Function):
+    """All-reduce forward into the first ``out`` columns of a padded buffer; identity backward."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, group: Any) -> torch.Tensor:
+        out = y.shape[-1]
+        big = y.new_zeros(*y.shape[:-1], out + 1)  # one spare column (a fused bias slot, an alignment pad)
+        big[..., :out] = y
+        dist.all_reduce(big[..., :out], group=group)  # a view that is not dense
+        return big[..., :out].clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class RowReduceStridedView(CorrectRow):
+    """Reduces its summands in place in a view of a padded buffer (``all_reduce(big[..., :out])``, a
+    buffer with a spare column for a fused bias or alignment). The view is not dense: plain gloo
+    reduces the first ``numel`` elements of the storage instead of the view's (wrong numbers past the
+    first row), NCCL refuses it, and only a backend that reads the view element by element gets it
+    right. Diagnosis: ``collective-on-strided-view``."""
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+        return _ReduceInPadded.apply(y, self.group)

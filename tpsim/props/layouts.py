@@ -3,7 +3,8 @@
 Tensors in real training are often views: a sequence-first ``[S, B, H]`` activation read
 batch-first, a strided slice, a batch broadcast with ``expand``. A layer that reads storage in
 memory order (``.view`` on a non-contiguous tensor, a collective on a ``.contiguous()`` copy whose
-result is dropped, gloo's memory-order bug) works on contiguous tensors only. Each layout below
+result is dropped, a collective given the view itself: ``collective-on-strided-view``) works on
+contiguous tensors only. Each layout below
 keeps the *values* of the case and changes only how they sit in memory; the harness applies it to
 every rank's input (after sharding) and to every upstream gradient:
 

@@ -14,7 +14,8 @@ rank did not fail on its own: a peer raised, died or is stuck, or the calls did 
 1. a rank that died (:class:`~tpsim.RankExited`, :class:`~tpsim.RankCrashed`): ``rank-exited`` /
    ``rank-crashed`` with its rank, phase and cause (:func:`death_failure`);
 2. the lowest rank whose own code raised: ``exception``, with its phase, step and traceback, and
-   the other ranks that raised on their own;
+   the other ranks that raised on their own (``collective-on-strided-view`` when what it raised is
+   tpsim's refusal of a view a real backend computes wrongly, :class:`~tpsim.CollectiveOnStridedView`);
 3. a rank that was still running its own code when the world timed out (a rank the timeout's
    ``CollectiveError.faulty_ranks`` names that has no error of its own): ``exception``, named stuck;
 4. otherwise a collective that could not complete (mismatched calls, a checksum): ``exception`` on
@@ -37,8 +38,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tpsim.diagnosis import DIVISIBILITY_UNCHECKED, EXCEPTION, RANK_CRASHED, RANK_EXITED, Failure, recogniser
-from tpsim.errors import CollectiveError, RankCrashed, RankDied, RankError
+from tpsim.diagnosis import (
+    COLLECTIVE_ON_STRIDED_VIEW,
+    DIVISIBILITY_UNCHECKED,
+    EXCEPTION,
+    RANK_CRASHED,
+    RANK_EXITED,
+    Failure,
+    recogniser,
+)
+from tpsim.errors import CollectiveError, CollectiveOnStridedView, RankCrashed, RankDied, RankError
 from tpsim.props.names import DIVISIBILITY, INPUT_GRAD, property_of_phase
 
 __all__ = [
@@ -234,7 +243,17 @@ def death_failure(variant: str, case: Any, death: RankDied, *, divisible: bool =
                             "exitcode": death.exitcode, "signal": death.signal})
 
 
-@recogniser(EXCEPTION)
+#: Errors tpsim raises on a rank for a call a real backend computes wrongly or refuses, by type: their
+#: diagnosis names the raise instead of ``exception``.
+_BACKEND_RULES = {f"{c.__module__}.{c.__qualname__}": COLLECTIVE_ON_STRIDED_VIEW for c in (CollectiveOnStridedView,)}
+
+
+def _named(err: BaseException) -> str:
+    kind = err.error_type if isinstance(err, VariantRaised) else f"{type(err).__module__}.{type(err).__qualname__}"
+    return _BACKEND_RULES.get(kind, EXCEPTION)
+
+
+@recogniser(EXCEPTION, COLLECTIVE_ON_STRIDED_VIEW)
 def run_failure(variant: str, case: Any, error: RankError, *, divisible: bool = True,
                 backward: str = INPUT_GRAD) -> Failure:
     """The one failure of a run that failed with ``error`` (see the module docstring for the order);
@@ -243,12 +262,14 @@ def run_failure(variant: str, case: Any, error: RankError, *, divisible: bool = 
     if b.death is not None:
         return death_failure(variant, case, b.death, divisible=divisible, backward=backward)
     involved = sorted(b.raised)
+    diag = EXCEPTION
     if b.raised:
         rank = min(b.raised)
         phase, step, summary, tb = _facts(b.raised[rank])
         others = [r for r in involved if r != rank]
         message = f"rank {rank} raised during {_where(phase, step)}: {summary}" + (
             f" (ranks {others} raised too)" if others else "")
+        diag = _named(b.raised[rank])
     elif b.stuck:
         rank, phase, step, tb = b.stuck[0], None, None, ""
         waiting = f", while ranks {sorted(b.waiting)} waited for it in a collective" if b.waiting else ""
@@ -268,7 +289,7 @@ def run_failure(variant: str, case: Any, error: RankError, *, divisible: bool = 
         because = f" because of rank(s) {list(b.culprits)}" if b.culprits and list(b.culprits) != [witness] else ""
         message = f"rank {witness} could not complete {what} during {_where(phase, step)}{because}: {summary}"
     prop = property_of_phase(phase, step, backward)
-    return Failure(prop, EXCEPTION, message, case=case, rank=rank, traceback=tb.rstrip() or None, variant=variant,
+    return Failure(prop, diag, message, case=case, rank=rank, traceback=tb.rstrip() or None, variant=variant,
                    details={"phase": phase, "step": step, "ranks": involved, "stuck": list(b.stuck),
                             "waiting": sorted(b.waiting)})
 
