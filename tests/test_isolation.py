@@ -160,12 +160,15 @@ def _descendants(pid: int) -> list[int]:
 
 
 def _ranks(pids: list[int]) -> list[int]:
-    """The processes among ``pids`` that multiprocessing spawned (gloo ranks)."""
+    """The processes among ``pids`` that are gloo ranks: forked from tpsim's zygote (named
+    ``tpsim-gloo-rN``) or, where no zygote serves, spawned by multiprocessing."""
     out = []
     for pid in pids:
         try:
+            with open(f"/proc/{pid}/comm", "rb") as fh:
+                forked = fh.read().startswith(b"tpsim-gloo-r")
             with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                if b"spawn_main" in fh.read():
+                if forked or b"spawn_main" in fh.read():
                     out.append(pid)
         except OSError:
             pass

@@ -30,7 +30,7 @@ import torch
 import torch._C._distributed_c10d as _c10d
 import torch.distributed as dist
 
-from tpsim.comm import lifeline
+from tpsim.comm import _wire, lifeline
 from tpsim.comm._payload import dumps, load_call
 from tpsim.comm._tracing import BACKEND_NAMES, RankSession, StatusSlot, activate, register_backends
 from tpsim.comm.board import Board, install
@@ -99,7 +99,12 @@ def failure_outcome(
 
 def _reset_process_state() -> None:
     """Undo what a previous run may have changed that a fresh process would not have."""
-    torch.manual_seed(_FRESH_SEED)
+    if torch.cuda.is_initialized():
+        torch.manual_seed(_FRESH_SEED)  # the CUDA generators too
+    else:
+        # CUDA's generators start fresh when CUDA starts; torch.manual_seed would queue a seed for
+        # every kind of device, formatting a stack for each: ~1 ms a run.
+        torch.default_generator.manual_seed(_FRESH_SEED)
     torch.set_default_dtype(torch.float32)
     torch.set_grad_enabled(True)
 
@@ -147,7 +152,7 @@ def execute(
             return failure_outcome(rank, exc, session)
     session.status.set("idle", session.last_call)
     try:
-        value_bytes = dumps(_waited(value))
+        value_bytes = _wire.dumps(_waited(value))  # tensors as raw bytes (plain pickle.loads reads it)
     except Exception as exc:
         return failure_outcome(
             rank, exc, session,
@@ -312,7 +317,7 @@ def worker_main(
                 outcome = failure_outcome(rank, exc, None, prefix="could not clean up the groups fn created: ")
         torch.set_num_threads(threads)
         try:
-            conn.send(("done", outcome))
+            conn.send_bytes(_wire.dumps(("done", outcome)))  # read by conn.recv(): plain pickle
         except (EOFError, OSError):
             _exit(0)
 

@@ -553,12 +553,17 @@ def shutdown() -> None:
 
 
 def helper_pids() -> set[int]:
-    """PIDs of the processes isolation keeps alive between runs: the worker and the fork server it was
-    forked from. They outlive a run on purpose; checks for processes a run left behind skip them."""
+    """PIDs of the processes tpsim keeps alive between runs besides pooled gloo/nccl ranks: the isolated
+    worker, the fork server it was forked from, and the zygote (:mod:`tpsim.comm.zygote`). They
+    outlive a run on purpose; checks for processes a run left behind skip them."""
+    from tpsim.comm import zygote
+
     pids = set()
     worker = live_worker_pid()
     if worker is not None:
         pids.add(worker)
+    if zygote.pid() is not None:
+        pids.add(zygote.pid())
     if _SERVER and _SERVER[0][0].get_start_method() == "forkserver":
         from multiprocessing import forkserver
 

@@ -182,7 +182,7 @@ class _Pool:
             children = z.fork(worker_main, [
                 (rank, self.world_size, self.backend, store_path, self.memory_path, z.pid, bound, True,
                  1 if z.inherited else 0)
-                for rank in range(self.world_size)])
+                for rank in range(self.world_size)], [f"tpsim-{self.backend}-r{rank}" for rank in range(self.world_size)])
         except BackendUnavailable:
             return False
         self.procs = list(children)

@@ -69,6 +69,7 @@ BASE_MODULES = ("torch", "torch.distributed", "torch.fx.experimental.symbolic_sh
                 "tpsim.comm._worker", "tpsim.comm.inproc", "tpsim.comm.isolate")
 
 _STATUS = struct.Struct("<i")
+_PR_SET_NAME = 15
 
 
 # --- framing: one pickled message per SOCK_SEQPACKET packet, file descriptors alongside --------------
@@ -119,13 +120,24 @@ def _safe() -> bool:
     return threading.active_count() == 1 and not initialised
 
 
+def _set_name(name: str) -> None:
+    """Name this process in ``/proc/PID/comm`` (what ps and top show; at most 15 bytes)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _child(sock: socket.socket, wake: tuple[int, int], statuses: dict[int, int], end: socket.socket,
            stdio: tuple[int, int], context: tuple[str, dict[str, str], list[str]], ref: tuple[str, str],
-           args: tuple[Any, ...]) -> None:
+           args: tuple[Any, ...], name: str) -> None:
     """In a freshly forked child: drop the zygote's descriptors and signal set-up, take the caller's
     stdio and context, run ``fn(conn, *args)``, and exit (never return into the zygote's loop)."""
     code = 1
     try:
+        _set_name(name)
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         sock.close()
@@ -185,7 +197,7 @@ def _fork(sock: socket.socket, wake: tuple[int, int], statuses: dict[int, int], 
             _send(sock, ("refused", "the zygote is no longer single-threaded"))
             return
         _send(sock, ("forking", len(specs)))
-        for ref, args in specs:
+        for ref, args, name in specs:
             mine, theirs = socket.socketpair()
             status_r, status_w = os.pipe()
             sys.stdout.flush()
@@ -195,7 +207,7 @@ def _fork(sock: socket.socket, wake: tuple[int, int], statuses: dict[int, int], 
                 os.close(status_r)
                 mine.close()
                 os.close(status_w)
-                _child(sock, wake, statuses, theirs, (stdio[0], stdio[1]), context, ref, args)
+                _child(sock, wake, statuses, theirs, (stdio[0], stdio[1]), context, ref, args, name)
             theirs.close()
             statuses[child] = status_w
             try:
@@ -241,6 +253,7 @@ def _main(sock: socket.socket, parent_pid: int, pdeathsig: bool, modules: Sequen
 
     if callers is not None:
         callers.close()
+    _set_name("tpsim-zygote")
     lifeline.arm(pdeathsig=pdeathsig)  # the kernel's signal only: a watch thread would make forking unsafe
     if os.getppid() != parent_pid:
         os._exit(lifeline.ORPHANED_EXIT)  # the caller died before the signal was armed
@@ -418,15 +431,18 @@ class Zygote:
     def alive(self) -> bool:
         return os.getpid() == self.owner and self.proc.is_alive()
 
-    def fork(self, fn: Callable[..., Any], args_per_child: Sequence[tuple[Any, ...]]) -> list[Child]:
+    def fork(self, fn: Callable[..., Any], args_per_child: Sequence[tuple[Any, ...]],
+             names: Sequence[str] = ()) -> list[Child]:
         """Fork one child per argument tuple; each runs ``fn(conn, *args)`` (``fn`` top-level, ``args``
         picklable), ``conn`` its end of the connection whose other end is :attr:`Child.conn`.
+        ``names``: each child's process name (``/proc/PID/comm``; default ``tpsim-worker``).
 
         Raises :class:`tpsim.BackendUnavailable` when the zygote cannot fork (dead, or no longer safe:
         :attr:`safe` then says so)."""
         self.wait_ready()
         ref = _ref(fn)
-        specs = [(ref, tuple(args)) for args in args_per_child]
+        specs = [(ref, tuple(args), names[i] if i < len(names) else "tpsim-worker")
+                 for i, args in enumerate(args_per_child)]
         with self._lock:
             if not self.safe:
                 raise BackendUnavailable("gloo", "tpsim's zygote process is no longer single-threaded")

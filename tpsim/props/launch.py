@@ -50,13 +50,22 @@ def target_ref(variant: Any, backend: str, isolate: bool) -> Ref:
 
 
 def variant_of(payload: dict[str, Any]) -> Any:
-    """The variant a rank runs: the object itself, or resolved again from ``payload["ref"]``."""
+    """The variant a rank runs: the object itself, or resolved again from ``payload["ref"]`` (once
+    per worker process, as this process resolves it once for every case)."""
     variant = payload.get("variant")
     if variant is None:
-        from tpsim.props.family import resolve_variant
+        ref = payload["ref"]
+        key = repr(ref)
+        variant = _resolved.get(key)
+        if variant is None:
+            from tpsim.props.family import resolve_variant
 
-        variant = resolve_variant(*payload["ref"])
+            variant = _resolved[key] = resolve_variant(*ref)
     return variant
+
+
+#: Variants resolved in this (worker) process, by their reference's repr.
+_resolved: dict[str, Any] = {}
 
 
 def launch(fn: Callable[[dict[str, Any]], Any], variant: Any, payload: dict[str, Any], world_size: int, *,
