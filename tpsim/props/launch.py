@@ -109,18 +109,18 @@ def warm_workers(ref: Ref, world_size: int, *, backend: str, isolate: bool) -> N
     if key in _warmed:
         return
     _warmed.add(key)
-    _preload(ref, backend)
+    _preload(ref, backend, isolate)
     try:
         tpsim.run(resolve_only, world_size, backend=backend, args=(ref,), timeout=WARM_TIMEOUT, isolate=isolate)
     except Exception:  # noqa: BLE001 - the case's own run reports whatever this is
         pass
 
 
-def _preload(ref: Ref, backend: str) -> None:
+def _preload(ref: Ref, backend: str, isolate: bool) -> None:
     """Import the target in the zygote the workers are forked from (once per zygote)."""
     from tpsim.comm import procs, zygote
 
-    if backend not in procs.PROCESS_BACKENDS:
+    if backend not in procs.PROCESS_BACKENDS and not isolate:
         return
     key = (ref[0], repr(ref[2]), zygote.pid())
     if key in _preloaded:
