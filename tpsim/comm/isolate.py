@@ -621,8 +621,7 @@ def helper_pids() -> set[int]:
     worker = live_worker_pid()
     if worker is not None:
         pids.add(worker)
-    if zygote.pid() is not None:
-        pids.add(zygote.pid())
+    pids |= zygote.pids()
     if _SERVER and _SERVER[0][0].get_start_method() == "forkserver":
         from multiprocessing import forkserver
 

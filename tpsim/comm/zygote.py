@@ -54,7 +54,7 @@ from typing import Any
 
 from tpsim.errors import BackendUnavailable
 
-__all__ = ["START_BOUND", "Child", "Zygote", "pid", "shared", "shutdown"]
+__all__ = ["START_BOUND", "Child", "Zygote", "pid", "pids", "replace", "shared", "shutdown"]
 
 #: Seconds the zygote may take to start (it imports torch: seconds on a loaded machine).
 START_BOUND = 120.0
@@ -198,11 +198,15 @@ def _fork(sock: socket.socket, wake: tuple[int, int], statuses: dict[int, int], 
             return
         _send(sock, ("forking", len(specs)))
         for ref, args, name in specs:
-            mine, theirs = socket.socketpair()
-            status_r, status_w = os.pipe()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            child = os.fork()
+            try:
+                mine, theirs = socket.socketpair()
+                status_r, status_w = os.pipe()
+                sys.stdout.flush()
+                sys.stderr.flush()
+                child = os.fork()
+            except OSError as exc:  # out of processes or memory: the caller kills what was forked and spawns
+                _send(sock, ("failed", f"fork failed: {exc}"))
+                return
             if child == 0:
                 os.close(status_r)
                 mine.close()
@@ -456,7 +460,13 @@ class Zygote:
                 raise BackendUnavailable("gloo", f"tpsim's zygote process refused to fork: {detail}")
             children = []
             for _ in range(detail):
-                (_, child_pid), fds = self._await(START_BOUND)
+                (kind, child_pid), fds = self._await(START_BOUND)
+                if kind == "failed":
+                    for child in children:
+                        child.kill()
+                        child.join(5.0)
+                        child.close()
+                    raise BackendUnavailable("gloo", f"tpsim's zygote process could not fork: {child_pid}")
                 children.append(Child(child_pid, mpc.Connection(fds[0]), fds[1]))
             return children
 
@@ -485,7 +495,9 @@ class Zygote:
 
 
 _LOCK = threading.Lock()
-_STATE: dict[str, Any] = {"zygote": None, "atexit": False}
+#: ``zygote``: the one that forks; ``retired``: former ones no longer safe to fork, kept alive while
+#: children they forked (pooled ranks, the isolated worker) still serve; ended at exit.
+_STATE: dict[str, Any] = {"zygote": None, "retired": [], "atexit": False}
 
 
 def shared(modules: Sequence[str] = ()) -> Zygote | None:
@@ -496,9 +508,11 @@ def shared(modules: Sequence[str] = ()) -> Zygote | None:
         return None
     with _LOCK:
         zygote: Zygote | None = _STATE["zygote"]
-        if zygote is not None and (zygote.owner != os.getpid() or not zygote.alive()):
-            if zygote.owner == os.getpid():
-                zygote.kill()
+        if zygote is not None and zygote.owner != os.getpid():  # inherited through fork: not ours
+            _STATE["retired"] = []
+            zygote = None
+        elif zygote is not None and not zygote.alive():
+            zygote.kill()
             zygote = None
         if zygote is None:
             if not _STATE["atexit"]:
@@ -510,17 +524,22 @@ def shared(modules: Sequence[str] = ()) -> Zygote | None:
 
 
 def replace() -> None:
-    """Kill this process's zygote (e.g. once it is no longer safe to fork); the next use starts a fresh one."""
+    """Retire this process's zygote (once it is no longer safe to fork): the next use starts a fresh
+    one; the retired one lives on, unused, for the children it forked, until :func:`shutdown`."""
     with _LOCK:
         zygote = _STATE["zygote"]
         _STATE["zygote"] = None
-    if zygote is not None:
-        zygote.kill()
+        if zygote is not None and zygote.owner == os.getpid():
+            _STATE["retired"].append(zygote)
 
 
 def shutdown() -> None:
-    """Kill this process's zygote and its children (also run at interpreter exit)."""
-    replace()
+    """Kill this process's zygotes and their children (also run at interpreter exit)."""
+    with _LOCK:
+        ended = [z for z in [_STATE["zygote"], *_STATE["retired"]] if z is not None]
+        _STATE["zygote"], _STATE["retired"] = None, []
+    for zygote in ended:
+        zygote.kill()
 
 
 def pid() -> int | None:
@@ -528,3 +547,9 @@ def pid() -> int | None:
     zygote = _STATE["zygote"]
     return zygote.proc.pid if zygote is not None and zygote.alive() else None
 
+
+def pids() -> set[int]:
+    """PIDs of this process's live zygotes, the current one and retired ones."""
+    with _LOCK:
+        found = [z for z in [_STATE["zygote"], *_STATE["retired"]] if z is not None]
+    return {z.proc.pid for z in found if z.owner == os.getpid() and z.alive()}
