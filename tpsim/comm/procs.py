@@ -130,8 +130,8 @@ def replacements() -> dict[str, int]:
 def startup_bound(world_size: int) -> float:
     """Seconds a fresh pool may take to start its processes and join the world.
 
-    Starting is not part of a run's ``timeout``: each process imports torch, which takes a few
-    seconds per process on a small machine.
+    Starting is not part of a run's ``timeout``: ranks forked from the zygote start in milliseconds,
+    but a spawned rank imports torch, which takes a few seconds per process on a small machine.
     """
     return 60.0 + 5.0 * world_size
 
