@@ -621,11 +621,11 @@ if __name__ == "__main__":
 _GLOO_PARENT = """
 import sys, tpsim
 sys.path.insert(0, {tests!r})
-from test_isolation import rank_trivial
+from test_isolation import rank_sleeps
 
 if __name__ == "__main__":
     print("starting", flush=True)
-    tpsim.run(rank_trivial, 4, backend="gloo", timeout=600)
+    tpsim.run(rank_sleeps, 4, args=(300.0,), backend="gloo", timeout=600)
 """
 
 
@@ -678,7 +678,8 @@ def test_gloo_workers_die_with_a_checker_killed_while_they_start(tmp_path: Path)
         assert parent.stdout.readline().strip() == "starting"
         deadline = time.monotonic() + 60
         family: list[int] = []
-        while time.monotonic() < deadline and len(_ranks(family)) < 4:  # the four ranks are being spawned
+        # the four ranks are being started (forked from the zygote: at once; spawned: importing torch)
+        while time.monotonic() < deadline and len(_ranks(family)) < 4:
             time.sleep(0.05)
             family = _descendants(parent.pid)
         assert len(_ranks(family)) == 4
