@@ -58,8 +58,9 @@ __all__ = ["START_BOUND", "Child", "Zygote", "pid", "pids", "replace", "shared",
 
 #: Seconds the zygote may take to start (it imports torch: seconds on a loaded machine).
 START_BOUND = 120.0
-#: Largest request or reply (bytes); requests hold names and small arguments, never tensors.
-_MAX_MESSAGE = 1 << 20
+#: Largest request or reply (bytes): one packet, within a Unix socket's default buffer. Requests hold
+#: names, small arguments and the caller's environment, never tensors.
+_MAX_MESSAGE = 200_000
 #: How often the zygote checks that its parent still lives, when nothing else wakes it (seconds).
 _WATCH_S = 0.5
 #: Modules every zygote imports before it says it is ready: torch, what every rank's first backward
@@ -79,7 +80,10 @@ def _send(sock: socket.socket, obj: Any, fds: Sequence[int] = ()) -> None:
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     if len(data) > _MAX_MESSAGE:
         raise ValueError(f"a zygote message of {len(data)} bytes exceeds {_MAX_MESSAGE} bytes")
-    socket.send_fds(sock, [data], list(fds)) if fds else sock.sendall(data)
+    if fds:
+        socket.send_fds(sock, [data], list(fds))
+    else:
+        sock.sendall(data)
 
 
 def _recv(sock: socket.socket) -> tuple[Any, list[int]]:
@@ -452,8 +456,8 @@ class Zygote:
                 raise BackendUnavailable("gloo", "tpsim's zygote process is no longer single-threaded")
             try:
                 _send(self._sock, ("fork", specs, _context()), [1, 2])
-            except OSError as exc:
-                raise BackendUnavailable("gloo", f"tpsim's zygote process is gone ({exc})") from exc
+            except (OSError, ValueError) as exc:  # gone, or a request too large for one packet
+                raise BackendUnavailable("gloo", f"tpsim's zygote process cannot fork ({exc})") from exc
             (kind, detail), _ = self._await(START_BOUND)
             if kind == "refused":
                 self.safe = False
@@ -476,7 +480,10 @@ class Zygote:
         (a :class:`tpsim.BackendUnavailable` says so)."""
         self.wait_ready()
         with self._lock:
-            _send(self._sock, ("call", _ref(fn), tuple(args)), [1, 2])
+            try:
+                _send(self._sock, ("call", _ref(fn), tuple(args)), [1, 2])
+            except (OSError, ValueError) as exc:
+                raise BackendUnavailable("gloo", f"tpsim's zygote process cannot run {fn.__name__} ({exc})") from exc
             (_, error, self.safe), _ = self._await(bound)
             return error  # type: ignore[no-any-return]
 
