@@ -23,7 +23,12 @@ Sections (see ``docs/bench.md`` for the tables they produce):
   parallelism;
 - ``faults``: fault detection latency per fault kind and backend;
 - ``memory``: peak resident memory of an inproc world vs the dense reference (fresh subprocesses);
-- ``dtensor``: per-example time of the DTensor adapters on inproc vs gloo.
+- ``dtensor``: per-example time of the DTensor adapters on inproc vs gloo;
+- ``checks``: what a user waits for: ``tpsim check`` end to end in fresh processes (tpsim's column
+  layer at world sizes 1-4 and at the default ones, the Megatron-core preset), on inproc (isolated, as
+  by default, and not), and gloo, interleaved, with the gloo worker pools each run replaced; inproc's
+  per-collective overhead per rank at world size 32 with tiny tensors; every goal with its measure.
+  It writes the "What you wait for" paragraph the README quotes.
 
 A change's cost in examples/s, against the commit it started from (``git archive BASE | tar -x -C
 DIR``), side by side: ``python -m bench.compare DIR`` (:mod:`bench.compare`; not part of the report).

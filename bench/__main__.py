@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     for h in result["headline"]:
         print(f"[bench] ws={h['world_size']}: inproc/floor={h['inproc_over_floor']}, "
               f"threaded/inproc={h['threaded_over_inproc']}")
+    for t in report.targets(result):
+        if t["measured"] is not None:
+            print(f"[bench] {t['target']}: {t['measured_text']} (goal {t['goal']})")
     print(f"[bench] wrote {os.path.join(args.out, 'bench.md')} in {result['total_s']:.0f} s")
     return 0
 

@@ -36,6 +36,10 @@ def _s(v: Any, digits: int = 3) -> str:
     return str(v)
 
 
+def _secs(v: Any) -> str:
+    return "—" if v is None else f"{_s(v)} s"
+
+
 def _ratio(a: Any, b: Any) -> str:
     return "—" if a is None or b is None or b == 0 else f"{a / b:.2f}x"
 
@@ -82,8 +86,25 @@ def worst_over_floor(result: dict[str, Any], low: int = 2, high: int = 128) -> t
 WAIT_EXAMPLES = 100
 
 
+def _check_rows(result: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
+    """The checks section's rows by (command, backend)."""
+    rows = ((result.get("checks") or {}).get("rows")) or []
+    return {(r["command"], r["backend"]): r for r in rows}
+
+
 def waits(result: dict[str, Any]) -> str:
-    """One plain paragraph: how long checking a layer takes, per backend, from the props section."""
+    """One plain paragraph: how long the default command took on each backend (the checks section),
+    else an estimate from the props section (a result from before the checks section)."""
+    rows = _check_rows(result)
+    i, g = rows.get(("default", "inproc")), rows.get(("default", "gloo"))
+    if i and g and i.get("check_s") is not None and g.get("check_s") is not None:
+        replaced = g.get("pool_replacements_total")
+        return (f"**What you wait for:** `tpsim check tpsim.layers:ColumnParallelLinear --seed 0` (the default: "
+                f"{i['examples']} generated examples at world sizes 1, 2, 3, 4 and 8) took {_s(i['check_s'], 2)} s on "
+                f"inproc and {_s(g['check_s'], 2)} s with `--backend gloo` ({_s(i['wall_s'], 2)} s and "
+                f"{_s(g['wall_s'], 2)} s for the whole command, Python's start-up and imports included; gloo "
+                f"replaced {replaced} worker pool{'' if replaced == 1 else 's'}). Shrinking a failure to its minimal "
+                "case adds a few dozen examples.")
     backends = ((result.get("props") or {}).get("backends") or {})
     totals, starts, sizes = [], [], ""
     for backend in ("inproc", "gloo"):
@@ -101,6 +122,56 @@ def waits(result: dict[str, Any]) -> str:
             f"does per variant by default) takes {' and '.join(totals)}, of which {' and '.join(starts)} "
             f"start the worlds (world sizes {sizes}; gloo starts one worker process per rank). Shrinking a "
             "failure to its minimal case adds a few dozen examples.")
+
+
+#: The goals the checks section is judged against (on a quiet 2-core machine).
+GOALS = {
+    "gloo_ws4_s": 5.0, "gloo_ws4_over_inproc": 4.0, "gloo_default_s": 12.0, "gloo_megatron_s": 30.0,
+    "isolation_slower": 0.10, "overhead_us": 10.0,
+}
+
+
+def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """``{target, goal, measured, met}`` rows from the checks and props sections (None: not measured)."""
+    rows = _check_rows(result)
+
+    def check_s(command: str, backend: str) -> float | None:
+        r = rows.get((command, backend))
+        return None if r is None else r.get("check_s")
+
+    out = []
+
+    def add(target: str, goal: str, value: float | None, text: str, ok: bool | None) -> None:
+        out.append({"target": target, "goal": goal, "measured": value, "measured_text": text, "met": ok})
+
+    g4, i4 = check_s("ws 1-4", "gloo"), check_s("ws 1-4", "inproc")
+    add("gloo, column layer, 100 examples, world sizes 1-4", f"<= {GOALS['gloo_ws4_s']:g} s", g4,
+        _secs(g4), None if g4 is None else g4 <= GOALS["gloo_ws4_s"])
+    ratio = None if g4 is None or not i4 else g4 / i4
+    add("the same, gloo / inproc", f"<= {GOALS['gloo_ws4_over_inproc']:g}x", ratio, _ratio(g4, i4),
+        None if ratio is None else ratio <= GOALS["gloo_ws4_over_inproc"])
+    gd = check_s("default", "gloo")
+    add("gloo, the default command (world sizes 1,2,3,4,8)", f"<= {GOALS['gloo_default_s']:g} s", gd, _secs(gd),
+        None if gd is None else gd <= GOALS["gloo_default_s"])
+    gm = check_s("megatron", "gloo")
+    add("gloo, Megatron-core preset, 10 examples, world sizes 1,2,4", f"<= {GOALS['gloo_megatron_s']:g} s", gm,
+        _secs(gm), None if gm is None else gm <= GOALS["gloo_megatron_s"])
+    props = result.get("props") or {}
+    iso = (props.get("backends") or {}).get("inproc isolated") or {}
+    plain = (props.get("backends") or {}).get("inproc") or {}
+    slower = None
+    if iso.get("fastest_per_example_s") and plain.get("fastest_per_example_s"):
+        slower = iso["fastest_per_example_s"] / plain["fastest_per_example_s"] - 1.0
+    add("isolated inproc vs plain, per example (props section)", f"<= {GOALS['isolation_slower'] * 100:.0f}% slower",
+        slower, "—" if slower is None else f"{abs(slower) * 100:.1f}% {'slower' if slower >= 0 else 'faster'}",
+        None if slower is None else slower <= GOALS["isolation_slower"])
+    ovh = (result.get("checks") or {}).get("overhead") or {}
+    us = ovh.get("wall_us")
+    add(f"inproc per-collective overhead per rank, world size {ovh.get('world_size', '?')}, tiny tensors",
+        f"<= {GOALS['overhead_us']:g} us", us,
+        "—" if us is None else f"{_s(us)} us (CPU: {_s(ovh.get('cpu_us'))} us)",
+        None if us is None else us <= GOALS["overhead_us"])
+    return out
 
 
 def markdown(result: dict[str, Any], images: dict[str, str]) -> str:
@@ -122,6 +193,31 @@ def markdown(result: dict[str, Any], images: dict[str, str]) -> str:
     wait = waits(result)
     if wait:
         out += ["## What you wait for", "", wait, ""]
+    chk = result.get("checks")
+    if chk and chk.get("rows"):
+        extra = f" (every command also with `{' '.join(chk['extra'])}`)" if chk.get("extra") else ""
+        out += [f"Each command run as `python -m tpsim check ... --report json` in a fresh process{extra}, "
+                f"every backend in turn, {chk['rounds']} round{'s' if chk['rounds'] != 1 else ''}, the fastest "
+                "kept. *check s*: the time the check reports (target import done, worker start-up included); "
+                "*whole command s*: the process from start to exit; *inproc*: what `tpsim check` runs by default "
+                "(the worlds in an isolated worker process); *pools replaced*: gloo worker pools replaced over all "
+                "rounds (a refusal keeps its pool; only a death, a hang, a destroyed group or a corrupted state "
+                "replaces one).", "",
+                "| command | backend | check s | whole command s | examples | passed | pools replaced |",
+                "|---|---|---:|---:|---:|:-:|---:|"]
+        for r in chk["rows"]:
+            passed = "—" if r.get("passed") is None else ("yes" if r["passed"] else "NO")
+            out.append(f"| `{r.get('command_line') or r['what']}` | {r['backend']} | {_s(r.get('check_s'))} | {_s(r.get('wall_s'))} | "
+                       f"{_s(r.get('examples'))} | {passed} | "
+                       f"{'—' if r['backend'] != 'gloo' else _s(r.get('pool_replacements_total'))} |")
+        for note in chk.get("notes") or []:
+            out.append(f"\n{note}.")
+        out += ["", "Goals (set for a quiet 2-core machine; the load of this run is above):", "",
+                "| target | goal | measured | met |", "|---|---|---|:-:|"]
+        for t in targets(result):
+            met = "—" if t["met"] is None else ("yes" if t["met"] else "no")
+            out.append(f"| {t['target']} | {t['goal']} | {t['measured_text']} | {met} |")
+        out.append("")
     step = result.get("step")
     if step:
         out += [

@@ -43,6 +43,15 @@ class Config:
     fault_backends: tuple[str, ...]
     memory_size: int
     dtensor_examples: int
+    #: the ``tpsim check`` commands of the checks section (keys of CHECK_COMMANDS), their rounds, and
+    #: arguments appended to every one (a quick run shrinks them)
+    check_commands: tuple[str, ...] = ()
+    check_rounds: int = 1
+    check_extra: tuple[str, ...] = ()
+    #: world size, collectives per rank and rounds of the inproc per-collective overhead measurement
+    overhead_world_size: int = 32
+    overhead_calls: int = 300
+    overhead_repeats: int = 5
     #: world sizes of the inproc rows of the memory section
     memory_world_sizes: tuple[int, ...] = (2, 8)
     #: backends of the props and dtensor sections
@@ -68,6 +77,8 @@ FULL = Config(
     fault_backends=("inproc", "gloo"),
     memory_size=4096,
     dtensor_examples=10,
+    check_commands=("ws 1-4", "default", "megatron"),
+    check_rounds=2,
 )
 # Every subprocess of the quick run pays python + torch start-up (seconds on a loaded 2-core machine),
 # so it starts as few as prove each section runs: one world size per series.
@@ -88,6 +99,11 @@ QUICK = Config(
     fault_backends=("inproc",),
     memory_size=256,
     dtensor_examples=2,
+    check_commands=("ws 1-4",),
+    check_extra=("--max-examples", "5", "--world-sizes", "1,2"),
+    overhead_world_size=4,
+    overhead_calls=50,
+    overhead_repeats=2,
     memory_world_sizes=(2,),
     backends=("inproc",),
     headline=(2,),
@@ -531,5 +547,126 @@ def dtensor(cfg: Config) -> dict[str, Any]:
     return {"rows": out}
 
 
+# --- 8. what a user waits for: tpsim check end to end -----------------------------------------------
+
+#: The ``tpsim check`` commands measured end to end: label -> (what it checks, its arguments).
+CHECK_COMMANDS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "ws 1-4": ("tpsim's column layer, 100 examples, world sizes 1-4 (divisible and not)",
+               ("tpsim.layers:ColumnParallelLinear", "--seed", "0", "--world-sizes", "1,2,3,4")),
+    "default": ("tpsim's column layer, the default command (100 examples, world sizes 1,2,3,4,8)",
+                ("tpsim.layers:ColumnParallelLinear", "--seed", "0")),
+    "megatron": ("the Megatron-core preset, 10 examples, world sizes 1,2,4",
+                 ("megatron.core.tensor_parallel", "--seed", "0", "--max-examples", "10", "--world-sizes", "1,2,4")),
+}
+#: The backends each command runs on: label -> extra arguments. ``inproc`` is what ``tpsim check``
+#: runs by default (the worlds in an isolated worker process).
+CHECK_BACKENDS: dict[str, tuple[str, ...]] = {
+    "inproc": ("--backend", "inproc"),
+    "inproc, not isolated": ("--backend", "inproc", "--no-isolate"),
+    "gloo": ("--backend", "gloo"),
+}
+#: Which backends a command runs on (the not-isolated row only where it compares something).
+CHECK_BACKENDS_OF = {"ws 1-4": ("inproc", "inproc, not isolated", "gloo"),
+                     "default": ("inproc", "inproc, not isolated", "gloo"),
+                     "megatron": ("inproc", "gloo")}
+#: Seconds one ``tpsim check`` may take before it is killed and recorded as over the limit.
+CHECK_LIMIT_S = 900.0
+
+
+def _one_check(args: tuple[str, ...], cases_dir: str) -> dict[str, Any] | None:
+    """``python -m tpsim check ARGS --report json`` in a fresh process: its reported seconds and the
+    process's wall time (interpreter, imports and exit included); None past :data:`CHECK_LIMIT_S`."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "tpsim", "check", *args, "--report", "json", "--cases-dir", cases_dir]
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=CHECK_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        return None
+    wall = time.perf_counter() - start
+    try:
+        doc = json.loads(done.stdout)
+    except json.JSONDecodeError as err:
+        raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode} without a JSON report:\n{done.stderr[-2000:]}") from err
+    replaced = doc.get("pool_replacements") or {}
+    return {"check_s": doc["seconds"], "wall_s": wall, "examples": doc["examples"], "passed": doc["passed"],
+            "exit": done.returncode, "pool_replacements": replaced.get("count"),
+            "pool_replacements_by_reason": replaced.get("by_reason", {})}
+
+
+def checks(cfg: Config) -> dict[str, Any]:
+    """``tpsim check`` end to end, each command on each backend in a fresh process, interleaved (every
+    backend in turn, then the next round), the fastest round kept; the inproc per-collective overhead."""
+    import tempfile
+
+    rows: dict[str, dict[str, Any]] = {}
+    notes: list[str] = []
+    commands = [c for c in cfg.check_commands if c in CHECK_COMMANDS]
+    if "megatron" in commands:
+        try:
+            import megatron.core  # noqa: F401
+        except ImportError as err:
+            commands.remove("megatron")
+            notes.append(f"the Megatron-core rows were not run: {err}")
+    with tempfile.TemporaryDirectory(prefix="tpsim-bench-cases-") as cases:
+        for rnd in range(cfg.check_rounds):
+            for name in commands:
+                what, args = CHECK_COMMANDS[name]
+                for backend in CHECK_BACKENDS_OF[name]:
+                    if CHECK_BACKENDS[backend][1] not in cfg.backends:
+                        continue  # e.g. no gloo in a quick run
+                    key = f"{name} | {backend}"
+                    row = rows.setdefault(key, {"command": name, "what": what, "backend": backend,
+                                                "args": list(args + CHECK_BACKENDS[backend] + cfg.check_extra),
+                                                "command_line": " ".join(("tpsim", "check", *args, *cfg.check_extra)),
+                                                "samples": []})
+                    if row["samples"] and row["samples"][-1] is None:
+                        continue  # over the limit once: not run again
+                    row["samples"].append(_one_check(args + CHECK_BACKENDS[backend] + cfg.check_extra, cases))
+    for row in rows.values():
+        done = [s for s in row["samples"] if s is not None]
+        best = min(done, key=lambda s: s["check_s"]) if done else None
+        row.update({k: (best or {}).get(k) for k in ("check_s", "wall_s", "examples", "passed", "exit",
+                                                     "pool_replacements", "pool_replacements_by_reason")})
+        row["check_s_samples"] = [None if s is None else s["check_s"] for s in row["samples"]]
+        row["pool_replacements_total"] = sum((s or {}).get("pool_replacements") or 0 for s in row["samples"])
+    overhead = subprocess_json(["bench.overhead", str(cfg.overhead_world_size), str(cfg.overhead_calls),
+                                str(cfg.overhead_repeats)], 600)
+    return {"rows": list(rows.values()), "rounds": cfg.check_rounds, "extra": list(cfg.check_extra),
+            "overhead": overhead, "notes": notes}
+
+
+def rank_all_reduces(calls: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(1)
+    for _ in range(calls):
+        dist.all_reduce(t)
+
+
+def overhead_worker(ws: int, calls: int, repeats: int) -> dict[str, Any]:
+    """inproc's cost of one collective per rank, with a one-element tensor: a world doing ``calls``
+    all_reduces per rank minus the same world doing none, per call and rank; the fastest of
+    ``repeats`` rounds, in wall time and in this process's CPU time (less disturbed by other load)."""
+    import torch
+
+    import tpsim
+
+    torch.set_num_threads(1)
+    tpsim.run(rank_all_reduces, ws, args=(1,))  # warm
+    wall, cpu = [], []
+    for _ in range(repeats):
+        w0, c0 = time.perf_counter(), time.process_time()
+        tpsim.run(rank_all_reduces, ws, args=(calls,))
+        w1, c1 = time.perf_counter(), time.process_time()
+        tpsim.run(rank_all_reduces, ws, args=(0,))
+        w2, c2 = time.perf_counter(), time.process_time()
+        wall.append(((w1 - w0) - (w2 - w1)) / (calls * ws) * 1e6)
+        cpu.append(((c1 - c0) - (c2 - c1)) / (calls * ws) * 1e6)
+    return {"world_size": ws, "calls": calls, "repeats": repeats, "wall_us": min(wall), "cpu_us": min(cpu),
+            "wall_us_samples": wall, "cpu_us_samples": cpu}
+
+
 SECTIONS = {"step": step, "props": props, "mutants": mutants, "labmlp": labmlp, "faults": faults,
-            "memory": memory, "dtensor": dtensor}
+            "memory": memory, "dtensor": dtensor, "checks": checks}

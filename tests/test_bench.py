@@ -20,6 +20,7 @@ from bench import report, workload
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SECTION_TITLES = (
+    "## What you wait for",
     "## Collective step vs world size",
     "## Property examples per second",
     "## Mutants: examples and seconds to catch",
@@ -101,6 +102,70 @@ def test_quick_json_is_well_formed(quick_run):
     assert result["faults"]["rows"] and all(r["detected"] for r in result["faults"]["rows"])
     assert {r["mode"] for r in result["memory"]["rows"]} == {"dense", "inproc"}
     assert result["dtensor"]["rows"]["DTensor ColwiseParallel"]["inproc"]["failures"] == 0
+    checks = result["checks"]
+    # the quick run checks tpsim's column layer on inproc, isolated (the default) and not
+    assert [(r["command"], r["backend"]) for r in checks["rows"]] == [("ws 1-4", "inproc"),
+                                                                    ("ws 1-4", "inproc, not isolated")]
+    for r in checks["rows"]:
+        assert r["passed"] is True and r["exit"] == 0 and r["examples"] >= 1, r
+        assert 0 < r["check_s"] <= r["wall_s"], r
+        assert r["command_line"].startswith("tpsim check tpsim.layers:ColumnParallelLinear --seed 0")
+    overhead = checks["overhead"]
+    assert overhead["world_size"] == 4 and len(overhead["wall_us_samples"]) == overhead["repeats"]
+    assert overhead["wall_us"] == min(overhead["wall_us_samples"])
+
+
+def test_quick_markdown_says_what_a_user_waits_for(quick_run):
+    out, stdout = quick_run
+    text = (out / "bench.md").read_text()
+    assert "| `tpsim check tpsim.layers:ColumnParallelLinear --seed 0 --world-sizes 1,2,3,4 --max-examples 5 " \
+           "--world-sizes 1,2` | inproc, not isolated |" in text
+    assert "| inproc per-collective overhead per rank, world size 4, tiny tensors | <= 10 us |" in text
+    assert "[bench] inproc per-collective overhead per rank" in stdout
+
+
+@pytest.mark.gloo
+def test_checks_section_runs_gloo_and_counts_pool_replacements(tmp_path):
+    # tpsim check on gloo, end to end in a fresh process: every refused (non-divisible) case keeps its
+    # pool, so a correct layer's check replaces none
+    import dataclasses
+
+    from bench import sections
+
+    cfg = dataclasses.replace(sections.QUICK, backends=("gloo",), check_extra=("--max-examples", "8", "--world-sizes",
+                                                                              "2,3"), overhead_repeats=1)
+    result = sections.checks(cfg)
+    [row] = result["rows"]
+    assert (row["command"], row["backend"]) == ("ws 1-4", "gloo")
+    assert row["passed"] is True and row["examples"] >= 1
+    assert row["pool_replacements"] == 0 and row["pool_replacements_by_reason"] == {}
+
+
+def test_report_judges_every_goal():
+    result = {
+        "quick": False, "machine": report.machine(), "date": "today", "total_s": 1.0,
+        "checks": {"rounds": 1, "extra": [], "notes": [], "overhead": {"world_size": 32, "wall_us": 12.5, "cpu_us": 9.0},
+                   "rows": [{"command": c, "what": c, "backend": b, "command_line": f"tpsim check {c}", "check_s": s,
+                             "wall_s": s + 3, "examples": 100, "passed": True, "pool_replacements_total": 0}
+                            for c, b, s in [("ws 1-4", "inproc", 1.5), ("ws 1-4", "gloo", 4.5),
+                                            ("default", "inproc", 2.0), ("default", "gloo", 13.0)]]},
+        "props": {"backends": {"inproc": {"fastest_per_example_s": 0.010},
+                               "inproc isolated": {"fastest_per_example_s": 0.0105}}},
+    }
+    met = {t["target"]: (t["measured_text"], t["met"]) for t in report.targets(result)}
+    assert met["gloo, column layer, 100 examples, world sizes 1-4"] == ("4.5 s", True)
+    assert met["the same, gloo / inproc"] == ("3.00x", True)
+    assert met["gloo, the default command (world sizes 1,2,3,4,8)"] == ("13 s", False)
+    assert met["gloo, Megatron-core preset, 10 examples, world sizes 1,2,4"] == ("—", None)
+    assert met["isolated inproc vs plain, per example (props section)"] == ("5.0% slower", True)
+    assert met["inproc per-collective overhead per rank, world size 32, tiny tensors"] == ("12.5 us (CPU: 9 us)", False)
+    text = report.markdown({k: v for k, v in result.items() if k != "props"}, {})
+    # the paragraph the README quotes reports the default command's measured times on both backends
+    assert ("`tpsim check tpsim.layers:ColumnParallelLinear --seed 0` (the default: 100 generated examples at "
+            "world sizes 1, 2, 3, 4 and 8) took 2 s on inproc and 13 s with `--backend gloo` (5 s and 16 s for the "
+            "whole command") in text
+    assert "| gloo, the default command (world sizes 1,2,3,4,8) | <= 12 s | 13 s | no |" in text
+    assert "| `tpsim check default` | gloo | 13 | 16 | 100 | yes | 0 |" in text
 
 
 def test_workload_rejects_unknown_backend():

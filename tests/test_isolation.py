@@ -177,12 +177,15 @@ def _descendants(pid: int) -> list[int]:
 
 
 def _ranks(pids: list[int]) -> list[int]:
-    """The processes among ``pids`` that multiprocessing spawned (gloo ranks)."""
+    """The processes among ``pids`` that are gloo ranks: forked from tpsim's zygote (named
+    ``tpsim-gloo-rN``) or, where no zygote serves, spawned by multiprocessing."""
     out = []
     for pid in pids:
         try:
+            with open(f"/proc/{pid}/comm", "rb") as fh:
+                forked = fh.read().startswith(b"tpsim-gloo-r")
             with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                if b"spawn_main" in fh.read():
+                if forked or b"spawn_main" in fh.read():
                     out.append(pid)
         except OSError:
             pass
@@ -637,11 +640,11 @@ if __name__ == "__main__":
 _GLOO_PARENT = """
 import sys, tpsim
 sys.path.insert(0, {tests!r})
-from test_isolation import rank_trivial
+from test_isolation import rank_sleeps
 
 if __name__ == "__main__":
     print("starting", flush=True)
-    tpsim.run(rank_trivial, 4, backend="gloo", timeout=600)
+    tpsim.run(rank_sleeps, 4, args=(300.0,), backend="gloo", timeout=600)
 """
 
 
@@ -694,7 +697,8 @@ def test_gloo_workers_die_with_a_checker_killed_while_they_start(tmp_path: Path)
         assert parent.stdout.readline().strip() == "starting"
         deadline = time.monotonic() + 300  # a bound, not a delay: the loop ends when the ranks exist
         family: list[int] = []
-        while time.monotonic() < deadline and len(_ranks(family)) < 4:  # the four ranks are being spawned
+        # the four ranks are being started (forked from the zygote: at once; spawned: importing torch)
+        while time.monotonic() < deadline and len(_ranks(family)) < 4:
             time.sleep(0.05)
             family = _descendants(parent.pid)
         assert len(_ranks(family)) == 4

@@ -343,6 +343,15 @@ def test_import_graph_is_printed_and_has_no_module_level_cycle() -> None:
     assert not cycles, "module-level import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
+def test_import_graph_has_no_cycle_even_through_function_level_imports() -> None:
+    # A function-level import only defers a circle: the two modules still depend on each other
+    # (the worker pool and torchrun mode once did). Typing-only imports never run and are left out.
+    graph = import_graph()
+    running = {m: {t: MODULE_LEVEL for t, k in edges.items() if k != TYPE_ONLY} for m, edges in graph.items()}
+    cycles = module_level_cycles(running)
+    assert not cycles, "import cycles (function-level imports included):\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
 def test_import_graph_sees_every_kind_of_import(tmp_path: pathlib.Path) -> None:
     # The graph builder itself can fail: a cycle planted in a copy of a module is found.
     graph = import_graph()

@@ -622,11 +622,17 @@ def _check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: Text
 
     # stdout must hold the JSON report alone: whatever the checked code prints (Python, native
     # code, worker processes) is captured meanwhile and attached to the failure it belongs to.
+    from tpsim.comm.procs import replacements
+
+    before = replacements()
     with StdoutCapture() as capture:
         code, doc = _run_check(args, argv, out, err, capture)
         outside = capture.outside()
     if outside:
         doc["output"] = outside
+    # gloo/nccl worker pools replaced during this check, by reason (none on a correct layer)
+    replaced = {why: n - before.get(why, 0) for why, n in replacements().items() if n > before.get(why, 0)}
+    doc["pool_replacements"] = {"count": sum(replaced.values()), "by_reason": replaced}
     json.dump(doc, out, indent=2)
     out.write("\n")
     return code

@@ -57,6 +57,7 @@ Describing your own layer (a module-level variant is a ``tpsim check`` target, e
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -565,12 +566,11 @@ def get_param(module: nn.Module, name: str) -> torch.Tensor | None:
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
-    # Checked by type only when torch.distributed.tensor is importable (it is absent from some builds).
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return False
-    return isinstance(tensor, DTensor)
+    # A DTensor exists only once torch.distributed.tensor was imported: never import it here (it pulls
+    # in sympy, seconds per process, for every plain layer's first case).
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(dtensor, "DTensor", None)
+    return cls is not None and isinstance(tensor, cls)
 
 
 def _local_shard(param: Any) -> torch.Tensor:

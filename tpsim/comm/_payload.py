@@ -21,7 +21,7 @@ from typing import Any
 from tpsim.comm._wire import reduce_tensor
 from tpsim.errors import InvalidArgument
 
-__all__ = ["dump_call", "load_call"]
+__all__ = ["dump_call", "import_hinted", "load_call"]
 
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
 
@@ -133,6 +133,22 @@ def _load_from_file(module: str, path: str) -> types.ModuleType:
         raise
     _LOADED[module] = loaded
     return loaded
+
+
+def import_hinted(hints: dict[str, str]) -> None:
+    """Import every module ``hints`` names that this process lacks (by name, else from its file), so
+    that processes forked from this one start with the modules a payload needs. A module that fails
+    to import is left out: the worker that loads the payload reports the failure."""
+    for name, path in hints.items():
+        if name == "__main__" or name in sys.modules or name in _LOADED:
+            continue
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - see the docstring
+            try:
+                _load_from_file(name, path)
+            except Exception:  # noqa: BLE001
+                pass
 
 
 def load_call(payload: bytes, hints: dict[str, str]) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:

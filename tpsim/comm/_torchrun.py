@@ -26,8 +26,9 @@ import torch.distributed as dist
 
 from tpsim.comm._payload import dumps
 from tpsim.comm._tracing import BACKEND_NAMES, register_backends
-from tpsim.comm._verdict import Unfinished, settle
+from tpsim.comm._verdict import Unfinished, margin, settle
 from tpsim.comm._worker import Outcome, execute, failure_outcome
+from tpsim.comm.limits import nccl_unavailable_reason
 from tpsim.comm.result import WorldResult
 from tpsim.errors import BackendUnavailable, InvalidArgument
 
@@ -66,8 +67,6 @@ def run_launched(
     checksum: bool = False,
 ) -> WorldResult:
     """Run ``fn`` on this rank of the launched world; return every rank's value (see module doc)."""
-    from tpsim.comm.procs import margin, nccl_unavailable_reason
-
     launched = launched_world()
     if launched is None:
         raise InvalidArgument("run_launched() needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment")

@@ -18,7 +18,12 @@ from tpsim.comm.ops import describe_exit
 from tpsim.comm.trace import CollectiveCall, Trace
 from tpsim.errors import CollectiveError, RankError
 
-__all__ = ["Unfinished", "describe_exit", "settle"]
+__all__ = ["Unfinished", "describe_exit", "margin", "settle"]
+
+
+def margin(timeout: float) -> float:
+    """Seconds allowed on top of ``timeout`` for a whole run (reporting, pickling, scheduling)."""
+    return 1.0 + 0.1 * timeout
 
 
 @dataclass(frozen=True)

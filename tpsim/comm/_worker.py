@@ -2,7 +2,9 @@
 
 :func:`worker_main` is the body of each pool process: it joins the world once, then loops —
 receive a pickled ``(fn, args, kwargs)``, run it under a fresh :class:`RankSession`, send back
-an :class:`Outcome`. :func:`execute` (one run, value or error, plus the collective trace) is
+an :class:`Outcome`; after a run that every rank refused with its own error, the pool asks each
+rank to reset its world (:func:`reset_world`: the run's subgroups destroyed, the default group
+checked by a collective) before the next run. :func:`execute` (one run, value or error, plus the collective trace) is
 shared with torchrun mode, where the "worker" is the launched process itself.
 
 Nothing here may outlive the parent: SIGINT is ignored (Ctrl-C is the parent's to handle; it
@@ -12,7 +14,9 @@ plus a watch thread) ends the process as soon as the parent is gone.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
+import mmap
 import os
 import pickle
 import signal
@@ -23,16 +27,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch._C._distributed_c10d as _c10d
 import torch.distributed as dist
 
-from tpsim.comm import lifeline
+from tpsim.comm import _wire, lifeline
 from tpsim.comm._payload import dumps, load_call
 from tpsim.comm._tracing import BACKEND_NAMES, RankSession, StatusSlot, activate, register_backends
 from tpsim.comm.board import Board, install
 from tpsim.comm.trace import CollectiveCall
 from tpsim.errors import CollectiveError
 
-__all__ = ["Outcome", "execute", "failure_outcome", "worker_main"]
+__all__ = ["Outcome", "RANK_MEMORY_BYTES", "execute", "failure_outcome", "rank_memory", "reset_world", "worker_main"]
 
 #: Seed of torch's default generator in a fresh process; reset before every run so a pooled
 #: worker draws exactly what a newly started process would.
@@ -63,6 +68,8 @@ class Outcome:
     fired: list[Any] = field(default_factory=list)
     #: The failure left the world usable (every member refused the same verified collective).
     intact: bool = False
+    #: The run destroyed the default group (or left this process without one): the world is gone.
+    world_lost: bool = False
 
 
 def failure_outcome(
@@ -92,7 +99,12 @@ def failure_outcome(
 
 def _reset_process_state() -> None:
     """Undo what a previous run may have changed that a fresh process would not have."""
-    torch.manual_seed(_FRESH_SEED)
+    if torch.cuda.is_initialized():
+        torch.manual_seed(_FRESH_SEED)  # the CUDA generators too
+    else:
+        # CUDA's generators start fresh when CUDA starts; torch.manual_seed would queue a seed for
+        # every kind of device, formatting a stack for each: ~1 ms a run.
+        torch.default_generator.manual_seed(_FRESH_SEED)
     torch.set_default_dtype(torch.float32)
     torch.set_grad_enabled(True)
 
@@ -140,7 +152,7 @@ def execute(
             return failure_outcome(rank, exc, session)
     session.status.set("idle", session.last_call)
     try:
-        value_bytes = dumps(_waited(value))
+        value_bytes = _wire.dumps(_waited(value))  # tensors as raw bytes (plain pickle.loads reads it)
     except Exception as exc:
         return failure_outcome(
             rank, exc, session,
@@ -153,6 +165,30 @@ def execute(
 
 # -- the pool process ------------------------------------------------------------------------
 
+#: Bytes of each rank's status slot (see tpsim.comm._tracing.StatusSlot).
+_STATUS_BYTES = 192
+_BOARD_WORDS = Board.length(1)
+#: Bytes of shared memory per rank: its status slot, then its board (one rank), 64-byte aligned.
+RANK_MEMORY_BYTES = -(-(_STATUS_BYTES + 8 * _BOARD_WORDS) // 64) * 64
+
+
+def rank_memory(buffer: Any, rank: int) -> tuple[Any, Any]:
+    """Rank ``rank``'s status slot (a ``c_char`` array) and board (``c_int64``) in ``buffer``, the
+    pool's shared memory (an mmap of ``world_size * RANK_MEMORY_BYTES`` bytes)."""
+    offset = rank * RANK_MEMORY_BYTES
+    slot = (ctypes.c_char * _STATUS_BYTES).from_buffer(buffer, offset)
+    board = (ctypes.c_int64 * _BOARD_WORDS).from_buffer(buffer, offset + _STATUS_BYTES)
+    return slot, board
+
+
+def _map(path: str, size: int) -> mmap.mmap:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
 
 def _destroy_groups_created_since(before: set[Any]) -> None:
     """Drop subgroups a run made (dist.new_group), so runs do not pile up gloo connections."""
@@ -162,33 +198,69 @@ def _destroy_groups_created_since(before: set[Any]) -> None:
             dist.destroy_process_group(pg)
 
 
+def reset_world(rank: int, world: Any, before: set[Any], nonce: int, timeout: float) -> str | None:
+    """Make this rank's world as a fresh pool's after a run its ranks refused; None when it is healthy,
+    else why it is not (the pool is then replaced).
+
+    The run's subgroups are destroyed, and the default group is checked with one all_gather on the
+    real backend (bounded by ``timeout``): every member must contribute exactly ``(nonce, rank)``.
+    A collective a rank left unmatched would take that all_gather's place, deliver other data or
+    never complete: either way the check fails.
+    """
+    if not dist.is_initialized() or dist.GroupMember.WORLD is not world:
+        return "the run destroyed the default group"
+    try:
+        _destroy_groups_created_since(before)
+    except Exception as exc:  # noqa: BLE001 - said in the replacement's reason
+        return f"could not destroy the run's subgroups ({type(exc).__name__}: {exc})"
+    inner = getattr(world, "inner", world)
+    size = world.size()
+    device = torch.device("cuda", torch.cuda.current_device()) if getattr(world, "_device_type", "cpu") == "cuda" else None
+    mine = torch.tensor([nonce, rank], dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(size)]
+    try:
+        inner.set_timeout(datetime.timedelta(seconds=timeout))
+        inner.allgather([everyone], [mine], _c10d.AllgatherOptions()).wait()
+    except Exception as exc:  # noqa: BLE001 - said in the replacement's reason
+        return f"the default group failed its check ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+    got = [tuple(int(v) for v in t.tolist()) for t in everyone]
+    if got != [(nonce, r) for r in range(size)]:
+        return f"the default group's check delivered {got}, not each rank's own (nonce, rank)"
+    return None
+
+
 def worker_main(
+    conn: Any,
     rank: int,
     world_size: int,
     backend: str,
     store_path: str,
-    conn: Any,
-    status_buffer: Any,
+    memory_path: str,
     parent_pid: int,
     init_timeout: float,
-    board_buffer: Any = None,
     pdeathsig: bool = False,
+    threads: int = 0,
 ) -> None:
     """Body of one pool process: join the world once, then serve runs until told to stop.
 
-    ``board_buffer``: this rank's :class:`~tpsim.comm.board.Board` (the phase it marks, read by the
-    pool if the process dies); ``pdeathsig``: the parent thread lives as long as the parent, so the
-    kernel's parent-death signal may be armed (see :mod:`tpsim.comm.lifeline`).
+    ``memory_path``: the pool's shared memory (:func:`rank_memory`: this rank's status slot, and its
+    :class:`~tpsim.comm.board.Board`, the phase it marks, read by the pool if the process dies);
+    ``pdeathsig``: the parent thread lives as long as the parent, so the kernel's parent-death signal
+    may be armed (see :mod:`tpsim.comm.lifeline`); ``threads``: torch's intra-op threads (0: this
+    machine's cores shared among the ranks; 1 for a process forked from one whose OpenMP pool may
+    have started, which a forked process cannot use).
     """
     # First, before anything that takes time: a worker must never outlive the parent.
     lifeline.arm(parent_pid=parent_pid, pdeathsig=pdeathsig)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    board = Board(board_buffer) if board_buffer is not None else None
+    shared = _map(memory_path, world_size * RANK_MEMORY_BYTES)
+    status_buffer, board_buffer = rank_memory(shared, rank)
+    board = Board(board_buffer)
     install(board)
     status = StatusSlot(status_buffer)
     try:
         # Ranks share this machine's cores; one pool of threads each would oversubscribe them.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // world_size))
         register_backends(loopback=True)
         if backend == "nccl":
             torch.cuda.set_device(rank)
@@ -204,6 +276,8 @@ def worker_main(
         conn.send(("init-error", failure_outcome(rank, exc, None)))
         _exit(1)
     threads = torch.get_num_threads()
+    world = dist.GroupMember.WORLD
+    before: set[Any] = set(dist.distributed_c10d._world.pg_map)
     status.set("idle")
     conn.send(("ready", os.getpid()))
     while True:
@@ -213,10 +287,17 @@ def worker_main(
             _exit(0)
         if message[0] == "stop":
             _exit(0)
+        if message[0] == "reset":
+            why = reset_world(rank, world, before, message[1], message[2])
+            torch.set_num_threads(threads)
+            try:
+                conn.send(("reset", why))
+            except (EOFError, OSError):
+                _exit(0)
+            continue
         _, payload, hints, timeout, faults, checksum = message
-        if board is not None:  # this process runs one rank: slot 0 of its board
-            board.begin(0, 1)
-            board.handoff(0)
+        board.begin(0, 1)  # this process runs one rank: slot 0 of its board
+        board.handoff(0)
         before = set(dist.distributed_c10d._world.pg_map)
         try:
             fn, args, kwargs = load_call(payload, hints)
@@ -228,14 +309,15 @@ def worker_main(
         else:
             outcome = execute(rank, fn, args, kwargs, timeout=timeout, faults=faults, status=status,
                               checksum=checksum)
-        if outcome.ok or outcome.intact:  # the world lives on: drop this run's subgroups
+        outcome.world_lost = not dist.is_initialized() or dist.GroupMember.WORLD is not world
+        if (outcome.ok or outcome.intact) and not outcome.world_lost:  # the world lives on: drop this run's subgroups
             try:
                 _destroy_groups_created_since(before)
             except BaseException as exc:
                 outcome = failure_outcome(rank, exc, None, prefix="could not clean up the groups fn created: ")
         torch.set_num_threads(threads)
         try:
-            conn.send(("done", outcome))
+            conn.send_bytes(_wire.dumps(("done", outcome)))  # read by conn.recv(): plain pickle
         except (EOFError, OSError):
             _exit(0)
 

@@ -15,11 +15,13 @@ instead of the caller's. The caller only waits for the worker's answer, so:
   worker, with the abandoned rank and all its memory, is killed and replaced: nothing piles up.
 * **the worker is reused** between runs (a run costs a pipe round trip and pickling its arguments
   and results: tensors travel as raw bytes, :mod:`tpsim.comm._wire`), and a replacement is cheap:
-  a worker is a fork of the caller, which imported torch already (when the caller runs other
-  threads, forking is unsafe: then workers come from ``multiprocessing``'s fork server, started
-  once with torch and tpsim preloaded). See :func:`_context`.
+  a worker is forked from the zygote (:mod:`tpsim.comm.zygote`), which imported torch, tpsim and
+  the target already. Where no zygote serves, it is a fork of the caller (single-threaded) or comes
+  from ``multiprocessing``'s fork server, started once with torch and tpsim preloaded (see
+  :func:`_context`).
 * **no worker outlives the caller** (:mod:`tpsim.comm.lifeline`: the kernel's parent-death signal,
-  plus a pipe the worker watches), and an atexit hook ends it.
+  plus a pipe or the parent pid the worker watches; the zygote dies with the caller), and an atexit
+  hook ends it.
 * **output is forwarded**: a worker's stdout goes to a file the caller copies to its own
   ``sys.stdout`` after each run, so rank output lands where the caller's does (a capture included).
 * **memory is bounded**: the worker runs under an address-space limit
@@ -39,6 +41,7 @@ import atexit
 import copy
 import ctypes
 import io
+import mmap
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
@@ -55,7 +58,7 @@ from typing import Any
 
 import torch
 
-from tpsim.comm import _wire, deaths, lifeline, limits
+from tpsim.comm import _wire, deaths, lifeline, limits, zygote
 from tpsim.comm._payload import dump_call, load_call
 from tpsim.comm.board import Board, BoardView, install
 from tpsim.comm.result import WorldResult
@@ -325,18 +328,34 @@ def _flush_stdout() -> None:
         pass
 
 
+def _serve_forked(conn: Any, board_path: str, capacity: int, memory_limit: int | None, out_path: str,
+                  parent_pid: int) -> None:
+    """Body of a worker forked from the zygote (:mod:`tpsim.comm.zygote`): its board is a file both
+    sides map, and it dies with the zygote (which dies with the caller)."""
+    buf = (ctypes.c_int64 * Board.length(capacity)).from_buffer(_map(board_path, capacity))
+    _serve(conn, None, buf, memory_limit, True, out_path, parent_pid=parent_pid)
+
+
+def _map(path: str, capacity: int) -> mmap.mmap:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, Board.length(capacity) * ctypes.sizeof(ctypes.c_int64))
+    finally:
+        os.close(fd)
+
+
 def _serve(conn: Any, lifeline_end: Any, board_buf: Any, memory_limit: int | None, pdeathsig: bool,
-           out_path: str | None = None, parents: tuple[Any, ...] = ()) -> None:
+           out_path: str | None = None, parents: tuple[Any, ...] = (), parent_pid: int | None = None) -> None:
     """Body of the worker process: arm the parent-death watch, then run worlds until told to stop.
 
     ``out_path``: a file that takes this process's stdout (file descriptor 1); the caller copies
     what each run wrote to its own ``sys.stdout``, so rank output goes where the caller's goes.
     ``parents``: the caller's ends of the pipes (a forked worker inherits them): closed here, or the
-    worker would keep its own lifeline open.
+    worker would keep its own lifeline open. ``parent_pid``: watched instead of a lifeline pipe.
     """
     for end in parents:
         end.close()
-    lifeline.arm(lifeline=lifeline_end, pdeathsig=pdeathsig)
+    lifeline.arm(lifeline=lifeline_end, parent_pid=parent_pid, pdeathsig=pdeathsig)
     torch.set_num_threads(1)  # a forked worker: OpenMP's pool did not survive the fork (ranks use one anyway)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to handle (it kills us)
     if out_path is not None:
@@ -428,14 +447,55 @@ class _Worker:
     """One worker process: its pipe, its board and whether it said it is ready."""
 
     def __init__(self, capacity: int, preload: Sequence[str] = ()) -> None:
-        ctx, pdeathsig = _context(preload)
         self.owner = os.getpid()
         self.capacity = capacity
-        buf = ctx.RawArray(ctypes.c_int64, Board.length(capacity))
-        self.board = Board(buf)
         fd, self.out_path = tempfile.mkstemp(prefix="tpsim-isolated-", suffix=".stdout")
         os.close(fd)
         self.out_offset = 0
+        self.ready = False
+        self.cpu: int | None = None  # where its rank threads run (it says when ready)
+        self.context: tuple[str, dict[Any, Any], list[str]] | None = None
+        if not self._fork():
+            self._start(preload)
+
+    def _fork(self) -> bool:
+        """Fork the worker from the zygote (pre-imported: torch, tpsim, the target); False where none
+        can serve (then :meth:`_start`)."""
+        z = zygote.shared()
+        if z is None:
+            return False
+        fd, self.board_path = tempfile.mkstemp(prefix="tpsim-isolated-", suffix=".board")
+        try:
+            os.ftruncate(fd, Board.length(self.capacity) * ctypes.sizeof(ctypes.c_int64))
+            with os.fdopen(fd, "r+b") as fh:
+                self.board = Board((ctypes.c_int64 * Board.length(self.capacity)).from_buffer(
+                    mmap.mmap(fh.fileno(), 0)))
+            z.wait_ready()
+            if not z.safe:
+                zygote.replace()
+                raise BackendUnavailable(_BACKEND_LABEL, "the zygote is no longer safe to fork")
+            [self.proc] = z.fork(_serve_forked, [(self.board_path, self.capacity, limits.worker_memory_limit(),
+                                                  self.out_path, z.pid)], ["tpsim-isolated"])
+        except BackendUnavailable:
+            self._unlink_board()
+            return False
+        self.conn = self.proc.conn
+        return True
+
+    def _unlink_board(self) -> None:
+        """Remove the board's file once both sides mapped it (the mapping outlives the name)."""
+        path, self.board_path = getattr(self, "board_path", None), None
+        if path is not None:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+    def _start(self, preload: Sequence[str]) -> None:
+        """Start the worker as a fork of this process or from ``multiprocessing``'s fork server."""
+        ctx, pdeathsig = _context(preload)
+        buf = ctx.RawArray(ctypes.c_int64, Board.length(self.capacity))
+        self.board = Board(buf)
         self.conn, child_end = ctx.Pipe(duplex=True)
         reader, writer = _lifeline(ctx)
         _flush_stdout()  # a forked child must not inherit unwritten output (it would be written twice)
@@ -447,9 +507,6 @@ class _Worker:
         )
         self.proc.start()
         child_end.close()
-        self.ready = False
-        self.cpu: int | None = None  # where its rank threads run (it says when ready)
-        self.context: tuple[str, dict[Any, Any], list[str]] | None = None
 
     def await_ready(self) -> None:
         """Wait (bounded by :data:`START_BOUND`) for the worker's "ready"; raise if it cannot start."""
@@ -463,6 +520,7 @@ class _Worker:
                 kind = None
             if kind == "ready":
                 self.ready = True
+                self._unlink_board()  # the worker maps it first thing: it has it now
                 return
         self.kill()
         if not ready:
@@ -515,6 +573,9 @@ class _Worker:
             self.proc.kill()
         self.proc.join(5.0)  # SIGKILL cannot be ignored; the bound only guards a wedged kernel
         self.conn.close()
+        if isinstance(self.proc, zygote.Child):
+            self.proc.close()
+        self._unlink_board()
         self.forward_output()
         try:
             os.unlink(self.out_path)
@@ -553,12 +614,14 @@ def shutdown() -> None:
 
 
 def helper_pids() -> set[int]:
-    """PIDs of the processes isolation keeps alive between runs: the worker and the fork server it was
-    forked from. They outlive a run on purpose; checks for processes a run left behind skip them."""
+    """PIDs of the processes tpsim keeps alive between runs besides pooled gloo/nccl ranks: the isolated
+    worker, the fork server it was forked from, and the zygote (:mod:`tpsim.comm.zygote`). They
+    outlive a run on purpose; checks for processes a run left behind skip them."""
     pids = set()
     worker = live_worker_pid()
     if worker is not None:
         pids.add(worker)
+    pids |= zygote.pids()
     if _SERVER and _SERVER[0][0].get_start_method() == "forkserver":
         from multiprocessing import forkserver
 

@@ -38,6 +38,7 @@ __all__ = [
     "WORKER_MEMORY_ENV",
     "check_world_size",
     "max_world_size",
+    "nccl_unavailable_reason",
     "usable_cpus",
     "worker_memory_limit",
 ]
@@ -74,6 +75,24 @@ def usable_cpus() -> int:
         except OSError:
             pass
     return max(1, os.cpu_count() or 1)
+
+
+def nccl_unavailable_reason(world_size: int) -> str | None:
+    """Why an nccl world of ``world_size`` ranks cannot run here (one line), or None if it can."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return "this torch build has no torch.distributed support"
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        return f"CUDA is not available (torch {torch.__version__} is {build}; nccl needs NVIDIA GPUs)"
+    if not dist.is_nccl_available():
+        return f"torch {torch.__version__} was built without NCCL support"
+    found = torch.cuda.device_count()
+    if found < world_size:
+        return f"world_size={world_size} needs {world_size} GPUs (one process per GPU), found {found}"
+    return None
 
 
 def _meminfo() -> dict[str, int]:

@@ -3,16 +3,24 @@
 ``run_processes(fn, world_size, backend=...)`` runs ``fn(*args, **kwargs)`` on every rank of a
 world of ``world_size`` processes and returns a :class:`tpsim.WorldResult`.
 
-* **A pool, not a world per call.** Starting processes and joining a world costs seconds, so
-  the processes of a world are kept: a pool per ``(backend, world_size)`` initialises
-  ``torch.distributed`` once (rendezvous through a ``FileStore`` in a fresh temp dir: no port,
-  so parallel pytest-xdist workers never collide) and then runs one submitted function after
-  another. At most :data:`MAX_POOLS` pools and :data:`MAX_POOL_WORKERS` idle worker processes
-  live at once (least recently used pools go first; a single pool larger than the worker bound
-  is still kept, alone); an atexit hook ends them all.
-* **Failures end the pool.** A rank that raises, dies or hangs makes the world unusable (its
-  peers may be stuck in, or half-way through, a collective), so the pool is killed and reaped
-  at once — not at gloo's timeout — and the next call starts a fresh one.
+* **A pool, not a world per call.** The processes of a world are kept: a pool per
+  ``(backend, world_size)`` initialises ``torch.distributed`` once (rendezvous through a
+  ``FileStore`` in a fresh temp dir: no port, so parallel pytest-xdist workers never collide) and
+  then runs one submitted function after another. At most :data:`MAX_POOLS` pools and
+  :data:`MAX_POOL_WORKERS` idle worker processes live at once (least recently used pools go first;
+  a single pool larger than the worker bound is still kept, alone); an atexit hook ends them all.
+* **Start-up paid once.** Ranks are forked from the :mod:`zygote <tpsim.comm.zygote>`, a process
+  that imported torch and tpsim once (and the target, see :func:`preload`): a world of N ranks
+  starts in tens of milliseconds, not N imports of torch. Where no zygote can serve (no ``fork`` on
+  this platform, an import left it multi-threaded, CUDA initialised in it) ranks are spawned.
+* **Pools live through refusals.** A run in which every rank raised its own exception (a clean
+  refusal, e.g. a shape that does not divide) keeps its pool: every rank destroys the run's
+  subgroups and the default group is checked by a collective before the next run
+  (:func:`tpsim.comm._worker.reset_world`). A pool is replaced only after a death, a hang (a rank
+  stuck or a collective timed out), a destroyed default group or a corrupted state (collectives
+  left unmatched, a failed check); :func:`replacements` counts them by reason.
+* **Replacing is prompt.** The broken pool is killed and reaped at once — not at gloo's timeout —
+  and the next call starts a fresh one.
 * **Every wait is bounded**: joining a world by :func:`startup_bound`, a run by ``timeout``
   (also every backend collective's timeout) plus :func:`margin`.
 * **Under torchrun** (the environment already describes a launched world) nothing is spawned:
@@ -25,10 +33,12 @@ Each rank's collectives are recorded by the tracing process group of
 from __future__ import annotations
 
 import atexit
-import ctypes
+import collections
+import mmap
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
+import random
 import shutil
 import tempfile
 import threading
@@ -38,15 +48,14 @@ from collections.abc import Callable, Sequence
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
-from tpsim.comm import deaths
-from tpsim.comm._payload import dump_call
+from tpsim.comm import _torchrun, deaths, zygote
+from tpsim.comm._payload import dump_call, import_hinted
 from tpsim.comm._tracing import parse_status
-from tpsim.comm._verdict import Unfinished, describe_exit, settle
-from tpsim.comm._worker import Outcome, worker_main
+from tpsim.comm._verdict import Unfinished, describe_exit, margin, settle
+from tpsim.comm._worker import RANK_MEMORY_BYTES, Outcome, rank_memory, worker_main
 from tpsim.comm.board import Board
+from tpsim.comm.limits import nccl_unavailable_reason
+from tpsim.comm.ops import P2P_OPS
 from tpsim.comm.result import WorldResult
 from tpsim.errors import BackendUnavailable, InvalidArgument, RankError
 
@@ -58,6 +67,8 @@ __all__ = [
     "ensure_pool",
     "margin",
     "nccl_unavailable_reason",
+    "preload",
+    "replacements",
     "run_processes",
     "shutdown_pools",
     "startup_bound",
@@ -97,37 +108,32 @@ MAX_POOL_WORKERS = _env_count("TPSIM_MAX_POOL_WORKERS", 16)
 #: may keep them descheduled for seconds), up to the run's bound.
 STUCK_S = 0.1
 
-#: Size of each rank's status slot (see tpsim.comm._tracing.StatusSlot).
-_STATUS_BYTES = 192
+#: Seconds the ranks of a pool kept after a refusal get to reset their world (destroy the run's
+#: subgroups, one all_gather on the default group); past it the pool is replaced.
+RESET_S = 10.0
+
+#: Why pools were replaced in this process so far: reason -> count (see :func:`replacements`).
+_REPLACED: collections.Counter[str] = collections.Counter()
+DEATH, HANG, DESTROYED, CORRUPTED, INTERRUPTED = (
+    "death", "hang", "destroyed group", "corrupted state", "interrupted")
 
 
-def margin(timeout: float) -> float:
-    """Seconds allowed on top of ``timeout`` for a whole run (reporting, pickling, scheduling)."""
-    return 1.0 + 0.1 * timeout
+def replacements() -> dict[str, int]:
+    """How many worker pools this process replaced so far, by reason: ``death`` (a rank's process
+    ended), ``hang`` (a rank stuck, or a collective timed out), ``destroyed group`` (a run destroyed
+    the default group), ``corrupted state`` (collectives left unmatched, a failed world check) and
+    ``interrupted`` (Ctrl-C or a broken pipe mid-run). A correct layer's check replaces none."""
+    with _LOCK:
+        return dict(_REPLACED)
 
 
 def startup_bound(world_size: int) -> float:
     """Seconds a fresh pool may take to start its processes and join the world.
 
-    Starting is not part of a run's ``timeout``: each process imports torch, which takes a few
-    seconds per process on a small machine.
+    Starting is not part of a run's ``timeout``: ranks forked from the zygote start in milliseconds,
+    but a spawned rank imports torch, which takes a few seconds per process on a small machine.
     """
     return 60.0 + 5.0 * world_size
-
-
-def nccl_unavailable_reason(world_size: int) -> str | None:
-    """Why an nccl world of ``world_size`` ranks cannot run here (one line), or None if it can."""
-    if not dist.is_available():
-        return "this torch build has no torch.distributed support"
-    if not torch.cuda.is_available():
-        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
-        return f"CUDA is not available (torch {torch.__version__} is {build}; nccl needs NVIDIA GPUs)"
-    if not dist.is_nccl_available():
-        return f"torch {torch.__version__} was built without NCCL support"
-    found = torch.cuda.device_count()
-    if found < world_size:
-        return f"world_size={world_size} needs {world_size} GPUs (one process per GPU), found {found}"
-    return None
 
 
 class _Pool:
@@ -143,20 +149,54 @@ class _Pool:
         #: Each rank's board (its marked phase), read when its process dies (tpsim.comm.board).
         self.boards: list[Board] = []
         self.tmpdir = tempfile.mkdtemp(prefix=f"tpsim-{backend}-w{world_size}-")
+        # Every rank's status slot and board, shared with the ranks through a file both sides map.
+        self.memory_path = os.path.join(self.tmpdir, "ranks")
+        size = world_size * RANK_MEMORY_BYTES
+        with open(self.memory_path, "wb") as fh:
+            fh.truncate(size)
+        with open(self.memory_path, "r+b") as fh:
+            self.memory = mmap.mmap(fh.fileno(), size)
+        for rank in range(world_size):
+            slot, board = rank_memory(self.memory, rank)
+            self.slots.append(slot)
+            self.boards.append(Board(board))
+        #: Whether the ranks were forked from the zygote (else spawned).
+        self.forked = False
 
     # -- life cycle ------------------------------------------------------------------------
-    def start(self) -> None:
-        """Spawn the ranks and wait (bounded) until every one has joined the world."""
+    def _fork(self, store_path: str, bound: float, hints: dict[str, str]) -> bool:
+        """Fork the ranks from the zygote, after it imported the modules ``hints`` names (a payload's:
+        each rank would import them otherwise); False when it cannot serve this pool (then spawn)."""
+        z = zygote.shared()
+        if z is None:
+            return False
+        try:
+            z.wait_ready()
+            if hints and z.safe:
+                z.call(import_hinted, (hints,), bound)
+            if not z.safe:
+                zygote.replace()  # a later pool gets a fresh one
+                return False
+            # A child of the zygote: its parent is the zygote's single thread, so the parent-death
+            # signal may be armed; the zygote in turn dies with this process.
+            children = z.fork(worker_main, [
+                (rank, self.world_size, self.backend, store_path, self.memory_path, z.pid, bound, True,
+                 1 if z.inherited else 0)
+                for rank in range(self.world_size)], [f"tpsim-{self.backend}-r{rank}" for rank in range(self.world_size)])
+        except BackendUnavailable:
+            return False
+        self.procs = list(children)
+        self.conns = [c.conn for c in children]
+        self.forked = True
+        return True
+
+    def _spawn(self, store_path: str, bound: float) -> None:
         ctx = mp.get_context("spawn")  # fork would copy this process's threads and torch state
-        store_path = os.path.join(self.tmpdir, "store")
-        bound = startup_bound(self.world_size)
         for rank in range(self.world_size):
             parent_end, child_end = ctx.Pipe(duplex=True)
-            slot = ctx.RawArray(ctypes.c_char, _STATUS_BYTES)
-            board = ctx.RawArray(ctypes.c_int64, Board.length(1))
             proc = ctx.Process(
                 target=worker_main,
-                args=(rank, self.world_size, self.backend, store_path, child_end, slot, os.getpid(), bound, board,
+                args=(child_end, rank, self.world_size, self.backend, store_path, self.memory_path, os.getpid(), bound,
                       # the parent-death signal follows the starting thread: arm it only for the main one
                       threading.current_thread() is threading.main_thread()),
                 name=f"tpsim-{self.backend}-rank{rank}",
@@ -166,8 +206,14 @@ class _Pool:
             child_end.close()
             self.procs.append(proc)
             self.conns.append(parent_end)
-            self.slots.append(slot)
-            self.boards.append(Board(board))
+
+    def start(self, hints: dict[str, str] | None = None) -> None:
+        """Start the ranks (forked from the zygote, else spawned) and wait (bounded) until every one
+        has joined the world. ``hints``: the modules of the first payload (see :meth:`_fork`)."""
+        store_path = os.path.join(self.tmpdir, "store")
+        bound = startup_bound(self.world_size)
+        if not self._fork(store_path, bound, hints or {}):
+            self._spawn(store_path, bound)
         deadline = time.monotonic() + bound
         waiting = set(range(self.world_size))
         while waiting:
@@ -223,8 +269,43 @@ class _Pool:
             proc.join(5.0)  # SIGKILL cannot be ignored; the bound only guards a wedged kernel
         for conn in self.conns:
             conn.close()
+        for proc in self.procs:
+            if isinstance(proc, zygote.Child):
+                proc.close()
         shutil.rmtree(self.tmpdir, ignore_errors=True)
+        # The boards stay readable (a death is named from them after the kill); the mapping goes with them.
         self.procs, self.conns, self.slots = [], [], []
+
+    def reset(self, timeout: float) -> str | None:
+        """After a run every rank refused: have every rank reset its world (bounded); None when the
+        pool may be reused, else why not."""
+        nonce = random.getrandbits(62)
+        bound = min(timeout, RESET_S)
+        for conn in self.conns:
+            try:
+                conn.send(("reset", nonce, bound))
+            except OSError:
+                return "a rank's process is gone"
+        deadline = time.monotonic() + bound + margin(bound)
+        pending = set(range(self.world_size))
+        why: str | None = None
+        while pending:
+            left = deadline - time.monotonic()
+            ready = mpc.wait([self.conns[r] for r in pending] + [self.procs[r].sentinel for r in pending], max(0, left))
+            if not ready:
+                return f"ranks {sorted(pending)} did not reset their world within {bound + margin(bound):.0f} s"
+            for rank in sorted(pending):
+                conn, proc = self.conns[rank], self.procs[rank]
+                if conn in ready or (proc.sentinel in ready and conn.poll()):
+                    try:
+                        _, answer = conn.recv()
+                    except (EOFError, OSError):
+                        return f"rank {rank}'s process ended while resetting its world"
+                    pending.discard(rank)
+                    why = why or (f"rank {rank}: {answer}" if answer else None)
+                elif proc.sentinel in ready:
+                    return f"rank {rank}'s process ended while resetting its world"
+        return why
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs if p.pid is not None]
@@ -338,8 +419,6 @@ def ensure_pool(backend: str, world_size: int) -> None:
     Lets callers that time runs (fault-detection bounds, benchmarks) keep the pool's start-up
     out of the measurement. Under torchrun there is no pool: nothing happens.
     """
-    from tpsim.comm import _torchrun
-
     if backend not in PROCESS_BACKENDS or _torchrun.launched_world() is not None:
         return
     if backend == "nccl":
@@ -350,10 +429,28 @@ def ensure_pool(backend: str, world_size: int) -> None:
         _pool_for(backend, world_size)
 
 
-def _discard(key: tuple[str, int]) -> None:
+def _discard(key: tuple[str, int], reason: str) -> None:
+    """Kill the pool of ``key`` and count its replacement under ``reason``."""
     pool = _POOLS.pop(key, None)
     if pool is not None:
+        _REPLACED[reason] += 1
         pool.kill()
+
+
+def preload(fn: Callable[..., Any], args: tuple[Any, ...], bound: float) -> str | None:
+    """Run ``fn(*args)`` (top-level; e.g. resolve a target) in the zygote the ranks are forked from, so
+    every rank of every later pool starts with what it imported; the error it raised as text, or
+    None. Does nothing (None) where ranks are not forked from a zygote."""
+    z = zygote.shared()
+    if z is None or _torchrun.launched_world() is not None:
+        return None
+    try:
+        error = z.call(fn, args, bound)
+    except BackendUnavailable as err:
+        return str(err)
+    if not z.safe:  # the import left threads behind: ranks come from a fresh zygote without it
+        zygote.replace()
+    return error
 
 
 def _trim(pools: int, workers: int) -> None:
@@ -368,7 +465,7 @@ def _trim(pools: int, workers: int) -> None:
         oldest.kill()
 
 
-def _pool_for(backend: str, world_size: int) -> _Pool:
+def _pool_for(backend: str, world_size: int, hints: dict[str, str] | None = None) -> _Pool:
     key = (backend, world_size)
     pool = _POOLS.get(key)
     if pool is not None:
@@ -379,14 +476,14 @@ def _pool_for(backend: str, world_size: int) -> _Pool:
         if os.getpid() != pool.owner_pid:
             _POOLS.clear()  # inherited through fork: forget the parent's pools, never touch them
         else:
-            _discard(key)
+            _discard(key, DEATH)  # a rank's process ended between runs
     _trim(1, world_size)  # room for the new pool and its workers
     if not _ATEXIT_REGISTERED[0]:
         atexit.register(shutdown_pools)
         _ATEXIT_REGISTERED[0] = True
     pool = _Pool(backend, world_size)
     try:
-        pool.start()
+        pool.start(hints)
     except BaseException:  # including Ctrl-C while starting: leave no process behind
         pool.kill()
         raise
@@ -428,8 +525,6 @@ def run_processes(
     args = tuple(args)
     kwargs = dict(kwargs or {})
 
-    from tpsim.comm import _torchrun
-
     if _torchrun.launched_world() is not None:
         return _torchrun.run_launched(fn, world_size, backend=backend, args=args, kwargs=kwargs, timeout=timeout,
                                       faults=faults, checksum=checksum)
@@ -449,19 +544,22 @@ def run_processes(
 
     with _LOCK:
         key = (backend, world_size)
-        pool = _pool_for(backend, world_size)
+        pool = _pool_for(backend, world_size, hints)
         try:
             outcomes, exits, unfinished, limit, timed_out = pool.run(payload, hints, timeout, faults, checksum)
         except BaseException:  # Ctrl-C or a broken pipe mid-run: the world is in an unknown state
-            _discard(key)
+            _discard(key, INTERRUPTED)
             raise
-        failed = bool(exits or unfinished or not all(o.ok or o.intact for o in outcomes.values()))
         fired = [item for o in outcomes.values() for item in o.fired]
         fired += _fired_in_dead_ranks(faults, exits, unfinished)
         fired.sort(key=lambda item: item[1].rank)
         boards = list(pool.boards)
-        if failed:
-            _discard(key)  # kill and reap now, before building the report
+        reason, detail = _after_run(outcomes, exits, unfinished, timed_out, world_size)
+        if detail == "refused":  # every rank refused with its own error: reuse the pool if its world is sound
+            why = pool.reset(timeout)
+            reason = None if why is None else CORRUPTED
+        if reason is not None:
+            _discard(key, reason)  # kill and reap now, before building the report
         try:
             values, trace = settle(
                 world_size=world_size,
@@ -481,6 +579,53 @@ def run_processes(
             raise death from err
 
     return WorldResult(values=values, trace=trace, backend=backend, faults_fired=fired)
+
+
+def _after_run(outcomes: dict[int, Outcome], exits: dict[int, int | None], unfinished: dict[int, Unfinished],
+               timed_out: bool, world_size: int) -> tuple[str | None, str]:
+    """``(reason, detail)``: why the pool must be replaced after this run (None: it may live on), and
+    ``"refused"`` when every rank raised its own exception with no collective left unmatched (the pool
+    then lives on if its world passes a check, :meth:`_Pool.reset`)."""
+    if exits:
+        return DEATH, "a rank's process ended"
+    if unfinished or timed_out:
+        return HANG, "a rank did not finish"
+    if any(o.world_lost for o in outcomes.values()):
+        return DESTROYED, "the run destroyed the default group"
+    failed = [o for o in outcomes.values() if not o.ok and not o.intact]
+    if not failed:
+        return None, ""
+    if any(o.collective for o in failed):
+        return HANG, "a collective failed (timed out, or a peer failed in it)"
+    unmatched = _unmatched(outcomes.values(), world_size)
+    if unmatched:
+        return CORRUPTED, unmatched
+    return None, "refused"
+
+
+def _unmatched(outcomes: Any, world_size: int) -> str | None:
+    """A collective or send/recv some rank issued that its peers did not (a run that ended in
+    refusals may leave one pending in the backend), or None when every one was matched."""
+    counts: dict[tuple[str, tuple[int, ...]], collections.Counter[int]] = {}
+    sent: collections.Counter[tuple[int, int]] = collections.Counter()
+    received: collections.Counter[tuple[int, int]] = collections.Counter()
+    for outcome in outcomes:
+        for call in outcome.calls:
+            if call.op in P2P_OPS:
+                if call.peer is None:
+                    return f"rank {call.rank}'s {call.describe()} names no peer"
+                (sent if call.op == "send" else received)[
+                    (call.rank, call.peer) if call.op == "send" else (call.peer, call.rank)] += 1
+            else:
+                counts.setdefault((call.group, call.group_ranks), collections.Counter())[call.rank] += 1
+    for (group, ranks), per_rank in counts.items():
+        members = ranks or tuple(range(world_size))
+        issued = {r: per_rank.get(r, 0) for r in members}
+        if len(set(issued.values())) > 1:
+            return f"ranks issued different numbers of collectives on group {group}: {issued}"
+    if sent != received:
+        return f"sends and receives do not match: sent {dict(sent)}, received {dict(received)}"
+    return None
 
 
 def _named_death(err: RankError, exits: dict[int, int | None], unfinished: dict[int, Unfinished],

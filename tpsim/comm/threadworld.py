@@ -242,11 +242,14 @@ class ProcessLocalState:
     @classmethod
     def capture(cls, globals: Any = None) -> ProcessLocalState:
         """Snapshot the calling process's current settings (``globals``: the caller's own snapshot)."""
-        return cls(torch.get_rng_state(), torch.get_default_dtype(), globals)
+        # The generator's own methods: torch.get_rng_state/set_rng_state wrap them (a few us a hand-off).
+        return cls(_DEFAULT_GENERATOR.get_state(), torch.get_default_dtype(), globals)
 
     def restore(self) -> None:
         """Make these settings the process's current ones (the caller restores ``globals``)."""
-        torch.set_rng_state(self.rng)
+        _DEFAULT_GENERATOR.set_state(self.rng)
         if torch.get_default_dtype() != self.dtype:
             torch.set_default_dtype(self.dtype)
 
+
+_DEFAULT_GENERATOR = torch.default_generator

@@ -5,12 +5,13 @@ Every family's world run goes through :func:`launch`. In this process (``inproc`
 inproc worker) get its target string, name and options and resolve it again (:func:`variant_of`),
 so a variant needs a target string there (:func:`target_ref` says so otherwise).
 
-Importing a target is not part of a case: :func:`warm_workers` imports it in the worker processes
-once, before the first case of that world size, so that a slow import (Megatron-core takes seconds
-per process, many on a loaded machine) is never counted against a case's timeout — or against the
-grace the ranks of a failed run get to report their own error — where it would look like the
-variant's fault. A failed world may leave fresh workers behind: they are warmed again before the
-next case.
+Importing a target is not part of a case: :func:`warm_workers` imports it once in the zygote the
+worker processes are forked from (:mod:`tpsim.comm.zygote`), so every worker starts with it, and
+then resolves it in the worker processes once, before the first case of that world size, so that a
+slow import (Megatron-core takes seconds per process, many on a loaded machine) is never counted
+against a case's timeout — or against the grace the ranks of a failed run get to report their own
+error — where it would look like the variant's fault. A failed world may leave fresh workers
+behind: they are warmed again before the next case.
 
 The variant's ``rank_local`` modules are made per rank on inproc, and the other loaded modules of
 their packages watched for sharing between ranks (:func:`watched`).
@@ -30,6 +31,8 @@ __all__ = ["WARM_TIMEOUT", "launch", "resolve_only", "target_ref", "variant_of",
 #: Seconds worker processes get to import a target the first time.
 WARM_TIMEOUT = 300.0
 _warmed: set[tuple[Any, ...]] = set()
+#: Targets (and options) the zygote was asked to import, with the zygote's pid at the time.
+_preloaded: set[tuple[Any, ...]] = set()
 
 Ref = tuple[str, str, tuple[tuple[str, Any], ...]]
 
@@ -47,13 +50,22 @@ def target_ref(variant: Any, backend: str, isolate: bool) -> Ref:
 
 
 def variant_of(payload: dict[str, Any]) -> Any:
-    """The variant a rank runs: the object itself, or resolved again from ``payload["ref"]``."""
+    """The variant a rank runs: the object itself, or resolved again from ``payload["ref"]`` (once
+    per worker process, as this process resolves it once for every case)."""
     variant = payload.get("variant")
     if variant is None:
-        from tpsim.props.family import resolve_variant
+        ref = payload["ref"]
+        key = repr(ref)
+        variant = _resolved.get(key)
+        if variant is None:
+            from tpsim.props.family import resolve_variant
 
-        variant = resolve_variant(*payload["ref"])
+            variant = _resolved[key] = resolve_variant(*ref)
     return variant
+
+
+#: Variants resolved in this (worker) process, by their reference's repr.
+_resolved: dict[str, Any] = {}
 
 
 def launch(fn: Callable[[dict[str, Any]], Any], variant: Any, payload: dict[str, Any], world_size: int, *,
@@ -97,10 +109,24 @@ def warm_workers(ref: Ref, world_size: int, *, backend: str, isolate: bool) -> N
     if key in _warmed:
         return
     _warmed.add(key)
+    _preload(ref, backend, isolate)
     try:
         tpsim.run(resolve_only, world_size, backend=backend, args=(ref,), timeout=WARM_TIMEOUT, isolate=isolate)
     except Exception:  # noqa: BLE001 - the case's own run reports whatever this is
         pass
+
+
+def _preload(ref: Ref, backend: str, isolate: bool) -> None:
+    """Import the target in the zygote the workers are forked from (once per zygote)."""
+    from tpsim.comm import procs, zygote
+
+    if backend not in procs.PROCESS_BACKENDS and not isolate:
+        return
+    key = (ref[0], repr(ref[2]), zygote.pid())
+    if key in _preloaded:
+        return
+    _preloaded.add(key)
+    procs.preload(resolve_only, (ref,), WARM_TIMEOUT)  # its error, if any, the workers report again
 
 
 def watched(rank_local: tuple[str, ...]) -> tuple[str, ...]:
