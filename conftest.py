@@ -112,10 +112,10 @@ def _watch_gloo_worlds() -> None:
         return
     pool_for = procs._pool_for
 
-    def watched(backend: str, world_size: int):
+    def watched(backend: str, world_size: int, *args, **kwargs):
         if backend == "gloo":
             _gloo_worlds.append(world_size)
-        return pool_for(backend, world_size)
+        return pool_for(backend, world_size, *args, **kwargs)
 
     watched._watched = True
     procs._pool_for = watched
