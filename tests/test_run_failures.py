@@ -1,4 +1,4 @@
-"""How every family observes a run and names what went wrong (tpsim/props/raised.py, launch.py, results.py).
+"""How every family observes a run and names what went wrong (tpsim/props/blame.py, launch.py, results.py).
 
 One path for all families: ranks return typed results (dataclasses that survive the isolated
 worker), wrap what the variant raises in ``VariantRaised`` — recording, as a declared field, when it
@@ -22,12 +22,12 @@ import torch.distributed as dist
 from helpers import run_cli
 
 import tpsim
+from tpsim.props.blame import VariantRaised, refusal_failure, run_failure, variant_raised
 from tpsim.props.family import resolve_target
 from tpsim.props.module.case import ModuleCase
 from tpsim.props.module.checks import check_case as check_module_case
 from tpsim.props.module.sharding import UnknownLayout
-from tpsim.props.raised import VariantRaised, refusal_failure, run_failure, variant_raised
-from tpsim.props.results import RankOutput
+from tpsim.props.observation import RankOutput
 from tpsim.props.vocab.case import CrossEntropyCase, EmbeddingCase
 from tpsim.props.vocab.family import CROSS_ENTROPY, EMBEDDING
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from tpsim import diagnosis
+from tpsim._json import jsonable
 from tpsim.conventions import CONVENTIONS
 from tpsim.faults import FAULT_KINDS
 from tpsim.module_variant import MODULE_KIND, MODULE_OUTPUTS
@@ -329,19 +330,8 @@ def _failure_dict(failure: Any, extra: dict[str, Any] | None = None) -> dict[str
     if out["case_file"]:
         out["replay"] = _replay_command(out["case_file"])
     out.update(extra or {})
-    return _jsonable(out)
+    return jsonable(out)
 
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
-        return str(value)
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    return str(value)
 
 
 def _indent(text: str, prefix: str) -> str:
@@ -982,7 +972,7 @@ def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             "passed": not failures,
             "examples": 1,
             "seconds": round(seconds, 3),
-            "recorded": _jsonable(found),
+            "recorded": jsonable(found),
             "reproduced": reproduced,
             "failures": [_failure_dict(f, {"output": printed} if printed else None) for f in failures],
         }

@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from tpsim._json import jsonable
 from tpsim.patterns import (
     bias_multiple,
     block_mapping,
@@ -567,7 +568,7 @@ class Failure:
             "case": case,
             "case_file": self.case_file,
             "found_after": self.found_after,
-            "details": _jsonable(self.details),
+            "details": jsonable(self.details),
             "consequences": consequences,
         }
 
@@ -590,17 +591,6 @@ class Failure:
             lines.extend(f"    {c.property}: {c.label} — {c.message}" for c in self.consequences)
         return "\n".join(lines)
 
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
-        return str(value)
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    return str(value)
 
 
 # --- one cause, one report -----------------------------------------------------------------------

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from tpsim._json import jsonable
 from tpsim.errors import InvalidArgument
 
 __all__ = [
@@ -331,17 +332,6 @@ def save_case(case: Case, directory: str, *, found: dict[str, Any] | None = None
     return path
 
 
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
-        return str(value)
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    return str(value)
-
 
 def save_failure(failure: Any, variant: Any, directory: str = CASES_DIR, *, backend: str, command: str) -> str:
     """Save ``failure``'s minimal case (completed with its variant's target) and return the path.
@@ -370,7 +360,7 @@ def save_failure(failure: Any, variant: Any, directory: str = CASES_DIR, *, back
         "command": command,
     }
     failure.case = case
-    failure.case_file = save_case(case, directory, found=_jsonable(found))
+    failure.case_file = save_case(case, directory, found=jsonable(found))
     return failure.case_file
 
 

@@ -70,10 +70,12 @@ from tpsim.diagnosis import (
 from tpsim.errors import InvalidArgument, RankDied
 from tpsim.patterns import bias_multiple, block_mapping, close, rank_summands, regathered_dim, scale_factor
 from tpsim.placement import Replicate, Shard, assemble, shard_tensor
+from tpsim.props.blame import death_failure, refusal_failure, run_failure
 from tpsim.props.case import Case
 from tpsim.props.groups import column_grad_summands, column_output_shards, tp_groups, wrong_group
 from tpsim.props.groups import row_summands as group_row_summands
-from tpsim.props.names import (
+from tpsim.props.observation import DETACHED, OUTPUT_SHAPE
+from tpsim.props.property_names import (
     BIAS_GRAD,
     DIVISIBILITY,
     FORWARD,
@@ -83,8 +85,6 @@ from tpsim.props.names import (
     TRAINING,
     WEIGHT_GRAD,
 )
-from tpsim.props.raised import death_failure, refusal_failure, run_failure
-from tpsim.props.results import DETACHED, OUTPUT_SHAPE
 from tpsim.props.tolerance import tolerance
 from tpsim.props.world import (
     ACCEPTED,

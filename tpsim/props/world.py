@@ -25,12 +25,12 @@ import tpsim
 from tpsim.comm.board import mark_phase
 from tpsim.errors import InvalidArgument, RankError
 from tpsim.placement import Replicate, Shard, part_sizes, shard_tensor
+from tpsim.props.blame import rank_errors, variant_raised
 from tpsim.props.case import Case
 from tpsim.props.groups import tp_group
 from tpsim.props.launch import launch, variant_of
 from tpsim.props.layouts import apply_layout, expand_values
-from tpsim.props.raised import rank_errors, variant_raised
-from tpsim.props.results import OK, RankOutput
+from tpsim.props.observation import OK, RankOutput
 from tpsim.variant import LayoutError, Variant, get_param
 
 __all__ = [
@@ -62,7 +62,7 @@ ACCEPTED = "accepted"
 class RankResult(RankOutput):
     """What one rank returns for one case (plain data: it travels back from gloo/nccl workers).
 
-    Besides :class:`~tpsim.props.results.RankOutput`'s fields (``status`` is also
+    Besides :class:`~tpsim.props.observation.RankOutput`'s fields (``status`` is also
     :data:`ACCEPTED`; ``output`` is the step-0 output, a detached clone in its own dtype):
 
     - ``output_shape``: for :data:`ACCEPTED`, the shape of the output of a non-divisible case;
@@ -307,7 +307,7 @@ class Observation:
     masters: Masters | None = None
 
     def rank_errors(self) -> dict[int, BaseException]:
-        """Every failed rank's own exception (:func:`tpsim.props.raised.rank_errors`)."""
+        """Every failed rank's own exception (:func:`tpsim.props.blame.rank_errors`)."""
         return rank_errors(self.error)
 
 

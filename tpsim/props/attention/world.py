@@ -25,10 +25,10 @@ from tpsim.attention_variant import ATTENTION_PARAMS, AttentionVariant
 from tpsim.comm.board import mark_phase
 from tpsim.errors import RankError
 from tpsim.props.attention.case import AttentionCase
+from tpsim.props.blame import variant_raised
 from tpsim.props.groups import tp_group
 from tpsim.props.launch import launch, variant_of
-from tpsim.props.raised import variant_raised
-from tpsim.props.results import Observation, RankOutput
+from tpsim.props.observation import Observation, RankOutput
 from tpsim.variant import get_param
 
 __all__ = ["AttentionData", "AttentionRankResult", "attention_data", "attention_rank", "observe"]
@@ -68,7 +68,7 @@ def attention_data(case: AttentionCase) -> AttentionData:
 
 @dataclass
 class AttentionRankResult(RankOutput):
-    """What one rank of an attention case returns (besides :class:`~tpsim.props.results.RankOutput`'s
+    """What one rank of an attention case returns (besides :class:`~tpsim.props.observation.RankOutput`'s
     fields), by the names of :data:`~tpsim.attention_variant.ATTENTION_PARAMS` (None: the block has
     no such parameter, or it got no grad):
 

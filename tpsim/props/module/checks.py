@@ -71,6 +71,7 @@ from tpsim.errors import InvalidArgument, RankDied
 from tpsim.module_variant import ModuleVariant
 from tpsim.patterns import bias_multiple, block_mapping, close, rank_summands, scale_factor
 from tpsim.placement import Placement, Replicate, Shard, part_sizes
+from tpsim.props.blame import death_failure, refusal_failure, run_failure
 from tpsim.props.groups import tp_groups
 from tpsim.props.module.boundary import Capture
 from tpsim.props.module.case import ModuleCase
@@ -87,7 +88,8 @@ from tpsim.props.module.world import (
     observe,
     output_placement,
 )
-from tpsim.props.names import (
+from tpsim.props.observation import DETACHED, OUTPUT_SHAPE
+from tpsim.props.property_names import (
     BIAS_GRAD,
     DIVISIBILITY,
     FORWARD,
@@ -97,8 +99,6 @@ from tpsim.props.names import (
     TRAINING,
     WEIGHT_GRAD,
 )
-from tpsim.props.raised import death_failure, refusal_failure, run_failure
-from tpsim.props.results import DETACHED, OUTPUT_SHAPE
 from tpsim.props.tolerance import tolerance
 from tpsim.props.world import LR, TRAIN_STEPS
 from tpsim.runner import DEFAULT_TIMEOUT
@@ -584,7 +584,7 @@ def _refuse_unknown_layouts(obs: ModuleObservation) -> None:
 @recogniser(EXCEPTION)
 def _failed_run(variant: ModuleVariant, obs: ModuleObservation) -> Failure:
     """The run failed: on the one-rank reference group (the module raised, or its rank died), else
-    on the tp group (:func:`tpsim.props.raised.run_failure`, as in every family)."""
+    on the tp group (:func:`tpsim.props.blame.run_failure`, as in every family)."""
     failed = obs.ref_error
     if failed is None:
         return run_failure(variant.name, obs.case, obs.error)  # type: ignore[arg-type]

@@ -35,14 +35,14 @@ from tpsim.comm.board import mark_phase
 from tpsim.errors import RankError
 from tpsim.module_variant import ModuleVariant
 from tpsim.placement import Replicate, Shard
+from tpsim.props.blame import variant_raised
 from tpsim.props.groups import tp_group
 from tpsim.props.launch import launch, variant_of
 from tpsim.props.module.boundary import Capture
 from tpsim.props.module.case import ModuleCase
 from tpsim.props.module.magnitude import MagnitudeMode, TapeEntry, UnboundedOp, ValueTape
 from tpsim.props.module.sharding import ParamLayout, declared_layout, infer_layout, piece
-from tpsim.props.raised import variant_raised
-from tpsim.props.results import RankOutput
+from tpsim.props.observation import RankOutput
 from tpsim.props.world import LR, TRAIN_STEPS
 
 __all__ = [
@@ -373,7 +373,7 @@ def layouts_of(variant: ModuleVariant, module: nn.Module, shapes: dict[str, tupl
 
 @dataclass
 class ModuleRankResult(RankOutput):
-    """What one rank of the tp world returns (besides :class:`~tpsim.props.results.RankOutput`'s
+    """What one rank of the tp world returns (besides :class:`~tpsim.props.observation.RankOutput`'s
     fields; ``output`` is the step-0 output), parameters by dotted name:
 
     - ``layouts``: how each parameter it could explain is laid out; ``problems``: the others;

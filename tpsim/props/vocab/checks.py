@@ -58,10 +58,10 @@ from tpsim.diagnosis import (
     recogniser,
 )
 from tpsim.errors import RankError
+from tpsim.props.blame import VariantRaised, blame, refusal_failure, run_failure
 from tpsim.props.comparing import compare, failure, groups_of, replica
-from tpsim.props.names import DIVISIBILITY, FORWARD, INPUT_GRAD, REPLICA, WEIGHT_GRAD
-from tpsim.props.raised import VariantRaised, blame, refusal_failure, run_failure
-from tpsim.props.results import OK, OUTPUT_SHAPE, Observation
+from tpsim.props.observation import OK, OUTPUT_SHAPE, Observation
+from tpsim.props.property_names import DIVISIBILITY, FORWARD, INPUT_GRAD, REPLICA, WEIGHT_GRAD
 from tpsim.props.tolerance import eps, tolerance
 from tpsim.props.vocab.case import CrossEntropyCase, EmbeddingCase
 from tpsim.props.vocab.world import (

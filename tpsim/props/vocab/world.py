@@ -32,10 +32,10 @@ import torch.nn.functional as F
 import tpsim
 from tpsim.comm.board import mark_phase
 from tpsim.errors import RankError
+from tpsim.props.blame import variant_raised
 from tpsim.props.groups import tp_group
 from tpsim.props.launch import launch, variant_of
-from tpsim.props.raised import variant_raised
-from tpsim.props.results import Observation, RankOutput
+from tpsim.props.observation import Observation, RankOutput
 from tpsim.props.vocab.case import CrossEntropyCase, EmbeddingCase
 from tpsim.variant import get_param
 from tpsim.vocab_variant import CrossEntropyVariant, EmbeddingVariant
@@ -151,14 +151,14 @@ def embedding_data(case: EmbeddingCase, padding_multiple: int = 1) -> EmbeddingD
     return EmbeddingData(table, ids, grads)
 
 
-#: :attr:`EmbeddingRankResult.status` values of an embedding's own (besides :mod:`tpsim.props.results`').
+#: :attr:`EmbeddingRankResult.status` values of an embedding's own (besides :mod:`tpsim.props.observation`').
 NO_WEIGHT = "no-weight"  # the module has no parameter of the variant's weight name
 WEIGHT_SHAPE = "weight-shape"  # the stored table is no row shard of the table (``shape`` says what it is)
 
 
 @dataclass
 class EmbeddingRankResult(RankOutput):
-    """What one rank of an embedding case returns (besides :class:`~tpsim.props.results.RankOutput`'s
+    """What one rank of an embedding case returns (besides :class:`~tpsim.props.observation.RankOutput`'s
     fields; ``status`` may be :data:`NO_WEIGHT` or :data:`WEIGHT_SHAPE`):
 
     - ``rows``: how many rows of the table it stores (None without a table);
@@ -279,7 +279,7 @@ def _rows(full: torch.Tensor, width: int, tp: int, rank: int) -> torch.Tensor:
 
 @dataclass
 class CrossEntropyRankResult(RankOutput):
-    """What one rank of a cross-entropy case returns (besides :class:`~tpsim.props.results.RankOutput`'s
+    """What one rank of a cross-entropy case returns (besides :class:`~tpsim.props.observation.RankOutput`'s
     fields; ``output`` is the loss): the grads of its leaves after the backward, None where it got
     none — ``input_grad`` (its logits' shard), or ``hidden_grad`` and ``weight_grad`` (the hidden
     states and its classifier rows)."""

@@ -39,7 +39,7 @@ from typing import Any
 
 from tpsim.diagnosis import DIVISIBILITY_UNCHECKED, EXCEPTION, RANK_CRASHED, RANK_EXITED, Failure, recogniser
 from tpsim.errors import CollectiveError, RankCrashed, RankDied, RankError
-from tpsim.props.names import DIVISIBILITY, INPUT_GRAD, property_of_phase
+from tpsim.props.property_names import DIVISIBILITY, INPUT_GRAD, property_of_phase
 
 __all__ = [
     "Blame",
