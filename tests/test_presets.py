@@ -237,7 +237,7 @@ def test_a_failure_shows_the_library_output_with_its_rank(capsys, tmp_path, isol
 
 
 def _vocab_variants(target: str) -> list:
-    from tpsim.props.family import resolve_target as resolve_any
+    from tpsim.target import resolve_target as resolve_any
 
     return resolve_any(target)
 

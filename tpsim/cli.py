@@ -35,13 +35,13 @@ from tpsim import diagnosis
 from tpsim._json import jsonable
 from tpsim.conventions import CONVENTIONS
 from tpsim.faults import FAULT_KINDS
-from tpsim.module_variant import MODULE_KIND, MODULE_OUTPUTS
+from tpsim.module_variant import MODULE_OUTPUTS
 from tpsim.props.case import CASES_DIR, DTYPES
+from tpsim.props.family import kind_choices
 from tpsim.props.faults import FAULT_DETECTION
 from tpsim.props.search import DEFAULT_MAX_EXAMPLES, DEFAULT_WORLD_SIZES
 from tpsim.runner import BACKENDS, DEFAULT_TIMEOUT
-from tpsim.variant import INPUT_GRADS, INPUTS, KINDS, OUTPUTS, PARAM_GRADS
-from tpsim.vocab_variant import CROSS_ENTROPY_KIND, EMBEDDING_KIND
+from tpsim.variant import INPUT_GRADS, INPUTS, OUTPUTS, PARAM_GRADS
 
 __all__ = ["DEFAULT_CASES_DIR", "EXIT_CODES", "EXIT_FAILED", "EXIT_INTERNAL", "EXIT_INTERRUPTED", "EXIT_OK",
            "EXIT_USAGE", "build_parser", "main"]
@@ -71,7 +71,7 @@ EXIT_CODES: dict[int, tuple[str, str]] = {
 DEFAULT_CASES_DIR = CASES_DIR
 BACKEND_CHOICES = BACKENDS
 CONVENTION_CHOICES = CONVENTIONS
-KIND_CHOICES = (*KINDS, MODULE_KIND, EMBEDDING_KIND, CROSS_ENTROPY_KIND)
+KIND_CHOICES = kind_choices()
 INPUT_CHOICES = INPUTS
 OUTPUT_CHOICES = tuple(dict.fromkeys((*OUTPUTS, *MODULE_OUTPUTS)))
 INPUT_GRAD_CHOICES = INPUT_GRADS
@@ -640,8 +640,9 @@ def _run_check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: 
     reported and saved, and the exit code is :data:`EXIT_INTERRUPTED`.
     """
     from tpsim.errors import InvalidArgument
-    from tpsim.props.family import family_of, resolve_target
+    from tpsim.props.family import family_of
     from tpsim.props.search import SearchInterrupted, search
+    from tpsim.target import resolve_target
 
     options = {k: getattr(args, k) for k in ("convention", "kind", "input", "output", "input_grad", "packed",
                                              "sequence_dim")}
@@ -708,7 +709,7 @@ def _run_check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: 
                 if capture is not None:
                     capture.end_example()
             failures, examples = list(report.failures), int(report.examples)
-            if args.faults and not interrupted and variant.kind in KINDS:
+            if args.faults and not interrupted:
                 try:
                     fault_failures, fault_examples = _fault_failures(variant, args)
                     failures += fault_failures
@@ -718,8 +719,6 @@ def _run_check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: 
                 except InvalidArgument as e:
                     raise UsageError(f"cannot check {variant.name!r}: {e}", prog="tpsim check") from None
             notes = list(dict.fromkeys([*variant.notes, *getattr(report, "notes", ())]))
-            if args.faults and variant.kind not in KINDS:
-                notes.append("--faults checks single layers: fault plans were not run on this module")
             result = _VariantResult(variant, not failures, examples, time.monotonic() - started_v, failures, notes,
                                     dict(getattr(report, "verdicts", None) or {}))
             results.append(result)
@@ -918,7 +917,8 @@ def _replay_faults(variant: Any, case: Any, backend: str, timeout: float) -> lis
 def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from tpsim.errors import InvalidArgument
     from tpsim.props.case import load_case
-    from tpsim.props.family import family_of_case, resolve_variant
+    from tpsim.props.family import family_of_case
+    from tpsim.target import resolve_variant
 
     try:
         case, found = load_case(args.case_file)

@@ -21,7 +21,6 @@ every rank of a vocabulary padded to ``tp * n`` (Megatron), or ``torch.tensor_sp
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,13 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import tpsim
-from tpsim.comm.board import mark_phase
-from tpsim.errors import RankError
-from tpsim.props.blame import variant_raised
-from tpsim.props.groups import tp_group
-from tpsim.props.launch import launch, variant_of
-from tpsim.props.observation import Observation, RankOutput
+from tpsim.props.observation import RankOutput
+from tpsim.props.rank import enter_rank, rank_phase
 from tpsim.props.vocab.case import CrossEntropyCase, EmbeddingCase
 from tpsim.variant import get_param
 from tpsim.vocab_variant import CrossEntropyVariant, EmbeddingVariant
@@ -53,7 +47,6 @@ __all__ = [
     "cross_entropy_rank",
     "embedding_data",
     "embedding_rank",
-    "observe",
     "padded_width",
     "vocab_rows",
 ]
@@ -175,17 +168,14 @@ class EmbeddingRankResult(RankOutput):
 
 def embedding_rank(payload: dict[str, Any]) -> EmbeddingRankResult:
     """What every rank runs for one embedding case: build, load (``load=True``), forward, backward."""
-    case: EmbeddingCase = payload["case"]
-    variant: EmbeddingVariant = variant_of(payload)
-    data: EmbeddingData = payload["data"]
-    group, g, rank, tp = tp_group(case, dist.get_rank())
-    torch.manual_seed(case.seed)  # every rank seeded alike before the build, as training scripts do
-    mark_phase("build")
-    try:
+    me = enter_rank(payload)
+    case: EmbeddingCase = me.case
+    variant: EmbeddingVariant = me.variant
+    data: EmbeddingData = me.data
+    group, g, rank, tp = me.group, me.g, me.rank, me.tp
+    with rank_phase("build"):
         module = variant.build(case.vocab_size, case.embedding_dim, group=group, dtype=case.torch_dtype,
                                weight=data.table.clone())
-    except Exception as err:
-        raise variant_raised("build", 0, err) from err
     weight = get_param(module, variant.weight)
     result = EmbeddingRankResult(group=g, tp_rank=rank)
     if weight is None:
@@ -210,20 +200,14 @@ def embedding_rank(payload: dict[str, Any]) -> EmbeddingRankResult:
             weight[: real.shape[0]].copy_(real)
     result.weight = weight.detach()  # the module is dropped after the run: no copy needed
     ids = data.ids[g]
-    mark_phase("forward", 0)
-    try:
+    with rank_phase("forward"):
         out = variant.call(module, ids)
-    except Exception as err:
-        raise variant_raised("forward", 0, err) from err
     upstream = data.grads[g]
     if result.unusable(out, upstream.shape):
         return result
     result.output, result.output_type = out.detach(), type(out).__name__
-    mark_phase("backward", 0)
-    try:
+    with rank_phase("backward"):
         out.backward(upstream.to(out.dtype))
-    except Exception as err:
-        raise variant_raised("backward", 0, err) from err
     result.weight_grad = None if weight.grad is None else weight.grad.detach()
     return result
 
@@ -291,10 +275,11 @@ class CrossEntropyRankResult(RankOutput):
 
 def cross_entropy_rank(payload: dict[str, Any]) -> CrossEntropyRankResult:
     """What every rank runs for one cross-entropy case: call it on its shard, backward."""
-    case: CrossEntropyCase = payload["case"]
-    variant: CrossEntropyVariant = variant_of(payload)
-    data: CrossEntropyData = payload["data"]
-    group, g, rank, tp = tp_group(case, dist.get_rank())
+    me = enter_rank(payload)
+    case: CrossEntropyCase = me.case
+    variant: CrossEntropyVariant = me.variant
+    data: CrossEntropyData = me.data
+    group, g, rank, tp = me.group, me.g, me.rank, me.tp
     target = data.targets[g]
     if variant.input == "hidden":
         hidden = data.hidden[g].clone().requires_grad_()
@@ -303,54 +288,22 @@ def cross_entropy_rank(payload: dict[str, Any]) -> CrossEntropyRankResult:
     else:
         logits = data.logits[g].chunk(tp, dim=-1)[rank].clone().requires_grad_()
         leaves = (logits,)
-    mark_phase("forward", 0)
-    try:
+    with rank_phase("forward"):
         loss = variant.call(leaves, target, label_smoothing=case.label_smoothing, ignore_index=case.ignore_index,
                             vocab_size=case.vocab_size, reduction=case.reduction, group=group)
-    except Exception as err:
-        raise variant_raised("forward", 0, err) from err
     upstream = data.grads[g]
     result = CrossEntropyRankResult(group=g, tp_rank=rank)
     if result.unusable(loss, upstream.shape):
         return result
     result.output, result.output_type = loss.detach().clone(), type(loss).__name__
-    mark_phase("backward", 0)
-    try:
+    with rank_phase("backward"):
         loss.backward(upstream.to(loss.dtype))
-    except Exception as err:
-        raise variant_raised("backward", 0, err) from err
     grads = [None if leaf.grad is None else leaf.grad.detach().clone() for leaf in leaves]
     if variant.input == "hidden":
         result.hidden_grad, result.weight_grad = grads
     else:
         (result.input_grad,) = grads
     return result
-
-
-# --- the parent side -----------------------------------------------------------------------------
-
-
-def observe(variant: Any, case: Any, *, backend: str = "inproc", timeout: float = tpsim.DEFAULT_TIMEOUT,
-            isolate: bool = False) -> Observation:
-    """Run ``case`` once on ``case.world_size`` ranks of ``backend`` (see the module docstring);
-    ``isolate=True`` runs an inproc world in a supervised worker process (see :func:`tpsim.run`)."""
-    if isinstance(variant, EmbeddingVariant):
-        data: Any = embedding_data(case, variant.padding_multiple)
-        fn: Any = embedding_rank
-    else:
-        data = cross_entropy_data(case, "ignore_index" in variant.accepts)
-        fn = cross_entropy_rank
-    try:
-        values = launch(fn, variant, {"case": case, "data": data}, case.world_size, backend=backend, timeout=timeout,
-                        isolate=isolate)
-    except RankError as err:
-        return Observation(case, data, error=err)
-    return Observation(case, data, values=values)
-
-
-def tokens_of(shape: tuple[int, ...]) -> int:
-    """The number of positions of a batch shape."""
-    return math.prod(shape)
 
 
 def dense_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, label_smoothing: float, ignore_index: int,
