@@ -240,6 +240,56 @@ def test_activation_envelopes_bound_the_derivatives() -> None:
         assert float(fn(torch.zeros(1, dtype=torch.float64)).abs()) <= spec.at_zero + 1e-12, name
 
 
+class _HandRMSNorm(nn.Module):
+    """An RMSNorm written out (as Llama's is): x * rsqrt(mean(x^2) + eps) * weight."""
+
+    def __init__(self, hidden: int, *, group: object = None, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class _ShiftedLayerNorm(nn.LayerNorm):
+    """A LayerNorm of rows whose mean is 1000 times their spread: float32 loses most digits to the
+    cancellation of the mean, which the bound must cover (M_x / sigma), not flag."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(1000.0 + x)
+
+
+class _NormOnlyWhenPositive(nn.LayerNorm):
+    """Takes the norm only for inputs without a negative entry: the magnitude run (absolute values)
+    takes it where the reference did not, so the norm's values were never recorded."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) if bool((x >= 0).all()) else x * 2.0
+
+
+def _norm(cls: type) -> ModuleVariant:
+    def build(hidden: int, *, group: object, dtype: torch.dtype) -> nn.Module:
+        return cls(hidden, dtype=dtype) if issubclass(cls, (nn.LayerNorm, nn.RMSNorm)) else cls(hidden, group=group,
+                                                                                                   dtype=dtype)
+
+    return ModuleVariant(name=cls.__name__, build=build, sizes=("hidden",))
+
+
+@pytest.mark.parametrize("cls", [nn.LayerNorm, nn.RMSNorm, _HandRMSNorm, _ShiftedLayerNorm], ids=lambda c: c.__name__)
+def test_norms_have_a_derived_bound(cls: type) -> None:
+    # layer_norm, rms_norm (nn.RMSNorm's eps is its dtype's: float32 adds another than the float64
+    # reference) and the rsqrt of a hand-written one, in float64 and float32, at every world size.
+    report = search(_norm(cls), max_examples=60, seed=0)
+    assert report.passed, [f.describe() for f in report.failures]
+    assert report.examples == 60
+
+
+def test_a_norm_without_the_reference_values_is_refused() -> None:
+    case = ModuleCase(world_size=2, sizes=(4,), batch_shape=(3,), seed=0)
+    with pytest.raises(UnboundedOp, match=r"layer_norm on a path the reference run did not take"):
+        MODULE.check_case(_norm(_NormOnlyWhenPositive), case)
+
+
 # --- the search, case files and replay ------------------------------------------------------------
 
 

@@ -313,15 +313,18 @@ def diagnose_output(pieces: list[torch.Tensor], full: torch.Tensor, tol: torch.T
 
 @recogniser(GRAD_NOT_REDUCED, GRAD_SCALED)
 def diagnose_grad(pieces: list[torch.Tensor], full: torch.Tensor, tol: torch.Tensor, placement: Placement, *,
-                  what: str, replicated_param: str | None = None) -> Diagnosis:
+                  what: str, replicated_param: str | None = None, sequence_parallel: bool = False) -> Diagnosis:
     """Name the mechanism behind a gradient that differs: only each rank's summand (the backward
-    all-reduce is missing), a constant factor (averaged, or reduced twice); else ``mismatch``."""
+    all-reduce is missing), a constant factor (averaged, or reduced twice); else ``mismatch``.
+    ``sequence_parallel``: the module runs on sequence-sharded activations (said in the message)."""
     tp = len(pieces)
     if not isinstance(placement, Shard) and tp > 1 and rank_summands(pieces, full, tol):
         param = f" of the replicated parameter {replicated_param!r}" if replicated_param else ""
+        why = (" (under sequence parallelism each rank uses it on its own slice of the sequence only; NeMo #7184, "
+               "gpt-neox #1257)" if replicated_param and sequence_parallel else "")
         return Diagnosis(GRAD_NOT_REDUCED,
                          f"{what} on every rank is only its own summand (the ranks' grads differ and add up to the "
-                         f"dense grad): the backward all-reduce{param} over the tp group is missing",
+                         f"dense grad): the backward all-reduce{param} over the tp group is missing{why}",
                          {"param": replicated_param} if replicated_param else {})
     expected = _expected_pieces(full, placement, tp)
     tols = _expected_pieces(tol, placement, tp) if tol.shape == full.shape else [tol] * tp
@@ -433,7 +436,8 @@ def param_grad_diagnosis(ctx: _Ctx, name: str, grads: list[torch.Tensor | None],
         total = torch.stack(grads).sum(0)  # type: ignore[arg-type]
         return mismatch(total, full, what=f"{what} summed over ranks", tol=tol)
     diag = diagnose_grad(grads, full, tol, placement, what=what,  # type: ignore[arg-type]
-                         replicated_param=name if isinstance(placement, Replicate) else None)
+                         replicated_param=name if isinstance(placement, Replicate) else None,
+                         sequence_parallel="sequence-sharded" in (ctx.variant.input, ctx.variant.output))
     if isinstance(placement, Shard) and diag.name == MISMATCH and tp > 1:
         try:
             assembled = assemble_pieces(grads, placement, layout.uneven)  # type: ignore[arg-type]
