@@ -260,8 +260,9 @@ class Family:
 
     def judge(self, variant: Any, obs: Observation, properties: Sequence[str] | None = None) -> list[Any]:
         """The failures of one observation: what every family shares (an output that is no real
-        floating tensor is ``wrong-dtype``), then the family's own properties (:meth:`evaluate`)."""
-        wrong = output_dtype_failure(variant, obs.case, obs.values)
+        floating tensor, on a rank or as the variant's own dense reference, is ``wrong-dtype``), then
+        the family's own properties (:meth:`evaluate`)."""
+        wrong = output_dtype_failure(variant, obs)
         if wrong is not None:
             return [wrong] if FORWARD in (properties or self.properties) else []
         return self.evaluate(variant, obs, properties)

@@ -16,7 +16,6 @@ reference is itself a run, why that reference could not be computed: :class:`Den
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +31,7 @@ __all__ = [
     "OK",
     "OUTPUT_SHAPE",
     "DenseReferenceFailed",
+    "NotRealOutput",
     "Observation",
     "RankOutput",
     "output_dtype_failure",
@@ -81,6 +81,19 @@ class RankOutput:
         return True
 
 
+class NotRealOutput(Exception):
+    """The variant's output is not a real floating tensor (``dtype``: its dtype), where the variant is
+    its own dense reference (the module family's run on a tp group of one rank): named ``wrong-dtype``
+    (:func:`output_dtype_failure`) like a rank's such output."""
+
+    def __init__(self, dtype: str) -> None:
+        super().__init__(f"the output is {dtype}, not a real floating tensor")
+        self.dtype = dtype
+
+    def __reduce__(self) -> tuple[Any, ...]:  # its field survives pickling (the isolated worker)
+        return (type(self), (self.dtype,))
+
+
 class DenseReferenceFailed(Exception):
     """The variant failed without any parallelism, where the dense reference is the variant itself on a
     tp group of one rank (the module family): ``error`` is what it raised, or the
@@ -118,18 +131,27 @@ class Observation:
 
 
 @recogniser(WRONG_DTYPE)
-def output_dtype_failure(variant: Any, case: Any, values: Sequence[Any] | None) -> Failure | None:
+def output_dtype_failure(variant: Any, obs: Observation) -> Failure | None:
     """``wrong-dtype`` for the first rank whose output is a complex or integer tensor
-    (:data:`NOT_REAL`), in every family: it is never compared, passed or called detached."""
-    for r, v in enumerate(values or ()):
-        if getattr(v, "status", None) == NOT_REAL and v.output is not None:
-            got = str(v.output.dtype).replace("torch.", "")
-            return Failure(
-                FORWARD, WRONG_DTYPE,
-                f"the output on rank {r} is {got}, but the case is {case.dtype}: a layer's output must be a real "
-                f"floating tensor of the input's dtype (a {'complex' if v.output.is_complex() else 'integer'} result "
-                "cannot be compared with the dense one without dropping part of it, nor back-propagated as one)",
-                case=case, rank=r, variant=getattr(variant, "name", None),
-                details={"dtype": got, "expected_dtype": case.dtype},
-            )
-    return None
+    (:data:`NOT_REAL`), or for such an output of the variant as its own dense reference
+    (:class:`NotRealOutput`), in every family: it is never compared, passed or called detached."""
+    case = obs.case
+    found: tuple[int | None, torch.dtype | str, str] | None = None
+    reference = None if obs.reference_error is None else obs.reference_error.error
+    if isinstance(reference, NotRealOutput):
+        found = (None, reference.dtype, "the output of the dense reference (the variant on a tp group of one rank)")
+    for r, v in enumerate(obs.values or ()):
+        if found is None and getattr(v, "status", None) == NOT_REAL and v.output is not None:
+            found = (r, v.output.dtype, f"the output on rank {r}")
+    if found is None:
+        return None
+    rank, dtype, what = found
+    got = str(dtype).replace("torch.", "")
+    kind = "complex" if "complex" in got else "integer"
+    return Failure(
+        FORWARD, WRONG_DTYPE,
+        f"{what} is {got}, but the case is {case.dtype}: a layer's output must be a real floating tensor of the "
+        f"input's dtype (a {kind} result cannot be compared with the dense one without dropping part of it, nor "
+        "back-propagated as one)",
+        case=case, rank=rank, variant=getattr(variant, "name", None), details={"dtype": got, "expected_dtype": case.dtype},
+    )

@@ -42,8 +42,9 @@ in call order), and the magnitude run reads them back (:class:`MagnitudeMode`):
 - the roots a hand-written norm takes (``rsqrt``, ``sqrt``: :data:`ROOTS`), ``v**p`` with
   ``p = ∓1/2``, likewise with the reference's values: forward ``|p| |v|^(p-1) M_v + |v^p|``, backward
   ``G |p| |v|^(p-1) + |g| |p(p-1)| |v|^(p-2) M_v`` (the error of ``v`` moves the derivative);
-- anything else that computes floating values (``exp``, ``softmax``, a division by a tensor)
-  raises :class:`UnboundedOp` naming it: tpsim refuses to guess a tolerance. A rule for it is one
+- anything else that computes floating values (``exp``, ``softmax``, a division by a tensor), and
+  any arithmetic on complex values, raises :class:`UnboundedOp` naming it: tpsim refuses to guess a
+  tolerance. A rule for it is one
   :func:`register_rule` call (attention's ``scaled_dot_product_attention`` has one, in
   :mod:`tpsim.props.attention.magnitude`).
 
@@ -366,6 +367,9 @@ class MagnitudeMode(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = dict(kwargs or {})
         name, in_place = _name(func)
+        if any(isinstance(a, complex) or (isinstance(a, torch.Tensor) and a.is_complex())
+               for a in (*args, *kwargs.values(), *_tensors(list(args)))):
+            raise UnboundedOp(f"{_public_name(func, name)} on complex values")
         tensors = [t for t in _tensors(list(args) + list(kwargs.values())) if _is_float_tensor(t)]
         deepest = max((self.stages_of(t) for t in tensors), default=0)
         if name in _RULES:

@@ -38,7 +38,7 @@ from tpsim.props.module.boundary import Capture
 from tpsim.props.module.case import ModuleCase
 from tpsim.props.module.magnitude import MagnitudeMode, TapeEntry, UnboundedOp, ValueTape
 from tpsim.props.module.sharding import ParamLayout, declared_layout, infer_layout, piece
-from tpsim.props.observation import DenseReferenceFailed, RankOutput
+from tpsim.props.observation import DenseReferenceFailed, NotRealOutput, RankOutput
 from tpsim.props.rank import LR, TRAIN_STEPS, enter_rank, rank_phase, sgd_step, trainer_step
 
 __all__ = [
@@ -149,6 +149,8 @@ def reference_main(payload: dict[str, Any]) -> Reference:
             tape = ValueTape()
             with tape:
                 y = variant.call(dense, x)
+            if isinstance(y, torch.Tensor) and not y.is_floating_point():
+                raise NotRealOutput(str(y.dtype).replace("torch.", ""))  # wrong-dtype: nothing to compare with
             g_master = draw(tuple(y.shape), g_scale)
             y.backward(g_master.to(_F64))
             group_tapes.append(tape.entries)
