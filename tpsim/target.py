@@ -156,7 +156,7 @@ def _with_module_hint(err: InvalidArgument, obj: Any, options: Mapping[str, Any]
 
 
 def _resolve_uncached(target: str, options: Mapping[str, Any]) -> list[Any]:
-    from tpsim.props.family import families
+    from tpsim.props.family import ADAPTER_OPTIONS, families
 
     if not isinstance(target, str) or not target.strip():
         raise TargetError(f"target={target!r}; expected package.module:Name, path/to/file.py:Name or a module")
@@ -172,13 +172,20 @@ def _resolve_uncached(target: str, options: Mapping[str, Any]) -> list[Any]:
     redirect = DECLARED_IN.get(module_part)
     if redirect is not None or not attr:
         module = _import(redirect or module_part)
-        variants = [v for family in chosen for v in family.declared(module_part, module, options)]
         if attr:
-            match = [v for v in variants if v.name == attr]
+            # One declared variant by name: found whatever the adapter flags, then adapted by its family
+            # (which refuses a flag it does not take).
+            plain = {k: v for k, v in options.items() if k not in ADAPTER_OPTIONS}
+            found = [(family, v) for family in chosen for v in family.declared(module_part, module, plain)]
+            match = [(family, v) for family, v in found if v.name == attr]
             if not match:
-                names = ", ".join(v.name for v in variants)
+                names = ", ".join(v.name for _, v in found)
                 raise TargetError(f"{module_part!r} declares no variant named {attr!r}; it declares: {names}")
-            variants = match
+            try:
+                return _finish(target, [family.adapt(v, options, target) for family, v in match], options)
+            except InvalidArgument as err:
+                raise TargetError(str(err)) from None
+        variants = [v for family in chosen for v in family.declared(module_part, module, options)]
         if not variants:
             raise TargetError(
                 f"module {module_part!r} declares no variants (no TPSIM_VARIANTS or TPSIM_MODULES list and no "
