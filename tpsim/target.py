@@ -88,11 +88,6 @@ def _import_noise() -> Iterator[list[str]]:
             noise.extend([printed.getvalue()] + [f"{w.category.__name__}: {w.message}\n" for w in caught])
 
 
-def _quoted(noise: list[str]) -> str:
-    text = "".join(noise).strip()
-    return f"\nwhile importing it printed:\n{text}" if text else ""
-
-
 def _is_path(spec: str) -> bool:
     return spec.endswith(".py") or os.sep in spec or "/" in spec
 
@@ -235,7 +230,7 @@ def _param_grads(variants: list[Any], pairs: Any) -> list[Any]:
     grads = dict(tuple(p) for p in pairs)
     fixed = [v for v in variants if not family_of(v).params_inferred]
     if fixed and len(fixed) == len(variants):
-        have = sorted({spec.name for v in fixed for spec in v.params or ()})
+        have = sorted({n for v in fixed for spec in v.params or () for n in (spec.name, spec.master)})
         for name in grads:
             if name not in have:
                 raise TargetError(f"--param-grad {name}=...: no variant has a parameter named {name!r}; "

@@ -11,7 +11,6 @@ with a non-contiguous input layout is run again as its contiguous twin.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import Any
@@ -103,8 +102,9 @@ class LinearFamily(Family):
         return items
 
     def declare_grads(self, variant: Variant, grads: dict[str, str]) -> Variant:
-        specs = tuple(dataclasses.replace(s, grad=grads[s.name]) if s.name in grads else s for s in variant.params or ())
-        return variant.replace(params=specs)
+        # The grads of the parameters this variant has (the engine refuses a name no variant has).
+        names = {n for s in variant.params or () for n in (s.name, s.master)}
+        return variant.with_param_grads({k: v for k, v in grads.items() if k in names})
 
     # --- a search ----------------------------------------------------------------------------------
 

@@ -579,7 +579,7 @@ def _einsum_sizes(equation: str, operands: list[torch.Tensor]) -> tuple[dict[str
     sizes: dict[str, int] = {}
     specs = inputs.split(",")
     for spec, t in zip(specs, operands, strict=False):
-        head, dots, tail = spec.partition("...")
+        head, _, tail = spec.partition("...")
         shape = list(t.shape)
         for letter, n in zip(head, shape, strict=False):
             sizes[letter] = int(n)
