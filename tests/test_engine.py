@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import pytest
@@ -73,11 +73,6 @@ class ScaleCase(CaseBase):
     seed: int = 0
     tp_size: int | None = None
     tp_layout: str = "consecutive"
-    target: str | None = None
-    variant: str | None = None
-    options: tuple[tuple[str, Any], ...] = field(default=())
-    property: str | None = None
-    faults: tuple[Any, ...] = ()
 
     family: ClassVar[str] = "scale"
     SIZES: ClassVar[tuple[str, ...]] = ("size",)
@@ -98,13 +93,8 @@ def scale_rank(payload: dict[str, Any]) -> RankOutput:
     return result
 
 
-class ScaleFamily(Family):
-    name = "scale"
-    kinds = ("scale",)
-    variant_type = ScaleVariant
-    case_type = ScaleCase
-    properties = (FORWARD, REPLICA)
-    subject = "a sum"
+class ScaleFamily(Family, name="scale", kinds=("scale",), variant_type=ScaleVariant, case_type=ScaleCase,
+                  properties=(FORWARD, REPLICA), subject="a sum"):
 
     def cases(self, variant: Any, *, world_sizes: tuple[int, ...], dtypes: tuple[str, ...], **_: Any) -> Any:
         return st.builds(ScaleCase, world_size=st.sampled_from(world_sizes), size=st.integers(1, 3),

@@ -27,7 +27,7 @@ import hashlib
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -122,14 +122,17 @@ def _shown(value: Any) -> str:
     return str(value)
 
 
+@dataclass(frozen=True)
 class CaseBase:
     """What every family's case type shares: the common fields' validation, ``describe()``,
     ``to_dict()``/``from_dict()``, ``key()`` and ``replace()``, written once.
 
     A family's case is a frozen dataclass deriving from this class. Every case has the fields
-    ``world_size``, ``batch_shape``, ``dtype``, ``seed``, ``tp_size``, ``tp_layout``, ``faults``
-    (a fault plan, see :mod:`tpsim.faults`), ``target``, ``variant``, ``options`` and ``property``;
-    a family adds its sizes and flags and says, in class attributes, how they are read:
+    ``world_size``, ``batch_shape``, ``dtype``, ``seed``, ``tp_size`` and ``tp_layout`` (declared by
+    the family, in the order its positional constructor takes them) and, keyword-only, declared here:
+    ``target``, ``variant`` and ``options`` (which variant it was found with), ``property`` (which
+    property) and ``faults`` (a fault plan, see :mod:`tpsim.faults`). A family adds its sizes and
+    flags and says, in class attributes, how they are read:
 
     - ``family``: the family's name (written into case files);
     - ``SIZES``: the int fields that size the tensors (at least 1; those in ``MAY_BE_ZERO`` at least
@@ -144,6 +147,13 @@ class CaseBase:
     case's largest tensor (a case file asking for more than :data:`MAX_TENSOR_ELEMENTS` is refused
     before anything is allocated).
     """
+
+    _: KW_ONLY
+    target: str | None = None
+    variant: str | None = None
+    options: tuple[tuple[str, Any], ...] = field(default=())
+    property: str | None = None
+    faults: tuple[Any, ...] = ()
 
     family: ClassVar[str] = "linear"
     SIZES: ClassVar[tuple[str, ...]] = ()
@@ -229,9 +239,12 @@ class CaseBase:
         return " ".join([*parts, *self._describe_more()])
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (lists for tuples, an object for the options)."""
+        """JSON-ready dict (lists for tuples, an object for the options): the family's fields, then the
+        common keyword-only ones."""
         out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+        common = {f.name for f in dataclasses.fields(CaseBase)}
+        fields = dataclasses.fields(self)  # type: ignore[arg-type]
+        for f in [f for f in fields if f.name not in common] + [f for f in fields if f.name in common]:
             value = getattr(self, f.name)
             if f.name in self.WRITTEN_WHEN_SET and value == (f.default if f.default is not dataclasses.MISSING
                                                              else f.default_factory()):  # type: ignore[misc]
@@ -306,11 +319,6 @@ class Case(CaseBase):
     tp_size: int | None = None
     input_layout: str = "contiguous"
     tp_layout: str = "consecutive"
-    faults: tuple[Any, ...] = ()
-    target: str | None = None
-    variant: str | None = None
-    options: tuple[tuple[str, Any], ...] = field(default=())
-    property: str | None = None
 
     SIZES: ClassVar[tuple[str, ...]] = ("in_features", "out_features")
     FLAGS: ClassVar[tuple[str, ...]] = ("bias",)

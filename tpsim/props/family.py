@@ -81,8 +81,10 @@ class Family:
     properties: ClassVar[tuple[str, ...]]
     #: How messages name a variant of the family (``"an embedding"``: "an embedding is checked for ...").
     subject: ClassVar[str]
-    #: The list a bare module declares this family's variants in (else its module-level variants).
+    #: The list a bare module declares this family's variants in (else its module-level variants),
+    #: and whether other families' variants share it.
     declared_list: ClassVar[str | None] = None
+    declared_list_shared: ClassVar[bool] = False
     #: The CLI adapter flags (:data:`ADAPTER_OPTIONS`) this family's variants take.
     adapter_options: ClassVar[tuple[str, ...]] = ()
     #: Whether the family reads its variants' parameters from the built module (any name may be
@@ -91,6 +93,20 @@ class Family:
     #: The dtypes the family is checked in (None: all), and why no others.
     dtypes: ClassVar[tuple[str, ...] | None] = None
     dtype_reason: ClassVar[str] = ""
+
+    def __init_subclass__(cls, *, name: str | None = None, kinds: tuple[str, ...] | None = None,
+                          variant_type: type | None = None, case_type: type | None = None,
+                          properties: tuple[str, ...] | None = None, subject: str | None = None,
+                          **kwargs: Any) -> None:
+        """A family says what it is in its class statement: ``class AttentionFamily(Family,
+        name="attention", kinds=("attention",), variant_type=AttentionVariant, case_type=AttentionCase,
+        properties=ATTENTION_PROPERTIES, subject="an attention block")``."""
+        super().__init_subclass__(**kwargs)
+        given = {"name": name, "kinds": kinds, "variant_type": variant_type, "case_type": case_type,
+                 "properties": properties, "subject": subject}
+        for attr, value in given.items():
+            if value is not None:
+                setattr(cls, attr, value)
 
     # --- targets -----------------------------------------------------------------------------------
 
@@ -133,7 +149,13 @@ class Family:
         return [self.own_module(self.adapt(v, options, f"{target}:{v.name}"), module) for v in items]
 
     def declared_items(self, module: ModuleType, items: list[Any]) -> list[Any]:
-        """The variants of this family in ``module``'s :attr:`declared_list` (default: those of its type)."""
+        """The variants of this family in ``module``'s :attr:`declared_list`: its own list must hold
+        nothing else; a list several families share (:attr:`declared_list_shared`) is filtered."""
+        if not self.declared_list_shared:
+            bad = [v for v in items if not isinstance(v, self.variant_type)]
+            if bad:
+                raise InvalidArgument(f"{module.__name__}.{self.declared_list} holds {bad[0]!r}, which is not a tpsim "
+                                      f"{self.variant_type.__name__}")
         return [v for v in items if isinstance(v, self.variant_type)]
 
     def takes(self, options: Mapping[str, Any]) -> bool:
@@ -214,8 +236,19 @@ class Family:
     def cases(self, variant: Any, *, world_sizes: tuple[int, ...], dtypes: tuple[str, ...], non_divisible: bool,
               tp_sizes: tuple[int, ...] | None, subgroups: bool, layouts: tuple[str, ...]) -> Any:
         """A Hypothesis strategy of this family's cases for ``variant`` (shrinking toward the smallest,
-        most readable case); ``non_divisible``: also sizes that do not divide."""
-        raise NotImplementedError
+        most readable case); ``non_divisible``: also sizes that do not divide (the divisibility
+        property is asked for). Default: :attr:`strategy`, whose inputs are contiguous (memory layouts
+        are a property of the layers, checked on each of them)."""
+        return self.strategy(variant, world_sizes=world_sizes, dtypes=dtypes,
+                             non_divisible=non_divisible or self.uneven_sizes_are_cases, tp_sizes=tp_sizes,
+                             subgroups=subgroups)
+
+    #: The family's case strategy, ``strategy(variant, *, world_sizes, dtypes, non_divisible, tp_sizes,
+    #: subgroups)`` (see :meth:`cases`).
+    strategy: ClassVar[Any] = None
+    #: Whether a size that does not divide by the tp size is an ordinary case of the family (padded,
+    #: split unevenly: it must be exact), drawn whatever the divisibility property says.
+    uneven_sizes_are_cases: ClassVar[bool] = False
 
     def fault_case(self, variant: Any, world_size: int, seed: int) -> Any:
         """One small divisible case of ``world_size`` ranks whose run issues collectives, for fault

@@ -37,15 +37,10 @@ _OVERRIDES = ("input", "output", "input_grad")
 _LAYOUT_OPTIONS = ("packed", "sequence_dim")
 
 
-class LinearFamily(Family):
+class LinearFamily(Family, name="linear", kinds=KINDS, variant_type=Variant, case_type=Case, properties=PROPERTIES,
+                   subject="a linear layer"):
     """Single linear layers: column- and row-parallel variants (see :mod:`tpsim.variant`)."""
 
-    name = "linear"
-    kinds: tuple[str, ...] = KINDS
-    variant_type = Variant
-    case_type = Case
-    properties = PROPERTIES
-    subject = "a linear layer"
     declared_list = "TPSIM_VARIANTS"
     adapter_options = ADAPTER_OPTIONS
 
@@ -94,12 +89,6 @@ class LinearFamily(Family):
                 raise InvalidArgument(f"{target!r} is a bare module; --convention/--kind need a class: use "
                                       f"{target}:ClassName")
         return super().declared(target, module, options)
-
-    def declared_items(self, module: ModuleType, items: list[Any]) -> list[Any]:
-        bad = [v for v in items if not isinstance(v, Variant)]
-        if bad:
-            raise InvalidArgument(f"{module.__name__}.TPSIM_VARIANTS holds {bad[0]!r}, which is not a tpsim Variant")
-        return items
 
     def declare_grads(self, variant: Variant, grads: dict[str, str]) -> Variant:
         # The grads of the parameters this variant has (the engine refuses a name no variant has).

@@ -8,8 +8,8 @@ The parameters (packed ``[Q; K; V]`` and the out-projection, with or without bia
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import ClassVar
 
 from tpsim.errors import InvalidArgument
 from tpsim.props.case import CaseBase
@@ -38,11 +38,6 @@ class AttentionCase(CaseBase):
     seed: int = 0
     tp_size: int | None = None
     tp_layout: str = "consecutive"
-    target: str | None = None
-    variant: str | None = None
-    options: tuple[tuple[str, Any], ...] = field(default=())
-    property: str | None = None
-    faults: tuple[Any, ...] = ()
 
     family: ClassVar[str] = "attention"
     SIZES: ClassVar[tuple[str, ...]] = ("hidden", "num_heads", "num_kv_heads", "head_dim", "seq")

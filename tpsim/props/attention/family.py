@@ -31,15 +31,11 @@ __all__ = ["ATTENTION", "ATTENTION_DTYPES", "AttentionFamily"]
 ATTENTION_DTYPES = ("float64", "float32")
 
 
-class AttentionFamily(Family):
+class AttentionFamily(Family, name="attention", kinds=(ATTENTION_KIND,), variant_type=AttentionVariant,
+                      case_type=AttentionCase, properties=ATTENTION_PROPERTIES, subject="an attention block"):
     """Head-sharded attention blocks against float64 attention (see :mod:`tpsim.props.attention.checks`)."""
 
-    name = "attention"
-    kinds: tuple[str, ...] = (ATTENTION_KIND,)
-    variant_type = AttentionVariant
-    case_type = AttentionCase
-    properties = ATTENTION_PROPERTIES
-    subject = "an attention block"
+    strategy = staticmethod(attention_cases)
     dtypes = ATTENTION_DTYPES
     dtype_reason = "through a softmax the bfloat16/float16 rounding bound is as large as the bugs it looks for"
 
@@ -48,11 +44,6 @@ class AttentionFamily(Family):
             raise InvalidArgument(f"{target} is not a tpsim AttentionVariant; check an attention block class as a "
                                   "whole module: --kind module")
         return None
-
-    def cases(self, variant: AttentionVariant, *, world_sizes: tuple[int, ...], dtypes: tuple[str, ...],
-              non_divisible: bool, tp_sizes: tuple[int, ...] | None, subgroups: bool, layouts: tuple[str, ...]) -> Any:
-        return attention_cases(variant, world_sizes=world_sizes, dtypes=dtypes, non_divisible=non_divisible,
-                               tp_sizes=tp_sizes, subgroups=subgroups)
 
     def fault_case(self, variant: AttentionVariant, world_size: int, seed: int) -> AttentionCase:
         ws = world_size

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tpsim.attention_variant import ATTENTION_PARAMS, AttentionVariant
+from tpsim.attention_variant import ATTENTION_PARAMS
 from tpsim.props.attention.case import AttentionCase
 from tpsim.props.observation import RankOutput
 from tpsim.props.rank import enter_rank, rank_phase
@@ -83,10 +83,7 @@ def _sequence_slice(t: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
 def attention_rank(payload: dict[str, Any]) -> AttentionRankResult:
     """What every rank runs for one attention case: build from the masters, forward, backward."""
     me = enter_rank(payload)
-    case: AttentionCase = me.case
-    variant: AttentionVariant = me.variant
-    data: AttentionData = me.data
-    g, rank, tp = me.g, me.rank, me.tp
+    case, variant, data, g, rank, tp = me.case, me.variant, me.data, me.g, me.rank, me.tp
     with rank_phase("build"):
         module = variant.build(case.hidden, case.num_heads, case.num_kv_heads, case.head_dim, bias=case.bias,
                                causal=case.causal, sequence_parallel=variant.sequence_parallel, group=me.group,

@@ -8,8 +8,8 @@ In a case file it sits under ``"family": "module"``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import ClassVar
 
 from tpsim.errors import InvalidArgument
 from tpsim.props.case import MAX_TENSOR_ELEMENTS, CaseBase
@@ -30,13 +30,8 @@ class ModuleCase(CaseBase):
     seed: int = 0
     tp_size: int | None = None
     tp_layout: str = "consecutive"
-    target: str | None = None
-    variant: str | None = None
-    options: tuple[tuple[str, Any], ...] = field(default=())
-    property: str | None = None
     #: The variant's names of the sizes (``hidden``, ``ffn``): reports and case files read better.
     size_names: tuple[str, ...] = ()
-    faults: tuple[Any, ...] = ()
 
     family: ClassVar[str] = "module"
     REQUIRED: ClassVar[tuple[str, ...] | None] = ("world_size", "sizes")

@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from types import ModuleType
 from typing import Any
 
 from torch import nn
 
-from tpsim.errors import InvalidArgument
 from tpsim.module_variant import MODULE_KIND, ModuleVariant, module_from_class
 from tpsim.placement import Replicate
 from tpsim.props.family import ADAPTER_OPTIONS, Family, World
@@ -39,15 +37,11 @@ __all__ = ["MODULE", "MODULE_DTYPES", "ModuleFamily"]
 MODULE_DTYPES = ("float64", "float32")
 
 
-class ModuleFamily(Family):
+class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=ModuleVariant, case_type=ModuleCase,
+                   properties=PROPERTIES, subject="a whole module"):
     """Whole modules, checked against themselves on a one-rank tp group (see :mod:`tpsim.props.module`)."""
 
-    name = "module"
-    kinds: tuple[str, ...] = (MODULE_KIND,)
-    variant_type = ModuleVariant
-    case_type = ModuleCase
-    properties = PROPERTIES
-    subject = "a whole module"
+    strategy = staticmethod(module_cases)
     declared_list = "TPSIM_MODULES"
     adapter_options = ("input", "output", "input_grad", "sequence_dim", "param_grad")
     params_inferred = True
@@ -78,12 +72,6 @@ class ModuleFamily(Family):
         changes = {k: options[k] for k in ("input", "output", "input_grad", "sequence_dim") if options.get(k) is not None}
         return variant.replace(**changes) if changes else variant
 
-    def declared_items(self, module: ModuleType, items: list[Any]) -> list[Any]:
-        bad = [v for v in items if not isinstance(v, ModuleVariant)]
-        if bad:
-            raise InvalidArgument(f"{module.__name__}.TPSIM_MODULES holds {bad[0]!r}, which is not a tpsim ModuleVariant")
-        return items
-
     def declare_grads(self, variant: ModuleVariant, grads: dict[str, str]) -> ModuleVariant:
         # A parameter the variant does not declare is declared replicated (its layout is read from
         # the built module anyway), a bias by its name.
@@ -95,12 +83,6 @@ class ModuleFamily(Family):
         return variant.replace(params=tuple(declared.values()))
 
     # --- a search ----------------------------------------------------------------------------------
-
-    def cases(self, variant: ModuleVariant, *, world_sizes: tuple[int, ...], dtypes: tuple[str, ...],
-              non_divisible: bool, tp_sizes: tuple[int, ...] | None, subgroups: bool, layouts: tuple[str, ...]) -> Any:
-        # Inputs are contiguous: memory layouts are a property of the layers, checked on each of them.
-        return module_cases(variant, world_sizes=world_sizes, dtypes=dtypes, non_divisible=non_divisible,
-                            tp_sizes=tp_sizes, subgroups=subgroups)
 
     def fault_case(self, variant: ModuleVariant, world_size: int, seed: int) -> ModuleCase:
         ws = world_size

@@ -8,8 +8,8 @@ Pure data that replays exactly: the tensors (table or logits, ids, upstream grad
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import ClassVar
 
 from tpsim.errors import InvalidArgument
 from tpsim.props.case import CaseBase
@@ -35,11 +35,6 @@ class EmbeddingCase(CaseBase):
     seed: int = 0
     tp_size: int | None = None
     tp_layout: str = "consecutive"
-    target: str | None = None
-    variant: str | None = None
-    options: tuple[tuple[str, Any], ...] = field(default=())
-    property: str | None = None
-    faults: tuple[Any, ...] = ()
 
     family: ClassVar[str] = "embedding"
     SIZES: ClassVar[tuple[str, ...]] = ("vocab_size", "embedding_dim")
@@ -68,11 +63,6 @@ class CrossEntropyCase(CaseBase):
     hidden: int = 0
     tp_size: int | None = None
     tp_layout: str = "consecutive"
-    target: str | None = None
-    variant: str | None = None
-    options: tuple[tuple[str, Any], ...] = field(default=())
-    property: str | None = None
-    faults: tuple[Any, ...] = ()
 
     family: ClassVar[str] = "cross-entropy"
     SIZES: ClassVar[tuple[str, ...]] = ("vocab_size", "hidden")

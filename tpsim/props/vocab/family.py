@@ -49,6 +49,12 @@ class _VocabFamily(Family):
     """What both families share: targets from a library's preset or from ``--kind``."""
 
     declared_list = "TPSIM_VOCAB"
+    declared_list_shared = True  # both families' variants, in one list
+    # A vocabulary that does not divide is an ordinary case, drawn whatever the divisibility property
+    # says: an embedding that pads must be exact on it (one that refuses is judged by that property, and
+    # passes when it is not asked for); a cross-entropy's logits arrive padded with the real vocab_size,
+    # and the loss must be exact (Megatron-LM #1754).
+    uneven_sizes_are_cases = True
 
     def _from_kind(self, obj: Any) -> Any:  # pragma: no cover - overridden
         raise NotImplementedError
@@ -73,28 +79,16 @@ class _VocabFamily(Family):
         return [self.own_module(self.adapt(self._from_kind(obj), options, target), module)]
 
 
-class EmbeddingFamily(_VocabFamily):
+class EmbeddingFamily(_VocabFamily, name="embedding", kinds=(EMBEDDING_KIND,), variant_type=EmbeddingVariant,
+                      case_type=EmbeddingCase, properties=EMBEDDING_PROPERTIES, subject="an embedding"):
     """Vocab-parallel embeddings against ``nn.Embedding`` (see :mod:`tpsim.props.vocab.checks`)."""
 
-    name = "embedding"
-    kinds: tuple[str, ...] = (EMBEDDING_KIND,)
-    variant_type = EmbeddingVariant
-    case_type = EmbeddingCase
-    properties = EMBEDDING_PROPERTIES
-    subject = "an embedding"
+    strategy = staticmethod(embedding_cases)  # ids are integers: memory layouts of floating inputs do not apply
 
     def _from_kind(self, obj: Any) -> EmbeddingVariant:
         if isinstance(obj, type) and issubclass(obj, nn.Module):
             return embedding_from_class(obj)
         raise InvalidArgument(f"{obj!r} is not an nn.Module class or a tpsim EmbeddingVariant (--kind embedding)")
-
-    def cases(self, variant: EmbeddingVariant, *, world_sizes: tuple[int, ...], dtypes: tuple[str, ...],
-              non_divisible: bool, tp_sizes: tuple[int, ...] | None, subgroups: bool, layouts: tuple[str, ...]) -> Any:
-        # Ids are integers: memory layouts of floating inputs do not apply. A vocabulary that does not
-        # divide is drawn whatever non_divisible says: a padding layer must be exact on it, a refusing
-        # one is judged by the divisibility property (and passes when that is not asked for).
-        return embedding_cases(variant, world_sizes=world_sizes, dtypes=dtypes, non_divisible=True,
-                               tp_sizes=tp_sizes, subgroups=subgroups)
 
     def fault_case(self, variant: EmbeddingVariant, world_size: int, seed: int) -> EmbeddingCase:
         sd = variant.sequence_dim
@@ -114,15 +108,12 @@ class EmbeddingFamily(_VocabFamily):
         return evaluate_embedding(variant, obs, properties)
 
 
-class CrossEntropyFamily(_VocabFamily):
+class CrossEntropyFamily(_VocabFamily, name="cross-entropy", kinds=(CROSS_ENTROPY_KIND,),
+                         variant_type=CrossEntropyVariant, case_type=CrossEntropyCase,
+                         properties=CROSS_ENTROPY_PROPERTIES, subject="a cross-entropy"):
     """Vocab-parallel cross-entropies against ``F.cross_entropy`` (see :mod:`tpsim.props.vocab.checks`)."""
 
-    name = "cross-entropy"
-    kinds: tuple[str, ...] = (CROSS_ENTROPY_KIND,)
-    variant_type = CrossEntropyVariant
-    case_type = CrossEntropyCase
-    properties = CROSS_ENTROPY_PROPERTIES
-    subject = "a cross-entropy"
+    strategy = staticmethod(cross_entropy_cases)
 
     def _from_kind(self, obj: Any) -> CrossEntropyVariant:
         return cross_entropy_from_function(obj)
@@ -152,14 +143,6 @@ class CrossEntropyFamily(_VocabFamily):
         if not missing:
             return []
         return [f"{variant.name} takes no {', '.join(missing)}: " + "; ".join(consequence[k] for k in missing)]
-
-    def cases(self, variant: CrossEntropyVariant, *, world_sizes: tuple[int, ...], dtypes: tuple[str, ...],
-              non_divisible: bool, tp_sizes: tuple[int, ...] | None, subgroups: bool, layouts: tuple[str, ...]) -> Any:
-        # A vocabulary that does not divide is an ordinary case here, not a divisibility one: the logits
-        # arrive padded with the real vocab_size, and the loss must be exact (Megatron-LM #1754). So it
-        # is drawn whatever non_divisible says (which follows whether the divisibility property is asked).
-        return cross_entropy_cases(variant, world_sizes=world_sizes, dtypes=dtypes, non_divisible=True,
-                                   tp_sizes=tp_sizes, subgroups=subgroups)
 
     def fault_case(self, variant: CrossEntropyVariant, world_size: int, seed: int) -> CrossEntropyCase:
         dtype = variant.dtypes[0] if variant.dtypes else "float64"

@@ -32,7 +32,6 @@ from tpsim.props.observation import RankOutput
 from tpsim.props.rank import enter_rank, rank_phase
 from tpsim.props.vocab.case import CrossEntropyCase, EmbeddingCase
 from tpsim.variant import get_param
-from tpsim.vocab_variant import CrossEntropyVariant, EmbeddingVariant
 
 __all__ = [
     "NO_WEIGHT",
@@ -169,12 +168,9 @@ class EmbeddingRankResult(RankOutput):
 def embedding_rank(payload: dict[str, Any]) -> EmbeddingRankResult:
     """What every rank runs for one embedding case: build, load (``load=True``), forward, backward."""
     me = enter_rank(payload)
-    case: EmbeddingCase = me.case
-    variant: EmbeddingVariant = me.variant
-    data: EmbeddingData = me.data
-    group, g, rank, tp = me.group, me.g, me.rank, me.tp
+    case, variant, data, g, rank, tp = me.case, me.variant, me.data, me.g, me.rank, me.tp
     with rank_phase("build"):
-        module = variant.build(case.vocab_size, case.embedding_dim, group=group, dtype=case.torch_dtype,
+        module = variant.build(case.vocab_size, case.embedding_dim, group=me.group, dtype=case.torch_dtype,
                                weight=data.table.clone())
     weight = get_param(module, variant.weight)
     result = EmbeddingRankResult(group=g, tp_rank=rank)
@@ -188,7 +184,7 @@ def embedding_rank(payload: dict[str, Any]) -> EmbeddingRankResult:
     if variant.load:
         # Every rank's stored size decides the layout (uneven or padded): exchange them first.
         sizes = [torch.zeros(1, dtype=torch.long) for _ in range(tp)]
-        dist.all_gather(sizes, torch.tensor([rows]), group=group)
+        dist.all_gather(sizes, torch.tensor([rows]), group=me.group)
         where = vocab_rows(rows, case.vocab_size, tp, rank, [int(s) for s in sizes])
         if where is None:
             result.status, result.shape = WEIGHT_SHAPE, tuple(weight.shape)
@@ -276,10 +272,7 @@ class CrossEntropyRankResult(RankOutput):
 def cross_entropy_rank(payload: dict[str, Any]) -> CrossEntropyRankResult:
     """What every rank runs for one cross-entropy case: call it on its shard, backward."""
     me = enter_rank(payload)
-    case: CrossEntropyCase = me.case
-    variant: CrossEntropyVariant = me.variant
-    data: CrossEntropyData = me.data
-    group, g, rank, tp = me.group, me.g, me.rank, me.tp
+    case, variant, data, g, rank, tp = me.case, me.variant, me.data, me.g, me.rank, me.tp
     target = data.targets[g]
     if variant.input == "hidden":
         hidden = data.hidden[g].clone().requires_grad_()
@@ -290,7 +283,7 @@ def cross_entropy_rank(payload: dict[str, Any]) -> CrossEntropyRankResult:
         leaves = (logits,)
     with rank_phase("forward"):
         loss = variant.call(leaves, target, label_smoothing=case.label_smoothing, ignore_index=case.ignore_index,
-                            vocab_size=case.vocab_size, reduction=case.reduction, group=group)
+                            vocab_size=case.vocab_size, reduction=case.reduction, group=me.group)
     upstream = data.grads[g]
     result = CrossEntropyRankResult(group=g, tp_rank=rank)
     if result.unusable(loss, upstream.shape):
