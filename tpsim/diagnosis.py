@@ -337,10 +337,12 @@ SHAPE_ERROR = register(DiagnosisSpec(
 ))
 WRONG_DTYPE = register(DiagnosisSpec(
     "wrong-dtype", (_FORWARD,) + _GRADS,
-    "a rank's output or gradient has another floating dtype than the case's (e.g. float32 returned "
-    "for a float16 or float64 case): part of the layer computes or communicates in a dtype it never casts back from",
+    "a rank's output or gradient has another dtype than the case's: another floating dtype (e.g. float32 returned "
+    "for a float16 or float64 case: part of the layer computes or communicates in a dtype it never casts back from), "
+    "or a complex or integer one",
     "the dtype of the rank's tensor differs from the case's dtype (checked before any value: a wider "
-    "dtype can hide a lower-precision bug, a narrower one looks like rounding)",
+    "dtype can hide a lower-precision bug, a narrower one looks like rounding; a complex or integer output is "
+    "never compared, which would drop its imaginary part or fraction, in any family)",
     "row-reduce-float32",
     consequences=(_INPUT_GRAD, _WEIGHT_GRAD, _BIAS_GRAD, _REPLICA, _TRAINING),
 ))
