@@ -14,14 +14,14 @@ import pytest
 
 from tpsim import builtin_variants
 from tpsim.diagnosis import DIAGNOSES
-from tpsim.mutants import CATALOG, CORRECT
+from tpsim.mutants import CATALOG, CORRECT, CORRECT_NORMS
 from tpsim.props.family import family_of
 from tpsim.props.search import search
 
 #: Budget for catching a mutant: every one is caught well within it (the table shows how fast).
 CATCH_BUDGET = 200
 SEEDS = (0, 1)
-CORRECT_VARIANTS = CORRECT + builtin_variants.TPSIM_VARIANTS
+CORRECT_VARIANTS = CORRECT + builtin_variants.TPSIM_VARIANTS + CORRECT_NORMS
 
 _TABLE: list[tuple[str, str, int, str, float]] = []
 
