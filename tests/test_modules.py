@@ -16,12 +16,12 @@ from tpsim.errors import InvalidArgument
 from tpsim.layers.mlp import DenseMLP
 from tpsim.module_variant import ModuleVariant, module_from_class
 from tpsim.placement import Replicate, Shard
-from tpsim.props.family import resolve_target
 from tpsim.props.module.case import ModuleCase
-from tpsim.props.module.checks import check_case
+from tpsim.props.module.family import MODULE
 from tpsim.props.module.magnitude import ACTIVATIONS, UnboundedOp
 from tpsim.props.module.sharding import infer_layout, uneven_size
 from tpsim.props.search import search
+from tpsim.target import resolve_target
 from tpsim.variant import ParamSpec
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -126,7 +126,7 @@ def test_parallel_mlp_matches_its_dense_self(activation, world_size, tp_size, la
         # hidden 5 does not divide: the MLP does not shard it and must just work.
         case = ModuleCase(world_size=world_size, tp_size=tp_size, tp_layout=layout, sizes=(5, 2 * tp_size),
                           batch_shape=batch, dtype=dtype, seed=world_size)
-        assert check_case(v, case) == [], case.describe(v.sizes)
+        assert MODULE.check_case(v, case) == [], case.describe()
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
@@ -134,13 +134,13 @@ def test_sequence_parallel_mlp_matches_its_dense_self(world_size) -> None:
     v = mlp_variant("swiglu", sequence_parallel=True)
     for dtype, batch in (("float64", (2 * world_size,)), ("float32", (2, 3 * world_size))):
         case = ModuleCase(world_size=world_size, sizes=(6, 2 * world_size), batch_shape=batch, dtype=dtype, seed=3)
-        assert check_case(v, case) == []
+        assert MODULE.check_case(v, case) == []
 
 
 def test_a_size_that_the_mlp_shards_and_cannot_divide_is_refused_clearly() -> None:
     # ffn=5 over 2 ranks: ParallelMLP raises a ValueError naming it on every rank (the property holds).
     case = ModuleCase(world_size=2, sizes=(4, 5), batch_shape=(2,), seed=0)
-    assert check_case(mlp_variant("swiglu"), case) == []
+    assert MODULE.check_case(mlp_variant("swiglu"), case) == []
 
 
 def test_the_dense_reference_can_be_given() -> None:
@@ -148,7 +148,7 @@ def test_the_dense_reference_can_be_given() -> None:
         return DenseMLP(hidden, ffn, activation="swiglu", dtype=dtype)
 
     v = mlp_variant("swiglu").replace(dense=dense)
-    assert check_case(v, ModuleCase(world_size=2, sizes=(4, 6), batch_shape=(3,), dtype="float32", seed=1)) == []
+    assert MODULE.check_case(v, ModuleCase(world_size=2, sizes=(4, 6), batch_shape=(3,), dtype="float32", seed=1)) == []
 
 
 def test_the_search_checks_the_mlps_in_float64_and_float32_and_says_why() -> None:
@@ -176,12 +176,12 @@ def test_the_search_checks_the_mlps_in_float64_and_float32_and_says_why() -> Non
 )
 def test_a_bug_inside_a_sublayer_is_named_with_it(name: str, expected: list) -> None:
     case = ModuleCase(world_size=2, sizes=(4, 6), batch_shape=(3,), seed=3)
-    assert _labels(check_case(_target(name), case)) == expected
+    assert _labels(MODULE.check_case(_target(name), case)) == expected
 
 
 def test_consequences_are_listed_under_their_cause() -> None:
     case = ModuleCase(world_size=2, sizes=(4, 6), batch_shape=(3,), seed=3)
-    (cause,) = check_case(_target("InputGradNotReducedMLP"), case)
+    (cause,) = MODULE.check_case(_target("InputGradNotReducedMLP"), case)
     assert cause.sublayer == "fc1"
     assert [(c.property, c.diagnosis) for c in cause.consequences] == [("replica-consistency", "replica-divergence")]
     assert "the input grad of fc1" in cause.message and "only its own summand" in cause.message
@@ -189,40 +189,40 @@ def test_consequences_are_listed_under_their_cause() -> None:
 
 def test_a_divergence_between_sublayers_is_named_by_the_sublayer_after_it() -> None:
     case = ModuleCase(world_size=2, sizes=(4, 6), batch_shape=(3,), seed=3)
-    failures = check_case(_target("ActivationOnWrongHalfMLP"), case)
+    failures = MODULE.check_case(_target("ActivationOnWrongHalfMLP"), case)
     assert failures[0].property == "forward-equivalence" and failures[0].sublayer == "before fc2"
 
 
 def test_a_packed_layout_the_shapes_cannot_tell_is_declared() -> None:
     case = ModuleCase(world_size=2, sizes=(4, 4), batch_shape=(3,), seed=0)
-    inferred = check_case(_target("PackedGateUpMLP"), case)
+    inferred = MODULE.check_case(_target("PackedGateUpMLP"), case)
     assert inferred and "declare it: ModuleVariant(params=(ParamSpec('fc1.weight', 'weight', Shard(0, parts=(1, 1)))" \
         in inferred[0].message
     (declared,) = resolve_target(f"{TARGETS}:packed_declared")
-    assert check_case(declared, case) == []
+    assert MODULE.check_case(declared, case) == []
 
 
 def test_a_truncated_size_is_divisibility_unchecked_and_an_uneven_one_is_fine() -> None:
     case = ModuleCase(world_size=2, sizes=(4, 5), batch_shape=(3,), seed=0)
-    (failure,) = check_case(_target("FloorShardedMLP"), case)
+    (failure,) = MODULE.check_case(_target("FloorShardedMLP"), case)
     assert (failure.property, failure.label) == ("divisibility", "fc1: divisibility-unchecked")
     assert "ffn=5 is not divisible by world_size=2" in failure.message and "'fc1.weight' has shape [2, 4]" in failure.message
-    assert check_case(_target("UnevenShardedMLP"), case) == []
-    assert check_case(_target("UnevenShardedMLP"), case.replace(world_size=3, tp_size=3, sizes=(4, 7))) == []
+    assert MODULE.check_case(_target("UnevenShardedMLP"), case) == []
+    assert MODULE.check_case(_target("UnevenShardedMLP"), case.replace(world_size=3, tp_size=3, sizes=(4, 7))) == []
 
 
 def test_a_module_the_tolerance_cannot_be_derived_for_is_a_usage_error() -> None:
     with pytest.raises(UnboundedOp, match=r"cannot derive a rounding-error bound through .*exp.*register_rule"):
-        check_case(_target("ExpMLP"), ModuleCase(world_size=2, sizes=(2, 2), seed=0))
+        MODULE.check_case(_target("ExpMLP"), ModuleCase(world_size=2, sizes=(2, 2), seed=0))
 
 
 def test_grads_through_a_kink_are_compared_in_float64_only() -> None:
     v = mlp_variant("relu")
     for dtype in ("float64", "float32"):
-        assert check_case(v, ModuleCase(world_size=2, sizes=(6, 8), batch_shape=(4,), dtype=dtype, seed=2)) == []
+        assert MODULE.check_case(v, ModuleCase(world_size=2, sizes=(6, 8), batch_shape=(4,), dtype=dtype, seed=2)) == []
     # The bug is still caught in a float64 case.
     buggy = _target("InputGradNotReducedMLP")
-    assert check_case(buggy, ModuleCase(world_size=2, sizes=(4, 6), batch_shape=(3,), seed=3))
+    assert MODULE.check_case(buggy, ModuleCase(world_size=2, sizes=(4, 6), batch_shape=(3,), seed=3))
 
 
 def test_activation_envelopes_bound_the_derivatives() -> None:
@@ -238,6 +238,56 @@ def test_activation_envelopes_bound_the_derivatives() -> None:
         assert float(d1.abs().max()) <= spec.lipschitz, name
         assert float(d2.abs().max()) <= spec.curvature + 1e-9, name
         assert float(fn(torch.zeros(1, dtype=torch.float64)).abs()) <= spec.at_zero + 1e-12, name
+
+
+class _HandRMSNorm(nn.Module):
+    """An RMSNorm written out (as Llama's is): x * rsqrt(mean(x^2) + eps) * weight."""
+
+    def __init__(self, hidden: int, *, group: object = None, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class _ShiftedLayerNorm(nn.LayerNorm):
+    """A LayerNorm of rows whose mean is 1000 times their spread: float32 loses most digits to the
+    cancellation of the mean, which the bound must cover (M_x / sigma), not flag."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(1000.0 + x)
+
+
+class _NormOnlyWhenPositive(nn.LayerNorm):
+    """Takes the norm only for inputs without a negative entry: the magnitude run (absolute values)
+    takes it where the reference did not, so the norm's values were never recorded."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) if bool((x >= 0).all()) else x * 2.0
+
+
+def _norm(cls: type) -> ModuleVariant:
+    def build(hidden: int, *, group: object, dtype: torch.dtype) -> nn.Module:
+        return cls(hidden, dtype=dtype) if issubclass(cls, (nn.LayerNorm, nn.RMSNorm)) else cls(hidden, group=group,
+                                                                                                   dtype=dtype)
+
+    return ModuleVariant(name=cls.__name__, build=build, sizes=("hidden",))
+
+
+@pytest.mark.parametrize("cls", [nn.LayerNorm, nn.RMSNorm, _HandRMSNorm, _ShiftedLayerNorm], ids=lambda c: c.__name__)
+def test_norms_have_a_derived_bound(cls: type) -> None:
+    # layer_norm, rms_norm (nn.RMSNorm's eps is its dtype's: float32 adds another than the float64
+    # reference) and the rsqrt of a hand-written one, in float64 and float32, at every world size.
+    report = search(_norm(cls), max_examples=60, seed=0)
+    assert report.passed, [f.describe() for f in report.failures]
+    assert report.examples == 60
+
+
+def test_a_norm_without_the_reference_values_is_refused() -> None:
+    case = ModuleCase(world_size=2, sizes=(4,), batch_shape=(3,), seed=0)
+    with pytest.raises(UnboundedOp, match=r"layer_norm on a path the reference run did not take"):
+        MODULE.check_case(_norm(_NormOnlyWhenPositive), case)
 
 
 # --- the search, case files and replay ------------------------------------------------------------
@@ -302,23 +352,23 @@ def test_property_tests_run_a_module_target(tmp_path, monkeypatch: pytest.Monkey
 def test_declared_params_override_the_inference() -> None:
     # Declaring fc2.bias sharded contradicts the module (it is replicated): the check says so.
     v = mlp_variant("gelu").replace(params=(ParamSpec("fc2.bias", "bias", Shard(0)),))
-    (failure,) = check_case(v, ModuleCase(world_size=2, sizes=(4, 4), batch_shape=(2,), seed=0))
+    (failure,) = MODULE.check_case(v, ModuleCase(world_size=2, sizes=(4, 4), batch_shape=(2,), seed=0))
     assert failure.label == "fc2: shape-error" and "its declared placement S(0) implies another shape" in failure.message
     v = mlp_variant("gelu").replace(params=(ParamSpec("fc2.bias", "bias", Replicate()),))
-    assert check_case(v, ModuleCase(world_size=2, sizes=(4, 4), batch_shape=(2,), seed=0)) == []
+    assert MODULE.check_case(v, ModuleCase(world_size=2, sizes=(4, 4), batch_shape=(2,), seed=0)) == []
 
 
 def test_a_replicated_grad_left_partial_is_named_and_the_trainers_sum_can_be_declared() -> None:
     case = ModuleCase(world_size=2, sizes=(4, 4), batch_shape=(4,), seed=0)
     (not_reduced,) = resolve_target(f"{TARGETS}:sp_bias_not_reduced")
-    failures = check_case(not_reduced, case)
+    failures = MODULE.check_case(not_reduced, case)
     assert _labels(failures) == [("bias-grad-equivalence", "fc2: grad-not-reduced")]
     assert failures[0].details["param"] == "fc2.bias"
     (declared,) = resolve_target(f"{TARGETS}:sp_bias_trainer_reduced")
-    assert check_case(declared, case) == []
+    assert MODULE.check_case(declared, case) == []
 
 
 def test_constants_of_mixed_signs_enter_the_magnitude_run_as_magnitudes() -> None:
     v = _target("SignedMLP")
     for dtype in ("float64", "float32"):
-        assert check_case(v, ModuleCase(world_size=2, sizes=(4, 6), batch_shape=(3,), dtype=dtype, seed=1)) == []
+        assert MODULE.check_case(v, ModuleCase(world_size=2, sizes=(4, 6), batch_shape=(3,), dtype=dtype, seed=1)) == []

@@ -15,7 +15,7 @@ import pytest
 
 from tpsim.builtin_variants import mlp_variant
 from tpsim.props.module.case import ModuleCase
-from tpsim.props.module.checks import check_case
+from tpsim.props.module.family import MODULE
 
 LAB = dict(world_size=2, sizes=(4096, 11008), dtype="float32", seed=0)
 
@@ -23,7 +23,7 @@ LAB = dict(world_size=2, sizes=(4096, 11008), dtype="float32", seed=0)
 def test_lab_note_mlp_holds_every_property() -> None:
     started = time.monotonic()
     cpu = time.process_time()
-    failures = check_case(mlp_variant("swiglu", initialise=False), ModuleCase(batch_shape=(2, 3), **LAB), timeout=300.0)
+    failures = MODULE.check_case(mlp_variant("swiglu", initialise=False), ModuleCase(batch_shape=(2, 3), **LAB), timeout=300.0)
     print(f"\nlab-scale SwiGLU MLP (4096 x 11008, tp 2, float32), every property: "
           f"{time.monotonic() - started:.1f}s wall, {time.process_time() - cpu:.1f}s CPU in this process")
     assert failures == [], [f.describe() for f in failures]
@@ -32,7 +32,7 @@ def test_lab_note_mlp_holds_every_property() -> None:
 @pytest.mark.slow
 def test_lab_note_sequence_parallel_mlp_holds_every_property() -> None:
     variant = mlp_variant("swiglu", sequence_parallel=True, initialise=False)
-    assert check_case(variant, ModuleCase(batch_shape=(2, 8), **LAB), timeout=300.0) == []
+    assert MODULE.check_case(variant, ModuleCase(batch_shape=(2, 8), **LAB), timeout=300.0) == []
 
 
 def _bias_before_reduce(hidden: int, ffn: int, *, group, dtype):
@@ -56,5 +56,5 @@ def test_a_sublayer_bug_is_caught_and_named_at_the_lab_note_size() -> None:
 
     variant = ModuleVariant(name="bias-before-reduce", build=_bias_before_reduce, sizes=("hidden", "ffn"),
                             initialised=False)
-    failures = check_case(variant, ModuleCase(batch_shape=(2, 3), **LAB), timeout=300.0)
+    failures = MODULE.check_case(variant, ModuleCase(batch_shape=(2, 3), **LAB), timeout=300.0)
     assert [(f.property, f.label) for f in failures] == [("forward-equivalence", "fc2: bias-duplication")]

@@ -14,7 +14,7 @@ import pytest
 
 from tpsim import builtin_variants
 from tpsim.diagnosis import DIAGNOSES
-from tpsim.mutants import CATALOG, CORRECT
+from tpsim.mutants import CATALOG, CORRECT, CORRECT_NORMS
 from tpsim.props.family import family_of
 from tpsim.props.search import search
 
@@ -22,7 +22,7 @@ from tpsim.props.search import search
 CATCH_BUDGET = 200
 #: Seed 0 in the fast tier (every mutant caught once), the others in the thorough tier.
 SEEDS = (0, pytest.param(1, marks=pytest.mark.thorough))
-CORRECT_VARIANTS = CORRECT + builtin_variants.TPSIM_VARIANTS
+CORRECT_VARIANTS = CORRECT + builtin_variants.TPSIM_VARIANTS + CORRECT_NORMS
 
 _TABLE: list[tuple[str, str, int, str, float]] = []
 

@@ -1,4 +1,4 @@
-"""How every family observes a run and names what went wrong (tpsim/props/raised.py, launch.py, results.py).
+"""How every family observes a run and names what went wrong (tpsim/props/blame.py, launch.py, results.py).
 
 One path for all families: ranks return typed results (dataclasses that survive the isolated
 worker), wrap what the variant raises in ``VariantRaised`` — recording, as a declared field, when it
@@ -22,14 +22,14 @@ import torch.distributed as dist
 from helpers import run_cli
 
 import tpsim
-from tpsim.props.family import resolve_target
+from tpsim.props.blame import VariantRaised, refusal_failure, run_failure, variant_raised
 from tpsim.props.module.case import ModuleCase
-from tpsim.props.module.checks import check_case as check_module_case
+from tpsim.props.module.family import MODULE
 from tpsim.props.module.sharding import UnknownLayout
-from tpsim.props.raised import VariantRaised, refusal_failure, run_failure, variant_raised
-from tpsim.props.results import RankOutput
+from tpsim.props.observation import RankOutput
 from tpsim.props.vocab.case import CrossEntropyCase, EmbeddingCase
 from tpsim.props.vocab.family import CROSS_ENTROPY, EMBEDDING
+from tpsim.target import resolve_target
 
 # --- rank functions: rank 1 misbehaves while rank 0 goes into an all_reduce ------------------------
 
@@ -178,21 +178,21 @@ def hostile(tmp_path: Path) -> Path:
 @pytest.mark.parametrize("isolate", [False, True], ids=["in-process", "isolated"])
 def test_the_module_family_names_the_rank_whose_own_code_raised(hostile: Path, isolate: bool) -> None:
     (variant,) = resolve_target(f"{hostile}:RaisesOnRank1", kind="module")
-    (failure,) = check_module_case(variant, MODULE_CASE, isolate=isolate)
+    (failure,) = MODULE.check_case(variant, MODULE_CASE, isolate=isolate)
     assert (failure.property, failure.diagnosis, failure.rank) == ("forward-equivalence", "exception", 1)
     assert failure.message == "rank 1 raised during forward (step 0): ValueError: rank 1's own bug"
 
 
 def test_the_module_family_names_a_stuck_rank(hostile: Path) -> None:
     (variant,) = resolve_target(f"{hostile}:SpinsOnRank1", kind="module")
-    (failure,) = check_module_case(variant, MODULE_CASE, isolate=True, timeout=2.0)
+    (failure,) = MODULE.check_case(variant, MODULE_CASE, isolate=True, timeout=2.0)
     assert (failure.diagnosis, failure.rank) == ("exception", 1), failure.message
     assert failure.message.startswith("rank 1 is stuck")
 
 
 def test_the_module_family_names_a_dead_rank(hostile: Path) -> None:
     (variant,) = resolve_target(f"{hostile}:ExitsOnRank1", kind="module")
-    (failure,) = check_module_case(variant, MODULE_CASE, isolate=True)
+    (failure,) = MODULE.check_case(variant, MODULE_CASE, isolate=True)
     assert (failure.property, failure.diagnosis, failure.rank) == ("forward-equivalence", "rank-exited", 1)
     assert (failure.details["phase"], failure.details["step"], failure.details["exitcode"]) == ("forward", 0, 1)
 
@@ -208,7 +208,7 @@ def test_the_vocab_family_names_a_dead_rank(hostile: Path) -> None:
 
 
 @pytest.mark.parametrize(("name", "run"), [
-    ("ParallelMLP(gelu)", lambda v: check_module_case(v, MODULE_CASE, isolate=True)),
+    ("ParallelMLP(gelu)", lambda v: MODULE.check_case(v, MODULE_CASE, isolate=True)),
     ("VocabParallelEmbedding", lambda v: EMBEDDING.check_case(v, EMBEDDING_CASE, backend="inproc", isolate=True)),
     ("vocab_parallel_linear_cross_entropy", lambda v: CROSS_ENTROPY.check_case(
         v, CrossEntropyCase(2, 6, (3,), "float64", 1, 0.1, 0, "mean", hidden=4), backend="inproc", isolate=True)),
@@ -256,7 +256,7 @@ def test_a_gqa_block_with_replicated_key_value_heads_is_a_usage_error_not_a_fail
     # The check itself: shapes at tp 1 and 2 cannot say how the packed Q/K/V rows are laid out.
     (variant,) = resolve_target(f"{path}:GQAAttention", kind="module")
     with pytest.raises(UnknownLayout) as info:
-        check_module_case(variant, ModuleCase(world_size=2, sizes=(4, 2), batch_shape=(3,), seed=0))
+        MODULE.check_case(variant, ModuleCase(world_size=2, sizes=(4, 2), batch_shape=(3,), seed=0))
     err = info.value
     assert (err.param, err.shape, err.full, err.tp_size) == ("attn.qkv.weight", (6, 4), (8, 4), 2)
     assert isinstance(err, tpsim.InvalidArgument)

@@ -1,5 +1,6 @@
 """Sequence parallelism in the variant description and the properties: sequence-sharded inputs and
-outputs, their cases, the SP mutants, the sequence-parallel norm check, the CLI options."""
+outputs, their cases, the SP mutants, sequence-parallel norms (checked as whole modules), the CLI
+options."""
 
 from __future__ import annotations
 
@@ -10,13 +11,12 @@ from hypothesis import strategies as st
 from tpsim import builtin_variants
 from tpsim.cli import main
 from tpsim.errors import InvalidArgument
-from tpsim.mutants import CATALOG, CORRECT_PACKED_AND_SEQUENCE
-from tpsim.mutants.sequence import CorrectSequenceNorm, SequenceNormNoGradReduce
+from tpsim.mutants import CATALOG, CORRECT_NORMS, CORRECT_PACKED_AND_SEQUENCE, norm_variant
+from tpsim.mutants.sequence import CorrectSequenceNorm
 from tpsim.placement import Shard
 from tpsim.props.case import Case
 from tpsim.props.checks import check_case
 from tpsim.props.search import search
-from tpsim.props.sequence import NormVariant, search_norm
 from tpsim.props.strategies import cases
 from tpsim.props.world import is_divisible
 
@@ -92,17 +92,21 @@ def test_batch_dim_scatter_with_equal_shapes_is_still_wrong_shard_dim() -> None:
     assert failures[0].diagnosis == "wrong-shard-dim"
 
 
-def _ok(hidden, *, group, dtype):
-    return CorrectSequenceNorm(hidden, group=group, dtype=dtype)
+#: The mutant's correct twin: each replicated parameter enters through a copy whose backward all-reduces it.
+CORRECT_NORM = norm_variant(CorrectSequenceNorm, name="correct_sequence_norm")
 
 
-def _no_reduce(hidden, *, group, dtype):
-    return SequenceNormNoGradReduce(hidden, group=group, dtype=dtype)
+@pytest.mark.parametrize("variant", [*CORRECT_NORMS, CORRECT_NORM], ids=lambda v: v.name)
+def test_sequence_parallel_norms_pass_as_whole_modules(variant) -> None:
+    # The module family bounds layer_norm and rms_norm (tpsim.props.module.magnitude): float64 and
+    # float32, 2-D and 3-D inputs, world sizes up to 4.
+    report = search(variant, max_examples=40, seed=0)
+    assert report.passed, [f.describe() for f in report.failures]
+    assert report.examples == 40
 
 
 def test_sequence_parallel_norm_grads_must_be_all_reduced() -> None:
-    assert search_norm(NormVariant("ok", _ok), max_examples=15, seed=0).passed
-    report = search_norm(NormVariant("no-reduce", _no_reduce), max_examples=15, seed=0)
+    report = search(MUTANTS["sequence-norm-no-grad-reduce"].variant, max_examples=40, seed=0)
     assert [(f.property, f.diagnosis, f.details["param"]) for f in report.failures] == [
         ("weight-grad-equivalence", "grad-not-reduced", "weight"),
         ("bias-grad-equivalence", "grad-not-reduced", "bias"),
@@ -112,7 +116,8 @@ def test_sequence_parallel_norm_grads_must_be_all_reduced() -> None:
 
 @pytest.mark.gloo
 def test_norm_check_on_gloo() -> None:
-    report = search_norm(NormVariant("no-reduce", _no_reduce), world_sizes=(2,), max_examples=2, backend="gloo")
+    report = search(MUTANTS["sequence-norm-no-grad-reduce"].variant, world_sizes=(2,), max_examples=4, seed=0,
+                    backend="gloo")
     assert report.failures[0].diagnosis == "grad-not-reduced"
 
 

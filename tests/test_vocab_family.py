@@ -22,12 +22,13 @@ from tpsim import builtin_variants
 from tpsim.cli import main
 from tpsim.diagnosis import REGISTRY
 from tpsim.errors import InvalidArgument
-from tpsim.props.family import family_named, family_of, resolve_target
+from tpsim.props.family import family_named, family_of
 from tpsim.props.search import search
 from tpsim.props.vocab.case import CrossEntropyCase, EmbeddingCase
 from tpsim.props.vocab.family import CROSS_ENTROPY, EMBEDDING
 from tpsim.props.vocab.strategies import cross_entropy_cases, embedding_cases
 from tpsim.props.vocab.world import boundary_ids, cross_entropy_data, embedding_data, vocab_rows
+from tpsim.target import resolve_target
 from tpsim.vocab_variant import CrossEntropyVariant, cross_entropy_from_function, embedding_from_class
 
 FAST = {"max_examples": 40, "seed": 0, "world_sizes": (1, 2, 3, 4)}

@@ -28,12 +28,6 @@ from tpsim.vocab_variant import CrossEntropyVariant, EmbeddingVariant
 
 __version__ = "0.1.0"
 
-# Target files are importable by their tpsim_target_... names in every process that imports tpsim
-# (rank-local target modules and classes unpickled in worker processes).
-from tpsim._target_files import install_finder as _install_finder  # noqa: E402
-
-_install_finder()
-
 __all__ = [
     "BACKENDS",
     "DEFAULT_TIMEOUT",

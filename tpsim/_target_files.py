@@ -1,10 +1,14 @@
 """Target files (``tpsim check path/to/layers.py:Name``) as modules importable by name, in any process.
 
 A target file is imported under a name that encodes its absolute path (:func:`module_name_of_path`),
-and a finder on ``sys.meta_path`` (installed when tpsim is imported) imports such a name from the
-file it encodes. So a worker process can import a target file by its module name alone: a rank-local
-module named ``tpsim_target_...`` (``--rank-local path/to/layers.py``), a class from a target file
-that is unpickled there. The encoding keeps ASCII letters and digits and writes every other byte of
+and a finder on ``sys.meta_path`` imports such a name from the file it encodes. So a worker process
+can import a target file by its module name alone: a rank-local module named ``tpsim_target_...``
+(``--rank-local path/to/layers.py``), a class from a target file that is unpickled there.
+
+The finder is installed the first time a process imports a target file (:func:`tpsim.target.import_target_module`),
+not when tpsim is imported: a process that never checks a target file keeps its import system as it
+was. Worker processes resolve the variant they run from its target before its first world (the
+engine warms them, :func:`tpsim.props.launch.warm_workers`), which installs it there too. The encoding keeps ASCII letters and digits and writes every other byte of
 the UTF-8 path as ``_xx`` (two hex digits), so it is reversible and a valid identifier.
 """
 

@@ -32,15 +32,16 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from tpsim import diagnosis
+from tpsim._json import jsonable
 from tpsim.conventions import CONVENTIONS
 from tpsim.faults import FAULT_KINDS
-from tpsim.module_variant import MODULE_KIND, MODULE_OUTPUTS
+from tpsim.module_variant import MODULE_OUTPUTS
 from tpsim.props.case import CASES_DIR, DTYPES
+from tpsim.props.family import kind_choices
 from tpsim.props.faults import FAULT_DETECTION
 from tpsim.props.search import DEFAULT_MAX_EXAMPLES, DEFAULT_WORLD_SIZES
 from tpsim.runner import BACKENDS, DEFAULT_TIMEOUT
-from tpsim.variant import INPUT_GRADS, INPUTS, KINDS, OUTPUTS, PARAM_GRADS
-from tpsim.vocab_variant import CROSS_ENTROPY_KIND, EMBEDDING_KIND
+from tpsim.variant import INPUT_GRADS, INPUTS, OUTPUTS, PARAM_GRADS
 
 __all__ = ["DEFAULT_CASES_DIR", "EXIT_CODES", "EXIT_FAILED", "EXIT_INTERNAL", "EXIT_INTERRUPTED", "EXIT_OK",
            "EXIT_USAGE", "build_parser", "main"]
@@ -70,7 +71,7 @@ EXIT_CODES: dict[int, tuple[str, str]] = {
 DEFAULT_CASES_DIR = CASES_DIR
 BACKEND_CHOICES = BACKENDS
 CONVENTION_CHOICES = CONVENTIONS
-KIND_CHOICES = (*KINDS, MODULE_KIND, EMBEDDING_KIND, CROSS_ENTROPY_KIND)
+KIND_CHOICES = kind_choices()
 INPUT_CHOICES = INPUTS
 OUTPUT_CHOICES = tuple(dict.fromkeys((*OUTPUTS, *MODULE_OUTPUTS)))
 INPUT_GRAD_CHOICES = INPUT_GRADS
@@ -329,19 +330,8 @@ def _failure_dict(failure: Any, extra: dict[str, Any] | None = None) -> dict[str
     if out["case_file"]:
         out["replay"] = _replay_command(out["case_file"])
     out.update(extra or {})
-    return _jsonable(out)
+    return jsonable(out)
 
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
-        return str(value)
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    return str(value)
 
 
 def _indent(text: str, prefix: str) -> str:
@@ -656,8 +646,9 @@ def _run_check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: 
     reported and saved, and the exit code is :data:`EXIT_INTERRUPTED`.
     """
     from tpsim.errors import InvalidArgument
-    from tpsim.props.family import family_of, resolve_target
+    from tpsim.props.family import family_of
     from tpsim.props.search import SearchInterrupted, search
+    from tpsim.target import resolve_target
 
     options = {k: getattr(args, k) for k in ("convention", "kind", "input", "output", "input_grad", "packed",
                                              "sequence_dim")}
@@ -724,7 +715,7 @@ def _run_check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: 
                 if capture is not None:
                     capture.end_example()
             failures, examples = list(report.failures), int(report.examples)
-            if args.faults and not interrupted and variant.kind in KINDS:
+            if args.faults and not interrupted:
                 try:
                     fault_failures, fault_examples = _fault_failures(variant, args)
                     failures += fault_failures
@@ -734,8 +725,6 @@ def _run_check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: 
                 except InvalidArgument as e:
                     raise UsageError(f"cannot check {variant.name!r}: {e}", prog="tpsim check") from None
             notes = list(dict.fromkeys([*variant.notes, *getattr(report, "notes", ())]))
-            if args.faults and variant.kind not in KINDS:
-                notes.append("--faults checks single layers: fault plans were not run on this module")
             result = _VariantResult(variant, not failures, examples, time.monotonic() - started_v, failures, notes,
                                     dict(getattr(report, "verdicts", None) or {}))
             results.append(result)
@@ -934,7 +923,8 @@ def _replay_faults(variant: Any, case: Any, backend: str, timeout: float) -> lis
 def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from tpsim.errors import InvalidArgument
     from tpsim.props.case import load_case
-    from tpsim.props.family import family_of_case, resolve_variant
+    from tpsim.props.family import family_of_case
+    from tpsim.target import resolve_variant
 
     try:
         case, found = load_case(args.case_file)
@@ -988,7 +978,7 @@ def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             "passed": not failures,
             "examples": 1,
             "seconds": round(seconds, 3),
-            "recorded": _jsonable(found),
+            "recorded": jsonable(found),
             "reproduced": reproduced,
             "failures": [_failure_dict(f, {"output": printed} if printed else None) for f in failures],
         }

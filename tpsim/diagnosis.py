@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from tpsim._json import jsonable
 from tpsim.patterns import (
     bias_multiple,
     block_mapping,
@@ -336,10 +337,12 @@ SHAPE_ERROR = register(DiagnosisSpec(
 ))
 WRONG_DTYPE = register(DiagnosisSpec(
     "wrong-dtype", (_FORWARD,) + _GRADS,
-    "a rank's output or gradient has another floating dtype than the case's (e.g. float32 returned "
-    "for a float16 or float64 case): part of the layer computes or communicates in a dtype it never casts back from",
+    "a rank's output or gradient has another dtype than the case's: another floating dtype (e.g. float32 returned "
+    "for a float16 or float64 case: part of the layer computes or communicates in a dtype it never casts back from), "
+    "or a complex or integer one",
     "the dtype of the rank's tensor differs from the case's dtype (checked before any value: a wider "
-    "dtype can hide a lower-precision bug, a narrower one looks like rounding)",
+    "dtype can hide a lower-precision bug, a narrower one looks like rounding; a complex or integer output is "
+    "never compared, which would drop its imaginary part or fraction, in any family)",
     "row-reduce-float32",
     consequences=(_INPUT_GRAD, _WEIGHT_GRAD, _BIAS_GRAD, _REPLICA, _TRAINING),
 ))
@@ -579,7 +582,7 @@ class Failure:
             "case": case,
             "case_file": self.case_file,
             "found_after": self.found_after,
-            "details": _jsonable(self.details),
+            "details": jsonable(self.details),
             "consequences": consequences,
         }
 
@@ -602,17 +605,6 @@ class Failure:
             lines.extend(f"    {c.property}: {c.label} — {c.message}" for c in self.consequences)
         return "\n".join(lines)
 
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
-        return str(value)
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    return str(value)
 
 
 # --- one cause, one report -----------------------------------------------------------------------

@@ -219,14 +219,6 @@ _BY_KIND: dict[str, type[Fault]] = {c.kind: c for c in (Drop, Crash, Delay, Corr
 FAULT_KINDS: tuple[str, ...] = tuple(_BY_KIND)
 
 
-def fault_class(kind: str) -> type[Fault]:
-    """The class of fault ``kind`` (``"drop"`` -> :class:`Drop`)."""
-    cls = _BY_KIND.get(kind)
-    if cls is None:
-        raise InvalidArgument(f"fault kind={kind!r} is not one of {', '.join(FAULT_KINDS)}")
-    return cls
-
-
 def parse_plan(items: Iterable[Any] | None) -> tuple[Fault, ...]:
     """A fault plan from faults and/or their JSON dicts (what ``tpsim.run(faults=...)`` accepts).
 

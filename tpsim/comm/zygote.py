@@ -525,7 +525,7 @@ def shared(modules: Sequence[str] = ()) -> Zygote | None:
             if not _STATE["atexit"]:
                 atexit.register(shutdown)
                 _STATE["atexit"] = True
-            loaded = sorted(n for n in sys.modules if n.startswith("tpsim.") and not n.startswith("tpsim.docs"))
+            loaded = sorted(n for n in sys.modules if n.startswith("tpsim."))
             zygote = _STATE["zygote"] = Zygote([*modules, *loaded])
         return zygote
 

@@ -20,8 +20,11 @@ gloo/nccl worker processes can import it again. :data:`CORRECT` lists the correc
 must pass: the master-weight column (sharded and gathered output) and row layers, and the
 tp-rank-convention column and row layers (weights stored transposed).
 
-``tpsim check tpsim.mutants`` checks the correct forms only (:data:`TPSIM_VARIANTS`); each mutant
-is checked by its own target.
+``tpsim check tpsim.mutants`` checks the correct forms only (:data:`TPSIM_VARIANTS`, and the
+correct norms of :data:`TPSIM_MODULES`); each mutant is checked by its own target. The norms are
+whole modules (:class:`~tpsim.module_variant.ModuleVariant`), checked by the module family:
+tpsim's own :class:`~tpsim.layers.LayerNorm` and :class:`~tpsim.layers.RMSNorm` under sequence
+parallelism (:data:`CORRECT_NORMS`) and a norm that never reduces its replicated grads.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ from tpsim.diagnosis import (
     WRONG_SHARD_DIM,
     WRONG_SHARD_ORDER,
 )
+from tpsim.layers import LayerNorm, RMSNorm
+from tpsim.module_variant import ModuleVariant
 from tpsim.mutants.attention import ATTENTION_MUTANTS
 from tpsim.mutants.column import (
     ColumnBackwardAverage,
@@ -97,6 +102,7 @@ from tpsim.mutants.row import (
 )
 from tpsim.mutants.sequence import (
     CorrectSequenceRow,
+    SequenceNormNoGradReduce,
     SequenceRowBiasGradNotReduced,
     SequenceRowScatterBatchDim,
 )
@@ -105,7 +111,18 @@ from tpsim.mutants.vocab import VOCAB_MUTANTS
 from tpsim.placement import Replicate, Shard
 from tpsim.variant import ParamSpec, Variant
 
-__all__ = ["CATALOG", "CORRECT", "CORRECT_PACKED_AND_SEQUENCE", "TPSIM_VARIANTS", "Mutant", "master_weight_variant", "tp_rank_variant"]
+__all__ = [
+    "CATALOG",
+    "CORRECT",
+    "CORRECT_NORMS",
+    "CORRECT_PACKED_AND_SEQUENCE",
+    "TPSIM_MODULES",
+    "TPSIM_VARIANTS",
+    "Mutant",
+    "master_weight_variant",
+    "norm_variant",
+    "tp_rank_variant",
+]
 
 _MODULE = "tpsim.mutants"
 
@@ -162,12 +179,26 @@ def tp_rank_variant(cls: type[nn.Module], kind: str, *, name: str) -> Variant:
     )
 
 
+def norm_variant(cls: type[nn.Module], *, name: str, **options: Any) -> ModuleVariant:
+    """A module variant for a norm class built as ``cls(hidden, *, group, dtype, **options)``, run on
+    sequence-sharded activations (sequence parallelism: each rank normalises its own tokens), its
+    replicated parameters read from their shapes."""
+
+    def build(hidden: int, *, group: Any, dtype: Any) -> nn.Module:
+        return cls(hidden, group=group, dtype=dtype, **options)
+
+    return ModuleVariant(name=name, build=build, sizes=("hidden",), input="sequence-sharded",
+                         output="sequence-sharded", description=_first_paragraph(cls.__doc__),
+                         target=f"{_MODULE}:{name}")
+
+
 @dataclass(frozen=True)
 class Mutant:
     """One catalogued bug.
 
     ``name``: stable id (``column-wrong-split-dim``); ``target``: the ``tpsim check`` target of its
-    variant; ``variant``: the :class:`~tpsim.variant.Variant`; ``diagnosis``: the diagnosis tpsim
+    variant; ``variant``: the variant, of any family (a :class:`~tpsim.variant.Variant`, a
+    :class:`~tpsim.module_variant.ModuleVariant`, ...); ``diagnosis``: the diagnosis tpsim
     must report (a name registered in :data:`tpsim.diagnosis.REGISTRY`); ``description``: the mechanism
     (the class docstring's first paragraph); ``needs``: what a case must have for the bug to show
     (empty: most cases), for readers of the catch table.
@@ -175,7 +206,7 @@ class Mutant:
 
     name: str
     target: str
-    variant: Variant
+    variant: Any
     diagnosis: str
     description: str
     needs: str = ""
@@ -228,6 +259,12 @@ CORRECT: list[Variant] = [
 ]
 #: What ``tpsim check tpsim.mutants`` checks: the correct forms.
 TPSIM_VARIANTS = CORRECT
+correct_sequence_layer_norm = norm_variant(LayerNorm, name="correct_sequence_layer_norm")
+correct_sequence_rms_norm = norm_variant(RMSNorm, name="correct_sequence_rms_norm")
+#: tpsim's own norms under sequence parallelism, checked by the module family: they must pass.
+CORRECT_NORMS: list[ModuleVariant] = [correct_sequence_layer_norm, correct_sequence_rms_norm]
+#: The whole modules ``tpsim check tpsim.mutants`` checks: the correct norms.
+TPSIM_MODULES = CORRECT_NORMS
 
 # --- the catalog ---------------------------------------------------------------------------------
 
@@ -276,6 +313,10 @@ _ENTRIES = [
             output="sequence-sharded", needs="3-D (or deeper) input, world size >= 2"),
     _mutant("sequence-bias-grad-not-reduced", SequenceRowBiasGradNotReduced, "row", GRAD_NOT_REDUCED,
             output="sequence-sharded", needs="bias, world size >= 2, a sequence longer than one token per rank"),
+    # A whole module, checked by the module family: a sequence-parallel norm.
+    (lambda v: (Mutant("sequence-norm-no-grad-reduce", v.target or "", v, GRAD_NOT_REDUCED, v.description,
+                       "world size >= 2"), v))(
+        norm_variant(SequenceNormNoGradReduce, name="sequence_norm_no_grad_reduce")),
     # The gallery of published bugs (tpsim/mutants/gallery.py); each docstring cites its report.
     _mutant("row-wrong-group", RowWrongGroup, "row", WRONG_GROUP, needs="tp_size < world_size"),
     _mutant("row-contiguous-copy-reduce", RowContiguousCopyReduce, "row", MISSING_REDUCTION,

@@ -7,10 +7,13 @@
 - :mod:`tpsim.props.checks` — the properties, one named function each, and :func:`check_case`;
 - :mod:`tpsim.props.search` — :func:`search`: generate, check, shrink, diagnose (what ``tpsim check`` runs);
 - :mod:`tpsim.props.suite` — :func:`property_tests`: the suite as pytest tests in one line;
-- :mod:`tpsim.props.family` — the :class:`~tpsim.props.family.Family` protocol: how the search, the
-  CLI and case files handle each kind of target; :mod:`tpsim.props.linear` (single linear layers)
-  and :mod:`tpsim.props.module` (whole modules: MLPs, blocks) implement it;
-- :mod:`tpsim.props.sequence` — a replicated norm under sequence parallelism.
+- :mod:`tpsim.props.family` — the :class:`~tpsim.props.family.Family` base class: the engine the
+  search, the CLI, case files, fault plans and the pytest suite share, whose hooks each kind of
+  target fills in: :mod:`tpsim.props.linear` (single linear layers), :mod:`tpsim.props.module`
+  (whole modules: MLPs, blocks, norms), :mod:`tpsim.props.vocab` (embeddings, cross-entropies),
+  :mod:`tpsim.props.attention` (head-sharded attention);
+- :mod:`tpsim.props.observation`, :mod:`tpsim.props.rank`, :mod:`tpsim.props.blame` — one world run
+  per case for every family: its observation, the rank side, and how a rank's error is named.
 """
 
 from tpsim.props.case import SCHEMA_VERSION, Case, CaseFileError, load_case, save_case

@@ -25,17 +25,19 @@ import builtins
 import dataclasses
 import hashlib
 import json
+import math
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import KW_ONLY, dataclass, field
+from typing import Any, ClassVar
 
 import torch
 
+from tpsim._json import jsonable
 from tpsim.errors import InvalidArgument
 
 __all__ = [
     "CASES_DIR",
+    "CaseBase",
     "DTYPES",
     "INPUT_LAYOUTS",
     "MAX_SEED",
@@ -44,7 +46,6 @@ __all__ = [
     "Case",
     "CaseFileError",
     "case_file_stem",
-    "case_values",
     "load_case",
     "save_case",
     "save_failure",
@@ -102,13 +103,6 @@ def _choice(value: Any, name: str, choices: Any) -> None:
         raise InvalidArgument(f"{name}={value!r}; expected one of {', '.join(choices)}")
 
 
-def _elements(shape: tuple[int, ...]) -> int:
-    count = 1
-    for n in shape:
-        count *= n
-    return count
-
-
 def _frozen_option(name: str, value: Any) -> Any:
     """An option value as a case holds it: a JSON scalar, or a list of them as a tuple (hashable:
     resolved targets are cached by their options)."""
@@ -119,40 +113,201 @@ def _frozen_option(name: str, value: Any) -> Any:
     raise InvalidArgument(f"option {name}={value!r} must be a string, a number, a bool, null or a list of them")
 
 
-def case_values(cls: type, data: Any, *, what: str, required: Sequence[str],
-                tuples: Sequence[str] = ("batch_shape",)) -> dict[str, Any]:
-    """The constructor arguments of a ``what`` (``case``, ``module case``, ...) of dataclass ``cls`` from its
-    JSON ``data``, every family's case file read alike: only known fields, the ``required`` ones present,
-    the lists named by ``tuples`` as tuples, ``options`` frozen (:func:`_frozen_option`). Raises
-    :class:`tpsim.InvalidArgument` naming the bad field."""
-    if not isinstance(data, dict):
-        raise InvalidArgument(f"a {what} must be a JSON object, got {type(data).__name__}")
-    unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
-    if unknown:
-        raise InvalidArgument(f"unknown {what} field(s) {sorted(unknown)}")
-    missing = [n for n in required if n not in data]
-    if missing:
-        raise InvalidArgument(f"{what} is missing field(s) {missing}")
-    values = dict(data)
-    for key in tuples:
-        if key in values:
-            if not isinstance(values[key], list):
-                raise InvalidArgument(f"{key}={values[key]!r} must be a list")
-            values[key] = tuple(values[key])
-    if "options" in values:
-        opts = values["options"] or {}
-        if not isinstance(opts, dict):
-            raise InvalidArgument(f"options={opts!r} must be an object")
-        values["options"] = tuple(sorted((k, _frozen_option(k, v)) for k, v in opts.items()))
-    return values
+def _shown(value: Any) -> str:
+    """A field's value as :meth:`CaseBase.describe` writes it."""
+    if isinstance(value, tuple):
+        return str(list(value))
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
 
 
 @dataclass(frozen=True)
-class Case:
-    """One example. ``tp_size`` defaults to ``world_size`` (one tp group spanning the world); a
-    smaller ``tp_size`` splits the world into ``world_size // tp_size`` tp groups laid out by
-    ``tp_layout`` (``consecutive`` or ``strided``, see :mod:`tpsim.props.groups`); ``input_layout``
-    is the memory layout of the inputs and upstream grads (see :mod:`tpsim.props.layouts`)."""
+class CaseBase:
+    """What every family's case type shares: the common fields' validation, ``describe()``,
+    ``to_dict()``/``from_dict()``, ``key()`` and ``replace()``, written once.
+
+    A family's case is a frozen dataclass deriving from this class. Every case has the fields
+    ``world_size``, ``batch_shape``, ``dtype``, ``seed``, ``tp_size`` and ``tp_layout`` (declared by
+    the family, in the order its positional constructor takes them) and, keyword-only, declared here:
+    ``target``, ``variant`` and ``options`` (which variant it was found with), ``property`` (which
+    property) and ``faults`` (a fault plan, see :mod:`tpsim.faults`). A family adds its sizes and
+    flags and says, in class attributes, how they are read:
+
+    - ``family``: the family's name (written into case files);
+    - ``SIZES``: the int fields that size the tensors (at least 1; those in ``MAY_BE_ZERO`` at least
+      0, and left out of ``describe()`` when 0); ``SHOWN``: what ``describe()`` writes before the
+      batch shape (default: the sizes), ``FLAGS`` after the dtype, ``MORE`` at the end;
+    - ``REQUIRED``: the fields its JSON must have (default: ``world_size`` and the sizes);
+    - ``TUPLES``: the list fields of its JSON read back as tuples;
+    - ``WRITTEN_WHEN_SET``: fields written to its file only when they differ from their default
+      (fields added after files of the family were written: the older files keep their names).
+
+    Hooks: ``_check()`` validates the family's own fields, ``_largest()`` gives the elements of the
+    case's largest tensor (a case file asking for more than :data:`MAX_TENSOR_ELEMENTS` is refused
+    before anything is allocated).
+    """
+
+    _: KW_ONLY
+    target: str | None = None
+    variant: str | None = None
+    options: tuple[tuple[str, Any], ...] = field(default=())
+    property: str | None = None
+    faults: tuple[Any, ...] = ()
+
+    family: ClassVar[str] = "linear"
+    SIZES: ClassVar[tuple[str, ...]] = ()
+    MAY_BE_ZERO: ClassVar[tuple[str, ...]] = ()
+    SHOWN: ClassVar[tuple[str, ...] | None] = None
+    FLAGS: ClassVar[tuple[str, ...]] = ()
+    MORE: ClassVar[tuple[str, ...]] = ()
+    REQUIRED: ClassVar[tuple[str, ...] | None] = None
+    TUPLES: ClassVar[tuple[str, ...]] = ("batch_shape",)
+    WRITTEN_WHEN_SET: ClassVar[tuple[str, ...]] = ("faults",)
+
+    def __post_init__(self) -> None:
+        _int(self.world_size, "world_size", 1)  # type: ignore[attr-defined]
+        for name in self.SIZES:
+            _int(getattr(self, name), name, 0 if name in self.MAY_BE_ZERO else 1)
+        _int(self.seed, "seed", 0, MAX_SEED)  # type: ignore[attr-defined]
+        ws = self.world_size  # type: ignore[attr-defined]
+        tp = ws if self.tp_size is None else _int(self.tp_size, "tp_size", 1)  # type: ignore[attr-defined]
+        if ws % tp:
+            raise InvalidArgument(f"tp_size={tp} does not divide world_size={ws}: the world is split into tp groups "
+                                  "of tp_size ranks each")
+        object.__setattr__(self, "tp_size", tp)
+        _choice(self.tp_layout, "tp_layout", TP_LAYOUTS)  # type: ignore[attr-defined]
+        shape = tuple(self.batch_shape)  # type: ignore[attr-defined]
+        if len(shape) > MAX_BATCH_DIMS:
+            raise InvalidArgument(f"batch_shape={list(shape)!r} has {len(shape)} dims; at most {MAX_BATCH_DIMS}")
+        for s in shape:
+            _int(s, "batch_shape entry", 1)
+        object.__setattr__(self, "batch_shape", shape)
+        self._check()
+        self._check_tensors()
+        _choice(self.dtype, "dtype", DTYPES)  # type: ignore[attr-defined]
+        for name in ("target", "variant", "property"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise InvalidArgument(f"{name}={value!r} must be a string or null")
+        object.__setattr__(self, "faults", tuple(self.faults))  # type: ignore[attr-defined]
+        object.__setattr__(self, "options", tuple((str(k), v) for k, v in self.options))  # type: ignore[attr-defined]
+
+    # --- hooks ------------------------------------------------------------------------------------
+
+    def _check(self) -> None:
+        """Validate (and normalise) the family's own fields; raise :class:`tpsim.InvalidArgument`."""
+
+    def _largest(self) -> int:
+        """The number of elements of the case's largest tensor."""
+        raise NotImplementedError
+
+    def _check_tensors(self) -> None:
+        if self._largest() > MAX_TENSOR_ELEMENTS:
+            raise InvalidArgument(f"{self.describe()} would need tensors of more than {MAX_TENSOR_ELEMENTS} elements")
+
+    def _describe_sizes(self) -> list[str]:
+        shown = self.SIZES if self.SHOWN is None else self.SHOWN
+        return [f"{n}={_shown(getattr(self, n))}" for n in shown if not (n in self.MAY_BE_ZERO and not getattr(self, n))]
+
+    def _describe_more(self) -> list[str]:
+        return [f"{n}={_shown(getattr(self, n))}" for n in self.MORE]
+
+    # --- what every case has ---------------------------------------------------------------------
+
+    @builtins.property  # a family's field ``property`` shadows the builtin inside the class body
+    def torch_dtype(self) -> torch.dtype:
+        """The case's dtype as a ``torch.dtype``."""
+        return DTYPES[self.dtype]  # type: ignore[attr-defined]
+
+    @builtins.property
+    def rows(self) -> int:
+        """The number of input rows, or token positions (the product of the batch shape)."""
+        return math.prod(self.batch_shape)  # type: ignore[attr-defined]
+
+    def replace(self, **changes: Any) -> Any:
+        """A copy with ``changes``."""
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
+    def describe(self) -> str:
+        """Short one-line form used in reports (tp groups only when not the default)."""
+        parts = [f"world_size={self.world_size}", *self._describe_sizes(),  # type: ignore[attr-defined]
+                 f"batch_shape={list(self.batch_shape)}", f"dtype={self.dtype}",  # type: ignore[attr-defined]
+                 *(f"{n}={_shown(getattr(self, n))}" for n in self.FLAGS), f"seed={self.seed}"]  # type: ignore[attr-defined]
+        if self.tp_size != self.world_size:  # type: ignore[attr-defined]
+            parts.append(f"tp_size={self.tp_size} tp_layout={self.tp_layout}")  # type: ignore[attr-defined]
+        return " ".join([*parts, *self._describe_more()])
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (lists for tuples, an object for the options): the family's fields, then the
+        common keyword-only ones."""
+        out: dict[str, Any] = {}
+        common = {f.name for f in dataclasses.fields(CaseBase)}
+        fields = dataclasses.fields(self)  # type: ignore[arg-type]
+        for f in [f for f in fields if f.name not in common] + [f for f in fields if f.name in common]:
+            value = getattr(self, f.name)
+            if f.name in self.WRITTEN_WHEN_SET and value == (f.default if f.default is not dataclasses.MISSING
+                                                             else f.default_factory()):  # type: ignore[misc]
+                continue
+            if f.name == "options":
+                value = {k: v for k, v in value}
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[f.name] = value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Any:
+        """Inverse of :meth:`to_dict`; raises :class:`tpsim.InvalidArgument` naming a bad field."""
+        if not isinstance(data, dict):
+            raise InvalidArgument(f"a {cls._what()} must be a JSON object, got {type(data).__name__}")
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        if unknown:
+            raise InvalidArgument(f"unknown {cls._what()} field(s) {sorted(unknown)}")
+        required = cls.REQUIRED or ("world_size", *(n for n in cls.SIZES if n not in cls.MAY_BE_ZERO))
+        missing = [n for n in required if n not in data]
+        if missing:
+            raise InvalidArgument(f"{cls._what()} is missing field(s) {missing}")
+        values = dict(data)
+        for key in (*cls.TUPLES, "faults"):
+            if key in values:
+                if key == "faults" and values[key] is None:
+                    values[key] = []
+                if not isinstance(values[key], list):
+                    raise InvalidArgument(f"{key}={values[key]!r} must be a list"
+                                          + (" of faults" if key == "faults" else ""))
+                values[key] = tuple(values[key])
+        if "options" in values:
+            opts = values["options"] or {}
+            if not isinstance(opts, dict):
+                raise InvalidArgument(f"options={opts!r} must be an object")
+            values["options"] = tuple(sorted((k, _frozen_option(k, v)) for k, v in opts.items()))
+        case = cls(**values)
+        if case.faults:
+            # The plan must be one tpsim can inject (kinds, ranks, calls), checked before any run.
+            from tpsim.faults import check_plan, parse_plan
+
+            check_plan(parse_plan(case.faults), case.world_size)
+        return case
+
+    @classmethod
+    def _what(cls) -> str:
+        return "case" if cls.family == "linear" else f"{cls.family} case"
+
+    def key(self) -> str:
+        """A short stable hash of the case (names its case file): of its dict and its family (linear
+        cases, the first family, hash their dict alone, so their files keep the names they had)."""
+        data = self.to_dict() if self.family == "linear" else {"family": self.family, **self.to_dict()}
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:10]
+
+
+@dataclass(frozen=True)
+class Case(CaseBase):
+    """One example of a linear layer. ``tp_size`` defaults to ``world_size`` (one tp group spanning
+    the world); a smaller ``tp_size`` splits the world into ``world_size // tp_size`` tp groups laid
+    out by ``tp_layout`` (``consecutive`` or ``strided``, see :mod:`tpsim.props.groups`);
+    ``input_layout`` is the memory layout of the inputs and upstream grads (see
+    :mod:`tpsim.props.layouts`)."""
 
     world_size: int
     in_features: int
@@ -164,120 +319,39 @@ class Case:
     tp_size: int | None = None
     input_layout: str = "contiguous"
     tp_layout: str = "consecutive"
-    faults: tuple[Any, ...] = ()
-    target: str | None = None
-    variant: str | None = None
-    options: tuple[tuple[str, Any], ...] = field(default=())
-    property: str | None = None
 
-    def __post_init__(self) -> None:
-        _int(self.world_size, "world_size", 1)
-        _int(self.in_features, "in_features", 1)
-        _int(self.out_features, "out_features", 1)
-        _int(self.seed, "seed", 0, MAX_SEED)
-        tp = self.world_size if self.tp_size is None else _int(self.tp_size, "tp_size", 1)
-        if self.world_size % tp:
-            raise InvalidArgument(
-                f"tp_size={tp} does not divide world_size={self.world_size}: the world is split into tp groups "
-                "of tp_size ranks each"
-            )
-        _choice(self.tp_layout, "tp_layout", TP_LAYOUTS)
-        object.__setattr__(self, "tp_size", tp)
-        shape = tuple(self.batch_shape)
-        if len(shape) > MAX_BATCH_DIMS:
-            raise InvalidArgument(f"batch_shape={list(shape)!r} has {len(shape)} dims; at most {MAX_BATCH_DIMS}")
-        for s in shape:
-            _int(s, "batch_shape entry", 1)
-        object.__setattr__(self, "batch_shape", shape)
-        for what, dims in (("the master weight [out_features, in_features]", (self.out_features, self.in_features)),
-                           ("the input [*batch_shape, in_features]", (*shape, self.in_features)),
-                           ("the output [*batch_shape, out_features]", (*shape, self.out_features))):
-            if _elements(dims) > MAX_TENSOR_ELEMENTS:
-                raise InvalidArgument(
-                    f"{what} would have {_elements(dims)} elements (shape {list(dims)}); a case may have at most "
-                    f"{MAX_TENSOR_ELEMENTS} per tensor"
-                )
-        _choice(self.dtype, "dtype", DTYPES)
+    SIZES: ClassVar[tuple[str, ...]] = ("in_features", "out_features")
+    FLAGS: ClassVar[tuple[str, ...]] = ("bias",)
+    #: Linear case files always carried their (possibly empty) fault plan.
+    WRITTEN_WHEN_SET: ClassVar[tuple[str, ...]] = ()
+
+    def _check(self) -> None:
         if not isinstance(self.bias, bool):
             raise InvalidArgument(f"bias={self.bias!r} must be a bool")
         _choice(self.input_layout, "input_layout", INPUT_LAYOUTS)
-        for name in ("target", "variant", "property"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, str):
-                raise InvalidArgument(f"{name}={value!r} must be a string or null")
-        if self.input_layout in ("transposed", "expanded") and not shape:
+        if self.input_layout in ("transposed", "expanded") and not self.batch_shape:
             raise InvalidArgument(
-                f"input_layout={self.input_layout!r} needs at least one batch dim; got batch_shape={list(shape)}"
+                f"input_layout={self.input_layout!r} needs at least one batch dim; got batch_shape={list(self.batch_shape)}"
             )
-        object.__setattr__(self, "faults", tuple(self.faults))
-        object.__setattr__(self, "options", tuple((str(k), v) for k, v in self.options))
 
-    @builtins.property  # the field ``property`` shadows the builtin inside the class body
-    def torch_dtype(self) -> torch.dtype:
-        """The case's dtype as a ``torch.dtype``."""
-        return DTYPES[self.dtype]
+    def _check_tensors(self) -> None:
+        shape = self.batch_shape
+        for what, dims in (("the master weight [out_features, in_features]", (self.out_features, self.in_features)),
+                           ("the input [*batch_shape, in_features]", (*shape, self.in_features)),
+                           ("the output [*batch_shape, out_features]", (*shape, self.out_features))):
+            if math.prod(dims) > MAX_TENSOR_ELEMENTS:
+                raise InvalidArgument(
+                    f"{what} would have {math.prod(dims)} elements (shape {list(dims)}); a case may have at most "
+                    f"{MAX_TENSOR_ELEMENTS} per tensor"
+                )
 
-    def replace(self, **changes: Any) -> Case:
-        """A copy with ``changes``."""
-        return dataclasses.replace(self, **changes)
+    def _describe_more(self) -> list[str]:
+        if self.input_layout == "contiguous":
+            return []
+        from tpsim.props.layouts import layout_info
 
-    def describe(self) -> str:
-        """Short one-line form used in reports (tp groups and memory layout only when not the default;
-        a non-contiguous layout shows the input's shape and strides)."""
-        text = (
-            f"world_size={self.world_size} in_features={self.in_features} out_features={self.out_features} "
-            f"batch_shape={list(self.batch_shape)} dtype={self.dtype} bias={self.bias} seed={self.seed}"
-        )
-        if self.tp_size != self.world_size:
-            text += f" tp_size={self.tp_size} tp_layout={self.tp_layout}"
-        if self.input_layout != "contiguous":
-            from tpsim.props.layouts import layout_info
-
-            info = layout_info((*self.batch_shape, self.in_features), self.input_layout)
-            text += f" input_layout={self.input_layout} (input shape {info['shape']} strides {info['strides']})"
-        return text
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (lists for tuples)."""
-        return {
-            "world_size": self.world_size,
-            "tp_size": self.tp_size,
-            "in_features": self.in_features,
-            "out_features": self.out_features,
-            "batch_shape": list(self.batch_shape),
-            "input_layout": self.input_layout,
-            "tp_layout": self.tp_layout,
-            "dtype": self.dtype,
-            "bias": self.bias,
-            "seed": self.seed,
-            "faults": list(self.faults),
-            "target": self.target,
-            "variant": self.variant,
-            "options": {k: v for k, v in self.options},
-            "property": self.property,
-        }
-
-    @classmethod
-    def from_dict(cls, data: Any) -> Case:
-        """Inverse of :meth:`to_dict`; raises :class:`tpsim.InvalidArgument` naming a bad field."""
-        values = case_values(cls, data, what="case", required=("world_size", "in_features", "out_features"))
-        if "faults" in values:
-            faults = values["faults"] or []
-            if not isinstance(faults, list):
-                raise InvalidArgument(f"faults={faults!r} must be a list of faults")
-            values["faults"] = tuple(faults)
-        case = cls(**values)
-        if case.faults:
-            # The plan must be one tpsim can inject (kinds, ranks, calls), checked before any run.
-            from tpsim.faults import check_plan, parse_plan
-
-            check_plan(parse_plan(case.faults), case.world_size)
-        return case
-
-    def key(self) -> str:
-        """A short stable hash of the case (names its case file)."""
-        text = json.dumps(self.to_dict(), sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()[:10]
+        info = layout_info((*self.batch_shape, self.in_features), self.input_layout)
+        return [f"input_layout={self.input_layout} (input shape {info['shape']} strides {info['strides']})"]
 
 
 def _safe(text: str) -> str:
@@ -331,17 +405,6 @@ def save_case(case: Case, directory: str, *, found: dict[str, Any] | None = None
     return path
 
 
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
-        return str(value)
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    return str(value)
-
 
 def save_failure(failure: Any, variant: Any, directory: str = CASES_DIR, *, backend: str, command: str) -> str:
     """Save ``failure``'s minimal case (completed with its variant's target) and return the path.
@@ -370,7 +433,7 @@ def save_failure(failure: Any, variant: Any, directory: str = CASES_DIR, *, back
         "command": command,
     }
     failure.case = case
-    failure.case_file = save_case(case, directory, found=_jsonable(found))
+    failure.case_file = save_case(case, directory, found=jsonable(found))
     return failure.case_file
 
 

@@ -1,6 +1,6 @@
 """The properties: claims checked on one case, each a named function usable from pytest.
 
-Per-case properties (all fed by one world run, :func:`tpsim.props.world.observe`):
+Per-case properties (all fed by one world run, :meth:`tpsim.props.linear.LinearFamily.observe`):
 
 - :func:`forward_equivalence` — the output, assembled by the variant's output placement (sharded:
   concatenated; gathered/reduced: every rank's; partial: summed over ranks, as the caller's
@@ -63,17 +63,18 @@ from tpsim.diagnosis import (
     WRONG_SHARD_ORDER,
     Diagnosis,
     Failure,
-    group_causes,
     mismatch,
     recogniser,
 )
 from tpsim.errors import InvalidArgument, RankDied
 from tpsim.patterns import bias_multiple, block_mapping, close, rank_summands, regathered_dim, scale_factor
 from tpsim.placement import Replicate, Shard, assemble, shard_tensor
+from tpsim.props.blame import death_failure, refusal_failure, run_failure
 from tpsim.props.case import Case
 from tpsim.props.groups import column_grad_summands, column_output_shards, tp_groups, wrong_group
 from tpsim.props.groups import row_summands as group_row_summands
-from tpsim.props.names import (
+from tpsim.props.observation import DETACHED, OUTPUT_SHAPE, Observation
+from tpsim.props.property_names import (
     BIAS_GRAD,
     DIVISIBILITY,
     FORWARD,
@@ -83,18 +84,14 @@ from tpsim.props.names import (
     TRAINING,
     WEIGHT_GRAD,
 )
-from tpsim.props.raised import death_failure, refusal_failure, run_failure
-from tpsim.props.results import DETACHED, OUTPUT_SHAPE
 from tpsim.props.tolerance import tolerance
 from tpsim.props.world import (
     ACCEPTED,
     LR,
     TRAIN_STEPS,
-    Observation,
     RankResult,
     Reference,
     non_divisible_sizes,
-    observe,
     reference,
 )
 from tpsim.runner import DEFAULT_TIMEOUT
@@ -961,15 +958,8 @@ def _divisibility(variant: Variant, obs: Observation) -> Failure | None:
 
 
 def evaluate(variant: Variant, obs: Observation, properties: Sequence[str] | None = None) -> list[Failure]:
-    """Evaluate ``properties`` (default: all) on one observation; return its causes, in property order.
-
-    One cause, one report: a failure that follows from an earlier one (the registry's consequence
-    rules, :func:`tpsim.diagnosis.group_causes`) is listed in that failure's ``consequences`` instead
-    of on its own."""
-    return group_causes(_evaluate(variant, obs, properties))
-
-
-def _evaluate(variant: Variant, obs: Observation, properties: Sequence[str] | None) -> list[Failure]:
+    """Evaluate ``properties`` (default: all) on one observation; return its failures, in property order
+    (the engine lists the failures that follow from another under it: :func:`tpsim.diagnosis.group_causes`)."""
     wanted = tuple(properties or PROPERTIES)
     unknown = [p for p in wanted if p not in PROPERTIES]
     if unknown:
@@ -985,7 +975,7 @@ def _evaluate(variant: Variant, obs: Observation, properties: Sequence[str] | No
         return [_layout_failure(variant, obs) or run_failure(variant.name, obs.case, obs.error)]
     if (obs.case.tp_size or obs.case.world_size) != obs.case.world_size:
         return _evaluate_groups(variant, obs, wanted)
-    return _evaluate_values(variant, obs.case, obs.values or [], obs.masters, wanted)
+    return _evaluate_values(variant, obs.case, obs.values or [], obs.data, wanted)
 
 
 def _evaluate_values(variant: Variant, case: Case, values: list[RankResult], masters: Any,
@@ -1020,7 +1010,7 @@ def _evaluate_groups(variant: Variant, obs: Observation, wanted: Sequence[str]) 
     case, values = obs.case, obs.values or []
     groups = tp_groups(case.world_size, case.tp_size, case.tp_layout)
     for g, ranks in enumerate(groups):
-        failures = _evaluate_values(variant, case, [values[r] for r in ranks], obs.masters.for_group(g), wanted)
+        failures = _evaluate_values(variant, case, [values[r] for r in ranks], obs.data.for_group(g), wanted)
         if not failures:
             continue
         wrong = _wrong_group(variant, obs, groups)
@@ -1044,7 +1034,7 @@ def _evaluate_groups(variant: Variant, obs: Observation, wanted: Sequence[str]) 
 
 def _wrong_group(variant: Variant, obs: Observation, groups: list[list[int]]) -> dict[str, dict[str, Any]]:
     """Per property, a recognised collective over the wrong set of ranks (see :mod:`tpsim.props.groups`)."""
-    case, values, m = obs.case, obs.values or [], obs.masters
+    case, values, m = obs.case, obs.values or [], obs.data
     ws, tp = case.world_size, case.tp_size
     f64 = torch.float64
     w = m.weight.to(f64)
@@ -1096,7 +1086,9 @@ def _observation(variant: Variant, case: Case, backend: str, timeout: float) -> 
     if hit is not None and hit[0] is variant:
         _CACHE.move_to_end(key)
         return hit[1]
-    obs = observe(variant, case, backend=backend, timeout=timeout)
+    from tpsim.props.linear import LINEAR
+
+    obs = LINEAR.observe(variant, case, backend=backend, timeout=timeout)
     _CACHE[key] = (variant, obs)
     while len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
@@ -1112,26 +1104,13 @@ def check_case(
     properties: Sequence[str] | None = None,
     isolate: bool = False,
 ) -> list[Failure]:
-    """Run ``case`` once and evaluate every property (or ``properties``); return the failures.
+    """Run ``case`` once and evaluate every property (or ``properties``); return the failures (the
+    linear family's :meth:`~tpsim.props.family.Family.check_case`: a failing case with a non-contiguous
+    ``input_layout`` is run again as its contiguous twin). ``isolate=True``: run inproc worlds in a
+    supervised worker process (see :func:`tpsim.run`)."""
+    from tpsim.props.linear import LINEAR
 
-    A failing case with a non-contiguous ``input_layout`` is run again as its contiguous twin (same
-    values, contiguous tensors); a failure the twin does not show says that it appears only for
-    non-contiguous layouts. ``isolate=True``: run inproc worlds in a supervised worker process (see
-    :func:`tpsim.props.world.observe`)."""
-    obs = observe(variant, case, backend=backend, timeout=timeout, isolate=isolate)
-    failures = evaluate(variant, obs, properties)
-    if failures and case.input_layout != "contiguous":
-        twin = evaluate(variant, observe(variant, case, backend=backend, timeout=timeout, layout="contiguous",
-                                         isolate=isolate), properties)
-        seen = {f.property for f in twin}
-        for f in failures:
-            if f.property not in seen:
-                f.message += (
-                    f" — the bug appears only for non-contiguous layouts: the contiguous twin of this case (same "
-                    f"values, input_layout=contiguous instead of {case.input_layout}) passes"
-                )
-                f.details = dict(f.details, contiguous_twin="passes")
-    return failures
+    return LINEAR.check_case(variant, case, backend=backend, timeout=timeout, properties=properties, isolate=isolate)
 
 
 def _one(prop: str) -> Callable[..., None]:
@@ -1142,7 +1121,9 @@ def _one(prop: str) -> Callable[..., None]:
                 f"divisibility needs a case whose sharded sizes do not divide by world_size={case.world_size}; "
                 f"got {case.describe()}"
             )
-        for failure in evaluate(variant, obs, (prop,)):
+        from tpsim.props.linear import LINEAR
+
+        for failure in LINEAR.judge(variant, obs, (prop,)):
             raise PropertyFailed(failure)
 
     check.__name__ = prop.replace("-", "_")

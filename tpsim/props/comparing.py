@@ -6,7 +6,7 @@ is within the tolerance, else a :class:`~tpsim.diagnosis.Failure` — the first 
 that sees its evidence, or the generic diagnoses in this order: ``grad-missing`` (no grad),
 ``wrong-dtype``, ``shape-error``, ``grad-scaled`` (a grad that is a constant times the dense one),
 ``mismatch``. :func:`replica` checks that replicated tensors are the same bits on every rank of
-each tp group. (A run in which a rank failed is named by :func:`tpsim.props.raised.run_failure`,
+each tp group. (A run in which a rank failed is named by :func:`tpsim.props.blame.run_failure`,
 as in every family.)
 """
 
@@ -29,7 +29,7 @@ from tpsim.diagnosis import (
     scale_factor,
 )
 from tpsim.props.groups import tp_groups
-from tpsim.props.names import FORWARD, REPLICA
+from tpsim.props.property_names import FORWARD, REPLICA
 
 __all__ = ["close_or_nan", "compare", "failure", "groups_of", "replica", "same_bits"]
 

@@ -1,119 +1,327 @@
-"""Families of check targets: the one interface the search, the CLI, case files and the pytest suite use.
+"""Families of check targets: one base class, whose hooks each kind of target fills in.
 
 tpsim checks several kinds of target, each described by its own variant type: a single linear layer
-(:class:`tpsim.variant.Variant`, family ``linear``), a whole module such as an MLP or a block
-(:class:`tpsim.module_variant.ModuleVariant`, family ``module``). A **family** is one object that
-knows everything about one kind: how a ``tpsim check`` TARGET resolves into its variants, which
-cases Hypothesis draws for a variant, how one case is checked, which properties exist, and how its
-cases are written to and read from case files. :func:`tpsim.props.search.search`, ``tpsim check``,
-``tpsim replay`` and :func:`tpsim.props.suite.property_tests` only ever talk to a family through
-:class:`Family`, so adding a kind of target never touches them (pytest-xdist's schedulers follow
-the same pattern: interchangeable policies behind one small Protocol).
+(:class:`tpsim.variant.Variant`, family ``linear``), a whole module (:class:`tpsim.module_variant.ModuleVariant`,
+``module``), a vocab-parallel embedding or cross-entropy (``embedding``, ``cross-entropy``), a
+head-sharded attention block (``attention``). :func:`tpsim.props.search.search`, ``tpsim check``,
+``tpsim replay``, fault plans and :func:`tpsim.props.suite.property_tests` only ever talk to a
+:class:`Family`. The engine here does, once for every family: resolving a target's objects into
+variants (:meth:`Family.resolve`, :meth:`Family.declared`; the TARGET forms, ``--rank-local`` and
+``--param-grad`` are :mod:`tpsim.target`'s), planning a search (:meth:`Family.plan`), one world run
+per case (:meth:`Family.observe`: data drawn from the seed, the rank function on the world, one
+:class:`~tpsim.props.observation.Observation`), judging it (:meth:`Family.judge`: what every family
+shares, then the family's properties) and case files (:meth:`Family.case_from_dict`).
 
-Adding a family (say, vocab-parallel embeddings) takes four pieces, each in its own module:
-
-1. **A variant type**: a frozen dataclass describing one implementation. It needs ``name``,
-   ``target`` and ``options`` (filled in when it was resolved from a TARGET, so gloo/NCCL workers
-   and ``tpsim replay`` can resolve it again by name), ``notes`` (remarks for reports),
-   ``kind``/``input``/``output``/``input_grad``/``bias`` (listed by ``--report json``; None where
-   one does not apply), ``describe()`` and ``replace(**changes)``.
-2. **A case type**: a frozen dataclass that is pure data: ``world_size``, ``seed``, ``target``,
-   ``variant``, ``options``, ``property`` fields; a ``family`` class attribute (the family's
-   ``name``); ``describe()`` (one line for reports), ``to_dict()`` (JSON-ready),
-   ``replace(**changes)`` and ``key()`` (a short stable hash naming its case file). It must replay
-   exactly from ``to_dict()``.
-3. **The family object**, implementing every member of :class:`Family` below. ``check_case``
-   returns :class:`tpsim.diagnosis.Failure` objects whose ``diagnosis`` is a registered name and
-   whose ``case`` is the case; it raises only for errors of the harness itself (a bad option, a
-   backend that cannot start), never for something the variant did wrong.
-4. **Registration**: one line in :data:`_BUILTIN` (``"name": "package.module:OBJECT"``, imported
-   lazily so that importing tpsim stays cheap), or :func:`register` at run time; and the family's
-   ``kinds`` in the CLI's ``--kind`` choices (``KIND_CHOICES`` in :mod:`tpsim.cli`).
-
-A bare-module target (``tpsim check mypkg.layers``) gives every family's declared variants: each
-family decides how a module declares them (linear: ``TPSIM_VARIANTS`` or its ``Variant`` objects;
-module: ``TPSIM_MODULES`` or its ``ModuleVariant`` objects).
-
-Case files carry the family's ``name`` (``"family": "module"``); files without one (schema 1) are
-linear cases. :func:`resolve_target` asks the families in registration order; ``--kind`` picks the
-family that lists the kind in its ``kinds``.
+**Adding a family** (the recipe of docs/design.md): a variant type (a frozen dataclass with ``name``,
+``target``, ``options``, ``rank_local``, ``notes``, ``kind``/``input``/``output``/``input_grad``/``bias``,
+``describe()``, ``replace()``), a case type (a frozen dataclass deriving from
+:class:`tpsim.props.case.CaseBase`), a rank function (built on :mod:`tpsim.props.rank`), a dense
+reference and its diagnoses, then a subclass of :class:`Family` that names them — ``name``, ``kinds``,
+``variant_type``, ``case_type``, ``properties`` — and fills in :meth:`Family.world` (the data and
+the rank function of one case), :meth:`Family.divisible`, :meth:`Family.evaluate` (its properties
+and recognisers), :meth:`Family.cases` (its Hypothesis strategy) and :meth:`Family.fault_case`;
+plus one line in :data:`_BUILTIN`. The other hooks have defaults that fit most families.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar
 
-from tpsim.errors import InvalidArgument
+from tpsim.errors import InvalidArgument, RankError
+from tpsim.props.observation import DenseReferenceFailed, Observation, output_dtype_failure
+from tpsim.props.property_names import FORWARD
+from tpsim.runner import DEFAULT_TIMEOUT
 
 __all__ = [
+    "ADAPTER_OPTIONS",
     "FAMILIES",
     "Family",
+    "World",
     "families",
     "family_named",
     "family_of",
     "family_of_case",
+    "kind_choices",
     "register",
-    "resolve_target",
-    "resolve_variant",
 ]
 
+#: The CLI's adapter flags (``--convention``, ``--packed``, ...): each family takes some of them
+#: (:attr:`Family.adapter_options`) and refuses the others.
+ADAPTER_OPTIONS = ("convention", "packed", "input", "output", "input_grad", "sequence_dim", "param_grad")
 
-@runtime_checkable
-class Family(Protocol):
-    """What tpsim needs from a family of targets (see the module docstring for how to add one)."""
+
+@dataclass
+class World:
+    """One case's world run, as a family prepares it: the rank function ``fn`` (module-level: worker
+    processes import it), the ``payload`` every rank gets (the engine adds the variant) and the
+    ``data`` the parent keeps for judging the run (what it drew from the seed)."""
+
+    fn: Any
+    payload: dict[str, Any]
+    data: Any
+
+
+class Family:
+    """A family of check targets (see the module docstring for the hooks a family fills in)."""
 
     #: Stable name, written into case files (``"linear"``, ``"module"``).
-    name: str
+    name: ClassVar[str]
     #: The ``--kind`` values that select this family (``("column", "row")`` for linear layers).
-    kinds: tuple[str, ...]
+    kinds: ClassVar[tuple[str, ...]]
     #: The variant type (``isinstance`` tells which family a variant belongs to).
-    variant_type: type
-    #: Every property name the family checks, in report order.
-    properties: tuple[str, ...]
+    variant_type: ClassVar[type]
+    #: The case type (a :class:`tpsim.props.case.CaseBase`).
+    case_type: ClassVar[type]
+    #: Every property the family checks, in report order: the ones it is searched, reported and
+    #: tested on (:func:`tpsim.props.suite.property_tests` generates a test for each).
+    properties: ClassVar[tuple[str, ...]]
+    #: How messages name a variant of the family (``"an embedding"``: "an embedding is checked for ...").
+    subject: ClassVar[str]
+    #: The list a bare module declares this family's variants in (else its module-level variants),
+    #: and whether other families' variants share it.
+    declared_list: ClassVar[str | None] = None
+    declared_list_shared: ClassVar[bool] = False
+    #: The CLI adapter flags (:data:`ADAPTER_OPTIONS`) this family's variants take.
+    adapter_options: ClassVar[tuple[str, ...]] = ()
+    #: Whether the family reads its variants' parameters from the built module (any name may be
+    #: declared with ``--param-grad``) rather than from the variant's declared ``params``.
+    params_inferred: ClassVar[bool] = False
+    #: The dtypes the family is checked in (None: all), and why no others.
+    dtypes: ClassVar[tuple[str, ...] | None] = None
+    dtype_reason: ClassVar[str] = ""
+
+    def __init_subclass__(cls, *, name: str | None = None, kinds: tuple[str, ...] | None = None,
+                          variant_type: type | None = None, case_type: type | None = None,
+                          properties: tuple[str, ...] | None = None, subject: str | None = None,
+                          **kwargs: Any) -> None:
+        """A family says what it is in its class statement: ``class AttentionFamily(Family,
+        name="attention", kinds=("attention",), variant_type=AttentionVariant, case_type=AttentionCase,
+        properties=ATTENTION_PROPERTIES, subject="an attention block")``."""
+        super().__init_subclass__(**kwargs)
+        given = {"name": name, "kinds": kinds, "variant_type": variant_type, "case_type": case_type,
+                 "properties": properties, "subject": subject}
+        for attr, value in given.items():
+            if value is not None:
+                setattr(cls, attr, value)
+
+    # --- targets -----------------------------------------------------------------------------------
 
     def resolve(self, target: str, obj: Any, options: Mapping[str, Any]) -> list[Any] | None:
-        """The variants ``obj`` (the object ``target``, a ``MODULE:Name``, names) describes, adapted
-        with ``options`` (the CLI's adapter flags, e.g. ``input``/``output``); None when ``obj`` is
-        not this family's. Raises :class:`tpsim.InvalidArgument` when it is, but cannot be adapted."""
+        """The variants the object ``obj`` (what ``target``, a ``MODULE:Name``, names) describes, adapted
+        with ``options``; None when ``obj`` is not this family's. Raises :class:`tpsim.InvalidArgument`
+        when it is, but cannot be adapted."""
+        if isinstance(obj, self.variant_type):
+            found = [obj]
+        elif isinstance(obj, (list, tuple)) and obj and all(isinstance(v, self.variant_type) for v in obj):
+            found = list(obj)
+        else:
+            return self.from_object(target, obj, options)
+        from tpsim.target import import_target_module
+
+        module = import_target_module(target.partition(":")[0])
+        return [self.own_module(self.adapt(v, options, target), module) for v in found]
 
     def declared(self, target: str, module: ModuleType, options: Mapping[str, Any]) -> list[Any]:
         """The variants the bare-module ``target`` (imported as ``module``) declares for this family,
-        adapted with ``options`` (empty: none)."""
+        adapted with ``options``: a library's layers (its preset's variants of this family's kinds),
+        else the module's :attr:`declared_list`, else its module-level variants of this family. Empty
+        when the options adapt another family's variants."""
+        if options.get("kind") not in (None, *self.kinds) or not self.takes(options):
+            return []
+        from tpsim.presets import library_variants, preset_for_target
 
-    def plan(
-        self, variant: Any, properties: tuple[str, ...], dtypes: tuple[str, ...]
-    ) -> tuple[tuple[str, ...], tuple[str, ...], list[str]]:
-        """The properties and dtypes that apply to ``variant`` out of those asked for, and the
-        notes a report shows about what was left out and why. Raises
-        :class:`tpsim.InvalidArgument` when nothing asked for applies."""
+        library = preset_for_target(target)
+        if library is not None:
+            return [self.adapt(v, options, f"{target}:{v.name}")
+                    for v in library_variants(library, self.kinds, target)]
+        listed = getattr(module, self.declared_list, None) if self.declared_list else None
+        if listed is not None:
+            items = self.declared_items(module, list(listed))
+        else:
+            items = []
+            for value in vars(module).values():
+                if isinstance(value, self.variant_type) and not any(value is s for s in items):
+                    items.append(value)
+        return [self.own_module(self.adapt(v, options, f"{target}:{v.name}"), module) for v in items]
 
-    def cases(
-        self,
-        variant: Any,
-        *,
-        world_sizes: tuple[int, ...],
-        dtypes: tuple[str, ...],
-        non_divisible: bool,
-        tp_sizes: tuple[int, ...] | None,
-        subgroups: bool,
-        layouts: tuple[str, ...],
-    ) -> Any:
-        """A Hypothesis strategy of this family's cases for ``variant`` (shrinking toward the
-        smallest, most readable case); ``non_divisible``: also sizes that do not divide."""
+    def declared_items(self, module: ModuleType, items: list[Any]) -> list[Any]:
+        """The variants of this family in ``module``'s :attr:`declared_list`: its own list must hold
+        nothing else; a list several families share (:attr:`declared_list_shared`) is filtered."""
+        if not self.declared_list_shared:
+            bad = [v for v in items if not isinstance(v, self.variant_type)]
+            if bad:
+                raise InvalidArgument(f"{module.__name__}.{self.declared_list} holds {bad[0]!r}, which is not a tpsim "
+                                      f"{self.variant_type.__name__}")
+        return [v for v in items if isinstance(v, self.variant_type)]
 
-    def check_case(
-        self, variant: Any, case: Any, *, backend: str, timeout: float, properties: Sequence[str] | None = None,
-        isolate: bool = False,
-    ) -> list[Any]:
-        """Run ``case`` and evaluate ``properties`` (None: all); return the failures. ``isolate``:
-        run inproc worlds in a supervised worker process (``tpsim.run(..., isolate=True)``)."""
+    def takes(self, options: Mapping[str, Any]) -> bool:
+        """Whether every adapter flag set in ``options`` is one this family takes (on a bare module,
+        other flags adapt another family's variants)."""
+        return all(k in self.adapter_options for k in ADAPTER_OPTIONS if options.get(k) is not None)
+
+    def from_object(self, target: str, obj: Any, options: Mapping[str, Any]) -> list[Any] | None:
+        """The variants of an object that is not a variant of this family (a class, a function, a
+        library's layer), None when it is not this family's (default: never)."""
+        return None
+
+    def adapt(self, variant: Any, options: Mapping[str, Any], where: str) -> Any:
+        """``variant`` with the CLI's adapter flags applied; a flag the family does not take is refused
+        (:meth:`foreign_option`). ``where`` names the target in messages."""
+        for k in ADAPTER_OPTIONS:
+            if k not in self.adapter_options and options.get(k) is not None:
+                raise InvalidArgument(self.foreign_option(where, k))
+        return variant
+
+    def foreign_option(self, where: str, option: str) -> str:
+        """The message refusing ``--option`` for the target ``where``."""
+        return f"{where} is {self.subject}; --{option.replace('_', '-')} applies to linear layers and modules"
+
+    @staticmethod
+    def own_module(variant: Any, module: ModuleType | None) -> Any:
+        """``variant`` with the globals of ``module`` (the user's module that declares it) made per
+        rank: in a real job each rank is a process with its own (tpsim's and torch's modules are not)."""
+        from tpsim.conventions import own_module_state
+
+        local = (*variant.rank_local, *own_module_state(None if module is None else module.__name__))
+        local = tuple(dict.fromkeys(local))
+        return variant if local == tuple(variant.rank_local) else variant.replace(rank_local=local)
+
+    def declare_grads(self, variant: Any, pairs: Sequence[tuple[str, str]]) -> Any:
+        """``variant`` with the grads ``--param-grad NAME=MODE`` names declared (a family whose variants
+        take the flag overrides this; see :attr:`adapter_options`)."""
+        raise InvalidArgument(f"{variant.name!r} is {self.subject}; --param-grad applies to linear layers and modules")
+
+    # --- a search ----------------------------------------------------------------------------------
+
+    def applicable(self, variant: Any) -> tuple[str, ...]:
+        """The properties ``variant`` is checked for (default: all of :attr:`properties`)."""
+        return self.properties
+
+    def plan(self, variant: Any, properties: tuple[str, ...],
+             dtypes: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...], list[str]]:
+        """The properties and dtypes that apply to ``variant`` out of those asked for, and the notes a
+        report shows about what was left out and why. Raises :class:`tpsim.InvalidArgument` when
+        nothing asked for applies."""
+        applies = self.applicable(variant)
+        kept = tuple(p for p in properties if p in applies)
+        if not kept:
+            raise InvalidArgument(self.nothing_applies(variant, properties, applies))
+        kept_dtypes, dtype_notes = self.plan_dtypes(variant, tuple(dtypes))
+        return kept, kept_dtypes, [*variant.notes, *dtype_notes, *self.notes(variant)]
+
+    def nothing_applies(self, variant: Any, properties: tuple[str, ...], applies: tuple[str, ...]) -> str:
+        """Why none of ``properties`` applies to ``variant``."""
+        return f"properties={list(properties)!r}: {self.subject} is checked for {', '.join(applies)}"
+
+    def plan_dtypes(self, variant: Any, dtypes: tuple[str, ...]) -> tuple[tuple[str, ...], list[str]]:
+        """The dtypes ``variant`` is checked in out of ``dtypes``, and a note when some are left out."""
+        if self.dtypes is None:
+            return dtypes, []
+        kept = tuple(d for d in dtypes if d in self.dtypes)
+        if not kept:
+            raise InvalidArgument(f"dtypes={list(dtypes)!r}: {self.name} targets are checked in {' and '.join(self.dtypes)} "
+                                  f"({self.dtype_reason})")
+        if kept == dtypes:
+            return kept, []
+        return kept, [f"dtypes {', '.join(kept)} only: {self.dtype_reason}"]
+
+    def notes(self, variant: Any) -> list[str]:
+        """The family's remarks about ``variant`` a report shows (default: none)."""
+        return []
+
+    def cases(self, variant: Any, *, world_sizes: tuple[int, ...], dtypes: tuple[str, ...], non_divisible: bool,
+              tp_sizes: tuple[int, ...] | None, subgroups: bool, layouts: tuple[str, ...]) -> Any:
+        """A Hypothesis strategy of this family's cases for ``variant`` (shrinking toward the smallest,
+        most readable case); ``non_divisible``: also sizes that do not divide (the divisibility
+        property is asked for). Default: :attr:`strategy`, whose inputs are contiguous (memory layouts
+        are a property of the layers, checked on each of them)."""
+        return self.strategy(variant, world_sizes=world_sizes, dtypes=dtypes,
+                             non_divisible=non_divisible or self.uneven_sizes_are_cases, tp_sizes=tp_sizes,
+                             subgroups=subgroups)
+
+    #: The family's case strategy, ``strategy(variant, *, world_sizes, dtypes, non_divisible, tp_sizes,
+    #: subgroups)`` (see :meth:`cases`).
+    strategy: ClassVar[Any] = None
+    #: Whether a size that does not divide by the tp size is an ordinary case of the family (padded,
+    #: split unevenly: it must be exact), drawn whatever the divisibility property says.
+    uneven_sizes_are_cases: ClassVar[bool] = False
+
+    def fault_case(self, variant: Any, world_size: int, seed: int) -> Any:
+        """One small divisible case of ``world_size`` ranks whose run issues collectives, for fault
+        plans (:func:`tpsim.props.faults.check_faults`)."""
+        raise NotImplementedError
 
     def case_from_dict(self, data: Any) -> Any:
-        """The inverse of the case type's ``to_dict()``; raises :class:`tpsim.InvalidArgument`
-        naming a bad field."""
+        """The inverse of the case type's ``to_dict()``; raises :class:`tpsim.InvalidArgument` naming
+        a bad field."""
+        return self.case_type.from_dict(data)
+
+    # --- one case ----------------------------------------------------------------------------------
+
+    def divisible(self, variant: Any, case: Any) -> bool:
+        """Whether ``variant`` can shard the sizes of ``case`` (default: always)."""
+        return True
+
+    def world(self, variant: Any, case: Any, **how: Any) -> World:
+        """The world run of ``case``: the data drawn from its seed and the rank function. A family whose
+        dense reference is itself a run raises :class:`~tpsim.props.observation.DenseReferenceFailed`
+        when that reference fails."""
+        raise NotImplementedError
+
+    def observe(self, variant: Any, case: Any, *, backend: str = "inproc", timeout: float = DEFAULT_TIMEOUT,
+                isolate: bool = False, **how: Any) -> Observation:
+        """Run ``case`` once on a world of ``case.world_size`` ranks of ``backend`` (``isolate``: an
+        inproc world in a supervised worker process, :func:`tpsim.run`); ``how``: the family's own
+        options of the run (:meth:`world`)."""
+        from tpsim.props.launch import launch
+
+        divisible = self.divisible(variant, case)
+        try:
+            world = self.world(variant, case, timeout=timeout, isolate=isolate, **how)
+        except DenseReferenceFailed as failed:
+            return Observation(case, divisible=divisible, reference_error=failed)
+        try:
+            values = launch(world.fn, variant, world.payload, case.world_size, backend=backend, timeout=timeout,
+                            isolate=isolate)
+        except RankError as err:
+            return Observation(case, world.data, error=err, divisible=divisible)
+        return Observation(case, world.data, values=values, divisible=divisible)
+
+    def judge(self, variant: Any, obs: Observation, properties: Sequence[str] | None = None) -> list[Any]:
+        """The failures of one observation: what every family shares (an output that is no real
+        floating tensor, on a rank or as the variant's own dense reference, is ``wrong-dtype``), then
+        the family's own properties (:meth:`evaluate`)."""
+        wrong = output_dtype_failure(variant, obs)
+        if wrong is not None:
+            return [wrong] if FORWARD in (properties or self.properties) else []
+        return self.evaluate(variant, obs, properties)
+
+    def evaluate(self, variant: Any, obs: Observation, properties: Sequence[str] | None = None) -> list[Any]:
+        """The family's properties (default: all) on one observation; its failures, in order."""
+        raise NotImplementedError
+
+    def follow_up(self, variant: Any, case: Any, obs: Observation, failures: list[Any], *, backend: str,
+                  timeout: float, isolate: bool, properties: Sequence[str] | None) -> list[Any]:
+        """A failing case run again to say more about its failures (default: nothing more)."""
+        return failures
+
+    def check_case(self, variant: Any, case: Any, *, backend: str = "inproc", timeout: float = DEFAULT_TIMEOUT,
+                   properties: Sequence[str] | None = None, isolate: bool = False) -> list[Any]:
+        """Run ``case`` and evaluate ``properties`` (None: all); return the failures, each cause once
+        with the failures that follow from it listed under it. Raises only for errors of the harness
+        itself (a bad option, a backend that cannot start), never for what the variant did wrong."""
+        from tpsim.diagnosis import group_causes
+
+        obs = self.observe(variant, case, backend=backend, timeout=timeout, isolate=isolate)
+        failures = self.judge(variant, obs, properties)
+        if failures:
+            failures = self.follow_up(variant, case, obs, failures, backend=backend, timeout=timeout, isolate=isolate,
+                                      properties=properties)
+        return group_causes(failures)
 
 
 #: Families that ship with tpsim: name -> ``module:attribute`` of the family object (imported lazily).
@@ -131,7 +339,7 @@ FAMILIES: dict[str, Family] = {}
 def register(family: Family) -> Family:
     """Add ``family`` (after the built-in ones); returns it. Its name must be new."""
     if not isinstance(family, Family):
-        raise InvalidArgument(f"family={family!r} does not implement tpsim.props.family.Family")
+        raise InvalidArgument(f"family={family!r} is not a tpsim.props.family.Family")
     _load_builtin()
     if family.name in FAMILIES and FAMILIES[family.name] is not family:
         raise InvalidArgument(f"a family named {family.name!r} is already registered")
@@ -150,6 +358,11 @@ def families() -> list[Family]:
     """Every registered family, in resolution order."""
     _load_builtin()
     return list(FAMILIES.values())
+
+
+def kind_choices() -> tuple[str, ...]:
+    """Every family's ``--kind`` values, in family order."""
+    return tuple(k for f in families() for k in f.kinds)
 
 
 def family_named(name: Any) -> Family:
@@ -173,95 +386,5 @@ def family_of(variant: Any) -> Family:
 
 
 def family_of_case(case: Any) -> Family:
-    """The family a case belongs to (its ``family`` attribute; linear cases have none to spare)."""
+    """The family a case belongs to (its ``family`` class attribute)."""
     return family_named(getattr(case, "family", "linear"))
-
-
-#: Bare modules whose variants are declared elsewhere: the layer core never imports the harness,
-#: so ``tpsim.layers`` declares its variants in :mod:`tpsim.builtin_variants`.
-_DECLARED_IN = {"tpsim.layers": "tpsim.builtin_variants"}
-
-
-def resolve_target(target: str, **options: Any) -> list[Any]:
-    """Every variant ``target`` names, over all families (see :mod:`tpsim.target` for the forms).
-
-    ``MODULE:Name`` goes to the family that claims the object it names; a bare module collects what
-    every family declares in it, in family order (``tpsim.layers``: tpsim's own linear layers, then
-    its MLPs). ``options`` are the CLI's adapter flags; ``kind`` picks the family that lists it in
-    its ``kinds`` (``--kind module``: the module family).
-    """
-    from tpsim.target import TargetError, import_target_module
-
-    if not isinstance(target, str) or not target.strip():
-        raise TargetError(f"target={target!r}; expected package.module:Name, path/to/file.py:Name or a module")
-    kind = options.get("kind")
-    chosen = families()
-    if kind is not None:
-        chosen = [f for f in chosen if kind in f.kinds]
-        if not chosen:
-            kinds = sorted(k for f in families() for k in f.kinds)
-            raise TargetError(f"kind={kind!r}; expected one of {', '.join(kinds)}")
-    module_part, _, attr = target.partition(":")
-    redirect = _DECLARED_IN.get(module_part)
-    if redirect is not None or not attr:
-        module = import_target_module(redirect or module_part)
-        variants = [v for family in chosen for v in family.declared(module_part, module, options)]
-        if attr:
-            match = [v for v in variants if v.name == attr]
-            if not match:
-                names = ", ".join(v.name for v in variants)
-                raise TargetError(f"{module_part!r} declares no variant named {attr!r}; it declares: {names}")
-            variants = match
-        if not variants:
-            raise TargetError(
-                f"module {module_part!r} declares no variants (no TPSIM_VARIANTS or TPSIM_MODULES list and no "
-                "variant objects); name one with MODULE:Name"
-            )
-        return _finish(target, variants, options)
-    obj: Any = import_target_module(module_part)
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise TargetError(f"{module_part!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    for family in chosen:
-        try:
-            found = family.resolve(target, obj, options)
-        except InvalidArgument as err:
-            raise _with_module_hint(err, obj, options) from None
-        if found is not None:
-            return _finish(target, found, options)
-    wanted = " or ".join(f.variant_type.__name__ for f in chosen)
-    raise TargetError(f"{target} is {type(obj).__name__}, not a tpsim {wanted} or an nn.Module class; see docs/cli.md")
-
-
-def _with_module_hint(err: InvalidArgument, obj: Any, options: Mapping[str, Any]) -> InvalidArgument:
-    # A module class that fits no linear-layer convention may be a whole module: say how to check it.
-    from torch import nn
-
-    if isinstance(obj, type) and issubclass(obj, nn.Module) and options.get("kind") is None:
-        return type(err)(f"{err}; if {obj.__name__} is a whole module (an MLP or a block), check it with --kind module")
-    return err
-
-
-def _finish(target: str, variants: list[Any], options: Mapping[str, Any]) -> list[Any]:
-    from tpsim.target import TargetError
-
-    names = [v.name for v in variants]
-    dupes = sorted({n for n in names if names.count(n) > 1})
-    if dupes:
-        raise TargetError(f"{target!r} declares several variants named {dupes[0]!r}; names must be unique")
-    frozen = tuple(sorted((k, v) for k, v in options.items() if v is not None))
-    # Every variant remembers its target and options, so that worker processes and replays resolve it again.
-    return [v if (v.target, tuple(v.options)) == (target, frozen) else v.replace(target=target, options=frozen)
-            for v in variants]
-
-
-def resolve_variant(target: str, name: str, options: Sequence[tuple[str, Any]] | Mapping[str, Any] = ()) -> Any:
-    """The variant called ``name`` among those ``target`` resolves to, in any family."""
-    from tpsim.target import TargetError
-
-    found = resolve_target(target, **dict(options))
-    for v in found:
-        if v.name == name:
-            return v
-    raise TargetError(f"{target!r} declares no variant named {name!r}")

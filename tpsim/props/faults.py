@@ -8,13 +8,15 @@
 - a rank stalled well within the timeout changes nothing: the result equals the clean run's;
 - a corrupted contribution is never silently passed: with ``checksum=True`` the run raises naming
   the corrupting rank; without it, either the result is bit-identical to the clean run (the
-  collective ignored that contribution) or it differs and the equivalence properties
-  (:mod:`tpsim.props.checks`) fail on it — a difference they pass is reported;
+  collective ignored that contribution) or it differs and the family's properties fail on it — a
+  difference they pass is reported;
 - no worker process or rank thread outlives the run.
 
-:func:`check_faults` runs a variant under generated plans (``tpsim check TARGET --faults ...``)
-and returns one :class:`FaultReport` per example; the ones with ``ok=False`` are what the harness
-or the layer failed to surface.
+:func:`check_faults` runs a variant of any family under generated plans (``tpsim check TARGET
+--faults ...``) and returns one :class:`FaultReport` per example; the ones with ``ok=False`` are what
+the harness or the layer failed to surface. The case, its world run and its judging are the
+family's (:meth:`~tpsim.props.family.Family.fault_case`, :meth:`~tpsim.props.family.Family.world`,
+:meth:`~tpsim.props.family.Family.judge`): the same run a check makes, with a fault plan beneath.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import Phase, given, settings
 from hypothesis import seed as hyp_seed
 from hypothesis import strategies as st
 
@@ -36,10 +38,10 @@ import tpsim
 from tpsim.diagnosis import FAULT_NOT_SURFACED, recogniser
 from tpsim.errors import InvalidArgument, RankError
 from tpsim.faults import FAULT_KINDS, Corrupt, Crash, Delay, Drop, Fault, Mismatch, parse_plan
-from tpsim.props.case import Case
-from tpsim.props.launch import WARM_TIMEOUT, resolve_only, target_ref
-from tpsim.props.world import Observation, is_divisible, make_masters, rank_main
-from tpsim.variant import Variant
+from tpsim.props.family import World, family_of
+from tpsim.props.launch import WARM_TIMEOUT, for_ranks, resolve_only, run_options
+from tpsim.props.observation import Observation
+from tpsim.props.search import HEALTH_CHECKS_SUPPRESSED
 
 __all__ = [
     "FAULT_DETECTION",
@@ -75,7 +77,7 @@ class FaultReport:
     ``caught_by`` names the property that caught a corrupted result; ``elapsed``/``bound`` in s.
     """
 
-    case: Case
+    case: Any
     plan: tuple[Fault, ...]
     backend: str
     ok: bool
@@ -180,15 +182,12 @@ def fault_plans(
 # --- running a case under a plan -----------------------------------------------------------------
 
 
-def _payload(variant: Variant, case: Case, backend: str, isolate: bool) -> dict[str, Any]:
-    # Mirrors tpsim.props.world.observe (which takes no fault plan): the variant itself in this
-    # process, its target reference in worker processes (the isolated worker included).
-    payload: dict[str, Any] = {"case": case, "masters": make_masters(case), "divisible": is_divisible(variant, case)}
-    if backend == "inproc" and not isolate:
-        payload["variant"] = variant
-    else:
-        payload["ref"] = target_ref(variant, backend, isolate)
-    return payload
+def _world(variant: Any, case: Any, backend: str, isolate: bool, timeout: float) -> World:
+    """The family's world run of ``case``, its payload ready for the ranks (the same run a check
+    makes, so that a fault plan acts beneath exactly what is checked)."""
+    world = family_of(variant).world(variant, case, timeout=max(timeout, 30.0), isolate=isolate)
+    for_ranks(variant, world.payload, case.world_size, backend=backend, isolate=isolate)
+    return world
 
 
 _warm_worker: list[int | None] = [None]
@@ -247,8 +246,8 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def fault_detection(
-    variant: Variant,
-    case: Case,
+    variant: Any,
+    case: Any,
     plan: Sequence[Any] | None = None,
     *,
     backend: str = "inproc",
@@ -272,26 +271,27 @@ def fault_detection(
 
 
 @recogniser(FAULT_NOT_SURFACED)
-def _detect(variant: Variant, case: Case, plan: tuple[Fault, ...], *, backend: str, timeout: float,
+def _detect(variant: Any, case: Any, plan: tuple[Fault, ...], *, backend: str, timeout: float,
             checksum: bool, clean: tpsim.WorldResult | None, isolate: bool = False) -> FaultReport:
     ws = case.world_size
-    payload = _payload(variant, case, backend, isolate)
+    world = _world(variant, case, backend, isolate, timeout)
+    options = run_options(variant)
     if clean is None:
-        clean = tpsim.run_world(rank_main, ws, backend=backend, args=(payload,), timeout=max(timeout, 30.0),
-                                isolate=isolate)
+        clean = tpsim.run_world(world.fn, ws, backend=backend, args=(world.payload,), timeout=max(timeout, 30.0),
+                                isolate=isolate, **options)
     bound = timeout + sum(f.seconds for f in plan if isinstance(f, Delay)) + SLACK_S.get(backend, 10.0)
     if backend != "inproc":
         from tpsim.comm.procs import ensure_pool
 
         ensure_pool(backend, ws)  # a pool replaced after an earlier fault: its start-up is not the run's
     elif isolate:
-        _ensure_isolated_worker(payload["ref"], ws)
+        _ensure_isolated_worker(world.payload["ref"], ws)
     t0 = time.monotonic()
     error: RankError | None = None
     result = None
     try:
-        result = tpsim.run_world(rank_main, ws, backend=backend, args=(payload,), faults=plan, timeout=timeout,
-                                 checksum=checksum, isolate=isolate)
+        result = tpsim.run_world(world.fn, ws, backend=backend, args=(world.payload,), faults=plan, timeout=timeout,
+                                 checksum=checksum, isolate=isolate, **options)
         fired_pairs = result.faults_fired
     except RankError as err:
         error = err
@@ -342,11 +342,10 @@ def _detect(variant: Variant, case: Case, plan: tuple[Fault, ...], *, backend: s
         return report(True, "result", f"{fault} at {where}: the result equals the clean run")
     if isinstance(fault, Delay):
         return report(False, "result", f"{fault} (within the timeout) changed the result")
-    # A corrupted result: the equivalence properties must catch it.
-    from tpsim.props.checks import evaluate
-
-    obs = Observation(case, is_divisible(variant, case), values=result.values, masters=payload["masters"])
-    failures = evaluate(variant, obs)
+    # A corrupted result: the family's properties must catch it.
+    family = family_of(variant)
+    obs = Observation(case, world.data, values=result.values, divisible=family.divisible(variant, case))
+    failures = family.judge(variant, obs)
     if failures:
         names = ", ".join(sorted({f.property for f in failures}))
         return report(True, "result", f"{fault} at {where} corrupted the result; caught by {names}",
@@ -356,7 +355,7 @@ def _detect(variant: Variant, case: Case, plan: tuple[Fault, ...], *, backend: s
 
 
 def check_faults(
-    variant: Variant | str,
+    variant: Any,
     *,
     kinds: Sequence[str] = FAULT_KINDS,
     world_sizes: Sequence[int] = (2, 3, 4),
@@ -367,10 +366,10 @@ def check_faults(
     checksum: bool = False,
     isolate: bool = False,
 ) -> list[FaultReport]:
-    """Run ``variant`` (or a target string naming one) under generated fault plans.
+    """Run ``variant`` (of any family, or a target string naming one) under generated fault plans.
 
-    One small divisible case per world size (features a multiple of it, a batch of 2, float64,
-    bias); plans drawn by :func:`fault_plans` with ``at_call`` within the calls each rank makes in
+    One small divisible case per world size (its family's :meth:`~tpsim.props.family.Family.fault_case`:
+    linear layers get features a multiple of it, a batch of 2, float64, bias); plans drawn by :func:`fault_plans` with ``at_call`` within the calls each rank makes in
     the clean run and delays of ``timeout / 10`` and ``timeout * 2``. Returns a report per example,
     ``ok=False`` for every fault the harness or the layer failed to surface. ``isolate``: run the
     inproc worlds in the supervised worker process (what ``tpsim check --faults`` does), so a rank
@@ -382,18 +381,19 @@ def check_faults(
 
         found = resolve_target(variant)
         if len(found) != 1:
-            raise InvalidArgument(f"target {variant!r} names {len(found)} variants; pass one Variant")
+            raise InvalidArgument(f"target {variant!r} names {len(found)} variants; pass one variant")
         variant = found[0]
+    family = family_of(variant)
     sizes = sorted(set(world_sizes))
     if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
         raise InvalidArgument(f"world_sizes={list(world_sizes)!r} must be a non-empty list of ints >= 1")
-    clean: dict[int, tuple[Case, tpsim.WorldResult]] = {}
+    clean: dict[int, tuple[Any, tpsim.WorldResult]] = {}
     for ws in sizes:
-        case = Case(world_size=ws, in_features=2 * ws, out_features=2 * ws, batch_shape=(2,), bias=True, seed=seed,
-                    target=variant.target, variant=variant.name, property=FAULT_DETECTION)
-        payload = _payload(variant, case, backend, isolate)
-        clean[ws] = (case, tpsim.run_world(rank_main, ws, backend=backend, args=(payload,), timeout=max(timeout, 30),
-                                           isolate=isolate))
+        case = family.fault_case(variant, ws, seed).replace(target=variant.target, variant=variant.name,
+                                                            options=variant.options, property=FAULT_DETECTION)
+        world = _world(variant, case, backend, isolate, timeout)
+        clean[ws] = (case, tpsim.run_world(world.fn, ws, backend=backend, args=(world.payload,),
+                                           timeout=max(timeout, 30), isolate=isolate, **run_options(variant)))
     # A world where no rank issues a collective (e.g. one rank: layers skip their collectives)
     # gives a fault nothing to act on.
     sizes = [ws for ws in sizes if any(clean[ws][1].trace.of(r) for r in range(ws))]
@@ -404,7 +404,7 @@ def check_faults(
     delays = (timeout / 10, timeout * 2)
 
     @st.composite
-    def examples(draw: st.DrawFn) -> tuple[Case, tuple[Fault, ...]]:
+    def examples(draw: st.DrawFn) -> tuple[Any, tuple[Fault, ...]]:
         ws = draw(st.sampled_from(sizes))
         case, result = clean[ws]
         calls = [len(result.trace.of(r)) for r in range(ws)]
@@ -413,10 +413,10 @@ def check_faults(
         return case, plan
 
     @settings(max_examples=max_examples, deadline=None, database=None, derandomize=False,
-              suppress_health_check=list(HealthCheck), phases=(Phase.generate,))
+              suppress_health_check=HEALTH_CHECKS_SUPPRESSED, phases=(Phase.generate,))
     @hyp_seed(seed)
     @given(examples())
-    def run_one(example: tuple[Case, tuple[Fault, ...]]) -> None:
+    def run_one(example: tuple[Any, tuple[Fault, ...]]) -> None:
         case, plan = example
         reports.append(_detect(variant, case.replace(faults=tuple(f.to_json() for f in plan)), plan,
                                backend=backend, timeout=timeout, checksum=checksum, clean=clean[case.world_size][1],

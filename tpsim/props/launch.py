@@ -26,7 +26,17 @@ from typing import Any
 import tpsim
 from tpsim.errors import InvalidArgument, RankError
 
-__all__ = ["WARM_TIMEOUT", "launch", "resolve_only", "target_ref", "variant_of", "warm_workers", "watched"]
+__all__ = [
+    "WARM_TIMEOUT",
+    "for_ranks",
+    "launch",
+    "resolve_only",
+    "run_options",
+    "target_ref",
+    "variant_of",
+    "warm_workers",
+    "watched",
+]
 
 #: Seconds worker processes get to import a target the first time.
 WARM_TIMEOUT = 300.0
@@ -58,7 +68,7 @@ def variant_of(payload: dict[str, Any]) -> Any:
         key = repr(ref)
         variant = _resolved.get(key)
         if variant is None:
-            from tpsim.props.family import resolve_variant
+            from tpsim.target import resolve_variant
 
             variant = _resolved[key] = resolve_variant(*ref)
     return variant
@@ -68,21 +78,35 @@ def variant_of(payload: dict[str, Any]) -> Any:
 _resolved: dict[str, Any] = {}
 
 
-def launch(fn: Callable[[dict[str, Any]], Any], variant: Any, payload: dict[str, Any], world_size: int, *,
-           backend: str = "inproc", timeout: float = tpsim.DEFAULT_TIMEOUT, isolate: bool = False) -> list[Any]:
-    """``fn(payload)`` on every rank of a world of ``world_size`` ranks of ``backend``; the per-rank
-    values. The variant is added to ``payload`` (see the module docstring). Raises the run's
-    :class:`tpsim.RankError`; a :class:`tpsim.SharedModuleState` (the harness's finding about the
-    setup, not the variant's failure) propagates."""
-    ref = None
+def for_ranks(variant: Any, payload: dict[str, Any], world_size: int, *, backend: str, isolate: bool) -> dict[str, Any]:
+    """``payload`` with the variant added as the ranks of a world of ``world_size`` ranks of ``backend``
+    get it (see the module docstring); the worker processes are warmed for it first."""
     if backend == "inproc" and not isolate:
         payload["variant"] = variant
     else:
-        ref = payload["ref"] = target_ref(variant, backend, isolate)
-        warm_workers(ref, world_size, backend=backend, isolate=isolate)
+        payload["ref"] = target_ref(variant, backend, isolate)
+        warm_workers(payload["ref"], world_size, backend=backend, isolate=isolate)
+    return payload
+
+
+def run_options(variant: Any) -> dict[str, Any]:
+    """The :func:`tpsim.run` options every world run of ``variant`` takes: its ``rank_local`` modules
+    (module globals each rank owns in a real job: a library's parallel state, the module of a plain
+    class) and the modules watched for sharing between ranks (:func:`watched`)."""
+    return {"rank_local": variant.rank_local, "watch": watched(variant.rank_local)}
+
+
+def launch(fn: Callable[[dict[str, Any]], Any], variant: Any, payload: dict[str, Any], world_size: int, *,
+           backend: str = "inproc", timeout: float = tpsim.DEFAULT_TIMEOUT, isolate: bool = False) -> list[Any]:
+    """``fn(payload)`` on every rank of a world of ``world_size`` ranks of ``backend``; the per-rank
+    values. The variant is added to ``payload`` (:func:`for_ranks`). Raises the run's
+    :class:`tpsim.RankError`; a :class:`tpsim.SharedModuleState` (the harness's finding about the
+    setup, not the variant's failure) propagates."""
+    payload = for_ranks(variant, payload, world_size, backend=backend, isolate=isolate)
+    ref = payload.get("ref")
     try:
         return tpsim.run(fn, world_size, backend=backend, args=(payload,), timeout=timeout, isolate=isolate,
-                         rank_local=variant.rank_local, watch=watched(variant.rank_local))
+                         **run_options(variant))
     except RankError:
         if ref is not None:
             _warmed.discard(_warm_key(ref, world_size, backend, isolate))

@@ -1,9 +1,12 @@
 """The ``linear`` family: single tensor-parallel linear layers (:class:`tpsim.variant.Variant`).
 
-The first implementation of :class:`tpsim.props.family.Family`. It owns no logic of its own: each
-member delegates to the modules that always did the work — :mod:`tpsim.target` resolves targets,
-:mod:`tpsim.props.strategies` draws :class:`~tpsim.props.case.Case` objects,
-:mod:`tpsim.props.checks` checks them — so the family protocol is the only thing it adds.
+Its hooks: targets are :class:`~tpsim.variant.Variant` objects, or plain ``nn.Module`` classes
+adapted by their constructor convention (:mod:`tpsim.conventions`) or, for a class that derives from
+a library's layer, by that library's preset (:mod:`tpsim.presets`); a bare module declares them in
+``TPSIM_VARIANTS``. Cases are :class:`~tpsim.props.case.Case` objects drawn by
+:mod:`tpsim.props.strategies`; one world run per case (:mod:`tpsim.props.world`: the float64 dense
+``x Wᵀ + b`` reference, the rank function) is judged by :mod:`tpsim.props.checks`. A failing case
+with a non-contiguous input layout is run again as its contiguous twin.
 """
 
 from __future__ import annotations
@@ -14,70 +17,161 @@ from typing import Any
 
 from torch import nn
 
+from tpsim.conventions import variant_from_class
 from tpsim.errors import InvalidArgument
-from tpsim.presets import preset_for_class
+from tpsim.presets import preset_for_class, preset_for_target
 from tpsim.props.case import Case
-from tpsim.props.checks import DIVISIBILITY, PROPERTIES, check_case
+from tpsim.props.checks import evaluate
+from tpsim.props.family import ADAPTER_OPTIONS, Family, World
+from tpsim.props.observation import Observation
+from tpsim.props.property_names import BIAS_GRAD, DIVISIBILITY, PROPERTIES
 from tpsim.props.strategies import cases
+from tpsim.props.world import is_divisible, make_masters, rank_main
 from tpsim.variant import KINDS, Variant
 
 __all__ = ["LINEAR", "LinearFamily"]
 
+#: The options that override a declared variant's placements.
+_OVERRIDES = ("input", "output", "input_grad")
+#: The options that override a variant's layout after it is built (plain classes and declared variants).
+_LAYOUT_OPTIONS = ("packed", "sequence_dim")
 
-class LinearFamily:
+
+class LinearFamily(Family, name="linear", kinds=KINDS, variant_type=Variant, case_type=Case, properties=PROPERTIES,
+                   subject="a linear layer"):
     """Single linear layers: column- and row-parallel variants (see :mod:`tpsim.variant`)."""
 
-    name = "linear"
-    kinds: tuple[str, ...] = KINDS
-    variant_type = Variant
-    properties = PROPERTIES
+    declared_list = "TPSIM_VARIANTS"
+    adapter_options = ADAPTER_OPTIONS
 
-    def resolve(self, target: str, obj: Any, options: Mapping[str, Any]) -> list[Any] | None:
-        from tpsim.target import resolve_target
+    # --- targets -----------------------------------------------------------------------------------
 
-        variants = isinstance(obj, (list, tuple)) and bool(obj) and all(isinstance(v, Variant) for v in obj)
-        if not (isinstance(obj, Variant) or variants or (isinstance(obj, type) and issubclass(obj, nn.Module))):
+    def from_object(self, target: str, obj: Any, options: Mapping[str, Any]) -> list[Any] | None:
+        if not (isinstance(obj, type) and issubclass(obj, nn.Module)):
             return None
-        preset = preset_for_class(obj) if isinstance(obj, type) else None
-        if preset is not None and preset[1] not in KINDS:
-            return None  # a library's embedding (a preset of another family's kind): that family's
-        return resolve_target(target, **{k: v for k, v in options.items() if v is not None})
+        preset = preset_for_class(obj) if options.get("convention") is None else None
+        if preset is not None:
+            # A library class, or a subclass of one (a fork or a patch): the library's preset.
+            library, kind = preset
+            if kind not in KINDS:
+                return None  # a library's embedding (a preset of another family's kind): that family's
+            if options.get("kind") not in (None, kind):
+                raise InvalidArgument(f"{target} derives from {library.name}'s {kind}-parallel layer; --kind "
+                                      f"{options['kind']} contradicts it")
+            return [self.adapt(v, options, target) for v in library.variants(obj, kind)]
+        variant = variant_from_class(obj, convention=options.get("convention"), kind=options.get("kind"),
+                                     **{k: options.get(k) for k in _OVERRIDES})
+        return [self._layout(variant, options)]
+
+    def adapt(self, variant: Variant, options: Mapping[str, Any], where: str) -> Variant:
+        if options.get("convention") is not None:
+            raise InvalidArgument(f"{where} is a tpsim Variant; --convention applies to plain nn.Module classes only")
+        if options.get("kind") not in (None, variant.kind):
+            raise InvalidArgument(f"{where} is a {variant.kind} variant; --kind {options['kind']} contradicts it")
+        overrides = {k: options[k] for k in _OVERRIDES if options.get(k) is not None}
+        return self._layout(variant.replace(**overrides) if overrides else variant, options)
+
+    @staticmethod
+    def _layout(variant: Variant, options: Mapping[str, Any]) -> Variant:
+        layout = {k: options[k] for k in _LAYOUT_OPTIONS if options.get(k) is not None}
+        return variant.replace(**layout) if layout else variant
 
     def declared(self, target: str, module: ModuleType, options: Mapping[str, Any]) -> list[Any]:
-        from tpsim.target import declares_variants, resolve_target
+        from tpsim.target import DECLARED_IN
 
-        if not declares_variants(target, module):  # declared variants, or a library with a preset
-            return []
-        return resolve_target(target, **{k: v for k, v in options.items() if v is not None})
+        if any(options.get(k) is not None for k in ("convention", "kind")):
+            library = preset_for_target(target)
+            if library is not None:
+                raise InvalidArgument(f"{target!r} is {library.name}'s layers, checked by its preset; "
+                                      "--convention/--kind apply to plain classes")
+            # (tpsim.layers declares its variants elsewhere: each is adapted, and refuses on its own.)
+            if target not in DECLARED_IN and super().declared(target, module, {}):
+                raise InvalidArgument(f"{target!r} is a bare module; --convention/--kind need a class: use "
+                                      f"{target}:ClassName")
+        return super().declared(target, module, options)
 
-    def plan(self, variant: Variant, properties: tuple[str, ...],
-             dtypes: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...], list[str]]:
-        notes = list(variant.notes)
-        if variant.divisible_only:
-            # The variant declares divisible cases only (a documented upstream limit): no case could
-            # test divisibility, so it is dropped and the report's notes say so.
-            if properties == (DIVISIBILITY,):
-                raise InvalidArgument(
-                    f"properties={list(properties)!r}: variant {variant.name!r} declares divisible_only=True, "
-                    "so the divisibility property does not apply; choose other properties"
-                )
-            properties = tuple(p for p in properties if p != DIVISIBILITY)
-        if not variant.bias and not any("bias" in n for n in notes):
+    def declare_grads(self, variant: Variant, grads: dict[str, str]) -> Variant:
+        # The grads of the parameters this variant has (the engine refuses a name no variant has).
+        names = {n for s in variant.params or () for n in (s.name, s.master)}
+        return variant.with_param_grads({k: v for k, v in grads.items() if k in names})
+
+    # --- a search ----------------------------------------------------------------------------------
+
+    def applicable(self, variant: Variant) -> tuple[str, ...]:
+        # A variant that declares divisible cases only (a documented upstream limit): no case could
+        # test divisibility, so it is dropped and the report's notes say so; likewise bias grads of a
+        # layer without a bias.
+        dropped = {DIVISIBILITY} if variant.divisible_only else set()
+        if not variant.bias:
+            dropped.add(BIAS_GRAD)
+        return tuple(p for p in self.properties if p not in dropped)
+
+    def nothing_applies(self, variant: Variant, properties: tuple[str, ...], applies: tuple[str, ...]) -> str:
+        why = []
+        if variant.divisible_only and DIVISIBILITY in properties:
+            why.append("declares divisible_only=True, so the divisibility property does not apply")
+        if not variant.bias and BIAS_GRAD in properties:
+            why.append("has no bias, so bias-grad-equivalence does not apply")
+        return f"properties={list(properties)!r}: variant {variant.name!r} {' and '.join(why)}; choose other properties"
+
+    def notes(self, variant: Variant) -> list[str]:
+        notes = []
+        if not variant.bias and not any("bias" in n for n in variant.notes):
             notes.append(f"{variant.name} has no bias: bias-free cases only")
         notes.extend(f"{variant.name} declares {r}" for r in variant.restrictions())
-        return properties, dtypes, notes
+        return notes
 
     def cases(self, variant: Variant, *, world_sizes: tuple[int, ...], dtypes: tuple[str, ...], non_divisible: bool,
               tp_sizes: tuple[int, ...] | None, subgroups: bool, layouts: tuple[str, ...]) -> Any:
         return cases(variant, world_sizes=world_sizes, dtypes=dtypes, non_divisible=non_divisible,
                      tp_sizes=tp_sizes, subgroups=subgroups, layouts=layouts)
 
-    def check_case(self, variant: Variant, case: Case, *, backend: str, timeout: float,
-                   properties: Sequence[str] | None = None, isolate: bool = False) -> list[Any]:
-        return check_case(variant, case, backend=backend, timeout=timeout, properties=properties, isolate=isolate)
+    def fault_case(self, variant: Variant, world_size: int, seed: int) -> Case:
+        features = 2 * world_size * (sum(variant.packed) if variant.packed else 1)
+        return Case(world_size=world_size, in_features=features, out_features=features, batch_shape=(2,), bias=True,
+                    seed=seed)
 
-    def case_from_dict(self, data: Any) -> Case:
-        return Case.from_dict(data)
+    # --- one case ----------------------------------------------------------------------------------
+
+    def divisible(self, variant: Variant, case: Case) -> bool:
+        return is_divisible(variant, case)
+
+    def world(self, variant: Variant, case: Case, *, layout: str | None = None, **_: Any) -> World:
+        """``layout`` overrides the memory layout of the case's tensors (same values): ``"contiguous"``
+        runs the contiguous twin of a non-contiguous case."""
+        if variant.packed and case.out_features % sum(variant.packed):
+            raise InvalidArgument(
+                f"case out_features={case.out_features} is not a multiple of variant {variant.name!r}'s packed part "
+                f"proportions {list(variant.packed)} (sum {sum(variant.packed)}); use out_features = k * "
+                f"{sum(variant.packed)}"
+            )
+        masters = make_masters(case)
+        payload = {"case": case, "data": masters, "divisible": is_divisible(variant, case), "layout": layout}
+        return World(rank_main, payload, masters)
+
+    def evaluate(self, variant: Variant, obs: Observation, properties: Sequence[str] | None = None) -> list[Any]:
+        return evaluate(variant, obs, properties)
+
+    def follow_up(self, variant: Variant, case: Case, obs: Observation, failures: list[Any], *, backend: str,
+                  timeout: float, isolate: bool, properties: Sequence[str] | None) -> list[Any]:
+        """A failing case with a non-contiguous ``input_layout`` is run again as its contiguous twin
+        (same values, contiguous tensors): a failure the twin does not show appears only for
+        non-contiguous layouts, and says so."""
+        from tpsim.diagnosis import group_causes
+
+        failures = group_causes(failures)
+        if case.input_layout == "contiguous":
+            return failures
+        twin = self.observe(variant, case, backend=backend, timeout=timeout, isolate=isolate, layout="contiguous")
+        seen = {f.property for f in group_causes(self.judge(variant, twin, properties))}
+        for f in failures:
+            if f.property not in seen:
+                f.message += (
+                    f" — the bug appears only for non-contiguous layouts: the contiguous twin of this case (same "
+                    f"values, input_layout=contiguous instead of {case.input_layout}) passes"
+                )
+                f.details = dict(f.details, contiguous_twin="passes")
+        return failures
 
 
 #: The linear family object (registered as ``"linear"`` in :mod:`tpsim.props.family`).

@@ -9,7 +9,7 @@ This is what ``tpsim check`` and :func:`tpsim.props.suite.property_tests` call::
         print(failure.describe())
 
 How it works: one Hypothesis test (``@given(cases(variant, ...))``, run programmatically) checks
-every property of each case (:func:`tpsim.props.checks.check_case`: one world run per case). A case
+every property of each case (its family's :meth:`~tpsim.props.family.Family.check_case`: one world run per case). A case
 that fails raises an exception whose *type* is specific to the first failing property and its
 diagnosis, so Hypothesis treats each ``(property, diagnosis)`` as a distinct bug: it keeps
 generating a little longer to find more of them, then shrinks each one on its own to the smallest
@@ -21,7 +21,10 @@ Determinism: with ``seed`` given the generated examples are a function of the se
 ``@seed``), so the same call finds and shrinks the same cases every time; with ``seed=None`` the
 active Hypothesis settings profile decides (derandomised under tpsim's ``ci`` profile).
 ``database`` (an ``ExampleDatabase`` or a directory path; None: none) makes Hypothesis replay
-previously failing cases first.
+previously failing cases first. Every search runs the same test function, so Hypothesis would
+file every variant's examples under one key: the database is wrapped (:class:`KeyedDatabase`, on
+Hypothesis's public ``ExampleDatabase`` interface) so that each variant and set of options has keys
+of its own.
 
 Errors of the harness itself (a bad option, a backend that cannot start, a variant that gloo
 workers cannot import) are raised, not reported as failures: they abort the search at once.
@@ -44,20 +47,20 @@ from tpsim.comm.limits import check_world_size
 from tpsim.diagnosis import MISMATCH, SHAPE_ERROR, Failure, follows_from, group_causes
 from tpsim.errors import InvalidArgument
 from tpsim.props.case import DTYPES, Case
-from tpsim.props.checks import DIVISIBILITY, PROPERTIES, check_case
-from tpsim.props.family import family_of
+from tpsim.props.family import Family, family_of
 from tpsim.props.layouts import INPUT_LAYOUTS
+from tpsim.props.property_names import BIAS_GRAD, DIVISIBILITY, PROPERTIES
 from tpsim.props.strategies import DEFAULT_WORLD_SIZES
 from tpsim.runner import BACKENDS, DEFAULT_TIMEOUT
-from tpsim.variant import Variant
 
 __all__ = [
     "DEFAULT_DTYPES",
     "DEFAULT_MAX_EXAMPLES",
     "DEFAULT_WORLD_SIZES",
+    "HEALTH_CHECKS_SUPPRESSED",
+    "KeyedDatabase",
     "SearchInterrupted",
     "SearchReport",
-    "check_case",
     "property_verdicts",
     "search",
 ]
@@ -68,6 +71,43 @@ __all__ = [
 DEFAULT_DTYPES = tuple(DTYPES)
 #: Examples :func:`search` checks per variant by default.
 DEFAULT_MAX_EXAMPLES = 100
+
+#: The Hypothesis health checks tpsim's own Hypothesis tests (a search, fault plans) turn off, each
+#: for its reason; the others stay on.
+HEALTH_CHECKS_SUPPRESSED = [
+    # Hypothesis times data generation by the wall clock: on a loaded machine (CI, a busy laptop, the
+    # rank threads of the previous example winding down) drawing a few cases can take a second, and
+    # the health check would then abort a check that found nothing wrong.
+    HealthCheck.too_slow,
+    # A search may run inside the caller's own Hypothesis test (a user's @given test that checks a
+    # variant): the search is a separate engine with its own examples, deliberately nested.
+    HealthCheck.nested_given,
+]
+
+
+class KeyedDatabase(ExampleDatabase):
+    """An example database whose keys are prefixed with ``prefix``: every search runs the same test
+    function, so the variant (and its options) are added to the key Hypothesis files its examples
+    under, through the public ``ExampleDatabase`` interface."""
+
+    def __init__(self, db: ExampleDatabase, prefix: bytes) -> None:
+        super().__init__()
+        self.db, self.prefix = db, prefix
+
+    def __repr__(self) -> str:
+        return f"KeyedDatabase({self.db!r}, {self.prefix!r})"
+
+    def save(self, key: bytes, value: bytes) -> None:
+        self.db.save(self.prefix + key, value)
+
+    def fetch(self, key: bytes) -> Any:
+        yield from self.db.fetch(self.prefix + key)
+
+    def delete(self, key: bytes, value: bytes) -> None:
+        self.db.delete(self.prefix + key, value)
+
+    def move(self, src: bytes, dest: bytes, value: bytes) -> None:
+        self.db.move(self.prefix + src, self.prefix + dest, value)
 
 
 @dataclass
@@ -193,7 +233,8 @@ class _Abort(BaseException):
 def _as_variant(variant: Any) -> Any:
     """``variant`` itself when it is a variant of a family (:mod:`tpsim.props.family`), else the one
     variant a target string names."""
-    from tpsim.props.family import families, resolve_target
+    from tpsim.props.family import families
+    from tpsim.target import resolve_target
 
     if any(isinstance(variant, f.variant_type) for f in families()):
         return variant
@@ -237,7 +278,7 @@ def _check_options(max_examples: Any, backend: Any, timeout: Any, properties: An
     return wanted
 
 
-def _check_world(world_sizes: Any, backend: str, isolate: Any, variant: Variant) -> None:
+def _check_world(world_sizes: Any, backend: str, isolate: Any, variant: Any) -> None:
     """World sizes within the backend's limit; ``isolate`` a bool, usable with this variant."""
     if not isinstance(isolate, bool):
         raise InvalidArgument(f"isolate={isolate!r} must be True or False")
@@ -252,9 +293,9 @@ def _check_world(world_sizes: Any, backend: str, isolate: Any, variant: Variant)
             check_world_size(ws, backend)
 
 
-def _digest(variant: Variant, *parts: Any) -> bytes:
+def _digest(variant: Any, *parts: Any) -> bytes:
     # Distinguishes the database entries of different variants and option sets (the test function's
-    # source is the same for all of them).
+    # source is the same for all of them): the prefix of :class:`KeyedDatabase`.
     text = repr((variant.target, variant.name, variant.options, parts))
     return hashlib.sha256(text.encode()).digest()
 
@@ -271,7 +312,7 @@ def _collect(error: BaseException) -> list[_Found]:
 
 
 def search(
-    variant: Variant | str,
+    variant: Any,
     *,
     world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES,
     dtypes: Sequence[str] = DEFAULT_DTYPES,
@@ -329,6 +370,12 @@ def search(
         layouts=tuple(layouts),
     )
     db = _database(database)
+    if db is not None:
+        db = KeyedDatabase(db, _digest(
+            variant, tuple(world_sizes), tuple(dtypes), wanted,
+            *(() if tp_sizes is None and subgroups and tuple(layouts) == INPUT_LAYOUTS
+              else (tp_sizes, subgroups, tuple(layouts))),
+        ))
 
     calls = 0
     first_seen: dict[tuple[str, str], int] = {}
@@ -357,16 +404,11 @@ def search(
             latest[found_exc.key] = found_exc
             raise found_exc
 
-    check_one._hypothesis_internal_add_digest = _digest(  # type: ignore[attr-defined]
-        variant, tuple(world_sizes), tuple(dtypes), wanted,
-        *(() if tp_sizes is None and subgroups and tuple(layouts) == INPUT_LAYOUTS
-          else (tp_sizes, subgroups, tuple(layouts))),
-    )
     options: dict[str, Any] = dict(
         max_examples=max_examples,
         deadline=None,
         database=db,
-        suppress_health_check=list(HealthCheck),
+        suppress_health_check=HEALTH_CHECKS_SUPPRESSED,
         verbosity=Verbosity.quiet,
         report_multiple_bugs=True,
         print_blob=False,
@@ -411,17 +453,17 @@ def search(
         seconds=time.monotonic() - started,
         notes=notes,
         variant=variant.name,
-        verdicts=property_verdicts(PROPERTIES, failures, _not_applicable(variant, wanted)),
+        verdicts=property_verdicts(family.properties, failures, _not_applicable(family, variant, wanted)),
     )
 
 
-def _not_applicable(variant: Any, wanted: Sequence[str]) -> dict[str, str]:
-    """Why some properties were not checked in a search of ``variant`` (by property name)."""
-    why = {p: "not requested (properties=...)" for p in PROPERTIES if p not in wanted}
+def _not_applicable(family: Family, variant: Any, wanted: Sequence[str]) -> dict[str, str]:
+    """Why some of its family's properties were not checked in a search of ``variant`` (by name)."""
+    why = {p: "not requested (properties=...)" for p in family.properties if p not in wanted}
     if getattr(variant, "divisible_only", False):
         why[DIVISIBILITY] = "the variant declares divisible cases only"
-    if getattr(variant, "bias", True) is False:
-        why["bias-grad-equivalence"] = "the variant has no bias"
+    if getattr(variant, "bias", True) is False and BIAS_GRAD in family.properties:
+        why[BIAS_GRAD] = "the variant has no bias"
     return why
 
 

@@ -52,7 +52,9 @@ __all__ = [
     "batch_shapes",
     "cases",
     "default_world_sizes",
+    "draw_tp",
     "dtypes",
+    "world_and_tp",
     "world_sizes",
 ]
 
@@ -189,8 +191,16 @@ def _tp(draw: st.DrawFn, world: int, variant: Variant | None, tp_sizes: tuple[in
         subgroups: bool) -> tuple[int, str]:
     if variant is not None and not variant.subgroups:
         return world, "consecutive"
-    least = variant.min_tp_size if variant is not None else 1
     # Proper divisors the variant supports (a variant's min_tp_size; 1 leaves the draws as they were).
+    return draw_tp(draw, world, tp_sizes, subgroups, least=variant.min_tp_size if variant is not None else 1)
+
+
+def draw_tp(draw: st.DrawFn, world: int, tp_sizes: tuple[int, ...] | None, subgroups: bool,
+            least: int = 1) -> tuple[int, str]:
+    """``(tp size, tp layout)`` of a world of ``world`` ranks, for every family's cases: one of
+    ``tp_sizes`` that divides it (largest first), else with ``subgroups`` half the time a proper
+    divisor (of at least ``least`` ranks), else the whole world; the layout is drawn only where both
+    differ (several groups of several ranks each)."""
     smaller = [t for t in range(world - 1, 0, -1) if world % t == 0 and t >= least]
     if tp_sizes is not None:
         tp = draw(st.sampled_from(sorted((t for t in tp_sizes if world % t == 0 and t >= least), reverse=True)))
@@ -198,9 +208,20 @@ def _tp(draw: st.DrawFn, world: int, variant: Variant | None, tp_sizes: tuple[in
         tp = draw(st.sampled_from(smaller))
     else:
         tp = world
-    # Both layouts differ only with several groups of several ranks each.
     layout = draw(st.sampled_from(("consecutive", "strided"))) if 1 < tp < world else "consecutive"
     return tp, layout
+
+
+@st.composite
+def world_and_tp(draw: st.DrawFn, sizes: tuple[int, ...], tp_sizes: tuple[int, ...] | None,
+                 subgroups: bool) -> tuple[int, int, str]:
+    """``(world size, tp size, tp layout)``: a world size of ``sizes`` that a tp size of ``tp_sizes``
+    divides, and its tp groups (:func:`draw_tp`)."""
+    worlds = [w for w in sizes if tp_sizes is None or any(w % t == 0 for t in tp_sizes)]
+    if not worlds:
+        raise InvalidArgument(f"no world size in {list(sizes)} is divisible by a tp size in {list(tp_sizes or ())}")
+    world = draw(st.sampled_from(worlds))
+    return (world, *draw_tp(draw, world, tp_sizes, subgroups))
 
 
 def _layout(draw: st.DrawFn, layouts: tuple[str, ...], batch: tuple[int, ...]) -> str:

@@ -6,12 +6,14 @@ Put this in a test module (e.g. ``tests/test_my_layer.py``)::
 
     TestMyColumn = property_tests("mypkg.layers:MyColumnVariant", max_examples=200)
 
-pytest then collects one test per property — ``TestMyColumn::test_forward_equivalence``,
-``::test_input_grad_equivalence``, ``::test_weight_grad_equivalence``,
-``::test_bias_grad_equivalence``, ``::test_replica_consistency``, ``::test_training_equivalence``,
-``::test_divisibility`` — each parametrised by variant when the target names several (a bare
-module: ``property_tests("mypkg.layers")`` checks every variant it declares, as
-``tpsim check mypkg.layers`` does).
+pytest then collects one test per property its variants' families check — for a linear layer
+``TestMyColumn::test_forward_equivalence``, ``::test_input_grad_equivalence``,
+``::test_weight_grad_equivalence``, ``::test_bias_grad_equivalence``, ``::test_replica_consistency``,
+``::test_training_equivalence``, ``::test_divisibility`` — each parametrised by the variants it
+applies to when the target names several (a bare module: ``property_tests("mypkg.layers")`` checks
+every variant it declares, as ``tpsim check mypkg.layers`` does). A property a variant is not
+checked for (an embedding has no input grad, a cross-entropy of logits no weights) gets no test
+for it (:meth:`tpsim.props.family.Family.applicable`): every generated test can fail.
 
 The first of these tests runs one :func:`tpsim.props.search.search` per variant (cached for the
 rest of the session, so the properties share the generated cases); each test then fails with its
@@ -32,9 +34,10 @@ from typing import Any
 
 from tpsim.errors import InvalidArgument
 from tpsim.props.case import save_failure
-from tpsim.props.checks import PROPERTIES, PropertyFailed
+from tpsim.props.checks import PropertyFailed
+from tpsim.props.family import family_of
+from tpsim.props.property_names import PROPERTIES
 from tpsim.props.search import SearchReport, search
-from tpsim.variant import Variant
 
 __all__ = ["property_tests", "reproduction"]
 
@@ -42,7 +45,8 @@ _SEARCH_OPTIONS = ("world_sizes", "dtypes", "max_examples", "seed", "backend", "
 
 
 def _variants(variant_or_target: Any, target_options: dict[str, Any] | None) -> list[Any]:
-    from tpsim.props.family import families, resolve_target
+    from tpsim.props.family import families
+    from tpsim.target import resolve_target
 
     def is_variant(v: Any) -> bool:
         return any(isinstance(v, f.variant_type) for f in families())
@@ -96,16 +100,16 @@ def property_tests(variant_or_target: Any, *, target_options: dict[str, Any] | N
         raise InvalidArgument(f"{variant_or_target!r} names no variants")
     reports: dict[tuple[str, str], SearchReport] = {}
 
-    def report_for(variant: Variant, backend: str) -> SearchReport:
+    def report_for(variant: Any, backend: str) -> SearchReport:
         key = (variant.name, backend)
         if key not in reports:
             options = dict(search_options, backend=backend)
             reports[key] = search(variant, **options)
         return reports[key]
 
-    def make_test(prop: str) -> Any:
-        @pytest.mark.parametrize("variant", variants, ids=[v.name for v in variants])
-        def test(self: Any, variant: Variant, request: Any) -> None:
+    def make_test(prop: str, checked: list[Any]) -> Any:
+        @pytest.mark.parametrize("variant", checked, ids=[v.name for v in checked])
+        def test(self: Any, variant: Any, request: Any) -> None:
             backend = search_options.get("backend") or request.config.getoption("--tpsim-backend", default="inproc")
             report = report_for(variant, backend)
             for failure in report.failures:
@@ -123,7 +127,11 @@ def property_tests(variant_or_target: Any, *, target_options: dict[str, Any] | N
         return test
 
     namespace: dict[str, Any] = {"__doc__": f"tpsim's property suite on {', '.join(v.name for v in variants)}."}
+    # One test per property some variant is checked for, parametrised by those variants only.
+    checks = {id(v): family_of(v).applicable(v) for v in variants}
     for prop in PROPERTIES:
-        namespace["test_" + prop.replace("-", "_")] = make_test(prop)
+        checked = [v for v in variants if prop in checks[id(v)]]
+        if checked:
+            namespace["test_" + prop.replace("-", "_")] = make_test(prop, checked)
     name = "TestTpsimProperties"
     return type(name, (), namespace)

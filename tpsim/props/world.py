@@ -1,6 +1,7 @@
-"""Run one case on a world once, and compute its float64 dense reference.
+"""The linear family's world run of one case, and its float64 dense reference.
 
-Every per-case property reads the same :class:`Observation`: one world run per case, in which each
+Every per-case property reads the same :class:`~tpsim.props.observation.Observation`: one world
+run per case (:meth:`tpsim.props.linear.LinearFamily.world`), in which each
 rank builds the variant from the master values, runs ``TRAIN_STEPS`` steps of forward, backward
 and SGD, and returns (as tensors) its step-0 output, input grad and parameter grads and its final
 parameters, as one typed :class:`RankResult`. The comparison happens in the parent process
@@ -10,7 +11,8 @@ Megatron's ``param.sequence_parallel`` marker) has its grad summed over the tp g
 step, as Megatron's ``finalize_model_grads`` does — and the same code serves every backend.
 
 The rank function :func:`rank_main` is module-level and takes picklable arguments, so gloo/nccl
-worker processes can run it; there the variant is resolved again from its target string.
+worker processes can run it; there the variant is resolved again from its target string
+(:mod:`tpsim.props.rank`).
 """
 
 from __future__ import annotations
@@ -19,40 +21,27 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-import tpsim
-from tpsim.comm.board import mark_phase
-from tpsim.errors import InvalidArgument, RankError
+from tpsim.errors import InvalidArgument
 from tpsim.placement import Replicate, Shard, part_sizes, shard_tensor
 from tpsim.props.case import Case
-from tpsim.props.groups import tp_group
-from tpsim.props.launch import launch, variant_of
 from tpsim.props.layouts import apply_layout, expand_values
-from tpsim.props.raised import rank_errors, variant_raised
-from tpsim.props.results import OK, RankOutput
+from tpsim.props.observation import OK, RankOutput
+from tpsim.props.rank import LR, TRAIN_STEPS, enter_rank, rank_phase, trainer_step
 from tpsim.variant import LayoutError, Variant, get_param
 
 __all__ = [
     "LR",
     "TRAIN_STEPS",
     "Masters",
-    "Observation",
     "RankResult",
     "Reference",
     "is_divisible",
     "make_masters",
     "non_divisible_sizes",
-    "observe",
     "rank_main",
     "reference",
 ]
-
-#: SGD steps each case trains for (training equivalence compares the parameters after them).
-TRAIN_STEPS = 3
-#: SGD learning rate of those steps.
-LR = 0.1
-
 
 #: :attr:`RankResult.status` of a non-divisible case that the layer built and ran without refusing it.
 ACCEPTED = "accepted"
@@ -62,7 +51,7 @@ ACCEPTED = "accepted"
 class RankResult(RankOutput):
     """What one rank returns for one case (plain data: it travels back from gloo/nccl workers).
 
-    Besides :class:`~tpsim.props.results.RankOutput`'s fields (``status`` is also
+    Besides :class:`~tpsim.props.observation.RankOutput`'s fields (``status`` is also
     :data:`ACCEPTED`; ``output`` is the step-0 output, a detached clone in its own dtype):
 
     - ``output_shape``: for :data:`ACCEPTED`, the shape of the output of a non-divisible case;
@@ -204,66 +193,48 @@ def _partial_params(variant: Variant, module: Any, specs: list[Any]) -> tuple[st
 
 def rank_main(payload: dict[str, Any]) -> RankResult:
     """What every rank runs for one case (see the module docstring)."""
-    case: Case = payload["case"]
-    variant: Variant = variant_of(payload)
+    me = enter_rank(payload)
+    case, variant = me.case, me.variant
     # rank/ws below are the tp rank and tp size: the layer sees its own tp group only.
-    group, g, rank, ws = tp_group(case, dist.get_rank())
-    m: Masters = payload["masters"].for_group(g)
+    group, rank, ws = me.group, me.rank, me.tp
+    m: Masters = me.data.for_group(me.g)
     layout = payload.get("layout") or case.input_layout
-    # Every rank seeded alike before the build, as training scripts do (replicas must agree).
-    torch.manual_seed(case.seed)
     kwargs = dict(group=group, rank=rank, world_size=ws, master_weight=m.weight, master_bias=m.bias, dtype=case.torch_dtype)
-    mark_phase("build")  # an isolated worker names the phase of a rank that dies or hangs
 
     if not payload["divisible"]:
         # The harness cannot shard master values that do not divide, so it only builds and runs the
         # layer to see whether it refuses the case: on every rank, before or in its forward.
         # Refusing is raising, on every rank: exceptions propagate so that a rank that refuses while
         # another goes on into a collective shows up as exactly that.
-        try:
+        with rank_phase("build"):
             module = variant.build(case.in_features, case.out_features, case.bias, **kwargs,
                                    **variant.layout_kwargs(case.out_features))
-        except Exception as err:
-            raise variant_raised("build", 0, err) from err
         x = _rank_input(variant, m.inputs[0], rank, ws, even=False, layout=layout)
-        mark_phase("forward", 0)
-        try:
+        with rank_phase("forward", 0):
             out = variant.call(module, x)
-        except Exception as err:
-            raise variant_raised("forward", 0, err) from err
         return RankResult(ACCEPTED, output_shape=tuple(out.shape) if isinstance(out, torch.Tensor) else None,
                           output_type=type(out).__name__, tp_rank=rank)
 
     init: dict[str, Any] = {}
-    try:
+    with rank_phase("build", passthrough=(LayoutError,)):  # a LayoutError: the parent diagnoses the shape
         module = variant.instantiate(case.in_features, case.out_features, case.bias, **kwargs,
                                      on_built=_replicated_init(variant, case, init))
-    except LayoutError:
-        raise  # the parent diagnoses the shape (e.g. wrong-shard-dim)
-    except Exception as err:
-        raise variant_raised("build", 0, err) from err
 
     specs = [s for s in variant.params or () if s.master == "weight" or case.bias]
-    result = RankResult(OK, init=init, group=g, tp_rank=rank, partial=_partial_params(variant, module, specs))
+    result = RankResult(OK, init=init, group=me.g, tp_rank=rank, partial=_partial_params(variant, module, specs))
     by_master = {spec.master: spec for spec in specs}
     for step in range(TRAIN_STEPS):
         x = _rank_input(variant, m.inputs[step], rank, ws, layout=layout)
-        mark_phase("forward", step)
-        try:
+        with rank_phase("forward", step):
             out = variant.call(module, x)
-        except Exception as err:
-            raise variant_raised("forward", step, err) from err
         upstream = m.grads[step]
         if isinstance(variant.output_placement, Shard):  # sharded (packed: per part) or sequence-sharded
             upstream = shard_tensor(upstream, variant.output_placement, rank, ws)
         upstream = apply_layout(upstream, layout)
         if result.unusable(out, upstream.shape, graph=x):
-            return result  # a wrong shape, or a collective outside autograd that cut the graph
-        mark_phase("backward", step)
-        try:
+            return result  # a wrong shape or dtype, or a collective outside autograd that cut the graph
+        with rank_phase("backward", step):
             out.backward(upstream.to(out.dtype))
-        except Exception as err:
-            raise variant_raised("backward", step, err) from err
         if step == 0:
             result.output = out.detach().clone()
             result.output_type = type(out).__name__
@@ -271,73 +242,16 @@ def rank_main(payload: dict[str, Any]) -> RankResult:
             for spec in specs:
                 p = get_param(module, spec.name)
                 result.grads[spec.master] = _master_layout(None if p is None else p.grad, spec.transposed)
-        # The trainer's sum of the partial grads (Megatron's finalize_model_grads), in the tp group.
-        for master in result.partial:
-            p = get_param(module, by_master[master].name)
-            if p is None:
-                continue  # the loader already refused a missing parameter
-            # Every rank joins the sum, with zeros where its grad is None (recorded above as missing).
-            total = p.grad if p.grad is not None else torch.zeros_like(p)
-            dist.all_reduce(total, group=group)
-            if p.grad is not None and step == 0:
-                result.summed_grads[master] = _master_layout(total, False)
-        mark_phase("step", step)
-        with torch.no_grad():
-            for p in module.parameters():
-                if p.grad is not None:
-                    p.add_(p.grad, alpha=-LR)
-                p.grad = None
+        partial = {master: get_param(module, by_master[master].name) for master in result.partial}
+        summed: dict[str, torch.Tensor] = {}
+        trainer_step(module, partial, group, step, summed)
+        result.summed_grads.update({k: _master_layout(v, False) for k, v in summed.items()})
     for spec in specs:
         result.final[spec.master] = _master_layout(get_param(module, spec.name), spec.transposed)
     return result
 
 
 # --- the parent side -----------------------------------------------------------------------------
-
-
-@dataclass
-class Observation:
-    """What one world run of a case produced: every rank's :class:`RankResult` (global rank order),
-    or the runner's error."""
-
-    case: Case
-    divisible: bool
-    values: list[RankResult] | None = None
-    error: RankError | None = None
-    masters: Masters | None = None
-
-    def rank_errors(self) -> dict[int, BaseException]:
-        """Every failed rank's own exception (:func:`tpsim.props.raised.rank_errors`)."""
-        return rank_errors(self.error)
-
-
-def observe(variant: Variant, case: Case, *, backend: str = "inproc", timeout: float = tpsim.DEFAULT_TIMEOUT,
-            layout: str | None = None, isolate: bool = False) -> Observation:
-    """Run ``case`` once on a world of ``case.world_size`` ranks of ``backend``.
-
-    ``isolate=True`` runs an inproc world in a supervised worker process (see ``tpsim.run``): a rank
-    that exits or crashes becomes a failure instead of ending this process. The variant must then
-    have a target string (the worker imports it).
-
-    ``layout`` overrides the memory layout of the case's tensors (same values): ``"contiguous"``
-    runs the contiguous twin of a non-contiguous case."""
-    if variant.packed and case.out_features % sum(variant.packed):
-        raise InvalidArgument(
-            f"case out_features={case.out_features} is not a multiple of variant {variant.name!r}'s packed part "
-            f"proportions {list(variant.packed)} (sum {sum(variant.packed)}); use out_features = k * {sum(variant.packed)}"
-        )
-    masters = make_masters(case)
-    divisible = is_divisible(variant, case)
-    payload: dict[str, Any] = {"case": case, "masters": masters, "divisible": divisible, "layout": layout}
-    try:
-        # rank_local: module globals each rank owns in a real job (a library's parallel state, the
-        # module of a plain class); a SharedModuleState error is the harness's, not the variant's:
-        # it is no RankError and propagates (tpsim check: exit 2 with its fix).
-        values = launch(rank_main, variant, payload, case.world_size, backend=backend, timeout=timeout,
-                        isolate=isolate)
-    except RankError as err:
-        return Observation(case, divisible, error=err, masters=masters)
-    return Observation(case, divisible, values=values, masters=masters)
 
 
 @dataclass

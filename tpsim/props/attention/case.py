@@ -7,19 +7,18 @@ The parameters (packed ``[Q; K; V]`` and the out-projection, with or without bia
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import ClassVar
 
 from tpsim.errors import InvalidArgument
-from tpsim.props.vocab.case import SizedCase
+from tpsim.props.case import CaseBase
 
 __all__ = ["AttentionCase"]
 
 
 @dataclass(frozen=True)
-class AttentionCase(SizedCase):
+class AttentionCase(CaseBase):
     """One example for an :class:`~tpsim.attention_variant.AttentionVariant`: ``num_heads`` query
     heads, ``num_kv_heads`` key/value heads of ``head_dim`` features, ``hidden`` features in and
     out, a sequence of ``seq`` tokens after ``batch_shape``, ``causal`` masking and ``bias``.
@@ -39,32 +38,18 @@ class AttentionCase(SizedCase):
     seed: int = 0
     tp_size: int | None = None
     tp_layout: str = "consecutive"
-    target: str | None = None
-    variant: str | None = None
-    options: tuple[tuple[str, Any], ...] = field(default=())
-    property: str | None = None
 
     family: ClassVar[str] = "attention"
-    _SIZES: ClassVar[tuple[str, ...]] = ("hidden", "num_heads", "num_kv_heads", "head_dim", "seq")
+    SIZES: ClassVar[tuple[str, ...]] = ("hidden", "num_heads", "num_kv_heads", "head_dim", "seq")
+    SHOWN: ClassVar[tuple[str, ...] | None] = (*SIZES, "causal", "bias")
 
-    def __post_init__(self) -> None:
+    def _check(self) -> None:
         for name in ("causal", "bias"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgument(f"{name}={getattr(self, name)!r} must be true or false")
-        self._validate()
 
     def _largest(self) -> int:
         # the packed weight, the scores, the input
         rows = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         tokens = math.prod(self.batch_shape) * self.seq
         return max(rows * self.hidden, tokens * self.num_heads * self.seq, tokens * max(self.hidden, rows))
-
-    def replace(self, **changes: Any) -> AttentionCase:
-        """A copy with ``changes``."""
-        return dataclasses.replace(self, **changes)
-
-    def describe(self) -> str:
-        """Short one-line form used in reports."""
-        return (f"world_size={self.world_size} hidden={self.hidden} num_heads={self.num_heads} "
-                f"num_kv_heads={self.num_kv_heads} head_dim={self.head_dim} seq={self.seq} causal={self.causal} "
-                f"bias={self.bias} " + self._tail())

@@ -42,10 +42,10 @@ from tpsim.diagnosis import (
 from tpsim.props.attention.case import AttentionCase
 from tpsim.props.attention.oracle import attention_reference
 from tpsim.props.attention.world import AttentionRankResult
+from tpsim.props.blame import refusal_failure, run_failure
 from tpsim.props.comparing import compare, failure, groups_of, replica, same_bits
-from tpsim.props.names import BIAS_GRAD, DIVISIBILITY, FORWARD, INPUT_GRAD, REPLICA, WEIGHT_GRAD
-from tpsim.props.raised import refusal_failure, run_failure
-from tpsim.props.results import OK, Observation
+from tpsim.props.observation import OK, Observation
+from tpsim.props.property_names import BIAS_GRAD, DIVISIBILITY, FORWARD, INPUT_GRAD, REPLICA, WEIGHT_GRAD
 
 __all__ = ["ATTENTION_PROPERTIES", "divides", "evaluate_attention", "qkv_rows"]
 

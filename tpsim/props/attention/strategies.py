@@ -23,8 +23,7 @@ from tpsim.attention_variant import AttentionVariant
 from tpsim.errors import InvalidArgument
 from tpsim.props.attention.case import AttentionCase
 from tpsim.props.case import DTYPES
-from tpsim.props.strategies import batch_shapes
-from tpsim.props.vocab.strategies import _world_and_tp
+from tpsim.props.strategies import batch_shapes, world_and_tp
 
 __all__ = ["attention_cases"]
 
@@ -45,7 +44,7 @@ def attention_cases(variant: AttentionVariant, *, world_sizes: Sequence[int], dt
 
     @st.composite
     def draw_case(draw: st.DrawFn) -> AttentionCase:
-        world, tp, layout = draw(_world_and_tp(sizes, tps, subgroups))
+        world, tp, layout = draw(world_and_tp(sizes, tps, subgroups))
         dtype = draw(st.sampled_from(names))
         divisible = draw(st.sampled_from((True, True, True, False))) if non_divisible and tp > 1 else True
         if divisible:

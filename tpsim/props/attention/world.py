@@ -18,20 +18,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-import tpsim
-from tpsim.attention_variant import ATTENTION_PARAMS, AttentionVariant
-from tpsim.comm.board import mark_phase
-from tpsim.errors import RankError
+from tpsim.attention_variant import ATTENTION_PARAMS
 from tpsim.props.attention.case import AttentionCase
-from tpsim.props.groups import tp_group
-from tpsim.props.launch import launch, variant_of
-from tpsim.props.raised import variant_raised
-from tpsim.props.results import Observation, RankOutput
+from tpsim.props.observation import RankOutput
+from tpsim.props.rank import enter_rank, rank_phase
 from tpsim.variant import get_param
 
-__all__ = ["AttentionData", "AttentionRankResult", "attention_data", "attention_rank", "observe"]
+__all__ = ["AttentionData", "AttentionRankResult", "attention_data", "attention_rank"]
 
 
 @dataclass
@@ -68,7 +62,7 @@ def attention_data(case: AttentionCase) -> AttentionData:
 
 @dataclass
 class AttentionRankResult(RankOutput):
-    """What one rank of an attention case returns (besides :class:`~tpsim.props.results.RankOutput`'s
+    """What one rank of an attention case returns (besides :class:`~tpsim.props.observation.RankOutput`'s
     fields), by the names of :data:`~tpsim.attention_variant.ATTENTION_PARAMS` (None: the block has
     no such parameter, or it got no grad):
 
@@ -88,19 +82,13 @@ def _sequence_slice(t: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
 
 def attention_rank(payload: dict[str, Any]) -> AttentionRankResult:
     """What every rank runs for one attention case: build from the masters, forward, backward."""
-    case: AttentionCase = payload["case"]
-    variant: AttentionVariant = variant_of(payload)
-    data: AttentionData = payload["data"]
-    group, g, rank, tp = tp_group(case, dist.get_rank())
-    torch.manual_seed(case.seed)  # every rank seeded alike before the build, as training scripts do
-    mark_phase("build")
-    try:
+    me = enter_rank(payload)
+    case, variant, data, g, rank, tp = me.case, me.variant, me.data, me.g, me.rank, me.tp
+    with rank_phase("build"):
         module = variant.build(case.hidden, case.num_heads, case.num_kv_heads, case.head_dim, bias=case.bias,
-                               causal=case.causal, sequence_parallel=variant.sequence_parallel, group=group,
+                               causal=case.causal, sequence_parallel=variant.sequence_parallel, group=me.group,
                                dtype=case.torch_dtype,
                                masters={k: None if v is None else v.clone() for k, v in data.masters.items()})
-    except Exception as err:
-        raise variant_raised("build", 0, err) from err
     params = {ours: get_param(module, theirs) for ours, theirs in zip(ATTENTION_PARAMS, variant.params, strict=True)}
     result = AttentionRankResult(group=g, tp_rank=rank,
                                  values={k: None if p is None else p.detach().clone() for k, p in params.items()})
@@ -108,31 +96,13 @@ def attention_rank(payload: dict[str, Any]) -> AttentionRankResult:
     if variant.sequence_parallel:
         x, upstream = _sequence_slice(x, tp, rank), _sequence_slice(upstream, tp, rank)
     x = x.clone().requires_grad_()
-    mark_phase("forward", 0)
-    try:
+    with rank_phase("forward"):
         out = variant.call(module, x)
-    except Exception as err:
-        raise variant_raised("forward", 0, err) from err
     if result.unusable(out, upstream.shape):
         return result
     result.output, result.output_type = out.detach().clone(), type(out).__name__
-    mark_phase("backward", 0)
-    try:
+    with rank_phase("backward"):
         out.backward(upstream.to(out.dtype))
-    except Exception as err:
-        raise variant_raised("backward", 0, err) from err
     result.input_grad = None if x.grad is None else x.grad.detach().clone()
     result.grads = {k: None if p is None or p.grad is None else p.grad.detach().clone() for k, p in params.items()}
     return result
-
-
-def observe(variant: AttentionVariant, case: AttentionCase, *, backend: str = "inproc",
-            timeout: float = tpsim.DEFAULT_TIMEOUT, isolate: bool = False) -> Observation:
-    """Run ``case`` once on ``case.world_size`` ranks of ``backend`` (see the module docstring)."""
-    data = attention_data(case)
-    try:
-        values = launch(attention_rank, variant, {"case": case, "data": data}, case.world_size, backend=backend,
-                        timeout=timeout, isolate=isolate)
-    except RankError as err:
-        return Observation(case, data, error=err)
-    return Observation(case, data, values=values)

@@ -62,7 +62,6 @@ from tpsim.diagnosis import (
     WRONG_SHARD_ORDER,
     Diagnosis,
     Failure,
-    group_causes,
     mismatch,
     recogniser,
 )
@@ -71,6 +70,7 @@ from tpsim.errors import InvalidArgument, RankDied
 from tpsim.module_variant import ModuleVariant
 from tpsim.patterns import bias_multiple, block_mapping, close, rank_summands, scale_factor
 from tpsim.placement import Placement, Replicate, Shard, part_sizes
+from tpsim.props.blame import death_failure, refusal_failure, run_failure
 from tpsim.props.groups import tp_groups
 from tpsim.props.module.boundary import Capture
 from tpsim.props.module.case import ModuleCase
@@ -81,13 +81,12 @@ from tpsim.props.module.world import (
     MISSING,
     UNKNOWN,
     LayoutProblem,
-    ModuleObservation,
     ModuleRankResult,
     input_placement,
-    observe,
     output_placement,
 )
-from tpsim.props.names import (
+from tpsim.props.observation import DETACHED, OUTPUT_SHAPE, Observation
+from tpsim.props.property_names import (
     BIAS_GRAD,
     DIVISIBILITY,
     FORWARD,
@@ -97,13 +96,10 @@ from tpsim.props.names import (
     TRAINING,
     WEIGHT_GRAD,
 )
-from tpsim.props.raised import death_failure, refusal_failure, run_failure
-from tpsim.props.results import DETACHED, OUTPUT_SHAPE
+from tpsim.props.rank import LR, TRAIN_STEPS
 from tpsim.props.tolerance import tolerance
-from tpsim.props.world import LR, TRAIN_STEPS
-from tpsim.runner import DEFAULT_TIMEOUT
 
-__all__ = ["check_case", "evaluate", "grad_property"]
+__all__ = ["evaluate", "grad_property", "localise"]
 
 _F64 = torch.float64
 _VALUE_PROPERTIES = (FORWARD, INPUT_GRAD, WEIGHT_GRAD, BIAS_GRAD)
@@ -129,14 +125,14 @@ def owner(name: str) -> str | None:
 class _Ctx:
     """What the evaluators need about one tp group of one case."""
 
-    def __init__(self, variant: ModuleVariant, obs: ModuleObservation, g: int, values: list[ModuleRankResult]):
+    def __init__(self, variant: ModuleVariant, obs: Observation, g: int, values: list[ModuleRankResult]):
         self.variant, self.obs, self.g, self.values = variant, obs, g, values
         self.case = obs.case
         self.tp = len(values)
-        self.ref = obs.ref.groups[g].value  # type: ignore[union-attr]
-        self.mag = obs.ref.groups[g].mag  # type: ignore[union-attr]
+        self.ref = obs.data.groups[g].value  # type: ignore[union-attr]
+        self.mag = obs.data.groups[g].mag  # type: ignore[union-attr]
         self.dtype = obs.case.torch_dtype
-        ref = obs.ref
+        ref = obs.data
         self.k = ref.reduction + obs.case.rows  # type: ignore[union-attr]
         # A kink within rounding of a pre-activation flips its derivative: in a dtype narrower than
         # float64, grads through it are not determined by first-order bounds (see magnitude.py).
@@ -317,15 +313,18 @@ def diagnose_output(pieces: list[torch.Tensor], full: torch.Tensor, tol: torch.T
 
 @recogniser(GRAD_NOT_REDUCED, GRAD_SCALED)
 def diagnose_grad(pieces: list[torch.Tensor], full: torch.Tensor, tol: torch.Tensor, placement: Placement, *,
-                  what: str, replicated_param: str | None = None) -> Diagnosis:
+                  what: str, replicated_param: str | None = None, sequence_parallel: bool = False) -> Diagnosis:
     """Name the mechanism behind a gradient that differs: only each rank's summand (the backward
-    all-reduce is missing), a constant factor (averaged, or reduced twice); else ``mismatch``."""
+    all-reduce is missing), a constant factor (averaged, or reduced twice); else ``mismatch``.
+    ``sequence_parallel``: the module runs on sequence-sharded activations (said in the message)."""
     tp = len(pieces)
     if not isinstance(placement, Shard) and tp > 1 and rank_summands(pieces, full, tol):
         param = f" of the replicated parameter {replicated_param!r}" if replicated_param else ""
+        why = (" (under sequence parallelism each rank uses it on its own slice of the sequence only; NeMo #7184, "
+               "gpt-neox #1257)" if replicated_param and sequence_parallel else "")
         return Diagnosis(GRAD_NOT_REDUCED,
                          f"{what} on every rank is only its own summand (the ranks' grads differ and add up to the "
-                         f"dense grad): the backward all-reduce{param} over the tp group is missing",
+                         f"dense grad): the backward all-reduce{param} over the tp group is missing{why}",
                          {"param": replicated_param} if replicated_param else {})
     expected = _expected_pieces(full, placement, tp)
     tols = _expected_pieces(tol, placement, tp) if tol.shape == full.shape else [tol] * tp
@@ -437,7 +436,8 @@ def param_grad_diagnosis(ctx: _Ctx, name: str, grads: list[torch.Tensor | None],
         total = torch.stack(grads).sum(0)  # type: ignore[arg-type]
         return mismatch(total, full, what=f"{what} summed over ranks", tol=tol)
     diag = diagnose_grad(grads, full, tol, placement, what=what,  # type: ignore[arg-type]
-                         replicated_param=name if isinstance(placement, Replicate) else None)
+                         replicated_param=name if isinstance(placement, Replicate) else None,
+                         sequence_parallel="sequence-sharded" in (ctx.variant.input, ctx.variant.output))
     if isinstance(placement, Shard) and diag.name == MISMATCH and tp > 1:
         try:
             assembled = assemble_pieces(grads, placement, layout.uneven)  # type: ignore[arg-type]
@@ -547,7 +547,7 @@ def _truncated(problem: LayoutProblem, tp: int) -> bool:
 
 
 @recogniser(DIVISIBILITY_UNCHECKED)
-def _divisibility(variant: ModuleVariant, obs: ModuleObservation) -> Failure | None:
+def _divisibility(variant: ModuleVariant, obs: Observation) -> Failure | None:
     """Refused on every rank with a clear error: holds. Refused on some ranks, or without saying
     why, or accepted with pieces that are not pieces of the dense parameters: ``divisibility-unchecked``.
     A piece that no layout explains along a dim that divides is :class:`UnknownLayout`, as in a
@@ -572,7 +572,7 @@ def _divisibility(variant: ModuleVariant, obs: ModuleObservation) -> Failure | N
     return None
 
 
-def _refuse_unknown_layouts(obs: ModuleObservation) -> None:
+def _refuse_unknown_layouts(obs: Observation) -> None:
     """Raise :class:`UnknownLayout` for the first parameter whose layout no shape explains."""
     tp = obs.case.tp_size or obs.case.world_size
     for r, v in enumerate(obs.values or []):
@@ -582,10 +582,10 @@ def _refuse_unknown_layouts(obs: ModuleObservation) -> None:
 
 
 @recogniser(EXCEPTION)
-def _failed_run(variant: ModuleVariant, obs: ModuleObservation) -> Failure:
+def _failed_run(variant: ModuleVariant, obs: Observation) -> Failure:
     """The run failed: on the one-rank reference group (the module raised, or its rank died), else
-    on the tp group (:func:`tpsim.props.raised.run_failure`, as in every family)."""
-    failed = obs.ref_error
+    on the tp group (:func:`tpsim.props.blame.run_failure`, as in every family)."""
+    failed = obs.reference_error
     if failed is None:
         return run_failure(variant.name, obs.case, obs.error)  # type: ignore[arg-type]
     where = "on a tp group of one rank (the dense reference, float64)"
@@ -596,7 +596,7 @@ def _failed_run(variant: ModuleVariant, obs: ModuleObservation) -> Failure:
                    details={"phase": "reference"})
 
 
-def _layout_failure(variant: ModuleVariant, obs: ModuleObservation) -> Failure | None:
+def _layout_failure(variant: ModuleVariant, obs: Observation) -> Failure | None:
     """A parameter missing or extra on a rank, or whose shape contradicts its declared placement, in a
     case whose sizes all divide; one laid out differently on different ranks. A shape no layout
     explains is a usage error (:class:`UnknownLayout`), raised when nothing else is wrong."""
@@ -629,13 +629,13 @@ def _layout_failure(variant: ModuleVariant, obs: ModuleObservation) -> Failure |
     return None
 
 
-def evaluate(variant: ModuleVariant, obs: ModuleObservation, properties: Sequence[str] | None = None) -> list[Failure]:
+def evaluate(variant: ModuleVariant, obs: Observation, properties: Sequence[str] | None = None) -> list[Failure]:
     """Evaluate ``properties`` (default: all) on one observation; the failures, one group's, in order."""
     wanted = tuple(properties or PROPERTIES)
     unknown = [p for p in wanted if p not in PROPERTIES]
     if unknown:
         raise InvalidArgument(f"unknown properties {unknown}; expected some of {list(PROPERTIES)}")
-    if obs.ref_error is not None:
+    if obs.reference_error is not None:
         return [_failed_run(variant, obs)]
     if not obs.divisible:
         f = _divisibility(variant, obs) if DIVISIBILITY in wanted else None
@@ -732,14 +732,14 @@ class _Culprit:
 class _Boundaries:
     """The captured boundaries of one tp group: reference, magnitudes, and every rank's."""
 
-    def __init__(self, ctx: _Ctx, obs: ModuleObservation):
+    def __init__(self, ctx: _Ctx, obs: Observation):
         self.ctx = ctx
-        group = obs.ref.groups[ctx.g]  # type: ignore[union-attr]
+        group = obs.data.groups[ctx.g]  # type: ignore[union-attr]
         self.ref = Capture.from_payload(group.value.capture or {})
         self.mag = Capture.from_payload(group.mag.capture or {})
         ranks = tp_groups(obs.case.world_size, obs.case.tp_size or obs.case.world_size, obs.case.tp_layout)[ctx.g]
         self.ranks = [Capture.from_payload((obs.values or [])[r].capture or {}) for r in ranks]
-        self.masters = obs.ref.masters  # type: ignore[union-attr]
+        self.masters = obs.data.masters  # type: ignore[union-attr]
         self.rank_grads = [(obs.values or [])[r].grads for r in ranks]
         self.ref_grads = group.value.grads
         self.mag_grads = group.mag.grads
@@ -811,7 +811,7 @@ _PHRASES = {"out": "the output of {s} (its input matches the reference's)",
             "param": "a parameter grad of {s} (its output grad matches the reference's)"}
 
 
-def _localise(ctx: _Ctx, obs: ModuleObservation) -> tuple[_Culprit | None, _Culprit | None]:
+def _localise(ctx: _Ctx, obs: Observation) -> tuple[_Culprit | None, _Culprit | None]:
     """The first forward and the first backward divergence (see the module docstring).
 
     A boundary whose pieces are each only a summand is consistent (the code after it may reduce
@@ -911,27 +911,19 @@ def _layout_hint(layouts: dict[str, ParamLayout], suspects: Sequence[str]) -> st
             f"ModuleVariant(params=(ParamSpec({name!r}, 'weight', Shard({dim}, parts=(1, 1))), ...))")
 
 
-def check_case(
-    variant: ModuleVariant,
-    case: ModuleCase,
-    *,
-    backend: str = "inproc",
-    timeout: float = DEFAULT_TIMEOUT,
-    properties: Sequence[str] | None = None,
-    isolate: bool = False,
-) -> list[Failure]:
-    """Run ``case`` and evaluate ``properties`` (default: all); return the failures, each cause
-    once with its consequences listed under it, named with the sublayer it comes from.
-    ``isolate``: inproc worlds run in a supervised worker process."""
-    obs = observe(variant, case, backend=backend, timeout=timeout, isolate=isolate)
-    failures = evaluate(variant, obs, properties)
+def localise(variant: ModuleVariant, case: ModuleCase, obs: Observation, failures: list[Failure], *, backend: str,
+             timeout: float, isolate: bool) -> list[Failure]:
+    """Name the sublayer of every value failure of ``case``: the case is run again with every sublayer's
+    boundaries recorded (the module docstring's "where a failure comes from")."""
+    from tpsim.props.module.family import MODULE
+
     value_failures = [f for f in failures if f.property in _VALUE_PROPERTIES or f.property == REPLICA]
     if value_failures and obs.values is not None and all(f.diagnosis != EXCEPTION for f in failures):
-        traced = observe(variant, case, backend=backend, timeout=timeout, capture=True, isolate=isolate)
-        if traced.values is not None and traced.ref is not None:
+        traced = MODULE.observe(variant, case, backend=backend, timeout=timeout, capture=True, isolate=isolate)
+        if traced.values is not None and traced.data is not None:
             g = value_failures[0].details.get("group", 0)
             ranks = tp_groups(case.world_size, case.tp_size or case.world_size, case.tp_layout)[g]
             ctx = _Ctx(variant, traced, g, [traced.values[r] for r in ranks])
             fwd, bwd = _localise(ctx, traced)
             _apply(failures, fwd, bwd, ctx.layouts)
-    return group_causes(failures)
+    return failures

@@ -30,9 +30,22 @@ in call order), and the magnitude run reads them back (:class:`MagnitudeMode`):
   in ``h`` next to the kink flips ``f'(h)``, an O(1) change no first-order bound covers, so gradients
   through a kink are only compared in float64 cases (where that is astronomically unlikely); see
   :attr:`Magnitudes.kinked`;
-- anything else that computes floating values (``exp``, ``softmax``, a norm, a division by a
-  tensor) raises :class:`UnboundedOp` naming it: tpsim refuses to guess a tolerance. A rule for it
-  is one :func:`register_rule` call (attention's ``scaled_dot_product_attention`` has one, in
+- a norm (``layer_norm``, ``rms_norm``: tpsim's LayerNorm/RMSNorm and torch's) needs the values
+  too — the reference records each row's ``σ`` (``sqrt(var + eps)``, or the root mean square) and
+  ``|x̂|`` (the normalised row) — and is bounded as the derivative of ``x̂ = (x - μ)/σ`` says
+  (:func:`_normalised`): forward ``M_x̂ = (M_x + mean M_x + |x̂| mean(|x̂| M_x))/σ + 4|x̂|`` (without the
+  ``mean M_x`` term for RMSNorm, which subtracts no mean), then the product with the weight and the
+  sum with the bias as above; backward the transposed map, plus the error of ``x`` moving the
+  Jacobian; an ``rms_norm`` whose ``eps`` is its dtype's (the default) adds another ``eps`` in the case's
+  dtype than in the float64 reference, and that difference is added too; without recorded values it
+  raises :class:`UnboundedOp` (``σ`` cannot be bounded from magnitudes);
+- the roots a hand-written norm takes (``rsqrt``, ``sqrt``: :data:`ROOTS`), ``v**p`` with
+  ``p = ∓1/2``, likewise with the reference's values: forward ``|p| |v|^(p-1) M_v + |v^p|``, backward
+  ``G |p| |v|^(p-1) + |g| |p(p-1)| |v|^(p-2) M_v`` (the error of ``v`` moves the derivative);
+- anything else that computes floating values (``exp``, ``softmax``, a division by a tensor), and
+  any arithmetic on complex values, raises :class:`UnboundedOp` naming it: tpsim refuses to guess a
+  tolerance. A rule for it is one
+  :func:`register_rule` call (attention's ``scaled_dot_product_attention`` has one, in
   :mod:`tpsim.props.attention.magnitude`).
 
 ``K`` is the sum of the reduction lengths the forward performs (the contracted dim of every matmul,
@@ -54,7 +67,17 @@ from torch.overrides import TorchFunctionMode
 
 from tpsim.errors import InvalidArgument
 
-__all__ = ["ACTIVATIONS", "MagnitudeMode", "Magnitudes", "TapeEntry", "UnboundedOp", "ValueTape", "register_rule"]
+__all__ = [
+    "ACTIVATIONS",
+    "NORMS",
+    "ROOTS",
+    "MagnitudeMode",
+    "Magnitudes",
+    "TapeEntry",
+    "UnboundedOp",
+    "ValueTape",
+    "register_rule",
+]
 
 
 class UnboundedOp(InvalidArgument):
@@ -63,7 +86,8 @@ class UnboundedOp(InvalidArgument):
     def __init__(self, op: str) -> None:
         super().__init__(
             f"tpsim cannot derive a rounding-error bound through {op}: the module check bounds linear maps, sums, "
-            f"products, views, the elementwise activations {', '.join(sorted(ACTIVATIONS))} and "
+            f"products, views, the norms {', '.join(NORMS)}, the roots {', '.join(ROOTS)}, the elementwise activations "
+            f"{', '.join(sorted(ACTIVATIONS))} and "
             f"{', '.join(sorted(_RULES)) or 'no other operation'}; add a rule with "
             "tpsim.props.module.magnitude.register_rule, or check the module's parts separately"
         )
@@ -120,6 +144,10 @@ _SUMS = frozenset("add sum mean nansum nanmean cumsum".split())
 _CONTRACTIONS = frozenset("linear matmul mm bmm mv dot vdot inner outer ger addmm addmv addbmm baddbmm einsum "
                           "tensordot".split())
 _DROPOUTS = frozenset("dropout dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout".split())
+#: Norms over the last dims, by function name: whether they subtract the mean (LayerNorm) or not (RMSNorm).
+NORMS = {"layer_norm": True, "rms_norm": False}
+#: Roots, by function name: the exponent ``p`` of ``v**p``.
+ROOTS = {"rsqrt": -0.5, "sqrt": 0.5}
 
 #: Extra rules: name -> ``rule(func, args, kwargs, mode) -> result`` (see :func:`register_rule`).
 _RULES: dict[str, Callable[..., Any]] = {}
@@ -215,10 +243,10 @@ class Magnitudes:
 
 @dataclass
 class TapeEntry:
-    """What the float64 reference run saw at one product of two tensors or one activation: the
-    absolute values the magnitude run's rule for it needs (product: ``|s|, |t|, |s t|``;
-    activation: ``|h|, |f(h)|``) and, recorded in backward, ``|g|``, the absolute upstream grad at
-    its output (None when none flowed)."""
+    """What the float64 reference run saw at one product of two tensors, one activation, root or norm:
+    the values the magnitude run's rule for it needs (product: ``|s|, |t|, |s t|``; activation, root:
+    ``|h|, |f(h)|``; norm: ``|x̂|``, each row's ``σ``, ``|w|``) and, recorded in backward, ``|g|``,
+    the absolute upstream grad at its output (None when none flowed)."""
 
     kind: str
     shapes: tuple[tuple[int, ...], ...]
@@ -258,6 +286,10 @@ class ValueTape(TorchFunctionMode):
             return out
         if name in ACTIVATIONS and isinstance(args[0], torch.Tensor):
             entry = TapeEntry("activation", (tuple(args[0].shape),), (args[0].detach().abs(), out.detach().abs()))
+        elif name in NORMS and isinstance(args[0], torch.Tensor):
+            entry = TapeEntry("norm", (tuple(args[0].shape),), _norm_values(name, args, kwargs))
+        elif name in ROOTS and isinstance(args[0], torch.Tensor):
+            entry = TapeEntry("root", (tuple(args[0].shape),), (args[0].detach().abs(), out.detach().abs()))
         elif (name in ("mul", "multiply", "rmul") and len(args) >= 2 and isinstance(args[0], torch.Tensor)
               and isinstance(args[1], torch.Tensor)):
             a, b = args[0], args[1]
@@ -335,12 +367,19 @@ class MagnitudeMode(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = dict(kwargs or {})
         name, in_place = _name(func)
+        if any(isinstance(a, complex) or (isinstance(a, torch.Tensor) and a.is_complex())
+               for a in (*args, *kwargs.values(), *_tensors(list(args)))):
+            raise UnboundedOp(f"{_public_name(func, name)} on complex values")
         tensors = [t for t in _tensors(list(args) + list(kwargs.values())) if _is_float_tensor(t)]
         deepest = max((self.stages_of(t) for t in tensors), default=0)
         if name in _RULES:
             return _RULES[name](func, args, kwargs, self)
         if name in ACTIVATIONS:
             return self._activation(name, in_place, args, kwargs, deepest)
+        if name in NORMS:
+            return self._norm(name, args, kwargs, deepest)
+        if name in ROOTS:
+            return self._root(name, in_place, args, deepest)
         if name in ("sub", "subtract", "rsub"):
             return self.mark(self._difference(func, name, in_place, args, kwargs), deepest + 1)
         if name in ("neg", "negative", "abs", "absolute", "positive", "pos"):
@@ -412,6 +451,44 @@ class MagnitudeMode(TorchFunctionMode):
         if in_place:
             x.copy_(out)
             out = x
+        return self.mark(out, deepest + 1)
+
+    def _norm(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], deepest: int) -> torch.Tensor:
+        """A norm over the last dims (see the module docstring and :func:`_normalised`)."""
+        x, shape, weight, bias, _ = _norm_args(name, args, kwargs)
+        entry = self._entry("norm", (tuple(x.shape),))
+        if entry is None:
+            raise UnboundedOp(f"{name} on a path the reference run did not take (a norm's bound needs its values)")
+        xhat, sigma, w, dtype_eps = (v.to(x.dtype) for v in entry.values)
+        n = math.prod(shape)
+        self.reduce(2 * n if NORMS[name] else n)  # the mean and the variance, or the mean square
+        g = None if entry.grad is None else entry.grad.to(x.dtype)
+        m_xhat = _normalised(x, xhat, sigma, len(shape), NORMS[name], None if g is None else g * w,
+                             bool(dtype_eps))
+        m_w = weight if weight is not None else torch.zeros((), dtype=x.dtype)
+        # The product with the weight (|x̂| M_w + M_x̂ |w| + |x̂ w|, backward G |w| + |g| M_w and
+        # G |x̂| + |g| M_x̂), then the bias.
+        out = xhat * m_w + m_xhat * w + xhat * w
+        if g is not None:
+            sources = [(m_xhat, g * m_w)] + ([(weight, (g * m_xhat).sum_to_size(weight.shape))] if weight is not None else [])
+            out = _Source.apply(out, *(t for t, _ in sources), *(src for _, src in sources))
+        if bias is not None:
+            out = out + bias
+        return self.mark(out, deepest + 4)
+
+    def _root(self, name: str, in_place: bool, args: tuple[Any, ...], deepest: int) -> torch.Tensor:
+        """``rsqrt`` / ``sqrt`` with the reference's values (see the module docstring)."""
+        x = args[0]
+        entry = None if in_place else self._entry("root", (tuple(x.shape),))
+        if entry is None:
+            raise UnboundedOp(f"{name} without the reference run's values (in place, or on another path)")
+        p = ROOTS[name]
+        v, value = (t.to(x.dtype) for t in entry.values)
+        slope = abs(p) * v.pow(p - 1.0)  # |f'(v)|
+        out = x * slope + value
+        if entry.grad is not None:
+            curvature = abs(p * (p - 1.0)) * v.pow(p - 2.0)  # |f''(v)|
+            out = _Source.apply(out, x, entry.grad.to(x.dtype) * curvature * x.detach())
         return self.mark(out, deepest + 1)
 
     def _difference(self, func: Any, name: str, in_place: bool, args: tuple[Any, ...],
@@ -502,7 +579,7 @@ def _einsum_sizes(equation: str, operands: list[torch.Tensor]) -> tuple[dict[str
     sizes: dict[str, int] = {}
     specs = inputs.split(",")
     for spec, t in zip(specs, operands, strict=False):
-        head, dots, tail = spec.partition("...")
+        head, _, tail = spec.partition("...")
         shape = list(t.shape)
         for letter, n in zip(head, shape, strict=False):
             sizes[letter] = int(n)
@@ -536,3 +613,79 @@ def _contracted(name: str, args: tuple[Any, ...], result: Any) -> int:
     first = tensors[0]
     return int(first.shape[-1]) if first.dim() else 1
 
+
+
+def _norm_args(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, tuple[int, ...], Any, Any, float]:
+    """``(input, normalized_shape, weight, bias, eps)`` of a ``layer_norm`` / ``rms_norm`` call."""
+    names = ("input", "normalized_shape", "weight", "bias", "eps") if NORMS[name] else (
+        "input", "normalized_shape", "weight", "eps")
+    bound = dict(zip(names, args, strict=False))
+    bound.update(kwargs)
+    x = bound["input"]
+    shape = bound["normalized_shape"]
+    shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
+    eps = bound.get("eps")
+    if eps is None:  # the defaults: layer_norm's 1e-5, rms_norm's the input dtype's epsilon
+        eps = 1e-5 if NORMS[name] else torch.finfo(x.dtype).eps
+    return x, shape, bound.get("weight"), bound.get("bias"), float(eps)
+
+
+def _eps_of_dtype(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the norm's ``eps`` is its dtype's epsilon (``rms_norm`` without one): the float64
+    reference then adds another ``eps`` than the case's dtype does."""
+    if NORMS[name]:
+        return False
+    return (kwargs["eps"] if "eps" in kwargs else args[3] if len(args) > 3 else None) is None
+
+
+def _norm_values(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    """What the reference run records of a norm: ``|x̂|``, each row's ``σ`` (keepdim), ``|w|`` (ones
+    without a weight), and 1 when its ``eps`` is the dtype's (:func:`_eps_of_dtype`), else 0."""
+    x, shape, weight, _, eps = _norm_args(name, args, kwargs)
+    dims = tuple(range(x.dim() - len(shape), x.dim()))
+    with torch.no_grad():
+        v = x.detach()
+        if NORMS[name]:
+            centred = v - v.mean(dims, keepdim=True)
+            sigma = (centred.pow(2).mean(dims, keepdim=True) + eps).sqrt()
+        else:
+            centred = v
+            sigma = (v.pow(2).mean(dims, keepdim=True) + eps).sqrt()
+        w = torch.ones(shape, dtype=v.dtype) if weight is None else weight.detach().abs()
+        dtype_eps = torch.tensor(float(_eps_of_dtype(name, args, kwargs)), dtype=v.dtype)
+        return (centred / sigma).abs(), sigma, w, dtype_eps
+
+
+def _normalised(m_x: torch.Tensor, xhat: torch.Tensor, sigma: torch.Tensor, ndims: int, centred: bool,
+                g_hat: torch.Tensor | None, dtype_eps: bool = False) -> torch.Tensor:
+    """The magnitude of ``x̂ = (x - μ)/σ`` (``centred``; else ``x/σ``) over the last ``ndims`` dims, from the
+    input's magnitude ``m_x``, the reference's ``|x̂|`` and ``σ``:
+
+    - the Jacobian is ``(I - 11ᵀ/N - x̂x̂ᵀ/N)/σ`` (without ``11ᵀ/N`` uncentred), so an error ``e`` of ``x``
+      moves ``x̂`` by at most ``(e + mean e + |x̂| mean(|x̂| e))/σ``: with ``e = M_x`` (``>= |x|``: the
+      roundings of the mean and of ``x - μ`` are inside it too); the roundings of the variance, the
+      square root and the division add ``|x̂|`` each, and one more for the tails: ``4|x̂|``;
+    - backward, autograd gives the transposed map of ``G`` (the map is symmetric), the bound of the
+      true backward's terms; the error of ``x`` also moves the Jacobian applied to the reference's
+      grad ``ĝ`` at ``x̂`` (``g_hat``): by ``|dx| mean(|x̂| M_x)/σ`` through ``σ`` and by
+      ``(M_x̂ mean(|ĝ||x̂|) + |x̂| mean(|ĝ| M_x̂))/σ`` through ``x̂`` — added as a source term;
+    - ``dtype_eps``: the norm adds its dtype's epsilon to ``σ²`` (``rms_norm`` without an ``eps``), so
+      the case's dtype computes ``σ`` larger than the float64 reference by ``eps(dtype)/(2σ)``: ``x̂``
+      (and the backward's ``1/σ``) differ by ``1/(2σ²)`` in units of ``eps(dtype)``, the unit every
+      magnitude is multiplied by."""
+    dims = tuple(range(m_x.dim() - ndims, m_x.dim()))
+
+    def mean(t: torch.Tensor) -> torch.Tensor:
+        return t.mean(dims, keepdim=True)
+
+    spread = m_x + (mean(m_x) if centred else 0.0) + xhat * mean(xhat * m_x)
+    other_eps = 0.5 / sigma.square() if dtype_eps else 0.0
+    m_xhat = spread / sigma + (4.0 + other_eps) * xhat
+    if g_hat is None:
+        return m_xhat
+    with torch.no_grad():
+        moved = mean(xhat * m_x) / sigma + other_eps  # the relative error of σ
+        dx = (g_hat + (mean(g_hat) if centred else 0.0) + xhat * mean(g_hat * xhat)) / sigma
+        m = m_xhat.detach()
+        source = dx * moved + (m * mean(g_hat * xhat) + xhat * mean(g_hat * m)) / sigma
+    return _Source.apply(m_xhat, m_x, source)

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from tpsim.errors import InvalidArgument
 from tpsim.module_variant import ModuleVariant
 from tpsim.props.module.case import ModuleCase
-from tpsim.props.strategies import batch_shapes
+from tpsim.props.strategies import batch_shapes, draw_tp
 from tpsim.props.strategies import dtypes as dtype_strategy
 from tpsim.props.strategies import world_sizes as world_size_strategy
 
@@ -32,18 +32,6 @@ __all__ = ["module_cases"]
 
 #: Units per rank of a drawn size (small shapes keep examples fast; shrinking goes toward 1).
 MAX_PER_RANK = 3
-
-
-def _tp(draw: st.DrawFn, world: int, tp_sizes: tuple[int, ...] | None, subgroups: bool) -> tuple[int, str]:
-    smaller = [t for t in range(world - 1, 0, -1) if world % t == 0]
-    if tp_sizes is not None:
-        tp = draw(st.sampled_from(sorted((t for t in tp_sizes if world % t == 0), reverse=True)))
-    elif subgroups and smaller and draw(st.sampled_from((False, True))):
-        tp = draw(st.sampled_from(smaller))
-    else:
-        tp = world
-    layout = draw(st.sampled_from(("consecutive", "strided"))) if 1 < tp < world else "consecutive"
-    return tp, layout
 
 
 def _sizes(draw: st.DrawFn, variant: ModuleVariant, tp: int, divisible: bool) -> tuple[int, ...]:
@@ -69,7 +57,7 @@ def _sizes(draw: st.DrawFn, variant: ModuleVariant, tp: int, divisible: bool) ->
 def _module_cases(draw: st.DrawFn, variant: ModuleVariant, sizes: tuple[int, ...], dtype_names: tuple[str, ...],
                   non_divisible: bool, tp_sizes: tuple[int, ...] | None, subgroups: bool) -> ModuleCase:
     world = draw(world_size_strategy(sizes))
-    tp, layout = _tp(draw, world, tp_sizes, subgroups)
+    tp, layout = draw_tp(draw, world, tp_sizes, subgroups)
     dtype = draw(dtype_strategy(dtype_names))
     divisible = draw(st.sampled_from((True, True, True, False))) if non_divisible and tp > 1 else True
     drawn = _sizes(draw, variant, tp, divisible)

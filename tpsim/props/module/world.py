@@ -30,20 +30,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import tpsim
-from tpsim.comm.board import mark_phase
 from tpsim.errors import RankError
 from tpsim.module_variant import ModuleVariant
 from tpsim.placement import Replicate, Shard
-from tpsim.props.groups import tp_group
 from tpsim.props.launch import launch, variant_of
 from tpsim.props.module.boundary import Capture
 from tpsim.props.module.case import ModuleCase
 from tpsim.props.module.magnitude import MagnitudeMode, TapeEntry, UnboundedOp, ValueTape
 from tpsim.props.module.sharding import ParamLayout, declared_layout, infer_layout, piece
-from tpsim.props.raised import variant_raised
-from tpsim.props.results import RankOutput
-from tpsim.props.world import LR, TRAIN_STEPS
+from tpsim.props.observation import DenseReferenceFailed, NotRealOutput, RankOutput
+from tpsim.props.rank import LR, TRAIN_STEPS, enter_rank, rank_phase, sgd_step, trainer_step
 
 __all__ = [
     "DECLARED",
@@ -52,12 +48,13 @@ __all__ = [
     "UNKNOWN",
     "GroupReference",
     "LayoutProblem",
-    "ModuleObservation",
+    "ModuleData",
     "ModuleRankResult",
     "Reference",
-    "ReferenceFailed",
     "StepTensors",
-    "observe",
+    "input_placement",
+    "is_divisible",
+    "output_placement",
     "rank_main",
     "reference_main",
     "reference_run",
@@ -74,14 +71,6 @@ def _scale(shape: tuple[int, ...]) -> float:
     if len(shape) >= 2:
         return float(shape[-1]) ** -0.5
     return 0.5 if len(shape) == 1 else 1.0
-
-
-def _sgd(module: nn.Module) -> None:
-    with torch.no_grad():
-        for p in module.parameters():
-            if p.grad is not None:
-                p.add_(p.grad, alpha=-LR)
-            p.grad = None
 
 
 class _Overflow(ArithmeticError):
@@ -160,6 +149,8 @@ def reference_main(payload: dict[str, Any]) -> Reference:
             tape = ValueTape()
             with tape:
                 y = variant.call(dense, x)
+            if isinstance(y, torch.Tensor) and not y.is_floating_point():
+                raise NotRealOutput(str(y.dtype).replace("torch.", ""))  # wrong-dtype: nothing to compare with
             g_master = draw(tuple(y.shape), g_scale)
             y.backward(g_master.to(_F64))
             group_tapes.append(tape.entries)
@@ -171,7 +162,7 @@ def reference_main(payload: dict[str, Any]) -> Reference:
                          None if capture is None else capture.as_payload())
             xs.append(x_master)
             gs.append(g_master)
-            _sgd(dense)  # drops each grad after using it: the step-0 ones live on in ``first`` only
+            sgd_step(dense)  # drops each grad after using it: the step-0 ones live on in ``first`` only
         values.append(StepTensors(*first, final={n: p.detach() for n, p in dense.named_parameters()}))
         tapes.append(group_tapes)
         inputs.append(xs)
@@ -269,19 +260,9 @@ class Reference:
         return {n: tuple(t.shape) for n, t in self.masters.items()}
 
 
-class ReferenceFailed(Exception):
-    """The module failed when built or run on a one-rank group (the dense reference): ``error`` is
-    what it raised, or the :class:`tpsim.RankDied` of the reference world's rank."""
-
-    def __init__(self, error: BaseException, traceback_text: str) -> None:
-        super().__init__(f"{type(error).__name__}: {error}".splitlines()[0][:500])
-        self.error = error
-        self.traceback_text = traceback_text
-
-
 def reference_run(variant: ModuleVariant, case: ModuleCase, *, timeout: float, capture: bool = False,
                   isolate: bool = False) -> Reference:
-    """Run the reference world. Raises :class:`ReferenceFailed` when the module raises (or its rank
+    """Run the reference world. Raises :class:`DenseReferenceFailed` when the module raises (or its rank
     dies) on its one-rank group (a finding: it fails without any parallelism) and
     :class:`UnboundedOp` when the magnitude run cannot bound an operation (the harness's limit,
     reported as a usage error)."""
@@ -292,7 +273,7 @@ def reference_run(variant: ModuleVariant, case: ModuleCase, *, timeout: float, c
         cause = err.errors.get(0, err)
         if isinstance(cause, UnboundedOp):
             raise cause from None
-        raise ReferenceFailed(cause, err.remote_traceback or "") from None
+        raise DenseReferenceFailed(cause, err.remote_traceback or "") from None
     return out
 
 
@@ -373,7 +354,7 @@ def layouts_of(variant: ModuleVariant, module: nn.Module, shapes: dict[str, tupl
 
 @dataclass
 class ModuleRankResult(RankOutput):
-    """What one rank of the tp world returns (besides :class:`~tpsim.props.results.RankOutput`'s
+    """What one rank of the tp world returns (besides :class:`~tpsim.props.observation.RankOutput`'s
     fields; ``output`` is the step-0 output), parameters by dotted name:
 
     - ``layouts``: how each parameter it could explain is laid out; ``problems``: the others;
@@ -400,88 +381,65 @@ class ModuleRankResult(RankOutput):
 
 def rank_main(payload: dict[str, Any]) -> ModuleRankResult:
     """What every rank of the tp world runs for one case (see the module docstring)."""
-    case: ModuleCase = payload["case"]
-    variant: ModuleVariant = variant_of(payload)
-    group, g, rank, tp = tp_group(case, dist.get_rank())
-    shapes: dict[str, tuple[int, ...]] = payload["shapes"]
-    masters: dict[str, torch.Tensor] = payload["masters"]
-    inputs, upstream = payload["inputs"][g], payload["grads"][g]
-    # Every rank seeded alike before the build, as training scripts do (replicas must agree).
-    torch.manual_seed(case.seed)
-    mark_phase("build")  # an isolated worker names the phase of a rank that dies or hangs
-    try:
-        module = variant.instantiate(case.sizes, group=group, dtype=case.torch_dtype)
-    except Exception as err:
-        raise variant_raised("build", 0, err) from err
+    me = enter_rank(payload)
+    case, variant, data, rank, tp = me.case, me.variant, me.data, me.rank, me.tp
+    inputs, upstream = data.inputs[me.g], data.grads[me.g]
+    with rank_phase("build"):
+        module = variant.instantiate(case.sizes, group=me.group, dtype=case.torch_dtype)
     # Problems are reported by the parent. The rank still runs its steps (on whatever it could
     # load), so that its collectives stay in step with the ranks that found nothing wrong.
-    layouts, problems = layouts_of(variant, module, shapes, tp, rank)
+    layouts, problems = layouts_of(variant, module, data.shapes, tp, rank)
     params = dict(module.named_parameters())
     # Replicated parameters whose grad the trainer sums (declared grad="partial", or Megatron's
     # ``sequence_parallel`` marker): summed over the tp group before each SGD step, as Megatron's
     # finalize_model_grads does.
     partial = tuple(n for n, lay in layouts.items() if isinstance(lay.placement, Replicate) and (
         getattr(variant.param(n), "grad", "complete") == "partial" or getattr(params[n], "sequence_parallel", False) is True))
-    result = ModuleRankResult(group=g, tp_rank=rank, layouts=layouts, problems=problems, partial=partial,
+    result = ModuleRankResult(group=me.g, tp_rank=rank, layouts=layouts, problems=problems, partial=partial,
                               shapes={n: tuple(p.shape) for n, p in params.items()})
     if variant.initialised:
         result.init = {n: params[n].detach().clone() for n, lay in layouts.items() if isinstance(lay.placement, Replicate)}
     with torch.no_grad():
         for name, layout in layouts.items():
-            params[name].copy_(piece(masters[name], layout.placement, rank, tp, layout.uneven))
+            params[name].copy_(piece(data.masters[name], layout.placement, rank, tp, layout.uneven))
     for step in range(TRAIN_STEPS):
         x_full = inputs[step]
         x = _cut(x_full, input_placement(variant, x_full.dim()), rank, tp).detach().clone().requires_grad_(True)
         capture = Capture().install(module) if payload.get("capture") and step == 0 else None
-        mark_phase("forward", step)
-        try:
+        with rank_phase("forward", step):
             out = variant.call(module, x)
-        except Exception as err:
-            raise variant_raised("forward", step, err) from err
         g_full = upstream[step]
         want = _cut(g_full, output_placement(variant, g_full.dim()), rank, tp)
         if result.unusable(out, want.shape, graph=x):
             if capture is not None:
                 capture.remove()
-            return result  # nothing to back-propagate: a wrong shape, or an output cut off from autograd
-        mark_phase("backward", step)
-        try:
+            return result  # nothing to back-propagate: a wrong shape or dtype, or an output cut off from autograd
+        with rank_phase("backward", step):
             out.backward(want.to(out.dtype))
-        except Exception as err:
-            raise variant_raised("backward", step, err) from err
         if capture is not None:
             capture.remove()
             result.capture = capture.as_payload()
         if step == 0:
             result.output, result.output_type = out.detach().clone(), type(out).__name__
             result.input_grad = None if x.grad is None else x.grad.detach().clone()
-            # Kept, not cloned: the SGD step below replaces each grad rather than changing it.
+            # Kept, not cloned: the SGD step below replaces each grad rather than changing it (the
+            # trainer's sum changes the partial ones in place: those are cloned).
             result.grads = {n: None if p.grad is None else p.grad.detach().clone() if n in partial else p.grad.detach()
                             for n, p in params.items()}
-        for name in partial:
-            p = params[name]
-            # Every rank joins the sum, with zeros where its grad is None (reported as missing).
-            total = p.grad if p.grad is not None else torch.zeros_like(p)
-            dist.all_reduce(total, group=group)
-            if step == 0:
-                result.summed_grads[name] = total.detach().clone()
-        mark_phase("step", step)
-        _sgd(module)
+        trainer_step(module, {name: params[name] for name in partial}, me.group, step, result.summed_grads)
     result.final = {n: p.detach() for n, p in params.items()}
     return result
 
 
 @dataclass
-class ModuleObservation:
-    """One module case: the reference, and the tp world's per-rank results or its error."""
+class ModuleData:
+    """What the ranks of the tp world get: every parameter's dense shape and master value, and per tp
+    group the inputs and upstream grads of every step (drawn by the reference world)."""
 
-    case: ModuleCase
-    divisible: bool
-    ref: Reference | None
-    values: list[ModuleRankResult] | None = None
-    error: RankError | None = None
-    #: The module failed on its one-rank group: no reference, nothing else ran.
-    ref_error: ReferenceFailed | None = None
+    shapes: dict[str, tuple[int, ...]]
+    masters: dict[str, torch.Tensor]
+    inputs: list[list[torch.Tensor]]
+    grads: list[list[torch.Tensor]]
 
 
 def is_divisible(variant: ModuleVariant, case: ModuleCase) -> bool:
@@ -491,22 +449,3 @@ def is_divisible(variant: ModuleVariant, case: ModuleCase) -> bool:
         return False
     d = variant.sequence_dim_of(len(case.batch_shape) + 1) if variant.input == "sequence-sharded" else None
     return d is None or case.batch_shape[d] % tp == 0
-
-
-def observe(variant: ModuleVariant, case: ModuleCase, *, backend: str = "inproc", timeout: float = tpsim.DEFAULT_TIMEOUT,
-            capture: bool = False, ref: Reference | None = None, isolate: bool = False) -> ModuleObservation:
-    """Run the reference world (unless ``ref`` is given) and the tp world for ``case``; ``isolate``:
-    inproc worlds run in a supervised worker process (see :func:`tpsim.run`)."""
-    divisible = is_divisible(variant, case)
-    if ref is None:
-        try:
-            ref = reference_run(variant, case, timeout=timeout, capture=capture, isolate=isolate)
-        except ReferenceFailed as failed:
-            return ModuleObservation(case, divisible, None, ref_error=failed)
-    payload: dict[str, Any] = {"case": case, "shapes": ref.shapes, "masters": ref.masters, "inputs": ref.inputs,
-                               "grads": ref.grads, "capture": capture}
-    try:
-        values = launch(rank_main, variant, payload, case.world_size, backend=backend, timeout=timeout, isolate=isolate)
-    except RankError as err:
-        return ModuleObservation(case, divisible, ref, error=err)
-    return ModuleObservation(case, divisible, ref, values=values)

@@ -58,10 +58,10 @@ from tpsim.diagnosis import (
     recogniser,
 )
 from tpsim.errors import RankError
+from tpsim.props.blame import VariantRaised, blame, refusal_failure, run_failure
 from tpsim.props.comparing import compare, failure, groups_of, replica
-from tpsim.props.names import DIVISIBILITY, FORWARD, INPUT_GRAD, REPLICA, WEIGHT_GRAD
-from tpsim.props.raised import VariantRaised, blame, refusal_failure, run_failure
-from tpsim.props.results import OK, OUTPUT_SHAPE, Observation
+from tpsim.props.observation import OK, OUTPUT_SHAPE, Observation
+from tpsim.props.property_names import DIVISIBILITY, FORWARD, INPUT_GRAD, REPLICA, WEIGHT_GRAD
 from tpsim.props.tolerance import eps, tolerance
 from tpsim.props.vocab.case import CrossEntropyCase, EmbeddingCase
 from tpsim.props.vocab.world import (
@@ -173,7 +173,7 @@ def evaluate_embedding(variant: EmbeddingVariant, obs: Observation, properties: 
                 break
             if WEIGHT_GRAD in wanted:
                 expected, mag = _rows_of(case, dense_grad, where)  # type: ignore[arg-type]
-                tol = tolerance(case.torch_dtype, mag, reduction_length=case.tokens, world_size=tp)
+                tol = tolerance(case.torch_dtype, mag, reduction_length=case.rows, world_size=tp)
                 found = compare(variant, case, WEIGHT_GRAD, "the embedding table's grad", r, v.weight_grad,
                                  expected, tol)
                 if found is not None:
@@ -283,7 +283,7 @@ class _CrossEntropyReference:
             self.token_loss = dense_cross_entropy(xs, self.target, label_smoothing=ls, ignore_index=case.ignore_index,
                                                   reduction="none")
             scale = 1.0 if case.reduction == "sum" else 1.0 / count
-            summed = per_token.sum() + tolerance(dt, self.token_loss.abs().sum(), reduction_length=case.tokens,
+            summed = per_token.sum() + tolerance(dt, self.token_loss.abs().sum(), reduction_length=case.rows,
                                                  world_size=self.tp)
             self.loss_tol = summed * scale + u * self.loss.abs()
         # the logits' grad, per entry: (p_j - (1-eps)[j=t] - eps/V) g, its magnitude (p_j + (1-eps)[j=t] + eps/V)|g|
@@ -307,7 +307,7 @@ class _CrossEntropyReference:
             # tolerance() is linear in the magnitude: one product of |W| (|h|) per bound, not two
             unit = torch.ones((), dtype=_F64)
             over_vocab = float(tolerance(dt, unit, reduction_length=vocab, world_size=self.tp))
-            over_tokens = float(tolerance(dt, unit, reduction_length=case.tokens, world_size=self.tp))
+            over_tokens = float(tolerance(dt, unit, reduction_length=case.rows, world_size=self.tp))
             self.hidden_tol = (mag * over_vocab + g_tol) @ w_abs
             wg = self.weight.grad
             w_tol = (mag * over_tokens + g_tol).reshape(-1, vocab).T @ h_abs

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from tpsim.errors import InvalidArgument
 from tpsim.props.case import DTYPES
-from tpsim.props.strategies import batch_shapes
+from tpsim.props.strategies import batch_shapes, world_and_tp
 from tpsim.props.vocab.case import CrossEntropyCase, EmbeddingCase
 from tpsim.vocab_variant import CrossEntropyVariant, EmbeddingVariant
 
@@ -43,24 +43,6 @@ def _check(world_sizes: Sequence[int], dtypes: Sequence[str]) -> tuple[tuple[int
     return tuple(sorted(set(sizes))), names
 
 
-@st.composite
-def _world_and_tp(draw: st.DrawFn, sizes: tuple[int, ...], tp_sizes: tuple[int, ...] | None,
-                  subgroups: bool) -> tuple[int, int, str]:
-    worlds = [w for w in sizes if tp_sizes is None or any(w % t == 0 for t in tp_sizes)]
-    if not worlds:
-        raise InvalidArgument(f"no world size in {list(sizes)} is divisible by a tp size in {list(tp_sizes or ())}")
-    world = draw(st.sampled_from(worlds))
-    smaller = [t for t in range(world - 1, 0, -1) if world % t == 0]
-    if tp_sizes is not None:
-        tp = draw(st.sampled_from(sorted((t for t in tp_sizes if world % t == 0), reverse=True)))
-    elif subgroups and smaller and draw(st.sampled_from((False, True))):
-        tp = draw(st.sampled_from(smaller))
-    else:
-        tp = world
-    layout = draw(st.sampled_from(("consecutive", "strided"))) if 1 < tp < world else "consecutive"
-    return world, tp, layout
-
-
 def _vocab(draw: st.DrawFn, tp: int, non_divisible: bool) -> int:
     divisible = draw(st.sampled_from((True, True, True, False))) if non_divisible and tp > 1 else True
     k = draw(st.integers(1, MAX_PER_RANK))
@@ -76,7 +58,7 @@ def embedding_cases(variant: EmbeddingVariant, *, world_sizes: Sequence[int], dt
 
     @st.composite
     def draw_case(draw: st.DrawFn) -> EmbeddingCase:
-        world, tp, layout = draw(_world_and_tp(sizes, tps, subgroups))
+        world, tp, layout = draw(world_and_tp(sizes, tps, subgroups))
         dtype = draw(st.sampled_from(names))
         vocab = _vocab(draw, tp, non_divisible)
         dim = draw(st.integers(1, 6))
@@ -105,7 +87,7 @@ def cross_entropy_cases(variant: CrossEntropyVariant, *, world_sizes: Sequence[i
 
     @st.composite
     def draw_case(draw: st.DrawFn) -> CrossEntropyCase:
-        world, tp, layout = draw(_world_and_tp(sizes, tps, subgroups))
+        world, tp, layout = draw(world_and_tp(sizes, tps, subgroups))
         dtype = draw(st.sampled_from(names))
         vocab = _vocab(draw, tp, pads)
         batch = draw(batch_shapes(max_dims=2, max_size=4))

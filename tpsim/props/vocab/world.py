@@ -21,7 +21,6 @@ every rank of a vocabulary padded to ``tp * n`` (Megatron), or ``torch.tensor_sp
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,16 +28,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import tpsim
-from tpsim.comm.board import mark_phase
-from tpsim.errors import RankError
-from tpsim.props.groups import tp_group
-from tpsim.props.launch import launch, variant_of
-from tpsim.props.raised import variant_raised
-from tpsim.props.results import Observation, RankOutput
+from tpsim.props.observation import RankOutput
+from tpsim.props.rank import enter_rank, rank_phase
 from tpsim.props.vocab.case import CrossEntropyCase, EmbeddingCase
 from tpsim.variant import get_param
-from tpsim.vocab_variant import CrossEntropyVariant, EmbeddingVariant
 
 __all__ = [
     "NO_WEIGHT",
@@ -53,7 +46,6 @@ __all__ = [
     "cross_entropy_rank",
     "embedding_data",
     "embedding_rank",
-    "observe",
     "padded_width",
     "vocab_rows",
 ]
@@ -151,14 +143,14 @@ def embedding_data(case: EmbeddingCase, padding_multiple: int = 1) -> EmbeddingD
     return EmbeddingData(table, ids, grads)
 
 
-#: :attr:`EmbeddingRankResult.status` values of an embedding's own (besides :mod:`tpsim.props.results`').
+#: :attr:`EmbeddingRankResult.status` values of an embedding's own (besides :mod:`tpsim.props.observation`').
 NO_WEIGHT = "no-weight"  # the module has no parameter of the variant's weight name
 WEIGHT_SHAPE = "weight-shape"  # the stored table is no row shard of the table (``shape`` says what it is)
 
 
 @dataclass
 class EmbeddingRankResult(RankOutput):
-    """What one rank of an embedding case returns (besides :class:`~tpsim.props.results.RankOutput`'s
+    """What one rank of an embedding case returns (besides :class:`~tpsim.props.observation.RankOutput`'s
     fields; ``status`` may be :data:`NO_WEIGHT` or :data:`WEIGHT_SHAPE`):
 
     - ``rows``: how many rows of the table it stores (None without a table);
@@ -175,17 +167,11 @@ class EmbeddingRankResult(RankOutput):
 
 def embedding_rank(payload: dict[str, Any]) -> EmbeddingRankResult:
     """What every rank runs for one embedding case: build, load (``load=True``), forward, backward."""
-    case: EmbeddingCase = payload["case"]
-    variant: EmbeddingVariant = variant_of(payload)
-    data: EmbeddingData = payload["data"]
-    group, g, rank, tp = tp_group(case, dist.get_rank())
-    torch.manual_seed(case.seed)  # every rank seeded alike before the build, as training scripts do
-    mark_phase("build")
-    try:
-        module = variant.build(case.vocab_size, case.embedding_dim, group=group, dtype=case.torch_dtype,
+    me = enter_rank(payload)
+    case, variant, data, g, rank, tp = me.case, me.variant, me.data, me.g, me.rank, me.tp
+    with rank_phase("build"):
+        module = variant.build(case.vocab_size, case.embedding_dim, group=me.group, dtype=case.torch_dtype,
                                weight=data.table.clone())
-    except Exception as err:
-        raise variant_raised("build", 0, err) from err
     weight = get_param(module, variant.weight)
     result = EmbeddingRankResult(group=g, tp_rank=rank)
     if weight is None:
@@ -198,7 +184,7 @@ def embedding_rank(payload: dict[str, Any]) -> EmbeddingRankResult:
     if variant.load:
         # Every rank's stored size decides the layout (uneven or padded): exchange them first.
         sizes = [torch.zeros(1, dtype=torch.long) for _ in range(tp)]
-        dist.all_gather(sizes, torch.tensor([rows]), group=group)
+        dist.all_gather(sizes, torch.tensor([rows]), group=me.group)
         where = vocab_rows(rows, case.vocab_size, tp, rank, [int(s) for s in sizes])
         if where is None:
             result.status, result.shape = WEIGHT_SHAPE, tuple(weight.shape)
@@ -210,20 +196,14 @@ def embedding_rank(payload: dict[str, Any]) -> EmbeddingRankResult:
             weight[: real.shape[0]].copy_(real)
     result.weight = weight.detach()  # the module is dropped after the run: no copy needed
     ids = data.ids[g]
-    mark_phase("forward", 0)
-    try:
+    with rank_phase("forward"):
         out = variant.call(module, ids)
-    except Exception as err:
-        raise variant_raised("forward", 0, err) from err
     upstream = data.grads[g]
     if result.unusable(out, upstream.shape):
         return result
     result.output, result.output_type = out.detach(), type(out).__name__
-    mark_phase("backward", 0)
-    try:
+    with rank_phase("backward"):
         out.backward(upstream.to(out.dtype))
-    except Exception as err:
-        raise variant_raised("backward", 0, err) from err
     result.weight_grad = None if weight.grad is None else weight.grad.detach()
     return result
 
@@ -279,7 +259,7 @@ def _rows(full: torch.Tensor, width: int, tp: int, rank: int) -> torch.Tensor:
 
 @dataclass
 class CrossEntropyRankResult(RankOutput):
-    """What one rank of a cross-entropy case returns (besides :class:`~tpsim.props.results.RankOutput`'s
+    """What one rank of a cross-entropy case returns (besides :class:`~tpsim.props.observation.RankOutput`'s
     fields; ``output`` is the loss): the grads of its leaves after the backward, None where it got
     none — ``input_grad`` (its logits' shard), or ``hidden_grad`` and ``weight_grad`` (the hidden
     states and its classifier rows)."""
@@ -291,10 +271,8 @@ class CrossEntropyRankResult(RankOutput):
 
 def cross_entropy_rank(payload: dict[str, Any]) -> CrossEntropyRankResult:
     """What every rank runs for one cross-entropy case: call it on its shard, backward."""
-    case: CrossEntropyCase = payload["case"]
-    variant: CrossEntropyVariant = variant_of(payload)
-    data: CrossEntropyData = payload["data"]
-    group, g, rank, tp = tp_group(case, dist.get_rank())
+    me = enter_rank(payload)
+    case, variant, data, g, rank, tp = me.case, me.variant, me.data, me.g, me.rank, me.tp
     target = data.targets[g]
     if variant.input == "hidden":
         hidden = data.hidden[g].clone().requires_grad_()
@@ -303,54 +281,22 @@ def cross_entropy_rank(payload: dict[str, Any]) -> CrossEntropyRankResult:
     else:
         logits = data.logits[g].chunk(tp, dim=-1)[rank].clone().requires_grad_()
         leaves = (logits,)
-    mark_phase("forward", 0)
-    try:
+    with rank_phase("forward"):
         loss = variant.call(leaves, target, label_smoothing=case.label_smoothing, ignore_index=case.ignore_index,
-                            vocab_size=case.vocab_size, reduction=case.reduction, group=group)
-    except Exception as err:
-        raise variant_raised("forward", 0, err) from err
+                            vocab_size=case.vocab_size, reduction=case.reduction, group=me.group)
     upstream = data.grads[g]
     result = CrossEntropyRankResult(group=g, tp_rank=rank)
     if result.unusable(loss, upstream.shape):
         return result
     result.output, result.output_type = loss.detach().clone(), type(loss).__name__
-    mark_phase("backward", 0)
-    try:
+    with rank_phase("backward"):
         loss.backward(upstream.to(loss.dtype))
-    except Exception as err:
-        raise variant_raised("backward", 0, err) from err
     grads = [None if leaf.grad is None else leaf.grad.detach().clone() for leaf in leaves]
     if variant.input == "hidden":
         result.hidden_grad, result.weight_grad = grads
     else:
         (result.input_grad,) = grads
     return result
-
-
-# --- the parent side -----------------------------------------------------------------------------
-
-
-def observe(variant: Any, case: Any, *, backend: str = "inproc", timeout: float = tpsim.DEFAULT_TIMEOUT,
-            isolate: bool = False) -> Observation:
-    """Run ``case`` once on ``case.world_size`` ranks of ``backend`` (see the module docstring);
-    ``isolate=True`` runs an inproc world in a supervised worker process (see :func:`tpsim.run`)."""
-    if isinstance(variant, EmbeddingVariant):
-        data: Any = embedding_data(case, variant.padding_multiple)
-        fn: Any = embedding_rank
-    else:
-        data = cross_entropy_data(case, "ignore_index" in variant.accepts)
-        fn = cross_entropy_rank
-    try:
-        values = launch(fn, variant, {"case": case, "data": data}, case.world_size, backend=backend, timeout=timeout,
-                        isolate=isolate)
-    except RankError as err:
-        return Observation(case, data, error=err)
-    return Observation(case, data, values=values)
-
-
-def tokens_of(shape: tuple[int, ...]) -> int:
-    """The number of positions of a batch shape."""
-    return math.prod(shape)
 
 
 def dense_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, label_smoothing: float, ignore_index: int,

@@ -48,7 +48,7 @@ from tpsim.diagnosis import (
     recogniser,
 )
 from tpsim.errors import CollectiveError, CollectiveOnStridedView, RankCrashed, RankDied, RankError
-from tpsim.props.names import DIVISIBILITY, INPUT_GRAD, property_of_phase
+from tpsim.props.property_names import DIVISIBILITY, INPUT_GRAD, property_of_phase
 
 __all__ = [
     "Blame",
