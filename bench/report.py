@@ -269,7 +269,7 @@ def markdown(result: dict[str, Any], images: dict[str, str]) -> str:
     props = result.get("props")
     if props:
         out += ["## Property examples per second", "",
-                f"`tpsim.props.checks.check_case` (one world run + every property) on `{props['variant']}`, "
+                f"`tpsim.props.check_case` (one world run + every property) on `{props['variant']}`, "
                 "generated divisible cases at world sizes 1–4, each backend in a fresh process. *first example* "
                 "is the first case at a world size: for gloo it includes starting that world's worker pool, "
                 "reused afterwards.", "",

@@ -231,7 +231,7 @@ def props_worker(backend: str, n: int, sizes: tuple[int, ...], target: str) -> d
     ``fastest_per_example_s`` is the mean over cases of each case's fastest round, which a busy
     machine disturbs far less than a single pass.
     """
-    from tpsim.props.checks import check_case
+    from tpsim.props import check_case
     from tpsim.target import resolve_target
 
     variant = resolve_target(target)[0]

@@ -34,7 +34,7 @@ from tpsim.cli import main as cli_main
 from tpsim.errors import InvalidArgument
 from tpsim.layers import DenseMLP, ParallelMLP
 from tpsim.props.case import Case
-from tpsim.props.checks import check_case
+from tpsim.props import check_case
 from tpsim.props.search import search
 from tpsim.props.strategies import cases
 from tpsim.props.tolerance import tolerance

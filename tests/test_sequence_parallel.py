@@ -15,7 +15,7 @@ from tpsim.mutants import CATALOG, CORRECT_NORMS, CORRECT_PACKED_AND_SEQUENCE, n
 from tpsim.mutants.sequence import CorrectSequenceNorm
 from tpsim.placement import Shard
 from tpsim.props.case import Case
-from tpsim.props.checks import check_case
+from tpsim.props import check_case
 from tpsim.props.search import search
 from tpsim.props.strategies import cases
 from tpsim.props.world import is_divisible

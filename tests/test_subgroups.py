@@ -19,7 +19,7 @@ from tpsim.cli import main
 from tpsim.errors import InvalidArgument
 from tpsim.mutants import CORRECT, correct_row, row_wrong_group
 from tpsim.props.case import Case
-from tpsim.props.checks import check_case
+from tpsim.props import check_case
 from tpsim.props.groups import candidate_sets, tp_groups
 from tpsim.props.search import search
 from tpsim.props.strategies import cases

@@ -5,7 +5,7 @@ and a finder on ``sys.meta_path`` imports such a name from the file it encodes. 
 can import a target file by its module name alone: a rank-local module named ``tpsim_target_...``
 (``--rank-local path/to/layers.py``), a class from a target file that is unpickled there.
 
-The finder is installed the first time a process imports a target file (:func:`tpsim.target.import_target_module`),
+The finder is installed the first time a process imports a target file (:func:`import_target_module`),
 not when tpsim is imported: a process that never checks a target file keeps its import system as it
 was. Worker processes resolve the variant they run from its target before its first world (the
 engine warms them, :func:`tpsim.props.launch.warm_workers`), which installs it there too. The encoding keeps ASCII letters and digits and writes every other byte of
@@ -22,9 +22,14 @@ import io
 import os
 import sys
 import warnings
+from collections.abc import Iterator
+from types import ModuleType
 from typing import Any
 
-__all__ = ["PREFIX", "install_finder", "module_name_of_path", "path_of_module_name"]
+from tpsim.errors import InvalidArgument
+from tpsim.presets import LibraryMissing, presets
+
+__all__ = ["PREFIX", "TargetError", "import_target_file", "import_target_module", "is_target_path", "install_finder", "module_name_of_path", "path_of_module_name"]
 
 PREFIX = "tpsim_target_"
 
@@ -91,3 +96,79 @@ def install_finder() -> None:
     """Put the finder on ``sys.meta_path`` (idempotent)."""
     if not any(isinstance(f, _TargetFileFinder) for f in sys.meta_path):
         sys.meta_path.append(_TargetFileFinder())
+
+
+# --- importing the module part of a TARGET ----------------------------------------------------------
+
+class TargetError(InvalidArgument):
+    """A TARGET string cannot be imported or does not name something checkable."""
+
+
+@contextlib.contextmanager
+def _import_noise() -> Iterator[list[str]]:
+    """Capture what importing a target prints and warns (libraries warn about optional accelerators
+    they did not find, and every gloo worker imports the target again): hidden when the import
+    works; the caller quotes it when it fails."""
+    printed = io.StringIO()
+    noise: list[str] = []
+    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(printed):
+        warnings.simplefilter("always")
+        try:
+            yield noise
+        finally:
+            noise.extend([printed.getvalue()] + [f"{w.category.__name__}: {w.message}\n" for w in caught])
+
+
+def is_target_path(spec: str) -> bool:
+    return spec.endswith(".py") or os.sep in spec or "/" in spec
+
+
+def import_target_file(path: str) -> ModuleType:
+    full = os.path.abspath(path)
+    if not os.path.isfile(full):
+        raise TargetError(f"target file {path!r} does not exist")
+    # Imported by its name, through the finder of tpsim._target_files (installed the first time a
+    # target file is imported, here or in a worker process): the same name imports the same file in a
+    # worker process (and importing it twice reuses the module).
+    install_finder()
+    mod_name = module_name_of_path(full)
+    try:
+        return importlib.import_module(mod_name)
+    except Exception as err:
+        sys.modules.pop(mod_name, None)
+        notes = "".join(f"\n{n}" for n in getattr(err, "__notes__", ()))
+        raise TargetError(f"importing {path!r} failed: {type(err).__name__}: {err}{notes}") from err
+
+
+def _import_module_part(module_part: str) -> ModuleType:
+    if is_target_path(module_part):
+        return import_target_file(module_part)
+    try:
+        with _import_noise():
+            return importlib.import_module(module_part)
+    except ImportError as err:
+        library = _library_of(module_part)
+        if library is not None and not _installed(module_part.split(".")[0]):
+            raise LibraryMissing(library, err) from err
+        raise TargetError(f"cannot import module {module_part!r}: {err}") from err
+    except Exception as err:
+        raise TargetError(f"importing module {module_part!r} failed: {type(err).__name__}: {err}") from err
+
+
+def import_target_module(module_part: str) -> ModuleType:
+    """Import the module part of a TARGET (``package.module`` or ``path/to/file.py``), once per file:
+    the families of :mod:`tpsim.props.family` resolve targets through it, so a file is imported once."""
+    return _import_module_part(module_part)
+
+
+def _library_of(module_part: str) -> Any:
+    """The preset whose library ``module_part`` belongs to (same top-level package), or None."""
+    root = module_part.split(".")[0]
+    return next((p for p in presets() if any(t.split(".")[0] == root for t in p.targets)), None)
+
+
+def _installed(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        return False

@@ -34,23 +34,22 @@ isolated worker) can resolve the same variant again by name with :func:`resolve_
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.util
-import io
-import os
-import sys
 import threading
-import warnings
-from collections.abc import Iterator, Mapping
-from types import ModuleType
+from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
 
-from tpsim._target_files import install_finder, module_name_of_path
+from tpsim._target_files import (
+    TargetError,
+    import_target_file,
+    import_target_module,
+    is_target_path,
+    module_name_of_path,
+)
 from tpsim.errors import InvalidArgument
-from tpsim.presets import LibraryMissing, presets
 
 __all__ = [
     "DECLARED_IN",
@@ -67,80 +66,6 @@ _OPTION_NAMES = ("convention", "kind", "input", "output", "input_grad", "packed"
 DECLARED_IN = {"tpsim.layers": "tpsim.builtin_variants"}
 _lock = threading.Lock()
 _cache: dict[tuple[str, tuple[tuple[str, Any], ...]], list[Any]] = {}
-
-
-class TargetError(InvalidArgument):
-    """A TARGET string cannot be imported or does not name something checkable."""
-
-
-@contextlib.contextmanager
-def _import_noise() -> Iterator[list[str]]:
-    """Capture what importing a target prints and warns (libraries warn about optional accelerators
-    they did not find, and every gloo worker imports the target again): hidden when the import
-    works; the caller quotes it when it fails."""
-    printed = io.StringIO()
-    noise: list[str] = []
-    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(printed):
-        warnings.simplefilter("always")
-        try:
-            yield noise
-        finally:
-            noise.extend([printed.getvalue()] + [f"{w.category.__name__}: {w.message}\n" for w in caught])
-
-
-def _is_path(spec: str) -> bool:
-    return spec.endswith(".py") or os.sep in spec or "/" in spec
-
-
-def _import_path(path: str) -> ModuleType:
-    full = os.path.abspath(path)
-    if not os.path.isfile(full):
-        raise TargetError(f"target file {path!r} does not exist")
-    # Imported by its name, through the finder of tpsim._target_files (installed the first time a
-    # target file is imported, here or in a worker process): the same name imports the same file in a
-    # worker process (and importing it twice reuses the module).
-    install_finder()
-    mod_name = module_name_of_path(full)
-    try:
-        return importlib.import_module(mod_name)
-    except Exception as err:
-        sys.modules.pop(mod_name, None)
-        notes = "".join(f"\n{n}" for n in getattr(err, "__notes__", ()))
-        raise TargetError(f"importing {path!r} failed: {type(err).__name__}: {err}{notes}") from err
-
-
-def _import(module_part: str) -> ModuleType:
-    if _is_path(module_part):
-        return _import_path(module_part)
-    try:
-        with _import_noise():
-            return importlib.import_module(module_part)
-    except ImportError as err:
-        library = _library_of(module_part)
-        if library is not None and not _installed(module_part.split(".")[0]):
-            raise LibraryMissing(library, err) from err
-        raise TargetError(f"cannot import module {module_part!r}: {err}") from err
-    except Exception as err:
-        raise TargetError(f"importing module {module_part!r} failed: {type(err).__name__}: {err}") from err
-
-
-def import_target_module(module_part: str) -> ModuleType:
-    """Import the module part of a TARGET (``package.module`` or ``path/to/file.py``), once per file:
-    the families of :mod:`tpsim.props.family` resolve targets through it, so a file is imported once."""
-    return _import(module_part)
-
-
-def _library_of(module_part: str) -> Any:
-    """The preset whose library ``module_part`` belongs to (same top-level package), or None."""
-    root = module_part.split(".")[0]
-    return next((p for p in presets() if any(t.split(".")[0] == root for t in p.targets)), None)
-
-
-def _installed(package: str) -> bool:
-    try:
-        return importlib.util.find_spec(package) is not None
-    except (ImportError, ValueError):
-        return False
 
 
 def _with_module_hint(err: InvalidArgument, obj: Any, options: Mapping[str, Any]) -> InvalidArgument:
@@ -166,7 +91,7 @@ def _resolve_uncached(target: str, options: Mapping[str, Any]) -> list[Any]:
     module_part, _, attr = target.partition(":")
     redirect = DECLARED_IN.get(module_part)
     if redirect is not None or not attr:
-        module = _import(redirect or module_part)
+        module = import_target_module(redirect or module_part)
         if attr:
             # One declared variant by name: found whatever the adapter flags, then adapted by its family
             # (which refuses a flag it does not take).
@@ -187,7 +112,7 @@ def _resolve_uncached(target: str, options: Mapping[str, Any]) -> list[Any]:
                 "variant objects); name one with MODULE:Name"
             )
         return _finish(target, variants, options)
-    obj: Any = _import(module_part)
+    obj: Any = import_target_module(module_part)
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise TargetError(f"{module_part!r} has no attribute {attr!r}")
@@ -209,8 +134,8 @@ def _rank_local_modules(specs: Any) -> tuple[str, ...]:
     for spec in specs:
         if not isinstance(spec, str) or not spec.strip():
             raise TargetError(f"rank_local={spec!r}; expected a module name (pkg.module) or a target file path")
-        if _is_path(spec):
-            _import_path(spec)  # a file is rank-local under the name tpsim imports it by
+        if is_target_path(spec):
+            import_target_file(spec)  # a file is rank-local under the name tpsim imports it by
             out.append(module_name_of_path(spec))
             continue
         try:

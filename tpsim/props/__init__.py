@@ -4,7 +4,8 @@
 - :mod:`tpsim.props.strategies` — Hypothesis strategies generating cases for a variant;
 - :mod:`tpsim.props.tolerance` — the documented tolerance formula;
 - :mod:`tpsim.props.world` — one world run per case and the float64 dense reference;
-- :mod:`tpsim.props.checks` — the properties, one named function each, and :func:`check_case`;
+- :mod:`tpsim.props.checks` — the properties of a linear layer and their recognisers; the public
+  functions, one per property, and :func:`check_case` are the linear family's (:mod:`tpsim.props.linear`);
 - :mod:`tpsim.props.search` — :func:`search`: generate, check, shrink, diagnose (what ``tpsim check`` runs);
 - :mod:`tpsim.props.suite` — :func:`property_tests`: the suite as pytest tests in one line;
 - :mod:`tpsim.props.family` — the :class:`~tpsim.props.family.Family` base class: the engine the
@@ -17,9 +18,8 @@
 """
 
 from tpsim.props.case import SCHEMA_VERSION, Case, CaseFileError, load_case, save_case
-from tpsim.props.checks import (
-    PROPERTIES,
-    PropertyFailed,
+from tpsim.props.checks import PROPERTIES, PropertyFailed
+from tpsim.props.linear import (
     bias_grad_equivalence,
     check_case,
     divisibility,

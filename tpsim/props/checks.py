@@ -1,4 +1,5 @@
-"""The properties: claims checked on one case, each a named function usable from pytest.
+"""The properties of a linear layer: claims checked on one case (each a named function usable from
+pytest, in :mod:`tpsim.props.linear`, exported by :mod:`tpsim.props`), and their recognisers.
 
 Per-case properties (all fed by one world run, :meth:`tpsim.props.linear.LinearFamily.observe`):
 
@@ -21,7 +22,7 @@ Per-case properties (all fed by one world run, :meth:`tpsim.props.linear.LinearF
   silent truncation) and no rank is left failing in a collective.
 
 Each function raises :class:`PropertyFailed` (an ``AssertionError``, so pytest reports it as a
-test failure) carrying the :class:`~tpsim.diagnosis.Failure`. :func:`check_case` evaluates them
+test failure) carrying the :class:`~tpsim.diagnosis.Failure`. :func:`~tpsim.props.linear.check_case` evaluates them
 all from one run and returns the causes: a failure that follows from another (the registry's
 consequence rules) is listed in that one's ``consequences``.
 
@@ -35,7 +36,6 @@ grads equals the dense grad, and the replicas agree after that sum.
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -94,21 +94,12 @@ from tpsim.props.world import (
     non_divisible_sizes,
     reference,
 )
-from tpsim.runner import DEFAULT_TIMEOUT
 from tpsim.variant import LayoutError, Variant
 
 __all__ = [
     "PROPERTIES",
     "PropertyFailed",
-    "bias_grad_equivalence",
-    "check_case",
-    "divisibility",
     "evaluate",
-    "forward_equivalence",
-    "input_grad_equivalence",
-    "replica_consistency",
-    "training_equivalence",
-    "weight_grad_equivalence",
 ]
 
 
@@ -1071,76 +1062,3 @@ def _wrong_group(variant: Variant, obs: Observation, groups: list[list[int]]) ->
         if hit:
             found[INPUT_GRAD] = hit
     return found
-
-
-# --- public, one function per property -----------------------------------------------------------
-
-_CACHE: collections.OrderedDict[tuple[int, Case, str], tuple[Variant, Observation]] = collections.OrderedDict()
-_CACHE_SIZE = 8
-
-
-def _observation(variant: Variant, case: Case, backend: str, timeout: float) -> Observation:
-    # The property functions of one case share one world run (pytest calls them one by one).
-    key = (id(variant), case, backend)
-    hit = _CACHE.get(key)
-    if hit is not None and hit[0] is variant:
-        _CACHE.move_to_end(key)
-        return hit[1]
-    from tpsim.props.linear import LINEAR
-
-    obs = LINEAR.observe(variant, case, backend=backend, timeout=timeout)
-    _CACHE[key] = (variant, obs)
-    while len(_CACHE) > _CACHE_SIZE:
-        _CACHE.popitem(last=False)
-    return obs
-
-
-def check_case(
-    variant: Variant,
-    case: Case,
-    *,
-    backend: str = "inproc",
-    timeout: float = DEFAULT_TIMEOUT,
-    properties: Sequence[str] | None = None,
-    isolate: bool = False,
-) -> list[Failure]:
-    """Run ``case`` once and evaluate every property (or ``properties``); return the failures (the
-    linear family's :meth:`~tpsim.props.family.Family.check_case`: a failing case with a non-contiguous
-    ``input_layout`` is run again as its contiguous twin). ``isolate=True``: run inproc worlds in a
-    supervised worker process (see :func:`tpsim.run`)."""
-    from tpsim.props.linear import LINEAR
-
-    return LINEAR.check_case(variant, case, backend=backend, timeout=timeout, properties=properties, isolate=isolate)
-
-
-def _one(prop: str) -> Callable[..., None]:
-    def check(variant: Variant, case: Case, *, backend: str = "inproc", timeout: float = DEFAULT_TIMEOUT) -> None:
-        obs = _observation(variant, case, backend, timeout)
-        if prop == DIVISIBILITY and obs.divisible:
-            raise InvalidArgument(
-                f"divisibility needs a case whose sharded sizes do not divide by world_size={case.world_size}; "
-                f"got {case.describe()}"
-            )
-        from tpsim.props.linear import LINEAR
-
-        for failure in LINEAR.judge(variant, obs, (prop,)):
-            raise PropertyFailed(failure)
-
-    check.__name__ = prop.replace("-", "_")
-    return check
-
-
-forward_equivalence = _one(FORWARD)
-forward_equivalence.__doc__ = "The output (assembled by the output placement) equals the dense float64 output."
-input_grad_equivalence = _one(INPUT_GRAD)
-input_grad_equivalence.__doc__ = "Each rank's input grad matches the dense input grad (complete/partial/sharded)."
-weight_grad_equivalence = _one(WEIGHT_GRAD)
-weight_grad_equivalence.__doc__ = "Each rank's weight grad equals its slice of the dense weight grad (layout honoured)."
-bias_grad_equivalence = _one(BIAS_GRAD)
-bias_grad_equivalence.__doc__ = "Each rank's bias grad equals its slice (column) or the whole (row) dense bias grad."
-replica_consistency = _one(REPLICA)
-replica_consistency.__doc__ = "Replicated outputs, input grads and replicated parameters agree bit for bit across ranks."
-training_equivalence = _one(TRAINING)
-training_equivalence.__doc__ = f"After {TRAIN_STEPS} SGD steps the re-assembled parameters match dense training."
-divisibility = _one(DIVISIBILITY)
-divisibility.__doc__ = "A non-divisible case raises on every rank (no hang, no silent truncation)."

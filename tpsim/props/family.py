@@ -120,7 +120,7 @@ class Family:
             found = list(obj)
         else:
             return self.from_object(target, obj, options)
-        from tpsim.target import import_target_module
+        from tpsim._target_files import import_target_module
 
         module = import_target_module(target.partition(":")[0])
         return [self.own_module(self.adapt(v, options, target), module) for v in found]

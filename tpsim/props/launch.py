@@ -19,6 +19,7 @@ their packages watched for sharing between ranks (:func:`watched`).
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -68,14 +69,21 @@ def variant_of(payload: dict[str, Any]) -> Any:
         key = repr(ref)
         variant = _resolved.get(key)
         if variant is None:
-            from tpsim.target import resolve_variant
-
-            variant = _resolved[key] = resolve_variant(*ref)
+            variant = _resolved[key] = _resolver()(*ref)
     return variant
 
 
 #: Variants resolved in this (worker) process, by their reference's repr.
 _resolved: dict[str, Any] = {}
+#: The one target resolver (:func:`tpsim.target.resolve_variant`). It sits above every family, and
+#: the families launch their worlds through this module, so it is named here the way the built-in
+#: families are named in :mod:`tpsim.props.family`: looked up when a worker first needs it.
+_RESOLVER = "tpsim.target:resolve_variant"
+
+
+def _resolver() -> Callable[..., Any]:
+    module, _, name = _RESOLVER.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def for_ranks(variant: Any, payload: dict[str, Any], world_size: int, *, backend: str, isolate: bool) -> dict[str, Any]:

@@ -11,25 +11,49 @@ with a non-contiguous input layout is run again as its contiguous twin.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import collections
+from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
 from torch import nn
 
 from tpsim.conventions import variant_from_class
+from tpsim.diagnosis import Failure
 from tpsim.errors import InvalidArgument
 from tpsim.presets import preset_for_class, preset_for_target
 from tpsim.props.case import Case
-from tpsim.props.checks import evaluate
+from tpsim.props.checks import PropertyFailed, evaluate
 from tpsim.props.family import ADAPTER_OPTIONS, Family, World
 from tpsim.props.observation import Observation
-from tpsim.props.property_names import BIAS_GRAD, DIVISIBILITY, PROPERTIES
+from tpsim.props.property_names import (
+    BIAS_GRAD,
+    DIVISIBILITY,
+    FORWARD,
+    INPUT_GRAD,
+    PROPERTIES,
+    REPLICA,
+    TRAINING,
+    WEIGHT_GRAD,
+)
+from tpsim.props.rank import TRAIN_STEPS
 from tpsim.props.strategies import cases
 from tpsim.props.world import is_divisible, make_masters, rank_main
+from tpsim.runner import DEFAULT_TIMEOUT
 from tpsim.variant import KINDS, Variant
 
-__all__ = ["LINEAR", "LinearFamily"]
+__all__ = [
+    "LINEAR",
+    "LinearFamily",
+    "bias_grad_equivalence",
+    "check_case",
+    "divisibility",
+    "forward_equivalence",
+    "input_grad_equivalence",
+    "replica_consistency",
+    "training_equivalence",
+    "weight_grad_equivalence",
+]
 
 #: The options that override a declared variant's placements.
 _OVERRIDES = ("input", "output", "input_grad")
@@ -176,3 +200,70 @@ class LinearFamily(Family, name="linear", kinds=KINDS, variant_type=Variant, cas
 
 #: The linear family object (registered as ``"linear"`` in :mod:`tpsim.props.family`).
 LINEAR = LinearFamily()
+
+
+# --- public, one function per property -----------------------------------------------------------
+
+_CACHE: collections.OrderedDict[tuple[int, Case, str], tuple[Variant, Observation]] = collections.OrderedDict()
+_CACHE_SIZE = 8
+
+
+def _observation(variant: Variant, case: Case, backend: str, timeout: float) -> Observation:
+    # The property functions of one case share one world run (pytest calls them one by one).
+    key = (id(variant), case, backend)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0] is variant:
+        _CACHE.move_to_end(key)
+        return hit[1]
+    obs = LINEAR.observe(variant, case, backend=backend, timeout=timeout)
+    _CACHE[key] = (variant, obs)
+    while len(_CACHE) > _CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return obs
+
+
+def check_case(
+    variant: Variant,
+    case: Case,
+    *,
+    backend: str = "inproc",
+    timeout: float = DEFAULT_TIMEOUT,
+    properties: Sequence[str] | None = None,
+    isolate: bool = False,
+) -> list[Failure]:
+    """Run ``case`` once and evaluate every property (or ``properties``); return the failures (the
+    linear family's :meth:`~tpsim.props.family.Family.check_case`: a failing case with a non-contiguous
+    ``input_layout`` is run again as its contiguous twin). ``isolate=True``: run inproc worlds in a
+    supervised worker process (see :func:`tpsim.run`)."""
+    return LINEAR.check_case(variant, case, backend=backend, timeout=timeout, properties=properties, isolate=isolate)
+
+
+def _one(prop: str) -> Callable[..., None]:
+    def check(variant: Variant, case: Case, *, backend: str = "inproc", timeout: float = DEFAULT_TIMEOUT) -> None:
+        obs = _observation(variant, case, backend, timeout)
+        if prop == DIVISIBILITY and obs.divisible:
+            raise InvalidArgument(
+                f"divisibility needs a case whose sharded sizes do not divide by world_size={case.world_size}; "
+                f"got {case.describe()}"
+            )
+        for failure in LINEAR.judge(variant, obs, (prop,)):
+            raise PropertyFailed(failure)
+
+    check.__name__ = prop.replace("-", "_")
+    return check
+
+
+forward_equivalence = _one(FORWARD)
+forward_equivalence.__doc__ = "The output (assembled by the output placement) equals the dense float64 output."
+input_grad_equivalence = _one(INPUT_GRAD)
+input_grad_equivalence.__doc__ = "Each rank's input grad matches the dense input grad (complete/partial/sharded)."
+weight_grad_equivalence = _one(WEIGHT_GRAD)
+weight_grad_equivalence.__doc__ = "Each rank's weight grad equals its slice of the dense weight grad (layout honoured)."
+bias_grad_equivalence = _one(BIAS_GRAD)
+bias_grad_equivalence.__doc__ = "Each rank's bias grad equals its slice (column) or the whole (row) dense bias grad."
+replica_consistency = _one(REPLICA)
+replica_consistency.__doc__ = "Replicated outputs, input grads and replicated parameters agree bit for bit across ranks."
+training_equivalence = _one(TRAINING)
+training_equivalence.__doc__ = f"After {TRAIN_STEPS} SGD steps the re-assembled parameters match dense training."
+divisibility = _one(DIVISIBILITY)
+divisibility.__doc__ = "A non-divisible case raises on every rank (no hang, no silent truncation)."

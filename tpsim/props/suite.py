@@ -78,7 +78,7 @@ def reproduction(failure: Any) -> str:
     family = getattr(failure.case, "family", "linear")
     if family == "linear":
         return (
-            "import json; from tpsim.props.case import Case; from tpsim.props.checks import check_case\n"
+            "import json; from tpsim.props.case import Case; from tpsim.props.linear import check_case\n"
             f"check_case(VARIANT, Case.from_dict(json.loads({case})))  # VARIANT: your variant"
         )
     return (

@@ -911,15 +911,14 @@ def _layout_hint(layouts: dict[str, ParamLayout], suspects: Sequence[str]) -> st
             f"ModuleVariant(params=(ParamSpec({name!r}, 'weight', Shard({dim}, parts=(1, 1))), ...))")
 
 
-def localise(variant: ModuleVariant, case: ModuleCase, obs: Observation, failures: list[Failure], *, backend: str,
-             timeout: float, isolate: bool) -> list[Failure]:
+def localise(variant: ModuleVariant, case: ModuleCase, obs: Observation, failures: list[Failure],
+             traced_run: Callable[[], Observation]) -> list[Failure]:
     """Name the sublayer of every value failure of ``case``: the case is run again with every sublayer's
-    boundaries recorded (the module docstring's "where a failure comes from")."""
-    from tpsim.props.module.family import MODULE
-
+    boundaries recorded (``traced_run``, the family's observation with capture on; the module
+    docstring's "where a failure comes from")."""
     value_failures = [f for f in failures if f.property in _VALUE_PROPERTIES or f.property == REPLICA]
     if value_failures and obs.values is not None and all(f.diagnosis != EXCEPTION for f in failures):
-        traced = MODULE.observe(variant, case, backend=backend, timeout=timeout, capture=True, isolate=isolate)
+        traced = traced_run()
         if traced.values is not None and traced.data is not None:
             g = value_failures[0].details.get("group", 0)
             ranks = tp_groups(case.world_size, case.tp_size or case.world_size, case.tp_layout)[g]

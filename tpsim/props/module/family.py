@@ -62,7 +62,7 @@ class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=Mod
     def from_object(self, target: str, obj: Any, options: Mapping[str, Any]) -> list[Any] | None:
         if not (options.get("kind") == MODULE_KIND and isinstance(obj, type) and issubclass(obj, nn.Module)):
             return None
-        from tpsim.target import import_target_module
+        from tpsim._target_files import import_target_module
 
         module = import_target_module(target.partition(":")[0])
         return [self.own_module(self.adapt(module_from_class(obj), options, target), module)]
@@ -117,7 +117,10 @@ class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=Mod
 
     def follow_up(self, variant: ModuleVariant, case: ModuleCase, obs: Observation, failures: list[Any], *,
                   backend: str, timeout: float, isolate: bool, properties: Sequence[str] | None) -> list[Any]:
-        return localise(variant, case, obs, failures, backend=backend, timeout=timeout, isolate=isolate)
+        def traced() -> Observation:
+            return self.observe(variant, case, backend=backend, timeout=timeout, capture=True, isolate=isolate)
+
+        return localise(variant, case, obs, failures, traced)
 
 
 #: The module family object (registered as ``"module"`` in :mod:`tpsim.props.family`).

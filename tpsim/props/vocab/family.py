@@ -73,7 +73,7 @@ class _VocabFamily(Family):
             return [self.adapt(v, options, target) for v in library.variants(obj, kind)]
         if options.get("kind") not in self.kinds:
             return None
-        from tpsim.target import import_target_module
+        from tpsim._target_files import import_target_module
 
         module = import_target_module(target.partition(":")[0])
         return [self.own_module(self.adapt(self._from_kind(obj), options, target), module)]
