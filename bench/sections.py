@@ -789,8 +789,8 @@ def scale(cfg: Config) -> dict[str, Any]:
                 break
             out[family].append(row)
     return {"families": out, "skipped": skipped, "rounds": cfg.scale_rounds, "tokens": list(SCALE_TOKENS),
-            "ce_tokens": list(SCALE_CE_TOKENS), "embedding_dim": SCALE_EMBEDDING_DIM, "goal": 4.0,
-            "load": _load_now()}
+            "ce_tokens": list(SCALE_TOKENS if quick else SCALE_CE_TOKENS),
+            "embedding_dim": 16 if quick else SCALE_EMBEDDING_DIM, "load": _load_now()}
 
 
 def _load_now() -> float:
