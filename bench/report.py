@@ -206,6 +206,12 @@ def markdown(result: dict[str, Any], images: dict[str, str]) -> str:
     if load:
         out[-1:] = [f"Load average (1 min) at the start of the run: {load['start']:.1f}, at the end: "
                     f"{load['end']:.1f} (on {m['cores']} cores).", ""]
+    reruns = result.get("reruns") or {}
+    if reruns:
+        again = "; ".join(f"{name} on {r['date']} (load average {r['load']['start']:.1f} at its start, "
+                          f"{r['load']['end']:.1f} at its end)" for name, r in reruns.items())
+        out[-1:] = [f"Sections re-run on their own later (`python -m bench --only ...`), their ratios again side "
+                    f"by side within them: {again}.", ""]
     wait = waits(result)
     if wait:
         out += ["## What you wait for", "", wait, ""]
@@ -460,6 +466,7 @@ def _scale_plot(plt: Any, sc: dict[str, Any], who: str, out_dir: str, prefix: st
                         ha="center", fontsize=8)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        ax.margins(y=0.15)  # room for the ratio labels above the top point
         ax.set_xlabel("hidden size" if family == "mlp" else "vocabulary size")
         ax.set_title(SCALE_LABELS.get(family, family), fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
