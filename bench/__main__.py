@@ -50,11 +50,13 @@ def main(argv: list[str] | None = None) -> int:
             result = json.load(fh)
         if result.get("quick") != args.quick:
             result = {}  # never mix a quick run's sections into a full one
-    result.update({
-        "quick": args.quick,
-        "machine": report.machine(),
-        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
-    })
+    # Sections kept from an earlier run keep its date and load; the sections re-run are listed with theirs.
+    kept = bool(args.only and result)
+    now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    result.update({"quick": args.quick, "machine": report.machine()})
+    if not kept:
+        result["date"] = now
+        result.pop("reruns", None)
     for name, fn in sections.SECTIONS.items():
         if args.only and name not in args.only:
             continue
@@ -63,7 +65,11 @@ def main(argv: list[str] | None = None) -> int:
         result[name] = fn(cfg)
         print(f"[bench] {name} done in {time.perf_counter() - t0:.1f} s", flush=True)
     result["total_s"] = result.get("total_s", 0.0) * bool(args.only) + time.perf_counter() - started
-    result["load"] = {"start": load_start, "end": _load()}
+    if kept:
+        for name in args.only:
+            result.setdefault("reruns", {})[name] = {"date": now, "load": {"start": load_start, "end": _load()}}
+    else:
+        result["load"] = {"start": load_start, "end": _load()}
     result["headline"] = report.headline(result)
     with open(os.path.join(args.out, "bench.json"), "w", encoding="utf-8") as fh:
         json.dump(result, fh, indent=1, default=str)

@@ -127,8 +127,16 @@ def waits(result: dict[str, Any]) -> str:
 #: The goals the checks section is judged against (on a quiet 2-core machine).
 GOALS = {
     "gloo_ws4_s": 5.0, "gloo_ws4_over_inproc": 4.0, "gloo_default_s": 12.0, "gloo_megatron_s": 30.0,
-    "isolation_slower": 0.10, "overhead_us": 10.0,
+    "isolation_slower": 0.10, "overhead_us": 10.0, "scale_ratio": 4.0,
 }
+#: The scale section's families with a goal: the largest size measured against its dense twin.
+SCALE_TARGETS = {"mlp": "lab-note MLP check / dense forward+backward",
+                 "embedding": "embedding check / dense forward+backward",
+                 "cross-entropy": "cross-entropy check / dense forward+backward"}
+
+
+def _scale_size(family: str, size: int) -> str:
+    return f"hidden {size}" if family == "mlp" else f"vocab {size}"
 
 
 def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -165,6 +173,14 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     add("isolated inproc vs plain, per example (props section)", f"<= {GOALS['isolation_slower'] * 100:.0f}% slower",
         slower, "—" if slower is None else f"{abs(slower) * 100:.1f}% {'slower' if slower >= 0 else 'faster'}",
         None if slower is None else slower <= GOALS["isolation_slower"])
+    for family, label in SCALE_TARGETS.items():
+        rows = ((result.get("scale") or {}).get("families") or {}).get(family) or []
+        top = max(rows, key=lambda r: r["size"]) if rows else None
+        ratio = None if top is None else top["ratio"]
+        what = label if top is None else f"{label} ({_scale_size(family, top['size'])})"
+        add(what, f"<= {GOALS['scale_ratio']:g}x", ratio,
+            "—" if top is None else f"{ratio:.1f}x (CPU time: {top['cpu_ratio']:.1f}x)",
+            None if ratio is None else ratio <= GOALS["scale_ratio"])
     ovh = (result.get("checks") or {}).get("overhead") or {}
     us = ovh.get("wall_us")
     add(f"inproc per-collective overhead per rank, world size {ovh.get('world_size', '?')}, tiny tensors",
@@ -190,6 +206,12 @@ def markdown(result: dict[str, Any], images: dict[str, str]) -> str:
     if load:
         out[-1:] = [f"Load average (1 min) at the start of the run: {load['start']:.1f}, at the end: "
                     f"{load['end']:.1f} (on {m['cores']} cores).", ""]
+    reruns = result.get("reruns") or {}
+    if reruns:
+        again = "; ".join(f"{name} on {r['date']} (load average {r['load']['start']:.1f} at its start, "
+                          f"{r['load']['end']:.1f} at its end)" for name, r in reruns.items())
+        out[-1:] = [f"Sections re-run on their own later (`python -m bench --only ...`), their ratios again side "
+                    f"by side within them: {again}.", ""]
     wait = waits(result)
     if wait:
         out += ["## What you wait for", "", wait, ""]
@@ -340,6 +362,7 @@ def markdown(result: dict[str, Any], images: dict[str, str]) -> str:
             out.append(f"| {r['config']} | {_s(r['dense_fwd_bwd_s'])} | {_s(r['world_fwd_bwd_s'])} | {_s(r['check_s'])} | "
                        f"{_ratio(r['check_s'], r['dense_fwd_bwd_s'])} | {'yes' if r['equal'] else 'NO'} |")
         out.append("")
+    out += scale_markdown(result, images)
     flt = result.get("faults")
     if flt:
         out += ["## Fault detection latency", ""]
@@ -382,6 +405,81 @@ def markdown(result: dict[str, Any], images: dict[str, str]) -> str:
     return "\n".join(out)
 
 
+#: How the scale section's families are described in its table and plot.
+SCALE_LABELS = {"mlp": "SwiGLU MLP (tp 2)", "embedding": "vocab-parallel embedding (tp 2)",
+                "cross-entropy": "vocab-parallel cross-entropy (tp 2)"}
+
+
+def scale_markdown(result: dict[str, Any], images: dict[str, str]) -> list[str]:
+    """The scale section: each family's whole check against its dense twin, by size."""
+    sc = result.get("scale")
+    if not sc or not sc.get("families"):
+        return []
+    out = ["## Scale: a whole check vs the dense forward+backward", "",
+           f"One case per size, checked whole by the family's `check_case` on inproc (not isolated): the "
+           "float64 reference, the tp world (2 ranks, float32), every property. *dense fwd+bwd*: the same layer "
+           "dense (float32, the same shapes) doing one forward+backward, measured in the same process right "
+           f"before each check; {sc['rounds']} round{'s' if sc['rounds'] != 1 else ''} per size, each in a fresh "
+           "process, the fastest of each kept. *CPU*: the same ratio in this process's CPU time (every thread), "
+           "less disturbed by other jobs on the machine. The module check trains "
+           f"{_train_steps()} SGD steps and runs each of them three times (float64 reference, magnitude run, tp "
+           "world): a floor of several dense forward+backwards before anything is compared. MLP: ffn = hidden x "
+           f"11008/4096 (the lab note's proportion), tokens {sc['tokens']}; embedding: width "
+           f"{sc['embedding_dim']}, tokens {sc['tokens']}; cross-entropy: logits of {sc['ce_tokens']} tokens. "
+           f"Absolute seconds are from a shared, loaded machine (load average {sc['load']:.1f} at the end of the "
+           "section, 2 cores): only the ratios, taken side by side, compare.", "",
+           "| layer | size | dense fwd+bwd s | check s | check / dense | CPU: check / dense | passed |",
+           "|---|---|---:|---:|---:|---:|:-:|"]
+    for family, rows in sc["families"].items():
+        for r in rows:
+            out.append(f"| {SCALE_LABELS.get(family, family)} | {_scale_size(family, r['size'])} | {_s(r['dense_s'])} | "
+                       f"{_s(r['check_s'])} | {r['ratio']:.1f}x | {r['cpu_ratio']:.1f}x | "
+                       f"{'yes' if r['passed'] else 'NO'} |")
+    for family, why in (sc.get("skipped") or {}).items():
+        out.append(f"\n{SCALE_LABELS.get(family, family)}: {why}.")
+    if "scale" in images:
+        out += ["", f"![check time against size]({images['scale']})"]
+    return out + [""]
+
+
+def _train_steps() -> int:
+    try:
+        from tpsim.props.rank import TRAIN_STEPS
+    except ImportError:
+        return 3
+    return TRAIN_STEPS
+
+
+def _scale_plot(plt: Any, sc: dict[str, Any], who: str, out_dir: str, prefix: str) -> str | None:
+    """Check time and dense forward+backward time against size, one panel per family, log-log, each
+    check point labelled with its ratio."""
+    families = [(f, rows) for f, rows in sc["families"].items() if rows]
+    if not families:
+        return None
+    fig, axes = plt.subplots(1, len(families), figsize=(4.2 * len(families), 4.2), squeeze=False)
+    for ax, (family, rows) in zip(axes[0], families, strict=True):
+        xs = [r["size"] for r in rows]
+        ax.plot(xs, [r["check_s"] for r in rows], marker="s", label="whole check", color=BACKEND_COLOURS["inproc"])
+        ax.plot(xs, [r["dense_s"] for r in rows], marker="o", label="dense fwd+bwd", color="#555555")
+        for r in rows:
+            ax.annotate(f"{r['ratio']:.1f}x", (r["size"], r["check_s"]), textcoords="offset points", xytext=(0, 6),
+                        ha="center", fontsize=8)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.margins(y=0.15)  # room for the ratio labels above the top point
+        ax.set_xlabel("hidden size" if family == "mlp" else "vocabulary size")
+        ax.set_title(SCALE_LABELS.get(family, family), fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("seconds (fastest round)")
+    axes[0][0].legend(fontsize=8)
+    fig.text(0.01, 0.01, f"{who}; shared machine: ratios, not seconds, compare", fontsize=7, alpha=0.8)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    name = f"{prefix}_scale.png"
+    fig.savefig(os.path.join(out_dir, name), dpi=110)
+    plt.close(fig)
+    return name
+
+
 def plots(result: dict[str, Any], out_dir: str, prefix: str) -> dict[str, str]:
     """PNG figures (matplotlib, Agg); returns {name: file name relative to out_dir}."""
     import matplotlib
@@ -412,6 +510,11 @@ def plots(result: dict[str, Any], out_dir: str, prefix: str) -> dict[str, str]:
         fig.savefig(os.path.join(out_dir, name), dpi=110)
         plt.close(fig)
         made["step"] = name
+    sc = result.get("scale")
+    if sc and sc.get("families"):
+        name = _scale_plot(plt, sc, who, out_dir, prefix)
+        if name:
+            made["scale"] = name
     props, dt = result.get("props"), result.get("dtensor")
     if props or dt:
         bars = props_bars(result)

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +57,11 @@ class Config:
     memory_world_sizes: tuple[int, ...] = (2, 8)
     #: backends of the props and dtensor sections
     backends: tuple[str, ...] = ("inproc", "gloo")
+    #: the scale section: MLP hidden sizes (ffn in the lab note's proportion), vocabulary sizes of the
+    #: embedding and cross-entropy cases, and side-by-side rounds per size
+    scale_hidden: tuple[int, ...] = (512, 1024, 2048, 4096)
+    scale_vocab: tuple[int, ...] = (4096, 8192, 16384, 32000)
+    scale_rounds: int = 2
     headline: tuple[int, ...] = (8, 32, 128)
     notes: list[str] = field(default_factory=list)
 
@@ -107,6 +113,9 @@ QUICK = Config(
     memory_world_sizes=(2,),
     backends=("inproc",),
     headline=(2,),
+    scale_hidden=(64,),
+    scale_vocab=(256,),
+    scale_rounds=1,
 )
 
 
@@ -668,5 +677,128 @@ def overhead_worker(ws: int, calls: int, repeats: int) -> dict[str, Any]:
             "wall_us_samples": wall, "cpu_us_samples": cpu}
 
 
+# --- 9. scale: a whole check vs the dense twin's forward+backward, by size ----------------------------
+
+#: The lab note's MLP proportion: ffn = hidden * 11008 / 4096 (rounded to an even size: tp 2 divides it).
+LAB_FFN_PER_HIDDEN = 11008 / 4096
+#: Every scale case: tp 2, float32, seed 0. Tokens of the MLP and embedding cases, and of the
+#: cross-entropy's logits (a realistic batch of rows over the vocabulary); the embedding's width.
+SCALE_TOKENS = (2, 8)
+SCALE_CE_TOKENS = (2, 256)
+SCALE_EMBEDDING_DIM = 4096
+#: The families measured: label -> what the size is.
+SCALE_FAMILIES = {"mlp": "hidden", "embedding": "vocab", "cross-entropy": "vocab"}
+
+
+def _scale_case(family: str, size: int, quick: bool) -> tuple[Any, Any, Any, Callable[[], None]]:
+    """``(family object, variant, case, dense)`` for one scale measurement; ``dense()`` runs the dense
+    twin's forward+backward once (float32, the case's shapes, warm parameters)."""
+    import torch
+    import torch.nn.functional as F
+
+    from tpsim import builtin_variants as bv
+
+    torch.manual_seed(0)
+    if family == "mlp":
+        from tpsim.layers import DenseMLP
+        from tpsim.props.module.case import ModuleCase
+        from tpsim.props.module.family import MODULE
+
+        ffn = 2 * round(size * LAB_FFN_PER_HIDDEN / 2)
+        case = ModuleCase(world_size=2, sizes=(size, ffn), batch_shape=SCALE_TOKENS, dtype="float32", seed=0)
+        mlp = DenseMLP(size, ffn, activation="swiglu", bias=True, dtype=torch.float32)
+        x, g = torch.randn(*SCALE_TOKENS, size), torch.randn(*SCALE_TOKENS, size)
+
+        def dense() -> None:
+            mlp.zero_grad(set_to_none=True)
+            mlp(x.clone().requires_grad_(True)).backward(g)
+
+        # initialise=False: the harness loads every parameter (as tests/test_modules_labscale.py does)
+        return MODULE, bv.mlp_variant("swiglu", initialise=False), case, dense
+    from tpsim.props.vocab.case import CrossEntropyCase, EmbeddingCase
+    from tpsim.props.vocab.family import CROSS_ENTROPY, EMBEDDING
+
+    if family == "embedding":
+        dim = 16 if quick else SCALE_EMBEDDING_DIM
+        emb = torch.nn.Embedding(size, dim)
+        ids, g = torch.randint(0, size, SCALE_TOKENS), torch.randn(*SCALE_TOKENS, dim)
+
+        def dense() -> None:
+            emb.zero_grad(set_to_none=True)
+            emb(ids).backward(g)
+
+        case = EmbeddingCase(world_size=2, vocab_size=size, embedding_dim=dim, batch_shape=SCALE_TOKENS,
+                             dtype="float32", seed=0)
+        return EMBEDDING, bv.vocab_embedding, case, dense
+    tokens = SCALE_TOKENS if quick else SCALE_CE_TOKENS
+    logits, target, g = torch.randn(*tokens, size), torch.randint(0, size, tokens), torch.rand(tokens)
+
+    def dense() -> None:
+        leaf = logits.clone().requires_grad_(True)
+        F.cross_entropy(leaf.reshape(-1, size), target.reshape(-1), reduction="none").reshape(tokens).backward(g)
+
+    case = CrossEntropyCase(world_size=2, vocab_size=size, batch_shape=tokens, dtype="float32", seed=0)
+    return CROSS_ENTROPY, bv.vocab_cross_entropy, case, dense
+
+
+def scale_worker(family: str, size: int, rounds: int, quick: bool = False) -> dict[str, Any]:
+    """In a fresh process: the family's whole check of one case (``check_case`` on inproc, not isolated:
+    the reference run, the world, every property) and its dense twin's forward+backward, side by side:
+    ``rounds`` rounds of (dense twice, check once), after one small warm-up check (imports, first
+    use of the rules). Wall time and this process's CPU time (every thread); the fastest of each kept."""
+    import torch
+
+    fam, variant, case, dense = _scale_case(family, size, quick)
+    small = {"mlp": (16, 44), "embedding": 32, "cross-entropy": 32}[family]
+    warm = _scale_case(family, small[0] if isinstance(small, tuple) else small, True)
+    warm[0].check_case(warm[1], warm[2], timeout=600)
+    rows = []
+    for _ in range(rounds):
+        d_wall, d_cpu = [], []
+        for _ in range(2):  # the first call of a round pays for fresh grad buffers, as a training step does
+            w0, c0 = time.perf_counter(), time.process_time()
+            dense()
+            d_wall.append(time.perf_counter() - w0)
+            d_cpu.append(time.process_time() - c0)
+        w0, c0 = time.perf_counter(), time.process_time()
+        failures = fam.check_case(variant, case, timeout=900)
+        rows.append({"dense_s": min(d_wall), "dense_cpu_s": min(d_cpu), "check_s": time.perf_counter() - w0,
+                     "check_cpu_s": time.process_time() - c0, "failures": len(failures)})
+    best = {k: min(r[k] for r in rows) for k in ("dense_s", "dense_cpu_s", "check_s", "check_cpu_s")}
+    return {"family": family, "size": size, "case": case.describe(), "variant": variant.name,
+            "threads": torch.get_num_threads(), "rounds": rows, **best,
+            "ratio": best["check_s"] / best["dense_s"], "cpu_ratio": best["check_cpu_s"] / best["dense_cpu_s"],
+            "round_ratios": [r["check_s"] / r["dense_s"] for r in rows],
+            "passed": all(r["failures"] == 0 for r in rows)}
+
+
+def scale(cfg: Config) -> dict[str, Any]:
+    """Each family's whole check against its dense twin's forward+backward at several sizes, each size
+    in a fresh process (:func:`scale_worker`); a size past its time limit skips the larger ones."""
+    quick = cfg is QUICK
+    out: dict[str, list[dict[str, Any]]] = {}
+    skipped: dict[str, str] = {}
+    for family, what in SCALE_FAMILIES.items():
+        sizes = cfg.scale_hidden if what == "hidden" else cfg.scale_vocab
+        out[family] = []
+        for size in sizes:
+            row = subprocess_json(["bench.scale", family, str(size), str(cfg.scale_rounds)] + (["quick"] if quick else []),
+                                  300.0 * cfg.scale_rounds + 120.0)
+            if row is None:
+                skipped[family] = f"{what} {size} ran past its time limit; larger sizes skipped"
+                break
+            out[family].append(row)
+    return {"families": out, "skipped": skipped, "rounds": cfg.scale_rounds, "tokens": list(SCALE_TOKENS),
+            "ce_tokens": list(SCALE_TOKENS if quick else SCALE_CE_TOKENS),
+            "embedding_dim": 16 if quick else SCALE_EMBEDDING_DIM, "load": _load_now()}
+
+
+def _load_now() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return -1.0
+
+
 SECTIONS = {"step": step, "props": props, "mutants": mutants, "labmlp": labmlp, "faults": faults,
-            "memory": memory, "dtensor": dtensor, "checks": checks}
+            "memory": memory, "dtensor": dtensor, "checks": checks, "scale": scale}

@@ -28,6 +28,7 @@ SECTION_TITLES = (
     "## Fault detection latency",
     "## Peak memory",
     "## DTensor path",
+    "## Scale: a whole check vs the dense forward+backward",
 )
 
 
@@ -46,8 +47,8 @@ def quick_run(tmp_path_factory):
 @pytest.mark.gloo
 def test_quick_run_writes_every_output(quick_run):
     out, stdout = quick_run
-    assert sorted(os.listdir(out)) == ["bench.json", "bench.md", "bench_props.png", "bench_step.png"]
-    for name in ("bench_props.png", "bench_step.png"):
+    assert sorted(os.listdir(out)) == ["bench.json", "bench.md", "bench_props.png", "bench_scale.png", "bench_step.png"]
+    for name in ("bench_props.png", "bench_scale.png", "bench_step.png"):
         with open(out / name, "rb") as fh:
             assert fh.read(8) == PNG_MAGIC, name
     assert "[bench] wrote" in stdout and "inproc/floor=" in stdout
@@ -113,6 +114,10 @@ def test_quick_json_is_well_formed(quick_run):
     overhead = checks["overhead"]
     assert overhead["world_size"] == 4 and len(overhead["wall_us_samples"]) == overhead["repeats"]
     assert overhead["wall_us"] == min(overhead["wall_us_samples"])
+    scale = result["scale"]["families"]
+    assert set(scale) == {"mlp", "embedding", "cross-entropy"}
+    for rows in scale.values():
+        assert rows and all(r["passed"] for r in rows)
 
 
 def test_quick_markdown_says_what_a_user_waits_for(quick_run):
@@ -270,3 +275,29 @@ def test_readme_quotes_the_current_benchmark():
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as fh:
         readme = fh.read()
     assert report.update_readme(readme, md) == readme
+
+
+@pytest.mark.parametrize("family", ["mlp", "embedding", "cross-entropy"])
+def test_scale_worker_measures_a_passing_check_beside_its_dense_twin(family):
+    from bench import sections
+
+    row = sections.scale_worker(family, 64, 1, quick=True)
+    assert row["passed"] is True and row["family"] == family and row["size"] == 64
+    [only] = row["rounds"]
+    assert only["failures"] == 0 and row["check_s"] == only["check_s"] and row["dense_s"] == only["dense_s"]
+    assert row["ratio"] == row["check_s"] / row["dense_s"] and row["cpu_ratio"] > 0
+    if family == "mlp":
+        assert "sizes=[64, 172]" in row["case"]  # ffn in the lab note's proportion (11008 / 4096)
+
+
+def test_scale_table_has_a_row_per_size_and_a_goal_per_family():
+    rows = {f: [{"size": s, "dense_s": 0.5, "check_s": 1.5 * s / 512, "ratio": 3.0 * s / 512, "cpu_ratio": 2.0,
+                 "passed": True} for s in (512, 1024)] for f in ("mlp", "embedding", "cross-entropy")}
+    result = {"scale": {"families": rows, "skipped": {}, "rounds": 2, "tokens": [2, 8], "ce_tokens": [2, 256],
+                        "embedding_dim": 4096, "load": 3.0}}
+    text = "\n".join(report.scale_markdown(result, {"scale": "bench_scale.png"}))
+    assert "| SwiGLU MLP (tp 2) | hidden 1024 | 0.5 | 3 | 6.0x | 2.0x | yes |" in text
+    assert text.count("| vocab-parallel") == 4 and "![check time against size](bench_scale.png)" in text
+    goals = {t["target"]: t for t in report.targets(result)}
+    mlp = goals["lab-note MLP check / dense forward+backward (hidden 1024)"]
+    assert mlp["measured"] == 6.0 and mlp["met"] is False and mlp["goal"] == "<= 4x"

@@ -126,7 +126,8 @@ def reference_main(payload: dict[str, Any]) -> Reference:
     def draw(shape: tuple[int, ...], scale: float = 1.0) -> torch.Tensor:
         # float32 normal draws (half the work of float64 at the lab note's size), in the case's
         # dtype: the ranks and the reference get exactly these numbers.
-        return (torch.randn(*shape, generator=gen, dtype=torch.float32) * scale).to(dtype)
+        # Scaled in place: the same values without a second full-size temporary.
+        return torch.randn(*shape, generator=gen, dtype=torch.float32).mul_(scale).to(dtype)
 
     masters = {n: draw(tuple(p.shape), _scale(tuple(p.shape))) for n, p in dense.named_parameters()}
     # Upstream grads small enough that an SGD step moves every weight by about a tenth of its

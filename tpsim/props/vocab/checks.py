@@ -35,6 +35,7 @@ With hidden states the logits are themselves a product of length ``H`` in the dt
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
@@ -149,12 +150,13 @@ def evaluate_embedding(variant: EmbeddingVariant, obs: Observation, properties: 
         return [run_failure(variant.name, case, obs.error, backward=WEIGHT_GRAD)]
     values = obs.values or []
     failures: list[Failure] = []
-    table = obs.data.table.to(_F64)
     for g, group in enumerate(groups_of(case)):
         ids, upstream = obs.data.ids[g], obs.data.grads[g].to(_F64)
-        ref = F.embedding(ids, table)
+        # A lookup copies rows: widening the rows looked up equals looking up in the widened table
+        # (which, at a realistic vocabulary, is a [V, D] float64 copy).
+        ref = F.embedding(ids, obs.data.table).to(_F64)
         sizes = [values[r].rows for r in group]
-        dense_grad = _table_grad(case, ids, upstream) if WEIGHT_GRAD in wanted else None
+        dense_grad: tuple[torch.Tensor, torch.Tensor] | None = None  # the [V, D] grad: only for a failure
         for i, r in enumerate(group):
             v = values[r]
             if v.status != OK:
@@ -171,8 +173,10 @@ def evaluate_embedding(variant: EmbeddingVariant, obs: Observation, properties: 
                 failures.append(_embedding_layout_failure(variant, case, dataclasses.replace(
                     v, status=WEIGHT_SHAPE, shape=(v.rows, case.embedding_dim)), r, divides))
                 break
-            if WEIGHT_GRAD in wanted:
-                expected, mag = _rows_of(case, dense_grad, where)  # type: ignore[arg-type]
+            if WEIGHT_GRAD in wanted and not _grad_rows_hold(case, ids, upstream, where, v.weight_grad, tp):
+                if dense_grad is None:
+                    dense_grad = _table_grad(case, ids, upstream)
+                expected, mag = _rows_of(case, dense_grad, where)
                 tol = tolerance(case.torch_dtype, mag, reduction_length=case.rows, world_size=tp)
                 found = compare(variant, case, WEIGHT_GRAD, "the embedding table's grad", r, v.weight_grad,
                                  expected, tol)
@@ -193,6 +197,39 @@ def _table_grad(case: EmbeddingCase, ids: torch.Tensor, upstream: torch.Tensor) 
     grad = torch.zeros(case.vocab_size, d, dtype=_F64).index_add_(0, flat_ids, flat_g)
     mag = torch.zeros(case.vocab_size, d, dtype=_F64).index_add_(0, flat_ids, flat_g.abs())
     return grad, mag
+
+
+def _grad_rows_hold(case: EmbeddingCase, ids: torch.Tensor, upstream: torch.Tensor, where: tuple[int, int],
+                    got: torch.Tensor | None, tp: int) -> bool:
+    """Whether :func:`compare` finds rank's table grad ``got`` (rows ``where`` of the table) equal to its
+    rows of the dense grad, decided without the ``[V, D]`` float64 grad and magnitude: the same
+    comparison, element by element, with the same tolerance. The rows of the ids in the range get
+    the dense grad and magnitude of :func:`_table_grad` (the same sums, in the same order); every
+    other row's dense grad and magnitude are zero, so its tolerance is the floor and the comparison
+    is ``|got| <= floor``, read from the largest ``|got|`` of each run of such rows (NaN never passes).
+    False sends the caller to the full comparison, which names what is wrong."""
+    start, stop = where
+    d = case.embedding_dim
+    if got is None or got.dtype != case.torch_dtype or tuple(got.shape) != (stop - start, d):
+        return False
+    flat_ids, flat_g = ids.reshape(-1), upstream.reshape(-1, d)
+    mine = (flat_ids >= start) & (flat_ids < stop)
+    rows, inverse = torch.unique(flat_ids[mine], sorted=True, return_inverse=True)
+    local = [int(i) - start for i in rows]
+    if local:
+        grad = torch.zeros(len(local), d, dtype=_F64).index_add_(0, inverse, flat_g[mine])
+        mag = torch.zeros(len(local), d, dtype=_F64).index_add_(0, inverse, flat_g[mine].abs())
+        if bool(grad.isnan().any()):
+            return False  # the full comparison's NaN rule decides
+        tol = tolerance(case.torch_dtype, mag, reduction_length=case.rows, world_size=tp)
+        if not close(got[local], grad, tol):
+            return False
+    atol = float(tolerance(case.torch_dtype, torch.zeros((), dtype=_F64), reduction_length=case.rows, world_size=tp))
+    edges = [-1, *local, stop - start]
+    for lo, hi in zip(edges[:-1], edges[1:], strict=True):
+        if hi - lo > 1 and not float(torch.linalg.vector_norm(got[lo + 1:hi], ord=float("inf"))) <= atol:
+            return False
+    return True
 
 
 def _rows_of(case: EmbeddingCase, dense: tuple[torch.Tensor, torch.Tensor],
@@ -244,17 +281,18 @@ class _CrossEntropyReference:
         dt, vocab, ls = case.torch_dtype, case.vocab_size, case.label_smoothing
         u = eps(dt)
         if variant.input == "hidden":
-            self.hidden = data.hidden[g].to(_F64).clone().requires_grad_()
-            self.weight = data.weight.to(_F64).clone().requires_grad_()
+            self.hidden = data.hidden[g].to(_F64, copy=True).requires_grad_()
+            self.weight = data.weight.to(_F64, copy=True).requires_grad_()
             x = F.linear(self.hidden, self.weight)
             x.retain_grad()  # the logits' grad bounds the hidden states' and the classifier's
             # logits as the ranks hold them: the classifier padded with zero rows
-            self.padded_logits = F.pad(x.detach(), (0, data.width - vocab))
+            self._padded = partial(F.pad, x.detach(), (0, data.width - vocab))
             mag_x = data.hidden[g].to(_F64).abs() @ data.weight.to(_F64).abs().T
             dx = tolerance(dt, mag_x, reduction_length=case.hidden, world_size=self.tp).amax(-1)
         else:
-            x = data.logits[g][..., :vocab].to(_F64).clone().requires_grad_()
-            self.padded_logits = data.logits[g].to(_F64)
+            # copy=True: one float64 copy, whatever the case's dtype (a [tokens, V] copy is not cheap)
+            x = data.logits[g][..., :vocab].to(_F64, copy=True).requires_grad_()
+            self._padded = partial(data.logits[g].to, _F64)
             dx = torch.zeros(self.target.shape, dtype=_F64)
         self.x = x
         loss = dense_cross_entropy(x, self.target, label_smoothing=ls, ignore_index=case.ignore_index,
@@ -316,6 +354,12 @@ class _CrossEntropyReference:
             pad = data.width - vocab  # padding columns: exactly zero
             self.logits_grad = F.pad(x.grad, (0, pad)) if pad else x.grad
             self.logits_tol = F.pad(g_tol, (0, pad)) if pad else g_tol
+
+    @functools.cached_property
+    def padded_logits(self) -> torch.Tensor:
+        """The logits as the ranks hold them (padding columns included), float64: only the recognisers
+        of a failing case read them, so they are made when first asked for."""
+        return self._padded()
 
     @staticmethod
     def _pad_rows(t: torch.Tensor, width: int) -> torch.Tensor:

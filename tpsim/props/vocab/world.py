@@ -110,8 +110,11 @@ def _ids(g: torch.Generator, shape: tuple[int, ...], vocab: int, first: list[int
 def _draw(g: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
     # Drawn in float32 for float32 and narrower cases (half the work of a float64 draw at a realistic
     # vocabulary), then rounded to the case's dtype: the ranks and the reference see the same values.
+    # Scaled in place, and not at all by 1 (the same values: at a realistic vocabulary each full-size
+    # temporary is a pass over the table's memory).
     wide = torch.promote_types(dtype, torch.float32)
-    return (torch.randn(shape, generator=g, dtype=wide) * scale).to(dtype)
+    drawn = torch.randn(shape, generator=g, dtype=wide)
+    return (drawn if scale == 1.0 else drawn.mul_(scale)).to(dtype)
 
 
 def _groups(case: Any) -> int:
@@ -191,9 +194,9 @@ def embedding_rank(payload: dict[str, Any]) -> EmbeddingRankResult:
             return result
         start, stop = where
         with torch.no_grad():
-            weight.zero_()
             real = data.table[min(start, case.vocab_size):min(stop, case.vocab_size)]
             weight[: real.shape[0]].copy_(real)
+            weight[real.shape[0]:].zero_()  # padding rows (zeroing only them: the table is large)
     result.weight = weight.detach()  # the module is dropped after the run: no copy needed
     ids = data.ids[g]
     with rank_phase("forward"):
