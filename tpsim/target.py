@@ -61,7 +61,7 @@ __all__ = [
 ]
 
 _OPTION_NAMES = ("convention", "kind", "input", "output", "input_grad", "packed", "sequence_dim", "rank_local",
-                 "param_grad")
+                 "param_grad", "plan", "plan_twin")
 #: Modules whose variants are declared elsewhere (the layer core never imports the harness).
 DECLARED_IN = {"tpsim.layers": "tpsim.builtin_variants"}
 _lock = threading.Lock()
@@ -82,6 +82,9 @@ def _resolve_uncached(target: str, options: Mapping[str, Any]) -> list[Any]:
         raise TargetError(f"target={target!r}; expected package.module:Name, path/to/file.py:Name or a module")
     kind = options.get("kind")
     chosen = families()
+    if options.get("plan") is not None and kind is None:
+        # A dense class under a plan is a whole module: only the families that take plans resolve it.
+        chosen = [f for f in chosen if "plan" in f.adapter_options]
     if kind is not None:
         chosen = [f for f in chosen if kind in f.kinds]
         if not chosen:
