@@ -63,6 +63,12 @@ class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=Mod
                 "packed parameter with ModuleVariant(params=(ParamSpec(name, 'weight', Shard(0, parts=...)),)))")
 
     def from_object(self, target: str, obj: Any, options: Mapping[str, Any]) -> list[Any] | None:
+        from tpsim.presets import preset_for_class
+
+        preset = preset_for_class(obj) if options.get("plan") is None and isinstance(obj, type) else None
+        if preset is not None and preset[1] in self.kinds:
+            # A library's module, or a subclass of one (a patch): checked under the library's plan.
+            return [self.adapt(v, options, target) for v in preset[0].variants(obj, preset[1])]
         plan = options.get("plan")
         if not ((options.get("kind") == MODULE_KIND or plan is not None) and isinstance(obj, type)
                 and issubclass(obj, nn.Module)):
