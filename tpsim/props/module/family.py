@@ -113,7 +113,18 @@ class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=Mod
         return self.properties
 
     def notes(self, variant: ModuleVariant) -> list[str]:
-        return [PlanVariant.UNEVEN_NOTE] if isinstance(variant, PlanVariant) else []
+        if not isinstance(variant, PlanVariant):
+            return []
+        world = [] if variant.subgroups else ["tp groups spanning the whole world only (the plan builds its own mesh "
+                                              "over the world)"]
+        return [PlanVariant.UNEVEN_NOTE, *world]
+
+    def cases(self, variant: ModuleVariant, **kwargs: Any) -> Any:
+        # A plan that builds its mesh over the whole world is checked on one tp group spanning it.
+        kwargs["subgroups"] = kwargs["subgroups"] and getattr(variant, "subgroups", True)
+        if not kwargs["subgroups"]:
+            kwargs["tp_sizes"] = None
+        return super().cases(variant, **kwargs)
 
     def fault_case(self, variant: ModuleVariant, world_size: int, seed: int) -> ModuleCase:
         ws = world_size

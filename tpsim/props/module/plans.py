@@ -52,6 +52,8 @@ class PlanVariant(ModuleVariant):
     #: torch 2.13.0's ``RowwiseParallel`` fails in backward on a 1-D input (docs/dtensor.md): inputs
     #: get at least one batch dim.
     min_batch_dims: int = 1
+    #: False: the plan builds its own mesh over the whole world (torchtitan): one tp group spanning it.
+    subgroups: bool = True
 
     #: Why the divisibility property does not apply (DTensor shards uneven sizes by design).
     UNEVEN_NOTE: ClassVar[str] = ("a plan's DTensor shards a size that does not divide by the tp size unevenly "
