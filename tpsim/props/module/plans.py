@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from tpsim.diagnosis import recogniser
 from tpsim.errors import InvalidArgument
 from tpsim.module_variant import ModuleVariant, constructor_sizes
 
@@ -345,6 +346,7 @@ def twin_variant(variant: PlanVariant, key: str) -> PlanVariant:
     raise InvalidArgument(f"plan_twin={key!r}: the plan of {variant.name!r} has no such twin")
 
 
+@recogniser("wrong-shard-dim", "plan-input-layout")
 def name_plan_entry(family: Any, variant: PlanVariant, case: Any, failures: list[Any], *, backend: str,
                     timeout: float, isolate: bool, properties: Any) -> list[Any]:
     """``failures`` of ``case`` named after the plan entry that explains them, when exactly one twin
@@ -374,5 +376,5 @@ def name_plan_entry(family: Any, variant: PlanVariant, case: Any, failures: list
         diagnosis=diagnosis,
         message=f"{_twin_reason(variant.plan, plan, path)}. What was measured: {first.label}: {first.message}",
         case=first.case, rank=first.rank, details=dict(first.details), variant=first.variant,
-        traceback=first.traceback, sublayer=path, consequences=list(failures[1:]),
+        sublayer=path, consequences=list(failures[1:]),  # the measured exception is quoted above
     )]
