@@ -133,3 +133,11 @@ def test_twin_plans_change_one_entry() -> None:
     down = twins[2][3]
     assert down == {"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
     assert twin_plans(lambda module, mesh: module) == []  # a function has no twins
+
+
+@pytest.mark.gloo
+def test_plan_passes_on_gloo(check) -> None:
+    # Worker processes resolve the same plan target again by name (the --plan option travels).
+    code, doc = check(f"{EXAMPLE}:GatedMLP", "--plan", f"{EXAMPLE}:PLAN", "--backend", "gloo", "--max-examples", "2",
+                      "--world-sizes", "2", "--timeout", "30")
+    assert code == 0, json.dumps(doc["failures"], indent=1)

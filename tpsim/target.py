@@ -70,7 +70,11 @@ _cache: dict[tuple[str, tuple[tuple[str, Any], ...]], list[Any]] = {}
 
 def _with_module_hint(err: InvalidArgument, obj: Any, options: Mapping[str, Any]) -> InvalidArgument:
     # A module class that fits no linear-layer convention may be a whole module: say how to check it.
-    if isinstance(obj, type) and issubclass(obj, nn.Module) and options.get("kind") is None:
+    from tpsim.presets import preset_for_class
+
+    # (A library's module, or a subclass of one, is its preset's: --kind module would not change that.)
+    if (isinstance(obj, type) and issubclass(obj, nn.Module) and options.get("kind") is None
+            and options.get("plan") is None and preset_for_class(obj) is None):
         return type(err)(f"{err}; if {obj.__name__} is a whole module (an MLP or a block), check it with --kind module")
     return err
 
