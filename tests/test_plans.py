@@ -33,7 +33,7 @@ def check(capsys, tmp_path):
     """``check(target, *options)`` -> (exit code, JSON report or the error text)."""
 
     def run(target: str, *options: str) -> tuple[int, dict | str]:
-        code = main(["check", target, *options, *FAST, "--report", "json", "--cases-dir", str(tmp_path)])
+        code = main(["check", target, *FAST, *options, "--report", "json", "--cases-dir", str(tmp_path)])
         captured = capsys.readouterr()
         return code, json.loads(captured.out) if code in (0, 1) else captured.err
 
