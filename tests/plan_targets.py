@@ -56,5 +56,8 @@ def rank_skewed_norm(module: nn.Module, mesh: Any) -> nn.Module:
     return parallelize_module(module, mesh, SP_PLAN)
 
 
-__all__ = ["DTENSOR_OUT", "DTENSOR_PARAMS", "HF_DOWN_COLWISE", "HF_GATE_ROWWISE", "NOT_A_PLAN", "NormMLP", "TYPO",
+__all__ = ["DTENSOR_OUT", "DTENSOR_PARAMS", "HF_DOWN_COLWISE", "HF_GATE_ROWWISE", "NOT_A_PLAN", "NormMLP", "TORCH_TYPO", "TYPO",
            "rank_skewed_norm"]
+
+#: A DTensor-style plan entry that names nothing in the module.
+TORCH_TYPO = {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(), "down_prj": RowwiseParallel()}

@@ -111,8 +111,9 @@ def test_plan_on_a_parallel_variant_is_refused(check) -> None:
     assert "--plan applies to a dense nn.Module class" in err, err
 
 
-def test_plan_entry_naming_nothing_is_reported_with_its_name(check) -> None:
-    code, doc = check(f"{EXAMPLE}:GatedMLP", "--plan", f"{TARGETS}:TYPO")
+@pytest.mark.parametrize("plan", ["TYPO", "TORCH_TYPO"])
+def test_plan_entry_naming_nothing_is_reported_with_its_name(check, plan) -> None:
+    code, doc = check(f"{EXAMPLE}:GatedMLP", "--plan", f"{TARGETS}:{plan}")
     assert code == 1
     assert any("'down_prj' names nothing in GatedMLP" in f["message"] for f in doc["failures"]), doc["failures"]
 

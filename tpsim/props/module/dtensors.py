@@ -74,7 +74,7 @@ def load_piece(p: Any, master: torch.Tensor) -> None:
     local = p.to_local()
     shape, offset = compute_local_shape_and_global_offset(tuple(master.shape), p.device_mesh, p.placements)
     index = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
-    local.copy_(master[index] if local.numel() else master[index].reshape(local.shape))
+    local.copy_(master[index])
 
 
 def local_grad(p: Any) -> torch.Tensor | None:

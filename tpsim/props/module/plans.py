@@ -189,6 +189,13 @@ def apply_plan(module: nn.Module, plan: Any, mesh: Any) -> nn.Module:
         return _hf_apply(module, plan, mesh)
     from torch.distributed.tensor.parallel import parallelize_module
 
+    # parallelize_module only warns about a path that names nothing: a plan with a typo would
+    # silently leave a layer dense. (A path with a wildcard is left to parallelize_module.)
+    names = {n for n, _ in module.named_modules()}
+    missing = [k for k in plan if "*" not in k and k not in names]
+    if missing:
+        raise InvalidArgument(f"plan entry {missing[0]!r} names nothing in {type(module).__name__} (its modules: "
+                              f"{', '.join(n for n in names if n)})")
     # Fresh style objects per rank: a style may keep state between its hooks.
     return parallelize_module(module, mesh, copy.deepcopy(dict(plan)))
 
