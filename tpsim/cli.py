@@ -228,6 +228,11 @@ def build_parser() -> _Parser:
     adapt.add_argument("--sequence-dim", dest="sequence_dim", type=_sequence_dim, default=None, metavar="D",
                        help="the sequence dim of a sequence-sharded input/output (default -2, the dim before the "
                        "features; dim 0 of a 2-D input)")
+    adapt.add_argument("--plan", default=None, metavar="MODULE:PLAN",
+                       help="check the dense nn.Module class TARGET against itself parallelised by this plan: a "
+                       "parallelize_module dict of DTensor styles, a Hugging Face dict of style strings (colwise, "
+                       "rowwise, sequence_parallel, ...) or a function (module, mesh) -> module; sizes come from the "
+                       "class's constructor (docs/cli.md: Plans)")
     real = check.add_argument_group("what a real job does per process or in its trainer (any target)")
     real.add_argument("--rank-local", dest="rank_local", action="append", default=None, metavar="MODULE",
                       help="make MODULE's globals per rank on inproc, as they are per process in a real job (a "
@@ -651,7 +656,7 @@ def _run_check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: 
     from tpsim.target import resolve_target
 
     options = {k: getattr(args, k) for k in ("convention", "kind", "input", "output", "input_grad", "packed",
-                                             "sequence_dim")}
+                                             "sequence_dim", "plan")}
     # Repeatable flags as tuples (options must be hashable: they key the resolver's cache).
     options["rank_local"] = tuple(args.rank_local) if args.rank_local else None
     options["param_grad"] = tuple(args.param_grad) if args.param_grad else None

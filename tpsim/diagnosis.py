@@ -503,6 +503,17 @@ ATTENTION_SCALE = register(DiagnosisSpec(
     "attention-local-head-dim-scale",
     consequences=(_INPUT_GRAD, _WEIGHT_GRAD, _BIAS_GRAD),
 ))
+PLAN_INPUT_LAYOUT = register(DiagnosisSpec(
+    "plan-input-layout", (_FORWARD,) + _GRADS,
+    "a module of a tensor-parallel plan gets its input in another layout than its style expects: each rank "
+    "hands a planned layer its own piece (a sequence shard) where the layer needs the whole input; the "
+    "plan's PrepareModuleInput on that module (or the output layout of the entry before it) is missing",
+    "the same failing case passes with one change to the plan: a PrepareModuleInput turning the module's "
+    "sharded input into the layout its planned sublayers expect; plans are not layers, so no catalogued "
+    "layer mutant shows it (the buggy plans of tests/test_plans.py do)",
+    None,
+    consequences=(_INPUT_GRAD, _WEIGHT_GRAD, _BIAS_GRAD),
+))
 
 # --- diagnoses and failures ----------------------------------------------------------------------
 

@@ -78,6 +78,7 @@ __all__ = [
     "MODULE_KIND",
     "MODULE_OUTPUTS",
     "ModuleVariant",
+    "constructor_sizes",
     "module_from_class",
 ]
 
@@ -262,6 +263,30 @@ def group_keyword(cls: type) -> str | None:
     return next((k for k in GROUP_KEYWORDS if k in names), None)
 
 
+def constructor_sizes(cls: type, *, skip: tuple[str, ...] = ()) -> list[str]:
+    """The integer sizes a module class's constructor takes: its required parameters other than ``skip``
+    and ``dtype``, in order (an int annotation is honoured; anything else annotated, or a required
+    keyword-only parameter, is refused: tpsim passes the sizes by position)."""
+    sizes = []
+    for p in [p for n, p in _signature(cls).parameters.items() if n != "self"]:
+        if p.name in (*skip, "dtype") or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.default is not p.empty:
+            continue
+        if p.kind is p.KEYWORD_ONLY:
+            raise InvalidArgument(
+                f"{cls.__qualname__}: the keyword-only parameter {p.name!r} has no default; tpsim passes the sizes by "
+                "position and only the group (and dtype) by keyword: describe it with a tpsim ModuleVariant"
+            )
+        if p.annotation not in (p.empty, int, "int"):
+            raise InvalidArgument(
+                f"{cls.__qualname__}: parameter {p.name!r} is annotated {p.annotation!r}, not int; the sizes of a "
+                "module target are its required int parameters: describe it with a tpsim ModuleVariant"
+            )
+        sizes.append(p.name)
+    return sizes
+
+
 def module_from_class(
     cls: type,
     *,
@@ -290,23 +315,7 @@ def module_from_class(
             f"keyword {' / '.join(GROUP_KEYWORDS)} (the harness builds it on each rank's tp group and on a one-rank "
             "group for the dense reference); or describe it with a tpsim ModuleVariant"
         )
-    sizes = []
-    for p in params:
-        if p.name in (keyword, "dtype") or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            continue
-        if p.default is not p.empty:
-            continue
-        if p.kind is p.KEYWORD_ONLY:
-            raise InvalidArgument(
-                f"{cls.__qualname__}: the keyword-only parameter {p.name!r} has no default; tpsim passes the sizes by "
-                "position and only the group (and dtype) by keyword: describe it with a tpsim ModuleVariant"
-            )
-        if p.annotation not in (p.empty, int, "int"):
-            raise InvalidArgument(
-                f"{cls.__qualname__}: parameter {p.name!r} is annotated {p.annotation!r}, not int; the sizes of a "
-                "module target are its required int parameters: describe it with a tpsim ModuleVariant"
-            )
-        sizes.append(p.name)
+    sizes = constructor_sizes(cls, skip=(keyword,))
     if not sizes:
         raise InvalidArgument(
             f"{cls.__qualname__}({', '.join(names)}) takes no integer sizes; expected e.g. (hidden, ffn, *, "

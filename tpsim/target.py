@@ -61,7 +61,7 @@ __all__ = [
 ]
 
 _OPTION_NAMES = ("convention", "kind", "input", "output", "input_grad", "packed", "sequence_dim", "rank_local",
-                 "param_grad")
+                 "param_grad", "plan", "plan_twin")
 #: Modules whose variants are declared elsewhere (the layer core never imports the harness).
 DECLARED_IN = {"tpsim.layers": "tpsim.builtin_variants"}
 _lock = threading.Lock()
@@ -70,7 +70,11 @@ _cache: dict[tuple[str, tuple[tuple[str, Any], ...]], list[Any]] = {}
 
 def _with_module_hint(err: InvalidArgument, obj: Any, options: Mapping[str, Any]) -> InvalidArgument:
     # A module class that fits no linear-layer convention may be a whole module: say how to check it.
-    if isinstance(obj, type) and issubclass(obj, nn.Module) and options.get("kind") is None:
+    from tpsim.presets import preset_for_class
+
+    # (A library's module, or a subclass of one, is its preset's: --kind module would not change that.)
+    if (isinstance(obj, type) and issubclass(obj, nn.Module) and options.get("kind") is None
+            and options.get("plan") is None and preset_for_class(obj) is None):
         return type(err)(f"{err}; if {obj.__name__} is a whole module (an MLP or a block), check it with --kind module")
     return err
 
@@ -82,6 +86,9 @@ def _resolve_uncached(target: str, options: Mapping[str, Any]) -> list[Any]:
         raise TargetError(f"target={target!r}; expected package.module:Name, path/to/file.py:Name or a module")
     kind = options.get("kind")
     chosen = families()
+    if options.get("plan") is not None and kind is None:
+        # A dense class under a plan is a whole module: only the families that take plans resolve it.
+        chosen = [f for f in chosen if "plan" in f.adapter_options]
     if kind is not None:
         chosen = [f for f in chosen if kind in f.kinds]
         if not chosen:

@@ -12,7 +12,10 @@ which asks :func:`library_variants` for its own kinds.
 
 - :mod:`tpsim.presets.megatron`: Megatron-core's Column/RowParallelLinear, VocabParallelEmbedding and
   vocab_parallel_cross_entropy (:mod:`tpsim.presets.megatron_vocab`);
-- :mod:`tpsim.presets.fairscale`: fairscale's Column/RowParallelLinear.
+- :mod:`tpsim.presets.fairscale`: fairscale's Column/RowParallelLinear;
+- :mod:`tpsim.presets.transformers`: Hugging Face Llama/Qwen2/Mistral MLPs, attentions and decoder
+  layers under their own ``base_model_tp_plan`` (plan targets of the module family);
+- :mod:`tpsim.presets.torchtitan`: torchtitan's Llama 3 feed-forward under its own tp sharding.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from tpsim.presets._base import LibraryMissing, Preset
 __all__ = ["PRESETS", "LibraryMissing", "Preset", "library_variants", "preset_for_class", "preset_for_target", "presets"]
 
 #: The preset modules, each defining ``PRESET`` (imported lazily: they import their library only on use).
-PRESETS = ("tpsim.presets.megatron", "tpsim.presets.fairscale")
+PRESETS = ("tpsim.presets.megatron", "tpsim.presets.fairscale", "tpsim.presets.transformers",
+           "tpsim.presets.torchtitan")
 
 
 def presets() -> list[Preset]:

@@ -66,7 +66,7 @@ class LinearFamily(Family, name="linear", kinds=KINDS, variant_type=Variant, cas
     """Single linear layers: column- and row-parallel variants (see :mod:`tpsim.variant`)."""
 
     declared_list = "TPSIM_VARIANTS"
-    adapter_options = ADAPTER_OPTIONS
+    adapter_options = tuple(k for k in ADAPTER_OPTIONS if k not in ("plan", "plan_twin"))
 
     # --- targets -----------------------------------------------------------------------------------
 

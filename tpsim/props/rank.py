@@ -20,6 +20,7 @@ grads left partial, then SGD.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import TracebackType
@@ -104,10 +105,23 @@ def trainer_step(module: torch.nn.Module, partial: Mapping[str, torch.nn.Paramet
     sgd_step(module)
 
 
+def _is_dtensor(t: Any) -> bool:
+    # Only a module that imported DTensor holds one: never import torch.distributed.tensor here (seconds).
+    cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return cls is not None and isinstance(t, cls)
+
+
 def sgd_step(module: torch.nn.Module) -> None:
     """One SGD step of learning rate :data:`LR` on every parameter that has a grad; the grads are dropped."""
     with torch.no_grad():
         for p in module.parameters():
             if p.grad is not None:
-                p.add_(p.grad, alpha=-LR)
+                if _is_dtensor(p):
+                    # A plan's parameter, updated in its own placement: a grad DTensor left Partial (a
+                    # sequence-parallel norm's weight) is redistributed first, as DTensor's optimizers do.
+                    g = p.grad if tuple(p.grad.placements) == tuple(p.placements) else p.grad.redistribute(
+                        p.device_mesh, p.placements)
+                    p.to_local().add_(g.to_local(), alpha=-LR)
+                else:
+                    p.add_(p.grad, alpha=-LR)
             p.grad = None

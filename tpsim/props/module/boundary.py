@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tpsim.props.module.dtensors import is_dtensor
+
 __all__ = ["Capture", "sublayers"]
 
 
@@ -63,7 +65,9 @@ class Capture:
     def record(self, key: tuple[str, str], t: Any) -> None:
         if not self.active or key in self.tensors or not isinstance(t, torch.Tensor):
             return
-        self.tensors[key] = t.detach().clone()
+        # A DTensor boundary (a plan's sublayer) is recorded as this rank's local piece in its
+        # placement, as a hand-written layer's boundary is.
+        self.tensors[key] = (t.to_local() if is_dtensor(t) else t).detach().clone()
         self.events.append(key)
 
     def install(self, module: nn.Module) -> Capture:

@@ -23,12 +23,14 @@ from torch import nn
 from tpsim.module_variant import MODULE_KIND, ModuleVariant, module_from_class
 from tpsim.placement import Replicate
 from tpsim.props.family import ADAPTER_OPTIONS, Family, World
+from tpsim.errors import InvalidArgument
 from tpsim.props.module.case import ModuleCase
+from tpsim.props.module.plans import PlanVariant, name_plan_entry, plan_variant, resolve_plan, twin_variant
 from tpsim.props.module.checks import evaluate, localise
 from tpsim.props.module.strategies import MAX_PER_RANK, module_cases
 from tpsim.props.module.world import ModuleData, Reference, is_divisible, rank_main, reference_run
 from tpsim.props.observation import Observation
-from tpsim.props.property_names import PROPERTIES
+from tpsim.props.property_names import DIVISIBILITY, PROPERTIES
 from tpsim.variant import ParamSpec
 
 __all__ = ["MODULE", "MODULE_DTYPES", "ModuleFamily"]
@@ -43,7 +45,7 @@ class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=Mod
 
     strategy = staticmethod(module_cases)
     declared_list = "TPSIM_MODULES"
-    adapter_options = ("input", "output", "input_grad", "sequence_dim", "param_grad")
+    adapter_options = ("input", "output", "input_grad", "sequence_dim", "param_grad", "plan", "plan_twin")
     params_inferred = True
     dtypes = MODULE_DTYPES
     dtype_reason = ("the rounding bound derived through several sublayers is, in bfloat16 or float16, as large as "
@@ -53,24 +55,45 @@ class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=Mod
 
     def takes(self, options: Mapping[str, Any]) -> bool:
         # Without --kind module, the adapter flags adapt the linear variants of a bare module, not its modules.
-        return options.get("kind") == MODULE_KIND or not any(options.get(k) is not None for k in ADAPTER_OPTIONS)
+        return options.get("kind") == MODULE_KIND or not any(
+            options.get(k) is not None for k in ADAPTER_OPTIONS if k not in ("plan", "plan_twin"))
 
     def foreign_option(self, where: str, option: str) -> str:
         return (f"{where} is a whole module; --{option.replace('_', '-')} applies to single linear layers (declare a "
                 "packed parameter with ModuleVariant(params=(ParamSpec(name, 'weight', Shard(0, parts=...)),)))")
 
     def from_object(self, target: str, obj: Any, options: Mapping[str, Any]) -> list[Any] | None:
-        if not (options.get("kind") == MODULE_KIND and isinstance(obj, type) and issubclass(obj, nn.Module)):
+        from tpsim.presets import preset_for_class
+
+        preset = preset_for_class(obj) if options.get("plan") is None and isinstance(obj, type) else None
+        if preset is not None and preset[1] in self.kinds:
+            # A library's module, or a subclass of one (a patch): checked under the library's plan.
+            return [self.adapt(v, options, target) for v in preset[0].variants(obj, preset[1])]
+        plan = options.get("plan")
+        if not ((options.get("kind") == MODULE_KIND or plan is not None) and isinstance(obj, type)
+                and issubclass(obj, nn.Module)):
             return None
         from tpsim._target_files import import_target_module
 
         module = import_target_module(target.partition(":")[0])
-        return [self.own_module(self.adapt(module_from_class(obj), options, target), module)]
+        if plan is not None:  # a dense class under a plan (tpsim.props.module.plans)
+            found, plan_name = resolve_plan(plan)
+            variant = plan_variant(obj, found, plan_name=plan_name)
+        else:
+            variant = module_from_class(obj)
+        return [self.own_module(self.adapt(variant, options, target), module)]
 
     def adapt(self, variant: ModuleVariant, options: Mapping[str, Any], where: str) -> ModuleVariant:
         super().adapt(variant, options, where)
+        if options.get("plan") is not None and not isinstance(variant, PlanVariant):
+            raise InvalidArgument(f"--plan applies to a dense nn.Module class (MODULE:DenseClass --plan MODULE:PLAN); "
+                                  f"{where} is already a tensor-parallel module variant")
         changes = {k: options[k] for k in ("input", "output", "input_grad", "sequence_dim") if options.get(k) is not None}
-        return variant.replace(**changes) if changes else variant
+        variant = variant.replace(**changes) if changes else variant
+        twin = options.get("plan_twin")
+        if twin is not None and isinstance(variant, PlanVariant):
+            variant = twin_variant(variant, twin)
+        return variant
 
     def declare_grads(self, variant: ModuleVariant, grads: dict[str, str]) -> ModuleVariant:
         # A parameter the variant does not declare is declared replicated (its layout is read from
@@ -83,6 +106,25 @@ class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=Mod
         return variant.replace(params=tuple(declared.values()))
 
     # --- a search ----------------------------------------------------------------------------------
+
+    def applicable(self, variant: ModuleVariant) -> tuple[str, ...]:
+        if isinstance(variant, PlanVariant):
+            return tuple(p for p in self.properties if p != DIVISIBILITY)
+        return self.properties
+
+    def notes(self, variant: ModuleVariant) -> list[str]:
+        if not isinstance(variant, PlanVariant):
+            return []
+        world = [] if variant.subgroups else ["tp groups spanning the whole world only (the plan builds its own mesh "
+                                              "over the world)"]
+        return [PlanVariant.UNEVEN_NOTE, *world]
+
+    def cases(self, variant: ModuleVariant, **kwargs: Any) -> Any:
+        # A plan that builds its mesh over the whole world is checked on one tp group spanning it.
+        kwargs["subgroups"] = kwargs["subgroups"] and getattr(variant, "subgroups", True)
+        if not kwargs["subgroups"]:
+            kwargs["tp_sizes"] = None
+        return super().cases(variant, **kwargs)
 
     def fault_case(self, variant: ModuleVariant, world_size: int, seed: int) -> ModuleCase:
         ws = world_size
@@ -120,7 +162,11 @@ class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=Mod
         def traced() -> Observation:
             return self.observe(variant, case, backend=backend, timeout=timeout, capture=True, isolate=isolate)
 
-        return localise(variant, case, obs, failures, traced)
+        failures = localise(variant, case, obs, failures, traced)
+        if isinstance(variant, PlanVariant) and not dict(variant.options).get("plan_twin"):
+            failures = name_plan_entry(self, variant, case, failures, backend=backend, timeout=timeout,
+                                       isolate=isolate, properties=properties)
+        return failures
 
 
 #: The module family object (registered as ``"module"`` in :mod:`tpsim.props.family`).

@@ -66,6 +66,8 @@ def _module_cases(draw: st.DrawFn, variant: ModuleVariant, sizes: tuple[int, ...
     if sequence:
         # The fewest batch dims that put the sequence dim before the features.
         least = max(1, -variant.sequence_dim - 1) if variant.sequence_dim < 0 else variant.sequence_dim + 1
+    # A declared least number of batch dims (a plan variant: DTensor's rowwise backward needs one).
+    least = max(least, getattr(variant, "min_batch_dims", 0))
     batch = draw(batch_shapes(max_dims=max(2, least), min_dims=least))
     if sequence:
         d = variant.sequence_dim_of(len(batch) + 1)

@@ -36,6 +36,7 @@ from tpsim.placement import Replicate, Shard
 from tpsim.props.launch import launch, variant_of
 from tpsim.props.module.boundary import Capture
 from tpsim.props.module.case import ModuleCase
+from tpsim.props.module.dtensors import dtensor_layout, is_dtensor, load_piece, local_grad, local_shape, local_value, plain_output
 from tpsim.props.module.magnitude import MagnitudeMode, TapeEntry, UnboundedOp, ValueTape
 from tpsim.props.module.sharding import ParamLayout, declared_layout, infer_layout, piece
 from tpsim.props.observation import DenseReferenceFailed, NotRealOutput, RankOutput
@@ -341,6 +342,13 @@ def layouts_of(variant: ModuleVariant, module: nn.Module, shapes: dict[str, tupl
             problems.append(LayoutProblem(name, EXTRA, tuple(p.shape), None))
             continue
         spec = variant.param(name)
+        if is_dtensor(p):  # a plan's parameter: laid out as its placement says (tpsim.props.module.dtensors)
+            layout = dtensor_layout(p, name, tuple(full), tp)
+            if layout is None:
+                problems.append(LayoutProblem(name, UNKNOWN, local_shape(p), tuple(full)))
+            else:
+                layouts[name] = layout
+            continue
         if spec is not None:
             layout = declared_layout(variant.stored_placement(spec, len(full)), full, tuple(p.shape), tp)
         else:
@@ -397,18 +405,22 @@ def rank_main(payload: dict[str, Any]) -> ModuleRankResult:
     partial = tuple(n for n, lay in layouts.items() if isinstance(lay.placement, Replicate) and (
         getattr(variant.param(n), "grad", "complete") == "partial" or getattr(params[n], "sequence_parallel", False) is True))
     result = ModuleRankResult(group=me.g, tp_rank=rank, layouts=layouts, problems=problems, partial=partial,
-                              shapes={n: tuple(p.shape) for n, p in params.items()})
+                              shapes={n: local_shape(p) for n, p in params.items()})
     if variant.initialised:
-        result.init = {n: params[n].detach().clone() for n, lay in layouts.items() if isinstance(lay.placement, Replicate)}
+        result.init = {n: local_value(params[n]).clone() for n, lay in layouts.items()
+                       if isinstance(lay.placement, Replicate)}
     with torch.no_grad():
         for name, layout in layouts.items():
-            params[name].copy_(piece(data.masters[name], layout.placement, rank, tp, layout.uneven))
+            if is_dtensor(params[name]):
+                load_piece(params[name], data.masters[name])
+            else:
+                params[name].copy_(piece(data.masters[name], layout.placement, rank, tp, layout.uneven))
     for step in range(TRAIN_STEPS):
         x_full = inputs[step]
         x = _cut(x_full, input_placement(variant, x_full.dim()), rank, tp).detach().clone().requires_grad_(True)
         capture = Capture().install(module) if payload.get("capture") and step == 0 else None
         with rank_phase("forward", step):
-            out = variant.call(module, x)
+            out = plain_output(variant.call(module, x))
         g_full = upstream[step]
         want = _cut(g_full, output_placement(variant, g_full.dim()), rank, tp)
         if result.unusable(out, want.shape, graph=x):
@@ -425,10 +437,10 @@ def rank_main(payload: dict[str, Any]) -> ModuleRankResult:
             result.input_grad = None if x.grad is None else x.grad.detach().clone()
             # Kept, not cloned: the SGD step below replaces each grad rather than changing it (the
             # trainer's sum changes the partial ones in place: those are cloned).
-            result.grads = {n: None if p.grad is None else p.grad.detach().clone() if n in partial else p.grad.detach()
-                            for n, p in params.items()}
+            result.grads = {n: None if p.grad is None else local_grad(p).detach().clone() if n in partial or is_dtensor(p)
+                            else p.grad.detach() for n, p in params.items()}
         trainer_step(module, {name: params[name] for name in partial}, me.group, step, result.summed_grads)
-    result.final = {n: p.detach() for n, p in params.items()}
+    result.final = {n: local_value(p) for n, p in params.items()}
     return result
 
 

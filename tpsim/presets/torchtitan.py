@@ -1,0 +1,185 @@
+"""The torchtitan preset: ``tpsim check torchtitan.models.llama3`` checks Llama 3's feed-forward under
+torchtitan's own tensor-parallel sharding.
+
+Tested with ``torchtitan==0.3.0``. torchtitan 0.3.0 parallelises a module with its own protocol:
+each sub-config carries a ``sharding_config`` (for the dense feed-forward,
+``decoder_sharding.set_dense_ffn_sharding``: ``w1``/``w3`` colwise, ``w2`` rowwise, as
+``set_llama3_sharding_config`` sets it for every Llama 3 layer) and ``Module.parallelize(parallel_dims)``
+distributes the parameters and wraps each forward with the redistributions. The preset builds the
+dense ``FeedForward(w1, w2, w3)`` from the case's ``(hidden, ffn)``, loads the masters and checks it
+under that sharding as a plan target (:mod:`tpsim.props.module.plans`), with the context the trainer
+gives it:
+
+- ``ParallelDims(tp=world_size, every other degree 1)``, whose mesh is built over the **whole world**
+  (``init_device_mesh``): the preset checks one tp group spanning the world (no subgroups);
+- on a machine without CUDA, ``torchtitan.distributed.parallel_dims.device_type`` (torchtitan's
+  module-level default ``"cuda"`` when no accelerator is found) is set to ``"cpu"`` before the mesh is
+  built; with CUDA nothing is changed;
+- the ``spmd_types`` backend (torchtitan's default) runs forward and backward inside
+  ``torchtitan.distributed.utils.get_spmd_context(parallel_dims=...)``, as the trainer does. Outside
+  it the module runs its local computation and **skips the collectives without an error** (a rank
+  returns its own summand): the preset's ``FeedForward-spmd_types-no-context`` variant, checked by
+  the tests, shows what tpsim reports then (``missing-reduction``);
+- the ``partial_dtensor`` backend gives DTensor parameters (read in their placements);
+- inputs ``[batch, seq, hidden]``: torchtitan's activation layouts name the sequence dim 1.
+
+torchtitan imports ``triton`` at import time: without it, ``tpsim check torchtitan...`` is a usage
+error naming the missing module. The attention (rotary tables, SDPA) is not checked: the module
+check cannot bound those ops yet (see :mod:`tpsim.presets.transformers`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tpsim.errors import InvalidArgument
+from tpsim.presets._base import quiet_import
+
+__all__ = ["PRESET", "TorchtitanPreset", "BACKENDS"]
+
+_FFN = "torchtitan.models.common.feed_forward.FeedForward"
+#: The Llama 3 model builds the common feed-forward: the same class, named under the model's package
+#: so that ``tpsim check torchtitan.models.llama3`` lists it.
+_LLAMA3_FFN = "torchtitan.models.llama3.FeedForward"
+#: The spmd backends checked, and whether the forward runs inside ``get_spmd_context``.
+BACKENDS = (("spmd_types", True),)
+
+
+def _cpu_mesh_default() -> None:
+    # torchtitan picks its mesh's device type at import ("cuda" when no accelerator is found); a CPU
+    # machine builds CPU meshes. Every rank sets the same value.
+    if not torch.cuda.is_available():
+        import torchtitan.distributed.parallel_dims as parallel_dims
+
+        parallel_dims.device_type = "cpu"
+
+
+def _ffn_config(cls: type, hidden: int, ffn: int) -> Any:
+    from torchtitan.models.common.decoder_sharding import dense_activation_placement, set_dense_ffn_sharding
+    from torchtitan.models.common.linear import Linear
+
+    import spmd_types as spmd
+
+    config = cls.Config(w1=Linear.Config(in_features=hidden, out_features=ffn),
+                        w2=Linear.Config(in_features=ffn, out_features=hidden),
+                        w3=Linear.Config(in_features=hidden, out_features=ffn))
+    # As set_llama3_sharding_config sets every layer without sequence parallelism.
+    set_dense_ffn_sharding(config, attn_x_layout=dense_activation_placement(tp=spmd.I), enable_sp=False)
+    return config
+
+
+class _Dense:
+    """``cls`` built from its config with torchtitan's sharding declared (not yet applied)."""
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+
+    def __call__(self, hidden: int, ffn: int, *, dtype: torch.dtype) -> nn.Module:
+        return self.cls(_ffn_config(self.cls, hidden, ffn)).to(dtype)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Dense) and other.cls is self.cls
+
+    def __hash__(self) -> int:
+        return hash(self.cls)
+
+
+class _Parallelize:
+    """The plan: ``module.parallelize(ParallelDims(tp=world))`` on ``backend``; remembers the spmd
+    context on the module when the forward needs it."""
+
+    def __init__(self, backend: str, context: bool) -> None:
+        self.backend, self.context = backend, context
+
+    def __call__(self, module: nn.Module, mesh: Any) -> nn.Module:
+        import torch.distributed as dist
+        from torchtitan.distributed import ParallelDims
+        from torchtitan.distributed.utils import get_spmd_context
+
+        _cpu_mesh_default()
+        ws = dist.get_world_size()
+        if mesh.size() != ws:
+            raise InvalidArgument(f"torchtitan builds its tp mesh over the whole world ({ws} ranks); the tp group has "
+                                  f"{mesh.size()}")
+        dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=ws, pp=1, ep=1, world_size=ws,
+                            spmd_backend=self.backend)
+        dims.build_mesh()
+        module.parallelize(dims)
+        if self.context:
+            module._tpsim_spmd_context = get_spmd_context(parallel_dims=dims)
+        return module
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Parallelize) and (other.backend, other.context) == (self.backend, self.context)
+
+    def __hash__(self) -> int:
+        return hash((self.backend, self.context))
+
+
+class _SpmdRegion(torch.autograd.Function):
+    """``module(x)`` with its forward *and* its backward inside torchtitan's spmd context, as the
+    trainer's ``train_context`` wraps both (the backward's collectives need it too): the module's own
+    graph is built in the forward and back-propagated, in the context, in this node's backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, module: nn.Module, context: Any) -> torch.Tensor:
+        ctx.context = context
+        ctx.x = x.detach().requires_grad_(x.requires_grad)
+        with torch.enable_grad(), context():
+            ctx.y = module(ctx.x)
+        return ctx.y.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None, None]:
+        with ctx.context():
+            torch.autograd.backward(ctx.y, grad)
+        return ctx.x.grad, None, None
+
+
+def in_spmd_context(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)``, forward and backward inside the spmd context its plan left on it (the dense
+    reference has none)."""
+    context = getattr(module, "_tpsim_spmd_context", None)
+    return module(x) if context is None else _SpmdRegion.apply(x, module, context)
+
+
+def ffn_variant(cls: type, backend: str, context: bool) -> Any:
+    """The variant of torchtitan's feed-forward ``cls`` under its tp sharding on ``backend`` (the forward
+    inside the spmd context when ``context``)."""
+    from tpsim.props.module.plans import plan_variant
+
+    suffix = backend if context or backend != "spmd_types" else f"{backend}-no-context"
+    return plan_variant(_Dense(cls), _Parallelize(backend, context), sizes=("hidden", "ffn"),
+                        name=f"{cls.__qualname__}-{suffix}", plan_name=f"torchtitan set_dense_ffn_sharding, {backend}",
+                        forward=in_spmd_context, input_grad="partial", min_batch_dims=2, subgroups=False,
+                        description=f"{cls.__module__}.{cls.__qualname__} under torchtitan's tp sharding ({backend})")
+
+
+class TorchtitanPreset:
+    """torchtitan 0.3.0's dense feed-forward under its tp sharding (see the module docstring)."""
+
+    name = "torchtitan"
+    requirement = "torchtitan==0.3.0"
+    targets = ("torchtitan.models.llama3", "torchtitan.models.common", "torchtitan.models.common.feed_forward")
+    classes = {_FFN: "module", _LLAMA3_FFN: "module"}
+    rank_local: tuple[str, ...] = ()
+
+    def load(self) -> dict[str, Any]:
+        try:
+            cls = quiet_import(self, "torchtitan.models.common.feed_forward").FeedForward
+        except InvalidArgument as err:
+            if "triton" in str(err):
+                raise InvalidArgument(f"{err}; torchtitan 0.3.0 imports triton at import time: pip install -c "
+                                      "constraints.txt triton") from None
+            raise
+        return {_FFN: cls, _LLAMA3_FFN: cls}
+
+    def variants(self, cls: Any, kind: str) -> list[Any]:
+        return [ffn_variant(cls, backend, context) for backend, context in BACKENDS]
+
+
+#: The preset object (listed in :data:`tpsim.presets.PRESETS`).
+PRESET = TorchtitanPreset()
