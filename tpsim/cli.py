@@ -228,6 +228,10 @@ def build_parser() -> _Parser:
     adapt.add_argument("--sequence-dim", dest="sequence_dim", type=_sequence_dim, default=None, metavar="D",
                        help="the sequence dim of a sequence-sharded input/output (default -2, the dim before the "
                        "features; dim 0 of a 2-D input)")
+    adapt.add_argument("--forward-only", dest="forward_only", action="store_const", const=True, default=None,
+                       help="an inference layer (weights without grads, collectives outside autograd): run the "
+                       "forward only, under torch.no_grad(), and check forward equivalence, replica consistency "
+                       "and divisibility (a refusal by assert on every rank counts; python -O strips it)")
     real = check.add_argument_group("what a real job does per process or in its trainer (any target)")
     real.add_argument("--rank-local", dest="rank_local", action="append", default=None, metavar="MODULE",
                       help="make MODULE's globals per rank on inproc, as they are per process in a real job (a "
@@ -651,7 +655,7 @@ def _run_check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: 
     from tpsim.target import resolve_target
 
     options = {k: getattr(args, k) for k in ("convention", "kind", "input", "output", "input_grad", "packed",
-                                             "sequence_dim")}
+                                             "sequence_dim", "forward_only")}
     # Repeatable flags as tuples (options must be hashable: they key the resolver's cache).
     options["rank_local"] = tuple(args.rank_local) if args.rank_local else None
     options["param_grad"] = tuple(args.param_grad) if args.param_grad else None

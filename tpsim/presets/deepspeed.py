@@ -51,7 +51,7 @@ _ROW = f"{_LAYERS}.LinearAllreduce"
 _ROW_REPLICATED = f"{_LAYERS}.LinearAllreduceWithReplicatedInput"
 _COLUMN_DEFAULTS = {"gather_output": False, "training": True}
 _ROW_DEFAULTS = {"training": True}
-_MODES = (True,)
+_MODES = (True, False)
 
 
 def _init_deepspeed(training: bool) -> None:

@@ -305,17 +305,19 @@ def names_the_size(err: BaseException, sizes: Sequence[int]) -> bool:
 
 @recogniser(DIVISIBILITY_UNCHECKED)
 def refusal_failure(variant: str, case: Any, error: RankError, what: str, sizes: Sequence[int], *,
-                    subject: str = "layer") -> Failure | None:
+                    subject: str = "layer", assert_refuses: bool = False) -> Failure | None:
     """The ``divisibility`` property of a case that cannot be sharded, whose run failed with
     ``error``: None when every rank's own code refused it with an error naming one of ``sizes`` or
-    divisibility; else ``divisibility-unchecked`` (``what`` says which sizes do not divide; ``subject``
+    divisibility (``assert_refuses``: or with an ``AssertionError``, a forward-only variant's refusal in
+    vLLM's style; the report notes that ``python -O`` strips it); else ``divisibility-unchecked`` (``what`` says which sizes do not divide; ``subject``
     names the variant: layer, module, block), or the death of a rank."""
     b = blame(error)
     if b.death is not None:
         return death_failure(variant, case, b.death, divisible=False)
     raised = sorted(b.raised)
     if len(raised) == case.world_size:
-        unclear = [r for r in raised if not names_the_size(b.raised[r], sizes)]
+        unclear = [r for r in raised if not names_the_size(b.raised[r], sizes)
+                   and not (assert_refuses and getattr(b.raised[r], "error_type", None) == "AssertionError")]
         if not unclear:
             return None
         r = unclear[0]

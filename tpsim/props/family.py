@@ -51,7 +51,8 @@ __all__ = [
 
 #: The CLI's adapter flags (``--convention``, ``--packed``, ...): each family takes some of them
 #: (:attr:`Family.adapter_options`) and refuses the others.
-ADAPTER_OPTIONS = ("convention", "packed", "input", "output", "input_grad", "sequence_dim", "param_grad")
+ADAPTER_OPTIONS = ("convention", "packed", "input", "output", "input_grad", "sequence_dim", "param_grad",
+                   "forward_only")
 
 
 @dataclass
