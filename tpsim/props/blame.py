@@ -55,6 +55,7 @@ __all__ = [
     "VariantRaised",
     "blame",
     "death_failure",
+    "failed_after_acceptance",
     "names_the_size",
     "rank_errors",
     "refusal_failure",
@@ -301,6 +302,24 @@ def names_the_size(err: BaseException, sizes: Sequence[int]) -> bool:
     if "divisib" in text.lower() or "multiple" in text.lower():
         return True
     return any(re.search(rf"(?<![\d.]){n}(?![\d.])", text) for n in sizes)
+
+
+def failed_after_acceptance(error: RankError) -> tuple[int, str] | None:
+    """``(rank, what happened)`` when a run of a case that does not divide failed only after the layer
+    accepted it: no rank's own code raised while it was built or in its first forward (a refusal), and
+    some rank raised or stopped in a later phase (a backward, a training step). None otherwise."""
+    b = blame(error)
+    if b.death is not None:
+        return None
+    facts = {r: _facts(e) for r, e in {**b.waiting, **b.raised}.items()}
+    early = [r for r in b.raised if facts[r][0] == "build" or (facts[r][0] == "forward" and facts[r][1] == 0)]
+    late = sorted(r for r, (phase, step, _, _) in facts.items()
+                  if phase is not None and phase != "build" and not (phase == "forward" and step == 0))
+    if early or not late:
+        return None
+    r = next((r for r in late if r in b.raised), late[0])
+    phase, step, summary, _ = facts[r]
+    return r, f"rank {r} {'raised' if r in b.raised else 'stopped in a collective'} during {_where(phase, step)}: {summary}"
 
 
 @recogniser(DIVISIBILITY_UNCHECKED)

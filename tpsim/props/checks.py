@@ -69,7 +69,7 @@ from tpsim.diagnosis import (
 from tpsim.errors import InvalidArgument, RankDied
 from tpsim.patterns import bias_multiple, block_mapping, close, rank_summands, regathered_dim, scale_factor
 from tpsim.placement import Replicate, Shard, assemble, shard_tensor, uneven_pieces
-from tpsim.props.blame import death_failure, refusal_failure, run_failure
+from tpsim.props.blame import death_failure, failed_after_acceptance, refusal_failure, run_failure
 from tpsim.props.case import Case
 from tpsim.props.groups import column_grad_summands, column_output_shards, tp_groups, wrong_group
 from tpsim.props.groups import row_summands as group_row_summands
@@ -931,6 +931,12 @@ def _divisibility(variant: Variant, obs: Observation) -> Failure | None:
     size_name = "world_size" if tp == ws else "tp_size"
     what = ", ".join(f"{n}={v}" for n, v in offending.items()) + f" is not divisible by {size_name}={tp}"
     if obs.error is not None:
+        late = failed_after_acceptance(obs.error)
+        if late is not None:
+            return Failure(DIVISIBILITY, DIVISIBILITY_UNCHECKED,
+                           f"{what}; every rank built the layer and ran its first forward without refusing it, but "
+                           f"then {late[1]}; refuse the sizes on every rank at construction, or compute them right",
+                           case=case, rank=late[0], variant=variant.name, details={"accepted": True})
         return refusal_failure(variant.name, case, obs.error, what, list(offending.values()),
                                assert_refuses=variant.forward_only)
     values = obs.values or []

@@ -218,31 +218,37 @@ def rank_main(payload: dict[str, Any]) -> RankResult:
 
 
 def _uneven_rank(me: Any, variant: Variant, case: Case, m: Masters, kwargs: dict[str, Any], layout: str) -> RankResult:
-    """A case whose sharded sizes do not divide: build the layer (its own code may refuse); when every
-    parameter it built has its ``torch.tensor_split`` piece (uneven by design, see
-    :func:`tpsim.placement.uneven_pieces`), load and train it on such pieces like a divisible case, the
-    result marked ``uneven``; else (a truncated or padded shard) run one forward and report it accepted."""
+    """A case whose sharded sizes do not divide: the layer may refuse it (raise on every rank, while it
+    is built or in its first forward), or shard it unevenly and compute it right. The layer is built,
+    loaded where its parameters have ``torch.tensor_split``'s pieces (:func:`tpsim.placement.uneven_pieces`;
+    a truncated or padded one keeps its own values) and run like a divisible case, the result marked
+    ``uneven`` when every parameter had such a piece. Every rank runs the same steps whatever its
+    shapes, so the ranks' collectives stay in step."""
     rank, ws = me.rank, me.tp
     init: dict[str, Any] = {}
     with rank_phase("build"):
         module = variant.build(case.in_features, case.out_features, case.bias, **kwargs,
                                **variant.layout_kwargs(case.out_features))
     _replicated_init(variant, case, init)(module)
+    if variant.packed:
+        # tensor_split pieces of packed parts are no layout a library uses: the layer must refuse.
+        x = _rank_input(variant, m.inputs[0], rank, ws, even=False, layout=layout, grad=not variant.forward_only)
+        with rank_phase("forward", 0), torch.no_grad() if variant.forward_only else contextlib.nullcontext():
+            out = variant.call(module, x)
+        return RankResult(ACCEPTED, output_shape=tuple(out.shape) if isinstance(out, torch.Tensor) else None,
+                          output_type=type(out).__name__, tp_rank=rank)
     with uneven_pieces():
         try:
             load_master(module, variant, rank=rank, world_size=ws,
                         masters={"weight": kwargs["master_weight"], "bias": kwargs["master_bias"]})
-        except InvalidArgument:  # LayoutError too: pieces that are not tensor_split's
-            pass
-        else:
-            result = _train(me, variant, case, m, module, init, layout)
-            result.uneven = True
-            return result
-    x = _rank_input(variant, m.inputs[0], rank, ws, even=False, layout=layout, grad=not variant.forward_only)
-    with rank_phase("forward", 0), torch.no_grad() if variant.forward_only else contextlib.nullcontext():
-        out = variant.call(module, x)
-    return RankResult(ACCEPTED, output_shape=tuple(out.shape) if isinstance(out, torch.Tensor) else None,
-                      output_type=type(out).__name__, tp_rank=rank)
+            pieces = True
+        except InvalidArgument:  # LayoutError too: not tensor_split's pieces
+            pieces = False
+        result = _train(me, variant, case, m, module, init, layout)
+    result.uneven = pieces
+    if result.output is not None:
+        result.output_shape = tuple(result.output.shape)
+    return result
 
 
 def _train(me: Any, variant: Variant, case: Case, m: Masters, module: Any, init: dict[str, Any],
