@@ -207,7 +207,7 @@ def build_parser() -> _Parser:
                        help="constructor convention, detected from the signature when unambiguous: master-weight "
                        "(in_features, out_features, bias, master_weight), tp-rank (in_features, out_features, tp_size, "
                        "tp_rank[, tp_group]) or group (Megatron style: input_size, output_size, *, bias, gather_output, "
-                       "skip_bias_add, process_group|group|tp_group; forward may return (output, bias)); a forced "
+                       "skip_bias_add, process_group|group|tp_group|pg; forward may return (output, bias)); a forced "
                        "convention that does not fit the constructor is a usage error (README: Check your own layer)")
     adapt.add_argument("--kind", type=_choice(KIND_CHOICES), metavar=_braces(KIND_CHOICES),
                        help="column- or row-parallel (detected from the class name when it says); module: a "
