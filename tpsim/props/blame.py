@@ -349,8 +349,11 @@ def refusal_failure(variant: str, case: Any, error: RankError, what: str, sizes:
     waiting = sorted(b.waiting)
     if raised:
         others = waiting or sorted(set(range(case.world_size)) - set(raised))
+        # The raising rank's own error first: it is the cause the waiting ranks only echo.
+        phase, step, summary, _ = _facts(b.raised[raised[0]])
         detail = f"ranks {raised} raised but ranks {others} did not" + (
-            " (they failed waiting in a collective instead)" if waiting else "")
+            " (they failed waiting in a collective instead)" if waiting else "") + (
+            f"; rank {raised[0]} raised during {_where(phase, step)}: {summary}")
     else:
         detail = f"no rank raised a clear error; the ranks failed in a collective: {_collective_summary(b, error)}"
     return Failure(DIVISIBILITY, DIVISIBILITY_UNCHECKED, f"{what}, and the {subject} did not refuse it on every rank: "
