@@ -18,8 +18,11 @@ Per-case properties (all fed by one world run, :meth:`tpsim.props.linear.LinearF
   tp group first, as the trainer does) the re-assembled parameters equal dense training: it catches
   state bugs such as a cached weight copy that stops following the parameter;
 - :func:`divisibility` — for a case whose sharded sizes do not divide by the tp size: every rank
-  raises an exception (while building the layer or in its forward); no rank returns a result (a
-  silent truncation) and no rank is left failing in a collective.
+  raises an exception (while building the layer or in its first forward), or the layer shards the
+  sizes unevenly by design (every parameter holds its ``torch.tensor_split`` piece) and every other
+  property holds on those pieces. A truncated or padded shard, a wrong result, a failure after the
+  first forward and a rank left failing in a collective are findings (``divisibility-unchecked``).
+  A forward-only variant's refusal by ``assert`` on every rank counts too (``python -O`` strips it).
 
 Each function raises :class:`PropertyFailed` (an ``AssertionError``, so pytest reports it as a
 test failure) carrying the :class:`~tpsim.diagnosis.Failure`. :func:`~tpsim.props.linear.check_case` evaluates them

@@ -10,6 +10,11 @@ trainer's: a replicated parameter whose grad is left partial (``ParamSpec(grad="
 Megatron's ``param.sequence_parallel`` marker) has its grad summed over the tp group before each SGD
 step, as Megatron's ``finalize_model_grads`` does — and the same code serves every backend.
 
+A case whose sharded sizes do not divide runs the same steps (:func:`_uneven_rank`): the layer may
+refuse it while it is built or in its first forward, or hold ``torch.tensor_split``'s pieces, which
+are then loaded and checked like a divisible case's (:func:`tpsim.placement.uneven_pieces`). A
+forward-only variant (an inference layer) runs one forward under ``torch.no_grad()``.
+
 The rank function :func:`rank_main` is module-level and takes picklable arguments, so gloo/nccl
 worker processes can run it; there the variant is resolved again from its target string
 (:mod:`tpsim.props.rank`).
