@@ -68,3 +68,18 @@ def test_nanotron_pg_keyword_is_the_group_convention(capsys, tmp_path, monkeypat
     assert "pg=" in variant.description
     code, out = _check(capsys, tmp_path, monkeypatch, f"{STYLES}:PgColumnLinear")
     assert code == 0, out
+
+
+def test_a_module_global_group_is_exit_2_naming_the_module_and_the_global(capsys, tmp_path, monkeypatch) -> None:
+    # picotron's style: the tp group lives in a manager held by a module global of another file.
+    monkeypatch.chdir(ROOT / "tests" / "wild")
+    args = ["check", "picotron_style.py:row", "--max-examples", "10", "--world-sizes", "1,2", "--dtypes", "float64",
+            "--seed", "0", "--cases-dir", str(tmp_path)]
+    code = main(args)
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert code == 2, text
+    assert "picotron_state.process_group_manager" in text and "--rank-local picotron_state" in text
+    assert not list(tmp_path.iterdir())  # no case file: a usage error, not a finding
+    # The suggested command works.
+    assert main([*args, "--rank-local", "picotron_state"]) == 0, capsys.readouterr().out
