@@ -972,7 +972,7 @@ def _divisibility(variant: Variant, obs: Observation) -> Failure | None:
         DIVISIBILITY_UNCHECKED,
         f"{what}, yet every rank built the layer and its forward returned an output (rank {r0}: shape "
         f"{list(shape) if shape is not None else shape}) without an error: the sizes were silently truncated or "
-        "padded (no rank holds torch.tensor_split's piece of the sharded sizes); raise a ValueError naming the "
+        "padded (the shards are not torch.tensor_split's pieces of the sharded sizes); raise a ValueError naming the "
         "sizes at construction, or shard them unevenly and compute the right result",
         case=case,
         rank=r0,
