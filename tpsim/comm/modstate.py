@@ -126,11 +126,6 @@ def _module_names_of(obj: Any, found: set[str], seen: set[int], depth: int) -> N
             scope = obj.__globals__
             for name in sorted(_globals_used(obj.__code__)):
                 if name in scope:
-                    if isinstance(scope[name], types.ModuleType):
-                        # A module the function uses by name (``import pkg.state as st``): where a
-                        # library keeps its parallel state. Named at any depth: it costs no walk.
-                        found.add(scope[name].__name__)
-                        continue
                     _module_names_of(scope[name], found, seen, depth - 1)
             for cell in obj.__closure__ or ():
                 try:
