@@ -90,8 +90,10 @@ def test_a_refusal_counts_only_ranks_that_refused_in_their_own_code() -> None:
     case = ModuleCase(world_size=2, sizes=(3, 4), seed=0)
     failure = refusal_failure("v", case, info.value, "in_features=3 is not divisible by tp_size=2", [3])
     assert failure is not None and failure.diagnosis == "divisibility-unchecked"
-    assert failure.message.endswith("the layer did not refuse it on every rank: ranks [1] raised but ranks [0] did "
-                                    "not (they failed waiting in a collective instead)")
+    assert ("the layer did not refuse it on every rank: ranks [1] raised but ranks [0] did not (they failed waiting "
+            "in a collective instead); rank 1 raised during ") in failure.message
+    # The raising rank's own error is quoted: the waiting rank only echoes it.
+    assert failure.message.endswith("ValueError: in_features=3 is not divisible by tp_size=2"), failure.message
 
 
 def test_variant_raised_keeps_its_declared_fields_when_pickled() -> None:

@@ -207,7 +207,7 @@ def build_parser() -> _Parser:
                        help="constructor convention, detected from the signature when unambiguous: master-weight "
                        "(in_features, out_features, bias, master_weight), tp-rank (in_features, out_features, tp_size, "
                        "tp_rank[, tp_group]) or group (Megatron style: input_size, output_size, *, bias, gather_output, "
-                       "skip_bias_add, process_group|group|tp_group; forward may return (output, bias)); a forced "
+                       "skip_bias_add, process_group|group|tp_group|pg; forward may return (output, bias)); a forced "
                        "convention that does not fit the constructor is a usage error (README: Check your own layer)")
     adapt.add_argument("--kind", type=_choice(KIND_CHOICES), metavar=_braces(KIND_CHOICES),
                        help="column- or row-parallel (detected from the class name when it says); module: a "
@@ -233,6 +233,10 @@ def build_parser() -> _Parser:
                        "parallelize_module dict of DTensor styles, a Hugging Face dict of style strings (colwise, "
                        "rowwise, sequence_parallel, ...) or a function (module, mesh) -> module; sizes come from the "
                        "class's constructor (docs/cli.md: Plans)")
+    adapt.add_argument("--forward-only", dest="forward_only", action="store_const", const=True, default=None,
+                       help="an inference layer (weights without grads, collectives outside autograd): run the "
+                       "forward only, under torch.no_grad(), and check forward equivalence, replica consistency "
+                       "and divisibility (a refusal by assert on every rank counts; python -O strips it)")
     real = check.add_argument_group("what a real job does per process or in its trainer (any target)")
     real.add_argument("--rank-local", dest="rank_local", action="append", default=None, metavar="MODULE",
                       help="make MODULE's globals per rank on inproc, as they are per process in a real job (a "
@@ -656,7 +660,7 @@ def _run_check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: 
     from tpsim.target import resolve_target
 
     options = {k: getattr(args, k) for k in ("convention", "kind", "input", "output", "input_grad", "packed",
-                                             "sequence_dim", "plan")}
+                                             "sequence_dim", "plan", "forward_only")}
     # Repeatable flags as tuples (options must be hashable: they key the resolver's cache).
     options["rank_local"] = tuple(args.rank_local) if args.rank_local else None
     options["param_grad"] = tuple(args.param_grad) if args.param_grad else None

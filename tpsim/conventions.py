@@ -17,7 +17,7 @@ Three constructor conventions are common in the wild and are recognised from the
 
 ``group`` (Megatron's): ``cls(input_size, output_size, *, bias=True, gather_output=False,
 skip_bias_add=False, process_group=None)``
-    The tp group is passed by keyword (``process_group``, ``group`` or ``tp_group``); the sizes
+    The tp group is passed by keyword (``process_group``, ``group``, ``tp_group`` or nanotron's ``pg``); the sizes
     are ``input_size``/``output_size`` or ``in_features``/``out_features``. The layer initialises
     its own weights; the harness overwrites them with the master shards, stored ``[out/ws, in]``
     (column) / ``[out, in/ws]`` (row). Megatron's option keywords follow the placements:
@@ -74,7 +74,7 @@ __all__ = [
 
 CONVENTIONS = ("master-weight", "tp-rank", "group")
 #: Keywords a ``group``-convention constructor takes its tp group by, in the order they are looked for.
-GROUP_KEYWORDS = ("process_group", "group", "tp_group")
+GROUP_KEYWORDS = ("process_group", "group", "tp_group", "pg")
 #: The size names of the ``group`` convention (one pair, passed by position).
 _SIZE_NAMES = (("input_size", "output_size"), ("in_features", "out_features"))
 #: Megatron option keywords the ``group`` convention sets from the placements.
@@ -156,7 +156,7 @@ def detect_convention(cls: type) -> str:
             f"cannot tell the convention of {cls.__qualname__}({sig.render()}): it fits {what}. "
             "tpsim recognises (in_features, out_features, bias, master_weight) [master-weight], "
             "(in_features, out_features, tp_size, tp_rank[, tp_group]) [tp-rank] and "
-            "(input_size, output_size, *, ..., process_group|group|tp_group) [group]; "
+            "(input_size, output_size, *, ..., process_group|group|tp_group|pg) [group]; "
             f"pass --convention {'|'.join(CONVENTIONS)}, or describe the layer with a tpsim Variant: see {HOW_TO_CHECK}"
         )
     return found[0]

@@ -49,6 +49,11 @@ Fields:
   that constrain each other (heads dividing the hidden size). ``divisible`` False asks for a tuple
   with at least one sharded size that does not divide by ``tp_size``.
 - ``rank_local``: modules whose globals are per rank (see :func:`tpsim.run`).
+- ``tp``: ``"world"`` when the module's tp group is always the whole world (a DTensor mesh over every
+  rank, torchtitan's ``world_mesh``): no smaller tp groups are drawn. None (the default): the module
+  uses the group it is given, so tp groups smaller than the world are checked too.
+- ``min_batch_dims``/``max_batch_dims``: the fewest and most leading batch dims of an input (None:
+  no upper limit beyond the strategies' own), e.g. ``max_batch_dims=1`` for styles that take 2-D inputs.
 - ``initialised``: whether the builder initialises the parameters (the default). A builder that
   leaves them empty because the harness loads every one anyway (fast at large sizes) says False:
   replicated parameters are then not compared right after construction.
@@ -117,6 +122,9 @@ class ModuleVariant:
     size_strategy: Callable[[int, bool], Any] | None = None
     rank_local: tuple[str, ...] = ()
     initialised: bool = True
+    tp: str | None = None
+    min_batch_dims: int = 0
+    max_batch_dims: int | None = None
     description: str = ""
     notes: tuple[str, ...] = ()
     target: str | None = None
@@ -166,6 +174,16 @@ class ModuleVariant:
         self._check_params()
         if self.size_strategy is not None and not callable(self.size_strategy):
             raise InvalidArgument(f"ModuleVariant {self.name!r}: size_strategy={self.size_strategy!r}; expected a callable")
+        if self.tp not in (None, "world"):
+            raise InvalidArgument(f"ModuleVariant {self.name!r}: tp={self.tp!r}; expected 'world' (the tp group is "
+                                  "the whole world) or None (the group the builder is given)")
+        low = self.min_batch_dims
+        if isinstance(low, bool) or not isinstance(low, int) or low < 0:
+            raise InvalidArgument(f"ModuleVariant {self.name!r}: min_batch_dims={low!r}; expected an int >= 0")
+        high = self.max_batch_dims
+        if high is not None and (isinstance(high, bool) or not isinstance(high, int) or high < low):
+            raise InvalidArgument(f"ModuleVariant {self.name!r}: max_batch_dims={high!r}; expected None or an int >= "
+                                  f"min_batch_dims={low}")
         if not isinstance(self.initialised, bool):
             raise InvalidArgument(f"ModuleVariant {self.name!r}: initialised={self.initialised!r}; expected a bool")
         names = (self.rank_local,) if isinstance(self.rank_local, str) else tuple(self.rank_local)

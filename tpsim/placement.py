@@ -15,12 +15,18 @@ Placements describe tensors in their *logical* (master) coordinates, e.g. a line
 so separately (see :mod:`tpsim.variant`).
 
 :func:`shard_tensor` cuts a master tensor for one rank and :func:`assemble` puts per-rank pieces
-back together; both refuse sizes that do not divide, naming the numbers.
+back together; both refuse sizes that do not divide, naming the numbers, except inside
+:func:`uneven_pieces`: there an unpacked dim that does not divide is cut into ``torch.tensor_split``'s
+pieces (the first ``size % world_size`` ranks hold one more), the layout libraries that shard
+uneven sizes by design use (DeepSpeed AutoTP, DTensor). tpsim enters it to check such a layer's
+result, never to build one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +42,30 @@ __all__ = [
     "part_sizes",
     "shard_shape",
     "shard_tensor",
+    "split_sizes",
+    "uneven_pieces",
 ]
+
+#: Whether an unpacked dim that does not divide is cut into tensor_split pieces (see the module docstring).
+_UNEVEN: contextvars.ContextVar[bool] = contextvars.ContextVar("tpsim_uneven_pieces", default=False)
+
+
+@contextlib.contextmanager
+def uneven_pieces() -> Iterator[None]:
+    """Within this block (of this thread), :func:`shard_shape` and :func:`shard_tensor` cut an unpacked
+    dim that does not divide by the world size into ``torch.tensor_split``'s pieces instead of refusing."""
+    token = _UNEVEN.set(True)
+    try:
+        yield
+    finally:
+        _UNEVEN.reset(token)
+
+
+def split_sizes(size: int, world_size: int) -> tuple[int, ...]:
+    """The sizes of ``torch.tensor_split``'s ``world_size`` pieces of a dim of ``size``: the first
+    ``size % world_size`` are one larger."""
+    base, extra = divmod(size, world_size)
+    return tuple(base + (1 if r < extra else 0) for r in range(world_size))
 
 
 class Placement:
@@ -149,14 +178,23 @@ def _check_divisible(placement: Shard, dim_size: int, world_size: int, what: str
     return parts
 
 
-def shard_shape(shape: Sequence[int], placement: Placement, world_size: int) -> tuple[int, ...]:
-    """Shape of one rank's piece of a tensor of ``shape`` under ``placement``."""
+def shard_shape(shape: Sequence[int], placement: Placement, world_size: int, rank: int | None = None) -> tuple[int, ...]:
+    """Shape of one rank's piece of a tensor of ``shape`` under ``placement`` (within
+    :func:`uneven_pieces`, the piece of ``rank`` when the dim does not divide)."""
     shape = tuple(int(s) for s in shape)
     if not isinstance(placement, Shard):
         return shape
     dim = placement.dim % len(shape) if shape else placement.dim
-    _check_divisible(placement, shape[dim], world_size, f"a tensor of shape {list(shape)}")
     out = list(shape)
+    if _UNEVEN.get() and placement.parts is None and shape[dim] % world_size and rank is not None:
+        out[dim] = split_sizes(shape[dim], world_size)[rank]
+        return tuple(out)
+    if _UNEVEN.get() and placement.parts is None and shape[dim] % world_size:
+        raise InvalidArgument(
+            f"the pieces of a tensor of shape {list(shape)} along dim {placement.dim} over world_size={world_size} "
+            f"differ by rank ({list(split_sizes(shape[dim], world_size))}); ask shard_tensor for one rank's piece"
+        )
+    _check_divisible(placement, shape[dim], world_size, f"a tensor of shape {list(shape)}")
     out[dim] = shape[dim] // world_size
     return tuple(out)
 
@@ -177,6 +215,8 @@ def shard_tensor(tensor: torch.Tensor, placement: Placement, rank: int, world_si
     if not isinstance(placement, Shard):
         raise InvalidArgument(f"placement={placement!r} is not a Shard, Replicate or Partial")
     dim = placement.dim % tensor.dim()
+    if _UNEVEN.get() and placement.parts is None and tensor.shape[dim] % world_size:
+        return torch.tensor_split(tensor, world_size, dim=dim)[rank]
     parts = _check_divisible(placement, tensor.shape[dim], world_size, f"a tensor of shape {list(tensor.shape)}")
     pieces = []
     start = 0

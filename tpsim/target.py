@@ -61,7 +61,7 @@ __all__ = [
 ]
 
 _OPTION_NAMES = ("convention", "kind", "input", "output", "input_grad", "packed", "sequence_dim", "rank_local",
-                 "param_grad", "plan", "plan_twin")
+                 "param_grad", "plan", "plan_twin", "forward_only")
 #: Modules whose variants are declared elsewhere (the layer core never imports the harness).
 DECLARED_IN = {"tpsim.layers": "tpsim.builtin_variants"}
 _lock = threading.Lock()

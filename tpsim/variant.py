@@ -252,6 +252,11 @@ class Variant:
     #: :func:`tpsim.run` as ``rank_local`` (on inproc each rank thread sees its own copy of their
     #: globals; process backends have this already). Module names, e.g. ``("fairscale.nn.model_parallel.initialize",)``.
     rank_local: tuple[str, ...] = ()
+    #: An inference layer (weights without grads, collectives outside autograd: vLLM's style, DeepSpeed
+    #: AutoTP's inference mode): only the forward runs, under ``torch.no_grad()``, once per case; the
+    #: properties are forward equivalence, replica consistency of the output and divisibility (a refusal
+    #: by ``assert`` on every rank counts there, with a note that ``python -O`` strips it).
+    forward_only: bool = False
     target: str | None = None
     options: tuple[tuple[str, Any], ...] = field(default=())
 
@@ -287,6 +292,8 @@ class Variant:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise InvalidArgument(f"Variant {self.name!r}: {name}={value!r}; expected an int >= {low}")
         self._check_batch_and_tp_limits()
+        if not isinstance(self.forward_only, bool):
+            raise InvalidArgument(f"Variant {self.name!r}: forward_only={self.forward_only!r}; expected a bool")
         if not isinstance(self.divisible_only, bool):
             raise InvalidArgument(f"Variant {self.name!r}: divisible_only={self.divisible_only!r}; expected a bool")
         if self.input_grad not in INPUT_GRADS:
@@ -475,6 +482,8 @@ class Variant:
             out.append(f"feature sizes of at least {self.min_features} only")
         if self.divisible_only:
             out.append("divisible cases only: the divisibility property does not apply")
+        if self.forward_only:
+            out.append("forward only (an inference layer): the grad and training properties do not apply")
         if not self.subgroups:
             out.append("tp groups spanning the whole world only (subgroups=False: it does not take a tp group)")
         return tuple(out)
@@ -584,9 +593,11 @@ def _local_shard(param: Any) -> torch.Tensor:
     return local
 
 
-def stored_shape(spec: ParamSpec, master_shape: tuple[int, ...], world_size: int) -> tuple[int, ...]:
-    """The shape a rank stores for ``spec`` given the master tensor's shape."""
-    shape = shard_shape(master_shape, spec.placement, world_size)
+def stored_shape(spec: ParamSpec, master_shape: tuple[int, ...], world_size: int,
+                 rank: int | None = None) -> tuple[int, ...]:
+    """The shape a rank stores for ``spec`` given the master tensor's shape (``rank``'s, where the
+    pieces are uneven: see :func:`tpsim.placement.uneven_pieces`)."""
+    shape = shard_shape(master_shape, spec.placement, world_size, rank)
     return tuple(reversed(shape)) if spec.transposed else shape
 
 
@@ -608,7 +619,7 @@ def load_master(
         master = masters.get(spec.master)
         if master is None:
             continue  # e.g. the bias of a bias-free case
-        expected = stored_shape(spec, tuple(master.shape), world_size)
+        expected = stored_shape(spec, tuple(master.shape), world_size, rank)
         param = get_param(module, spec.name)
         if param is None:
             raise LayoutError(

@@ -29,8 +29,8 @@ from tpsim.presets._base import LibraryMissing, Preset
 __all__ = ["PRESETS", "LibraryMissing", "Preset", "library_variants", "preset_for_class", "preset_for_target", "presets"]
 
 #: The preset modules, each defining ``PRESET`` (imported lazily: they import their library only on use).
-PRESETS = ("tpsim.presets.megatron", "tpsim.presets.fairscale", "tpsim.presets.transformers",
-           "tpsim.presets.torchtitan")
+PRESETS = ("tpsim.presets.megatron", "tpsim.presets.fairscale", "tpsim.presets.deepspeed",
+           "tpsim.presets.transformers", "tpsim.presets.torchtitan")
 
 
 def presets() -> list[Preset]:

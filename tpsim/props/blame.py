@@ -55,6 +55,7 @@ __all__ = [
     "VariantRaised",
     "blame",
     "death_failure",
+    "failed_after_acceptance",
     "names_the_size",
     "rank_errors",
     "refusal_failure",
@@ -303,19 +304,39 @@ def names_the_size(err: BaseException, sizes: Sequence[int]) -> bool:
     return any(re.search(rf"(?<![\d.]){n}(?![\d.])", text) for n in sizes)
 
 
+def failed_after_acceptance(error: RankError) -> tuple[int, str] | None:
+    """``(rank, what happened)`` when a run of a case that does not divide failed only after the layer
+    accepted it: no rank's own code raised while it was built or in its first forward (a refusal), and
+    some rank raised or stopped in a later phase (a backward, a training step). None otherwise."""
+    b = blame(error)
+    if b.death is not None:
+        return None
+    facts = {r: _facts(e) for r, e in {**b.waiting, **b.raised}.items()}
+    early = [r for r in b.raised if facts[r][0] == "build" or (facts[r][0] == "forward" and facts[r][1] == 0)]
+    late = sorted(r for r, (phase, step, _, _) in facts.items()
+                  if phase is not None and phase != "build" and not (phase == "forward" and step == 0))
+    if early or not late:
+        return None
+    r = next((r for r in late if r in b.raised), late[0])
+    phase, step, summary, _ = facts[r]
+    return r, f"rank {r} {'raised' if r in b.raised else 'stopped in a collective'} during {_where(phase, step)}: {summary}"
+
+
 @recogniser(DIVISIBILITY_UNCHECKED)
 def refusal_failure(variant: str, case: Any, error: RankError, what: str, sizes: Sequence[int], *,
-                    subject: str = "layer") -> Failure | None:
+                    subject: str = "layer", assert_refuses: bool = False) -> Failure | None:
     """The ``divisibility`` property of a case that cannot be sharded, whose run failed with
     ``error``: None when every rank's own code refused it with an error naming one of ``sizes`` or
-    divisibility; else ``divisibility-unchecked`` (``what`` says which sizes do not divide; ``subject``
+    divisibility (``assert_refuses``: or with an ``AssertionError``, a forward-only variant's refusal in
+    vLLM's style; the report notes that ``python -O`` strips it); else ``divisibility-unchecked`` (``what`` says which sizes do not divide; ``subject``
     names the variant: layer, module, block), or the death of a rank."""
     b = blame(error)
     if b.death is not None:
         return death_failure(variant, case, b.death, divisible=False)
     raised = sorted(b.raised)
     if len(raised) == case.world_size:
-        unclear = [r for r in raised if not names_the_size(b.raised[r], sizes)]
+        unclear = [r for r in raised if not names_the_size(b.raised[r], sizes)
+                   and not (assert_refuses and getattr(b.raised[r], "error_type", None) == "AssertionError")]
         if not unclear:
             return None
         r = unclear[0]
@@ -328,8 +349,11 @@ def refusal_failure(variant: str, case: Any, error: RankError, what: str, sizes:
     waiting = sorted(b.waiting)
     if raised:
         others = waiting or sorted(set(range(case.world_size)) - set(raised))
+        # The raising rank's own error first: it is the cause the waiting ranks only echo.
+        phase, step, summary, _ = _facts(b.raised[raised[0]])
         detail = f"ranks {raised} raised but ranks {others} did not" + (
-            " (they failed waiting in a collective instead)" if waiting else "")
+            " (they failed waiting in a collective instead)" if waiting else "") + (
+            f"; rank {raised[0]} raised during {_where(phase, step)}: {summary}")
     else:
         detail = f"no rank raised a clear error; the ranks failed in a collective: {_collective_summary(b, error)}"
     return Failure(DIVISIBILITY, DIVISIBILITY_UNCHECKED, f"{what}, and the {subject} did not refuse it on every rank: "

@@ -18,8 +18,11 @@ Per-case properties (all fed by one world run, :meth:`tpsim.props.linear.LinearF
   tp group first, as the trainer does) the re-assembled parameters equal dense training: it catches
   state bugs such as a cached weight copy that stops following the parameter;
 - :func:`divisibility` — for a case whose sharded sizes do not divide by the tp size: every rank
-  raises an exception (while building the layer or in its forward); no rank returns a result (a
-  silent truncation) and no rank is left failing in a collective.
+  raises an exception (while building the layer or in its first forward), or the layer shards the
+  sizes unevenly by design (every parameter holds its ``torch.tensor_split`` piece) and every other
+  property holds on those pieces. A truncated or padded shard, a wrong result, a failure after the
+  first forward and a rank left failing in a collective are findings (``divisibility-unchecked``).
+  A forward-only variant's refusal by ``assert`` on every rank counts too (``python -O`` strips it).
 
 Each function raises :class:`PropertyFailed` (an ``AssertionError``, so pytest reports it as a
 test failure) carrying the :class:`~tpsim.diagnosis.Failure`. :func:`~tpsim.props.linear.check_case` evaluates them
@@ -68,8 +71,8 @@ from tpsim.diagnosis import (
 )
 from tpsim.errors import InvalidArgument, RankDied
 from tpsim.patterns import bias_multiple, block_mapping, close, rank_summands, regathered_dim, scale_factor
-from tpsim.placement import Replicate, Shard, assemble, shard_tensor
-from tpsim.props.blame import death_failure, refusal_failure, run_failure
+from tpsim.placement import Replicate, Shard, assemble, shard_tensor, uneven_pieces
+from tpsim.props.blame import death_failure, failed_after_acceptance, refusal_failure, run_failure
 from tpsim.props.case import Case
 from tpsim.props.groups import column_grad_summands, column_output_shards, tp_groups, wrong_group
 from tpsim.props.groups import row_summands as group_row_summands
@@ -78,6 +81,7 @@ from tpsim.props.property_names import (
     BIAS_GRAD,
     DIVISIBILITY,
     FORWARD,
+    FORWARD_ONLY,
     INPUT_GRAD,
     PROPERTIES,
     REPLICA,
@@ -930,17 +934,46 @@ def _divisibility(variant: Variant, obs: Observation) -> Failure | None:
     size_name = "world_size" if tp == ws else "tp_size"
     what = ", ".join(f"{n}={v}" for n, v in offending.items()) + f" is not divisible by {size_name}={tp}"
     if obs.error is not None:
-        return refusal_failure(variant.name, case, obs.error, what, list(offending.values()))
+        late = failed_after_acceptance(obs.error)
+        if late is not None:
+            return Failure(DIVISIBILITY, DIVISIBILITY_UNCHECKED,
+                           f"{what}; every rank built the layer and ran its first forward without refusing it, but "
+                           f"then {late[1]}; refuse the sizes on every rank at construction, or compute them right",
+                           case=case, rank=late[0], variant=variant.name, details={"accepted": True})
+        return refusal_failure(variant.name, case, obs.error, what, list(offending.values()),
+                               assert_refuses=variant.forward_only)
     values = obs.values or []
-    accepted = [r for r, v in enumerate(values) if v.status == ACCEPTED]
+    wrong: list[Failure] = []
+    if values and all(getattr(v, "uneven", False) for v in values):
+        # Every rank holds torch.tensor_split's piece of each sharded parameter: uneven by design. The
+        # case is judged like a divisible one on those pieces; only a wrong result is a finding.
+        with uneven_pieces():
+            wrong = _evaluate_divisible(variant, obs, [p for p in (FORWARD_ONLY if variant.forward_only else PROPERTIES)
+                                                       if p != DIVISIBILITY])
+        if not wrong:
+            return None
+    accepted = [r for r, v in enumerate(values) if v.status == ACCEPTED] or list(range(len(values)))
     r0 = accepted[0]
+    if wrong:
+        first = wrong[0]
+        return Failure(
+            DIVISIBILITY,
+            DIVISIBILITY_UNCHECKED,
+            f"{what}; every rank accepted it and holds torch.tensor_split's piece of each sharded parameter "
+            f"(uneven by design), but the result is wrong: {first.property}: {first.diagnosis} — {first.message}",
+            case=case,
+            rank=first.rank if first.rank is not None else r0,
+            variant=variant.name,
+            details={"uneven": True, "property": first.property, "diagnosis": first.diagnosis},
+        )
     shape = values[r0].output_shape
     return Failure(
         DIVISIBILITY,
         DIVISIBILITY_UNCHECKED,
         f"{what}, yet every rank built the layer and its forward returned an output (rank {r0}: shape "
         f"{list(shape) if shape is not None else shape}) without an error: the sizes were silently truncated or "
-        "padded; raise a ValueError naming the sizes at construction",
+        "padded (the shards are not torch.tensor_split's pieces of the sharded sizes); raise a ValueError naming the "
+        "sizes at construction, or shard them unevenly and compute the right result",
         case=case,
         rank=r0,
         variant=variant.name,
@@ -964,6 +997,11 @@ def evaluate(variant: Variant, obs: Observation, properties: Sequence[str] | Non
         return [f] if f else []
     if obs.error is not None:
         return [_layout_failure(variant, obs) or run_failure(variant.name, obs.case, obs.error)]
+    return _evaluate_divisible(variant, obs, wanted)
+
+
+def _evaluate_divisible(variant: Variant, obs: Observation, wanted: Sequence[str]) -> list[Failure]:
+    """The per-case properties of a run whose every rank finished (each tp group on its own)."""
     if (obs.case.tp_size or obs.case.world_size) != obs.case.world_size:
         return _evaluate_groups(variant, obs, wanted)
     return _evaluate_values(variant, obs.case, obs.values or [], obs.data, wanted)

@@ -174,9 +174,29 @@ def watched(rank_local: tuple[str, ...]) -> tuple[str, ...]:
 
     declared = {t.split(".")[0] for p in presets() for t in p.targets}
     tops = {name.split(".")[0] for name in rank_local} - declared
-    found = tuple(name for name in list(sys.modules) if "." in name and name.split(".")[0] in tops)
-    _watched[0] = (key, found)
-    return found
+    found = [name for name in list(sys.modules) if "." in name and name.split(".")[0] in tops]
+    found += [name for name in _siblings_used(rank_local) if name not in found and name not in rank_local]
+    _watched[0] = (key, tuple(found))
+    return tuple(found)
+
+
+def _siblings_used(rank_local: tuple[str, ...]) -> list[str]:
+    """The modules a rank-local module imports from beside it (a file in its directory or below: a
+    script's ``import parallel_state as pgm``, where picotron and vLLM-style code keep the tp group)."""
+    import os
+    import types
+
+    out = []
+    for name in rank_local:
+        module = sys.modules.get(name)
+        where = os.path.dirname(getattr(module, "__file__", None) or "")
+        if not where:
+            continue
+        for value in list(vars(module).values()):
+            path = getattr(value, "__file__", None) if isinstance(value, types.ModuleType) else None
+            if path and os.path.dirname(path).startswith(where) and value.__name__ not in out:
+                out.append(value.__name__)
+    return out
 
 
 _watched: list[tuple[tuple[Any, ...], tuple[str, ...]] | None] = [None]

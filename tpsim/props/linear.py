@@ -30,6 +30,7 @@ from tpsim.props.property_names import (
     BIAS_GRAD,
     DIVISIBILITY,
     FORWARD,
+    FORWARD_ONLY,
     INPUT_GRAD,
     PROPERTIES,
     REPLICA,
@@ -58,7 +59,7 @@ __all__ = [
 #: The options that override a declared variant's placements.
 _OVERRIDES = ("input", "output", "input_grad")
 #: The options that override a variant's layout after it is built (plain classes and declared variants).
-_LAYOUT_OPTIONS = ("packed", "sequence_dim")
+_LAYOUT_OPTIONS = ("packed", "sequence_dim", "forward_only")
 
 
 class LinearFamily(Family, name="linear", kinds=KINDS, variant_type=Variant, case_type=Case, properties=PROPERTIES,
@@ -128,6 +129,8 @@ class LinearFamily(Family, name="linear", kinds=KINDS, variant_type=Variant, cas
         dropped = {DIVISIBILITY} if variant.divisible_only else set()
         if not variant.bias:
             dropped.add(BIAS_GRAD)
+        if variant.forward_only:
+            dropped |= set(self.properties) - set(FORWARD_ONLY)
         return tuple(p for p in self.properties if p not in dropped)
 
     def nothing_applies(self, variant: Variant, properties: tuple[str, ...], applies: tuple[str, ...]) -> str:
@@ -136,6 +139,8 @@ class LinearFamily(Family, name="linear", kinds=KINDS, variant_type=Variant, cas
             why.append("declares divisible_only=True, so the divisibility property does not apply")
         if not variant.bias and BIAS_GRAD in properties:
             why.append("has no bias, so bias-grad-equivalence does not apply")
+        if variant.forward_only:
+            why.append(f"is forward-only, so only {', '.join(FORWARD_ONLY)} apply")
         return f"properties={list(properties)!r}: variant {variant.name!r} {' and '.join(why)}; choose other properties"
 
     def notes(self, variant: Variant) -> list[str]:
@@ -143,6 +148,9 @@ class LinearFamily(Family, name="linear", kinds=KINDS, variant_type=Variant, cas
         if not variant.bias and not any("bias" in n for n in variant.notes):
             notes.append(f"{variant.name} has no bias: bias-free cases only")
         notes.extend(f"{variant.name} declares {r}" for r in variant.restrictions())
+        if variant.forward_only and not variant.divisible_only:
+            notes.append(f"{variant.name} is forward-only: a non-divisible case refused by an assert on every rank "
+                         "counts as refused, but python -O strips asserts (raise a ValueError to refuse under -O too)")
         return notes
 
     def cases(self, variant: Variant, *, world_sizes: tuple[int, ...], dtypes: tuple[str, ...], non_divisible: bool,
@@ -174,6 +182,10 @@ class LinearFamily(Family, name="linear", kinds=KINDS, variant_type=Variant, cas
         return World(rank_main, payload, masters)
 
     def evaluate(self, variant: Variant, obs: Observation, properties: Sequence[str] | None = None) -> list[Any]:
+        if variant.forward_only:
+            properties = [p for p in (properties or self.properties) if p in FORWARD_ONLY]
+            if not properties:
+                return []
         return evaluate(variant, obs, properties)
 
     def follow_up(self, variant: Variant, case: Case, obs: Observation, failures: list[Any], *, backend: str,

@@ -7,6 +7,7 @@ each family's checks) all name properties, and none of them may import another j
 from __future__ import annotations
 
 __all__ = [
+    "FORWARD_ONLY",
     "BIAS_GRAD",
     "DIVISIBILITY",
     "FORWARD",
@@ -28,6 +29,8 @@ DIVISIBILITY = "divisibility"
 
 #: Every property name, in the order they are evaluated and reported.
 PROPERTIES = (FORWARD, INPUT_GRAD, WEIGHT_GRAD, BIAS_GRAD, REPLICA, TRAINING, DIVISIBILITY)
+#: The properties of a forward-only (inference) variant: no grads, no training.
+FORWARD_ONLY = (FORWARD, REPLICA, DIVISIBILITY)
 
 
 def property_of_phase(phase: str | None, step: int | None, backward: str = INPUT_GRAD) -> str:

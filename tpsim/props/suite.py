@@ -88,8 +88,13 @@ def reproduction(failure: Any) -> str:
     )
 
 
-def property_tests(variant_or_target: Any, *, target_options: dict[str, Any] | None = None, **search_options: Any) -> type:
-    """A pytest test class with one test per property (see the module docstring)."""
+def property_tests(variant_or_target: Any, *, target_options: dict[str, Any] | None = None,
+                   forward_only: bool = False, **search_options: Any) -> type:
+    """A pytest test class with one test per property (see the module docstring). ``forward_only=True``:
+    inference layers (``tpsim check --forward-only``): the forward runs alone and only the forward-only
+    properties get tests."""
+    if not isinstance(forward_only, bool):
+        raise InvalidArgument(f"property_tests(forward_only={forward_only!r}): expected a bool")
     unknown = sorted(set(search_options) - set(_SEARCH_OPTIONS))
     if unknown:
         raise InvalidArgument(f"unknown option(s) {unknown}; expected some of {list(_SEARCH_OPTIONS)}")
@@ -98,6 +103,12 @@ def property_tests(variant_or_target: Any, *, target_options: dict[str, Any] | N
     variants = _variants(variant_or_target, target_options)
     if not variants:
         raise InvalidArgument(f"{variant_or_target!r} names no variants")
+    if forward_only:
+        refused = [v.name for v in variants if not hasattr(v, "forward_only")]
+        if refused:
+            raise InvalidArgument(f"property_tests(forward_only=True): {refused} are no linear layers; forward-only "
+                                  "applies to linear layers (Variant(forward_only=True))")
+        variants = [v if v.forward_only else v.replace(forward_only=True) for v in variants]
     reports: dict[tuple[str, str], SearchReport] = {}
 
     def report_for(variant: Any, backend: str) -> SearchReport:

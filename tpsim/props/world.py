@@ -10,6 +10,11 @@ trainer's: a replicated parameter whose grad is left partial (``ParamSpec(grad="
 Megatron's ``param.sequence_parallel`` marker) has its grad summed over the tp group before each SGD
 step, as Megatron's ``finalize_model_grads`` does — and the same code serves every backend.
 
+A case whose sharded sizes do not divide runs the same steps (:func:`_uneven_rank`): the layer may
+refuse it while it is built or in its first forward, or hold ``torch.tensor_split``'s pieces, which
+are then loaded and checked like a divisible case's (:func:`tpsim.placement.uneven_pieces`). A
+forward-only variant (an inference layer) runs one forward under ``torch.no_grad()``.
+
 The rank function :func:`rank_main` is module-level and takes picklable arguments, so gloo/nccl
 worker processes can run it; there the variant is resolved again from its target string
 (:mod:`tpsim.props.rank`).
@@ -17,18 +22,19 @@ worker processes can run it; there the variant is resolved again from its target
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from tpsim.errors import InvalidArgument
-from tpsim.placement import Replicate, Shard, part_sizes, shard_tensor
+from tpsim.placement import Replicate, Shard, part_sizes, shard_tensor, uneven_pieces
 from tpsim.props.case import Case
 from tpsim.props.layouts import apply_layout, expand_values
 from tpsim.props.observation import OK, RankOutput
 from tpsim.props.rank import LR, TRAIN_STEPS, enter_rank, rank_phase, trainer_step
-from tpsim.variant import LayoutError, Variant, get_param
+from tpsim.variant import LayoutError, Variant, get_param, load_master
 
 __all__ = [
     "LR",
@@ -73,6 +79,8 @@ class RankResult(RankOutput):
     final: dict[str, torch.Tensor | None] = field(default_factory=dict)
     init: dict[str, torch.Tensor] = field(default_factory=dict)
     partial: tuple[str, ...] = ()
+    #: A non-divisible case the layer accepted with ``torch.tensor_split`` pieces, run like a divisible one.
+    uneven: bool = False
 
 
 @dataclass
@@ -145,7 +153,7 @@ def non_divisible_sizes(variant: Variant, case: Case) -> dict[str, int]:
 
 
 def _rank_input(variant: Variant, x: torch.Tensor, rank: int, ws: int, even: bool = True,
-                layout: str = "contiguous") -> torch.Tensor:
+                layout: str = "contiguous", grad: bool = True) -> torch.Tensor:
     if variant.input == "sharded":
         x = shard_tensor(x, Shard(-1), rank, ws) if even else torch.tensor_split(x, ws, dim=-1)[rank]
     elif variant.input == "sequence-sharded":
@@ -153,7 +161,7 @@ def _rank_input(variant: Variant, x: torch.Tensor, rank: int, ws: int, even: boo
         if d is not None:  # else (a vector) every rank gets it whole, and the layer must refuse it
             x = shard_tensor(x, Shard(d), rank, ws) if even else torch.tensor_split(x, ws, dim=d)[rank]
     # A fresh leaf in the case's memory layout (laid out after sharding: what this rank is handed).
-    return apply_layout(x, layout).requires_grad_(True)
+    return apply_layout(x, layout).requires_grad_(grad)
 
 
 def _replicated_init(variant: Variant, case: Case, into: dict[str, Any]) -> Any:
@@ -202,27 +210,61 @@ def rank_main(payload: dict[str, Any]) -> RankResult:
     kwargs = dict(group=group, rank=rank, world_size=ws, master_weight=m.weight, master_bias=m.bias, dtype=case.torch_dtype)
 
     if not payload["divisible"]:
-        # The harness cannot shard master values that do not divide, so it only builds and runs the
-        # layer to see whether it refuses the case: on every rank, before or in its forward.
-        # Refusing is raising, on every rank: exceptions propagate so that a rank that refuses while
-        # another goes on into a collective shows up as exactly that.
-        with rank_phase("build"):
-            module = variant.build(case.in_features, case.out_features, case.bias, **kwargs,
-                                   **variant.layout_kwargs(case.out_features))
-        x = _rank_input(variant, m.inputs[0], rank, ws, even=False, layout=layout)
-        with rank_phase("forward", 0):
-            out = variant.call(module, x)
-        return RankResult(ACCEPTED, output_shape=tuple(out.shape) if isinstance(out, torch.Tensor) else None,
-                          output_type=type(out).__name__, tp_rank=rank)
+        # The layer must refuse the case on every rank (before or in its forward), or compute it right
+        # with uneven pieces. Refusing is raising, on every rank: exceptions propagate so that a rank that
+        # refuses while another goes on into a collective shows up as exactly that.
+        return _uneven_rank(me, variant, case, m, kwargs, layout)
 
     init: dict[str, Any] = {}
     with rank_phase("build", passthrough=(LayoutError,)):  # a LayoutError: the parent diagnoses the shape
         module = variant.instantiate(case.in_features, case.out_features, case.bias, **kwargs,
                                      on_built=_replicated_init(variant, case, init))
+    return _train(me, variant, case, m, module, init, layout)
 
+
+def _uneven_rank(me: Any, variant: Variant, case: Case, m: Masters, kwargs: dict[str, Any], layout: str) -> RankResult:
+    """A case whose sharded sizes do not divide: the layer may refuse it (raise on every rank, while it
+    is built or in its first forward), or shard it unevenly and compute it right. The layer is built,
+    loaded where its parameters have ``torch.tensor_split``'s pieces (:func:`tpsim.placement.uneven_pieces`;
+    a truncated or padded one keeps its own values) and run like a divisible case, the result marked
+    ``uneven`` when every parameter had such a piece. Every rank runs the same steps whatever its
+    shapes, so the ranks' collectives stay in step."""
+    rank, ws = me.rank, me.tp
+    init: dict[str, Any] = {}
+    with rank_phase("build"):
+        module = variant.build(case.in_features, case.out_features, case.bias, **kwargs,
+                               **variant.layout_kwargs(case.out_features))
+    _replicated_init(variant, case, init)(module)
+    if variant.packed:
+        # tensor_split pieces of packed parts are no layout a library uses: the layer must refuse.
+        x = _rank_input(variant, m.inputs[0], rank, ws, even=False, layout=layout, grad=not variant.forward_only)
+        with rank_phase("forward", 0), torch.no_grad() if variant.forward_only else contextlib.nullcontext():
+            out = variant.call(module, x)
+        return RankResult(ACCEPTED, output_shape=tuple(out.shape) if isinstance(out, torch.Tensor) else None,
+                          output_type=type(out).__name__, tp_rank=rank)
+    with uneven_pieces():
+        try:
+            load_master(module, variant, rank=rank, world_size=ws,
+                        masters={"weight": kwargs["master_weight"], "bias": kwargs["master_bias"]})
+            pieces = True
+        except InvalidArgument:  # LayoutError too: not tensor_split's pieces
+            pieces = False
+        result = _train(me, variant, case, m, module, init, layout)
+    result.uneven = pieces
+    if result.output is not None:
+        result.output_shape = tuple(result.output.shape)
+    return result
+
+
+def _train(me: Any, variant: Variant, case: Case, m: Masters, module: Any, init: dict[str, Any],
+           layout: str) -> RankResult:
+    """The training steps of one rank on a built, loaded layer (see the module docstring)."""
+    group, rank, ws = me.group, me.rank, me.tp
     specs = [s for s in variant.params or () if s.master == "weight" or case.bias]
     result = RankResult(OK, init=init, group=me.g, tp_rank=rank, partial=_partial_params(variant, module, specs))
     by_master = {spec.master: spec for spec in specs}
+    if variant.forward_only:
+        return _forward_only(variant, case, m, module, result, rank, ws, layout)
     for step in range(TRAIN_STEPS):
         x = _rank_input(variant, m.inputs[step], rank, ws, layout=layout)
         with rank_phase("forward", step):
@@ -248,6 +290,22 @@ def rank_main(payload: dict[str, Any]) -> RankResult:
         result.summed_grads.update({k: _master_layout(v, False) for k, v in summed.items()})
     for spec in specs:
         result.final[spec.master] = _master_layout(get_param(module, spec.name), spec.transposed)
+    return result
+
+
+def _forward_only(variant: Variant, case: Case, m: Masters, module: Any, result: RankResult, rank: int, ws: int,
+                  layout: str) -> RankResult:
+    """An inference layer's one forward, under ``torch.no_grad()`` (no grads, no training steps)."""
+    x = _rank_input(variant, m.inputs[0], rank, ws, layout=layout, grad=False)
+    with rank_phase("forward", 0), torch.no_grad():
+        out = variant.call(module, x)
+    expected = m.grads[0]
+    if isinstance(variant.output_placement, Shard):
+        expected = shard_tensor(expected, variant.output_placement, rank, ws)
+    if result.unusable(out, expected.shape):
+        return result
+    result.output = out.detach().clone()
+    result.output_type = type(out).__name__
     return result
 
 

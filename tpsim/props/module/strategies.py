@@ -57,7 +57,8 @@ def _sizes(draw: st.DrawFn, variant: ModuleVariant, tp: int, divisible: bool) ->
 def _module_cases(draw: st.DrawFn, variant: ModuleVariant, sizes: tuple[int, ...], dtype_names: tuple[str, ...],
                   non_divisible: bool, tp_sizes: tuple[int, ...] | None, subgroups: bool) -> ModuleCase:
     world = draw(world_size_strategy(sizes))
-    tp, layout = draw_tp(draw, world, tp_sizes, subgroups)
+    world_only = variant.tp == "world"
+    tp, layout = draw_tp(draw, world, None if world_only else tp_sizes, subgroups and not world_only)
     dtype = draw(dtype_strategy(dtype_names))
     divisible = draw(st.sampled_from((True, True, True, False))) if non_divisible and tp > 1 else True
     drawn = _sizes(draw, variant, tp, divisible)
@@ -66,9 +67,12 @@ def _module_cases(draw: st.DrawFn, variant: ModuleVariant, sizes: tuple[int, ...
     if sequence:
         # The fewest batch dims that put the sequence dim before the features.
         least = max(1, -variant.sequence_dim - 1) if variant.sequence_dim < 0 else variant.sequence_dim + 1
-    # A declared least number of batch dims (a plan variant: DTensor's rowwise backward needs one).
-    least = max(least, getattr(variant, "min_batch_dims", 0))
-    batch = draw(batch_shapes(max_dims=max(2, least), min_dims=least))
+    least = max(least, variant.min_batch_dims)
+    most = max(2, least) if variant.max_batch_dims is None else variant.max_batch_dims
+    if most < least:
+        raise InvalidArgument(f"ModuleVariant {variant.name!r}: max_batch_dims={most} leaves no input with the "
+                              f"{least} batch dim(s) its sequence dim or min_batch_dims needs")
+    batch = draw(batch_shapes(max_dims=most, min_dims=least))
     if sequence:
         d = variant.sequence_dim_of(len(batch) + 1)
         if d is not None:

@@ -1,0 +1,85 @@
+"""Layers in libraries' own styles, checked with no adapter code: vLLM-style inference layers
+forward-only (``--forward-only``, ``Variant(forward_only=True)``, ``property_tests(forward_only=True)``),
+a divisibility refusal by bare ``assert`` accepted there, and nanotron's ``pg=`` group keyword."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from tpsim.cli import main
+from tpsim.diagnosis import DIVISIBILITY_UNCHECKED
+from tpsim.errors import InvalidArgument
+from tpsim.props.case import Case
+from tpsim.props.linear import check_case
+from tpsim.props.suite import property_tests
+from tpsim.target import resolve_target
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+STYLES = "tests/wild/inference_style.py"
+SMALL = ["--max-examples", "15", "--world-sizes", "1,2,3", "--dtypes", "float64,float32", "--seed", "0"]
+
+
+def _check(capsys, tmp_path, monkeypatch, *args: str) -> tuple[int, str]:
+    monkeypatch.chdir(ROOT)
+    code = main(["check", *args, *SMALL, "--cases-dir", str(tmp_path)])
+    return code, capsys.readouterr().out
+
+
+def test_an_inference_layer_passes_forward_only(capsys, tmp_path, monkeypatch) -> None:
+    code, out = _check(capsys, tmp_path, monkeypatch, f"{STYLES}:InferenceRowLinear", "--forward-only")
+    assert code == 0, out
+    assert "declares forward only" in out and "python -O strips asserts" in out
+
+
+def test_the_same_layer_without_forward_only_has_no_grads(capsys, tmp_path, monkeypatch) -> None:
+    code, out = _check(capsys, tmp_path, monkeypatch, f"{STYLES}:InferenceRowLinear")
+    assert code == 1 and "grad-missing" in out, out
+
+
+def test_a_bare_assert_refuses_only_for_a_forward_only_layer() -> None:
+    (variant,) = resolve_target(f"{ROOT / STYLES}:InferenceRowLinear")
+    case = Case(world_size=2, in_features=3, out_features=2, batch_shape=(2,), bias=True, seed=0)
+    assert check_case(variant.replace(forward_only=True), case) == []
+    failures = check_case(variant, case)
+    assert [(f.property, f.diagnosis) for f in failures] == [("divisibility", DIVISIBILITY_UNCHECKED)]
+    assert "does not say why" in failures[0].message
+
+
+def test_forward_only_variants_get_the_forward_only_properties_only() -> None:
+    (variant,) = resolve_target(f"{ROOT / STYLES}:InferenceRowLinear", forward_only=True)
+    assert variant.forward_only and "forward only" in variant.describe()
+    suite = property_tests(f"{ROOT / STYLES}:InferenceRowLinear", forward_only=True, max_examples=5, seed=0)
+    assert sorted(n for n in vars(suite) if n.startswith("test_")) == [
+        "test_divisibility", "test_forward_equivalence", "test_replica_consistency"]
+    with pytest.raises(InvalidArgument, match="forward_only='yes'"):
+        property_tests(f"{ROOT / STYLES}:InferenceRowLinear", forward_only="yes")
+
+
+def test_forward_only_is_validated() -> None:
+    (variant,) = resolve_target(f"{ROOT / STYLES}:InferenceRowLinear")
+    with pytest.raises(InvalidArgument, match=r"forward_only=1; expected a bool"):
+        variant.replace(forward_only=1)
+
+
+def test_nanotron_pg_keyword_is_the_group_convention(capsys, tmp_path, monkeypatch) -> None:
+    (variant,) = resolve_target(f"{ROOT / STYLES}:PgColumnLinear")
+    assert "pg=" in variant.description
+    code, out = _check(capsys, tmp_path, monkeypatch, f"{STYLES}:PgColumnLinear")
+    assert code == 0, out
+
+
+def test_a_module_global_group_is_exit_2_naming_the_module_and_the_global(capsys, tmp_path, monkeypatch) -> None:
+    # picotron's style: the tp group lives in a manager held by a module global of another file.
+    monkeypatch.chdir(ROOT / "tests" / "wild")
+    args = ["check", "picotron_style.py:row", "--max-examples", "10", "--world-sizes", "1,2", "--dtypes", "float64",
+            "--seed", "0", "--cases-dir", str(tmp_path)]
+    code = main(args)
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert code == 2, text
+    assert "picotron_state.process_group_manager" in text and "--rank-local picotron_state" in text
+    assert not list(tmp_path.iterdir())  # no case file: a usage error, not a finding
+    # The suggested command works.
+    assert main([*args, "--rank-local", "picotron_state"]) == 0, capsys.readouterr().out
