@@ -618,7 +618,7 @@ def checks(cfg: Config) -> dict[str, Any]:
             commands.remove("megatron")
             notes.append(f"the Megatron-core rows were not run: {err}")
     with tempfile.TemporaryDirectory(prefix="tpsim-bench-cases-") as cases:
-        for rnd in range(cfg.check_rounds):
+        for _round in range(cfg.check_rounds):
             for name in commands:
                 what, args = CHECK_COMMANDS[name]
                 for backend in CHECK_BACKENDS_OF[name]:

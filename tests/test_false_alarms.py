@@ -22,8 +22,8 @@ import torch
 
 from tpsim import builtin_variants
 from tpsim.placement import Shard, part_sizes
-from tpsim.props.case import Case
 from tpsim.props import check_case
+from tpsim.props.case import Case
 from tpsim.props.world import make_masters
 from tpsim.variant import Variant
 

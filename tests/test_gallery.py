@@ -9,8 +9,8 @@ import os
 import pytest
 
 from tpsim.mutants import CATALOG, gallery
-from tpsim.props.case import Case
 from tpsim.props import check_case
+from tpsim.props.case import Case
 from tpsim.props.search import search
 
 CATCH_BUDGET = 200

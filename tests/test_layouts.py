@@ -17,8 +17,8 @@ import tpsim
 from tpsim import builtin_variants
 from tpsim.errors import InvalidArgument
 from tpsim.mutants import CORRECT, column_view_flatten
-from tpsim.props.case import Case, save_case
 from tpsim.props import check_case
+from tpsim.props.case import Case, save_case
 from tpsim.props.layouts import INPUT_LAYOUTS, apply_layout, layout_info
 
 BACKENDS = ["inproc", pytest.param("gloo", marks=pytest.mark.gloo)]

@@ -13,7 +13,6 @@ from tpsim.props.module.strategies import module_cases
 from tpsim.props.search import search
 
 
-
 def _world_variant():
     import dataclasses
 

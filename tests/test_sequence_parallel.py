@@ -14,8 +14,8 @@ from tpsim.errors import InvalidArgument
 from tpsim.mutants import CATALOG, CORRECT_NORMS, CORRECT_PACKED_AND_SEQUENCE, norm_variant
 from tpsim.mutants.sequence import CorrectSequenceNorm
 from tpsim.placement import Shard
-from tpsim.props.case import Case
 from tpsim.props import check_case
+from tpsim.props.case import Case
 from tpsim.props.search import search
 from tpsim.props.strategies import cases
 from tpsim.props.world import is_divisible

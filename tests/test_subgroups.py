@@ -18,8 +18,8 @@ from tpsim import builtin_variants
 from tpsim.cli import main
 from tpsim.errors import InvalidArgument
 from tpsim.mutants import CORRECT, correct_row, row_wrong_group
-from tpsim.props.case import Case
 from tpsim.props import check_case
+from tpsim.props.case import Case
 from tpsim.props.groups import candidate_sets, tp_groups
 from tpsim.props.search import search
 from tpsim.props.strategies import cases

@@ -4,6 +4,7 @@ script's set-up does once per process)."""
 
 from __future__ import annotations
 
+import picotron_state as pgm  # noqa: E402 - beside this file
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -11,8 +12,6 @@ from torch import nn
 
 from tpsim.placement import Replicate, Shard
 from tpsim.variant import ParamSpec, Variant
-
-import picotron_state as pgm  # noqa: E402 - beside this file
 
 
 class _Reduce(torch.autograd.Function):

@@ -58,10 +58,9 @@ def _cpu_mesh_default() -> None:
 
 
 def _ffn_config(cls: type, hidden: int, ffn: int) -> Any:
+    import spmd_types as spmd
     from torchtitan.models.common.decoder_sharding import dense_activation_placement, set_dense_ffn_sharding
     from torchtitan.models.common.linear import Linear
-
-    import spmd_types as spmd
 
     config = cls.Config(w1=Linear.Config(in_features=hidden, out_features=ffn),
                         w2=Linear.Config(in_features=ffn, out_features=hidden),

@@ -20,13 +20,13 @@ from typing import Any
 
 from torch import nn
 
+from tpsim.errors import InvalidArgument
 from tpsim.module_variant import MODULE_KIND, ModuleVariant, module_from_class
 from tpsim.placement import Replicate
 from tpsim.props.family import ADAPTER_OPTIONS, Family, World
-from tpsim.errors import InvalidArgument
 from tpsim.props.module.case import ModuleCase
-from tpsim.props.module.plans import PlanVariant, name_plan_entry, plan_variant, resolve_plan, twin_variant
 from tpsim.props.module.checks import evaluate, localise
+from tpsim.props.module.plans import PlanVariant, name_plan_entry, plan_variant, resolve_plan, twin_variant
 from tpsim.props.module.strategies import MAX_PER_RANK, module_cases
 from tpsim.props.module.world import ModuleData, Reference, is_divisible, rank_main, reference_run
 from tpsim.props.observation import Observation

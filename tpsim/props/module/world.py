@@ -36,7 +36,15 @@ from tpsim.placement import Replicate, Shard
 from tpsim.props.launch import launch, variant_of
 from tpsim.props.module.boundary import Capture
 from tpsim.props.module.case import ModuleCase
-from tpsim.props.module.dtensors import dtensor_layout, is_dtensor, load_piece, local_grad, local_shape, local_value, plain_output
+from tpsim.props.module.dtensors import (
+    dtensor_layout,
+    is_dtensor,
+    load_piece,
+    local_grad,
+    local_shape,
+    local_value,
+    plain_output,
+)
 from tpsim.props.module.magnitude import MagnitudeMode, TapeEntry, UnboundedOp, ValueTape
 from tpsim.props.module.sharding import ParamLayout, declared_layout, infer_layout, piece
 from tpsim.props.observation import DenseReferenceFailed, NotRealOutput, RankOutput
