@@ -44,7 +44,7 @@ from tpsim.runner import BACKENDS, DEFAULT_TIMEOUT
 from tpsim.variant import INPUT_GRADS, INPUTS, OUTPUTS, PARAM_GRADS
 
 __all__ = ["DEFAULT_CASES_DIR", "EXIT_CODES", "EXIT_FAILED", "EXIT_INTERNAL", "EXIT_INTERRUPTED", "EXIT_OK",
-           "EXIT_USAGE", "build_parser", "main"]
+           "EXIT_USAGE", "build_parser", "main", "run_command"]
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -440,6 +440,8 @@ class _VariantResult:
     failures: list[Any] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     verdicts: dict[str, Any] = field(default_factory=dict)
+    #: Why the search refused this variant (a usage error of one variant among several), or None.
+    refused: str | None = None
 
 
 def _nccl_check(world_size: int, prog: str) -> None:
@@ -648,6 +650,7 @@ def _run_check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: 
     from tpsim.errors import InvalidArgument
     from tpsim.props.family import family_of
     from tpsim.props.search import SearchInterrupted, search
+    from tpsim.session import importing
     from tpsim.target import resolve_target
 
     options = {k: getattr(args, k) for k in ("convention", "kind", "input", "output", "input_grad", "packed",
@@ -656,7 +659,8 @@ def _run_check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: 
     options["rank_local"] = tuple(args.rank_local) if args.rank_local else None
     options["param_grad"] = tuple(args.param_grad) if args.param_grad else None
     try:
-        variants = resolve_target(args.target, **options)
+        with importing():  # the target's own code runs here: what it does is its own (tpsim.session)
+            variants = resolve_target(args.target, **options)
     except InvalidArgument as e:
         raise UsageError(f"cannot check {args.target!r}: {e}", prog="tpsim check") from None
 
@@ -709,7 +713,15 @@ def _run_check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: 
             except SearchInterrupted as stop:
                 report, interrupted = stop.report, True
             except InvalidArgument as e:
-                raise UsageError(f"cannot check {variant.name!r}: {e}", prog="tpsim check") from None
+                if total == 1:
+                    raise UsageError(f"cannot check {variant.name!r}: {e}", prog="tpsim check") from None
+                # One variant among several: refused in its place; the others are still checked.
+                refusal = f"cannot check {variant.name!r}: {e}"
+                print(f"tpsim check: error: {refusal}", file=err)
+                result = _VariantResult(variant, False, 0, time.monotonic() - started_v, refused=refusal)
+                results.append(result)
+                _report_variant(result, width, saver, capture, extras, out if text else None)
+                continue
             finally:
                 progress.close()
                 if capture is not None:
@@ -746,15 +758,20 @@ def _run_check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: 
                   f"{seconds:.1f}s)" + ("; their cases are saved above" if all_failures else ""), file=out)
         elif passed:
             print(f"all properties hold: {len(results)} variant{plural}, {examples} examples, {seconds:.1f}s", file=out)
+        elif not all_failures:
+            refused = sum(1 for r in results if r.refused)
+            print(f"{refused} of {len(results)} variant{plural} refused (see above); the others hold ({examples} "
+                  f"examples, {seconds:.1f}s)", file=out)
         else:
-            bad = sum(1 for r in results if not r.passed)
+            bad = sum(1 for r in results if r.failures)
+            refused = sum(1 for r in results if r.refused)
             # The summary counts causes; the consequences listed under each are not counted again.
             props = len({(id(r), g.property) for r in results for f in r.failures
                          for g in (f, *(getattr(f, "consequences", None) or []))})
             print(f"{len(all_failures)} cause{'s' if len(all_failures) != 1 else ''} of failure ({props} failing "
                   f"propert{'ies' if props != 1 else 'y'}) in {bad} of "
-                  f"{len(results)} variant{plural} ({examples} examples, {seconds:.1f}s); "
-                  f"replay a case with the command above", file=out)
+                  f"{len(results)} variant{plural}" + (f" ({refused} refused)" if refused else "")
+                  + f" ({examples} examples, {seconds:.1f}s); replay a case with the command above", file=out)
     if interrupted:
         print("tpsim check: interrupted", file=err)
     doc = {
@@ -779,6 +796,7 @@ def _run_check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: 
                 "input_grad": r.variant.input_grad,
                 "bias": r.variant.bias,
                 "passed": r.passed,
+                **({"refused": r.refused} if r.refused else {}),
                 "examples": r.examples,
                 "seconds": round(r.seconds, 3),
                 "notes": r.notes,
@@ -795,19 +813,16 @@ def _run_check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: 
     }
     if interrupted:
         return EXIT_INTERRUPTED, doc
-    return (EXIT_OK if passed else EXIT_FAILED), doc
+    if all_failures or passed:
+        return (EXIT_OK if passed else EXIT_FAILED), doc
+    return EXIT_USAGE, doc  # refused variants, and nothing failed
 
 
 def _report_variant(result: _VariantResult, width: int, saver: _CaseSaver, capture: Any,
                     extras: dict[int, dict[str, Any]], out: TextIO | None) -> None:
-    """Print one variant's result (``out`` None: the JSON report prints it all at the end), then
-    save each failure's case: the failure is on the screen before anything can go wrong."""
-    if out is not None:
-        status = "PASS" if result.passed else "FAIL"
-        print(f"{status} {result.variant.name:<{width}}  {result.examples:>4} examples  {result.seconds:6.1f}s",
-              file=out)
-        for note in result.notes:
-            print(f"     note: {note}", file=out)
+    """Save each failure's case, then print the variant's result (``out`` None: the JSON report
+    prints it all at the end): a case is on disk before anything is printed, so neither a closed
+    pipe nor a full disk on stdout can lose it."""
     for failure in result.failures:
         if getattr(failure, "variant", None) is None:
             failure.variant = result.variant.name
@@ -816,18 +831,28 @@ def _report_variant(result: _VariantResult, width: int, saver: _CaseSaver, captu
             printed = capture.output_for(_case_key(failure.case))
             if printed:
                 extra["output"] = printed
-        if out is not None:
-            _failure_block(failure, out)
-            if extra.get("output"):
-                _printed_block(extra["output"], out)
-            out.flush()
         note = saver.save(failure, result.variant)
         if note:
             extra["case_file_note"] = note
-        if out is not None:
-            _case_file_block(failure, note, out)
-            out.flush()
         extras[id(failure)] = extra
+    if out is None:
+        return
+    status = "PASS" if result.passed else "REFUSED" if result.refused else "FAIL"
+    print(f"{status} {result.variant.name:<{width}}  {result.examples:>4} examples  {result.seconds:6.1f}s",
+          file=out)
+    for note in result.notes:
+        print(f"     note: {note}", file=out)
+    if result.refused:
+        print(f"    {result.refused}", file=out)
+        return
+    for failure in result.failures:
+        extra = extras[id(failure)]
+        _failure_block(failure, out)
+        if extra.get("output"):
+            _printed_block(extra["output"], out)
+        _case_file_block(failure, extra.get("case_file_note"), out)
+        out.flush()
+    out.flush()
 
 
 # --- replay --------------------------------------------------------------------------------------
@@ -924,6 +949,7 @@ def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from tpsim.errors import InvalidArgument
     from tpsim.props.case import load_case
     from tpsim.props.family import family_of_case
+    from tpsim.session import importing
     from tpsim.target import resolve_variant
 
     try:
@@ -940,9 +966,12 @@ def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     _check_world_size(case.world_size, backend, "tpsim replay", f"case file {args.case_file!r}")
     if backend == "nccl":
         _nccl_check(case.world_size, "tpsim replay")
-    target, imports = _replay_target(case, args.case_file, found, args.allow_outside_target)
     try:
-        variant = resolve_variant(target, case.variant, case.options)
+        with importing():  # the target's own code runs here (finding a module imports its parents)
+            target, imports = _replay_target(case, args.case_file, found, args.allow_outside_target)
+            variant = resolve_variant(target, case.variant, case.options)
+    except UsageError:
+        raise
     except InvalidArgument as e:
         raise UsageError(f"cannot replay {args.case_file!r}: {e}", prog="tpsim replay") from None
     start = time.monotonic()
@@ -1034,9 +1063,10 @@ def _shared_state_message(err: Exception) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``tpsim`` command with ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
-    from tpsim.errors import BackendUnavailable, SharedModuleState
+    """Run the ``tpsim`` command with ``argv`` (default: ``sys.argv[1:]``); return the exit code.
 
+    This process parses the command line and writes the report; the command itself runs in a
+    session worker process (:mod:`tpsim.session`), so the checked code cannot change either."""
     argv = list(sys.argv[1:] if argv is None else argv)
     out, err = sys.stdout, sys.stderr
     # Like ``python -m``: modules in the working directory are importable as targets, also from
@@ -1053,6 +1083,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.print_usage(err)
             print("tpsim: error: name a command: check or replay (see 'tpsim --help')", file=err)
             return EXIT_USAGE
+    except UsageError as e:
+        print(f"{e.prog}: error: {e}", file=err)
+        return EXIT_USAGE
+    except Exception:
+        print("tpsim: internal error (a bug in tpsim; please report it with this traceback):", file=err)
+        traceback.print_exc(file=err)
+        return EXIT_INTERNAL
+    # --- session: the target is imported and run in a supervised worker, never here (tpsim.session)
+    from tpsim import session
+
+    subject = args.target if args.command == "check" else args.case_file
+    return session.supervise(argv, out, err, command=args.command, subject=subject,
+                             json_report=args.report == "json")
+
+
+def run_command(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: TextIO) -> int:
+    """Run a parsed ``check`` or ``replay`` command here (in the session worker); return its exit code."""
+    from tpsim.errors import BackendUnavailable, SharedModuleState
+
+    try:
         if args.command == "check":
             return _check(args, argv, out, err)
         return _replay(args, out, err)

@@ -251,6 +251,9 @@ def worker_main(
     have started, which a forked process cannot use).
     """
     # First, before anything that takes time: a worker must never outlive the parent.
+    from tpsim.comm.zygote import own_group
+
+    own_group()  # what this rank forks ends with it (procs kills the group)
     lifeline.arm(parent_pid=parent_pid, pdeathsig=pdeathsig)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     shared = _map(memory_path, world_size * RANK_MEMORY_BYTES)

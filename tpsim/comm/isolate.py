@@ -355,6 +355,7 @@ def _serve(conn: Any, lifeline_end: Any, board_buf: Any, memory_limit: int | Non
     """
     for end in parents:
         end.close()
+    zygote.own_group()  # what the ranks fork dies with this worker (kill_group)
     lifeline.arm(lifeline=lifeline_end, parent_pid=parent_pid, pdeathsig=pdeathsig)
     torch.set_num_threads(1)  # a forked worker: OpenMP's pool did not survive the fork (ranks use one anyway)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to handle (it kills us)
@@ -570,7 +571,7 @@ class _Worker:
         if os.getpid() != self.owner:
             return  # inherited through fork: not ours
         if self.proc.is_alive():
-            self.proc.kill()
+            zygote.kill_group(self.proc.pid)  # with whatever its ranks forked
         self.proc.join(5.0)  # SIGKILL cannot be ignored; the bound only guards a wedged kernel
         self.conn.close()
         if isinstance(self.proc, zygote.Child):
