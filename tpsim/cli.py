@@ -293,9 +293,32 @@ def build_parser() -> _Parser:
 # --- output helpers ------------------------------------------------------------------------------
 
 
-def _replay_command(path: str, backend: str | None = None) -> str:
+def _replay_command(path: str, backend: str | None = None, target: str | None = None) -> str:
+    """The command that replays the case file ``path``, as the user can paste it where tpsim ran:
+    with ``--allow-outside-target`` when ``target`` is a file replay would not import by itself."""
     cmd = f"tpsim replay {shlex.quote(path)}"
-    return cmd + (f" --backend {backend}" if backend else "")
+    cmd += f" --backend {backend}" if backend else ""
+    return cmd + (" --allow-outside-target" if target and _outside_target(target, path) else "")
+
+
+def _target_file(target: str) -> str | None:
+    """The file a target names (a path, or the module name tpsim imports a file under), else None."""
+    from tpsim._target_files import path_of_module_name
+
+    module_part = target.partition(":")[0]
+    if module_part.endswith(".py") or "/" in module_part or os.sep in module_part:
+        return module_part
+    return path_of_module_name(module_part)
+
+
+def _outside_target(target: str, case_file: str) -> bool:
+    """Whether replaying ``case_file`` from here needs ``--allow-outside-target`` for ``target``."""
+    file = _target_file(target)
+    if file is None:
+        return False
+    places = [os.getcwd(), os.path.dirname(os.path.abspath(case_file))]
+    candidates = [file] if os.path.isabs(file) else [os.path.join(p, file) for p in places]
+    return not any(os.path.isfile(c) and any(_is_inside(c, p) for p in places) for c in candidates)
 
 
 def _case_dict(case: Any) -> Any:
@@ -316,7 +339,7 @@ def _failure_dict(failure: Any, extra: dict[str, Any] | None = None) -> dict[str
     out = {
         "property": failure.property,
         "diagnosis": failure.diagnosis,
-        "message": failure.message,
+        "message": _cut(failure.message, bool(getattr(failure, "case_file", None))),
         "case": _case_dict(failure.case),
         "case_file": getattr(failure, "case_file", None),
         "variant": getattr(failure, "variant", None),
@@ -324,14 +347,27 @@ def _failure_dict(failure: Any, extra: dict[str, Any] | None = None) -> dict[str
     }
     tb = getattr(failure, "traceback", None)
     if tb:
-        out["traceback"] = tb
+        out["traceback"] = _cut(tb, False)
     for key, value in base.items():
         out.setdefault(key, value)
     if out["case_file"]:
-        out["replay"] = _replay_command(out["case_file"])
+        out["replay"] = _replay_command(out["case_file"], target=getattr(failure.case, "target", None))
     out.update(extra or {})
     return jsonable(out)
 
+
+
+#: Characters of a failure's message (and of its traceback) a report shows; the case file keeps it whole.
+MESSAGE_CHARS = 4000
+
+
+def _cut(text: str, saved: bool = True) -> str:
+    """``text`` cut to :data:`MESSAGE_CHARS` (its head and its tail: where it came from and how it ended)."""
+    if not isinstance(text, str) or len(text) <= MESSAGE_CHARS:
+        return text
+    half = MESSAGE_CHARS // 2
+    where = "; the case file holds it whole" if saved else ""
+    return f"{text[:half]}\n... [{len(text) - 2 * half} more characters{where}] ...\n{text[-half:]}"
 
 
 def _indent(text: str, prefix: str) -> str:
@@ -348,10 +384,10 @@ def _failure_block(failure: Any, out: TextIO, *, replaying: bool = False) -> Non
     :func:`_case_file_block`) case file and replay; when replaying, the case and its file are
     already in the heading."""
     print(f"  FAILED {failure.property}: {getattr(failure, 'label', failure.diagnosis)}", file=out)
-    message = failure.message
+    message = _cut(failure.message, bool(getattr(failure, "case_file", None)))
     tb = getattr(failure, "traceback", None)
-    if tb and tb.strip() not in message:
-        message = f"{message}\n--- traceback on rank {failure.rank} ---\n{tb.rstrip()}"
+    if tb and tb.strip() not in failure.message:
+        message = f"{message}\n--- traceback on rank {failure.rank} ---\n{_cut(tb.rstrip(), False)}"
     print(_indent(message, "    "), file=out)
     consequences = getattr(failure, "consequences", None) or []
     if consequences:
@@ -385,8 +421,9 @@ def _case_file_block(failure: Any, note: str | None, out: TextIO) -> None:
     case_file = getattr(failure, "case_file", None)
     if case_file:
         print(f"    case file:    {case_file}", file=out)
-        print(f"    replay:       {_replay_command(case_file)}", file=out)
-        print(f"    on gloo:      {_replay_command(case_file, 'gloo')}", file=out)
+        target = getattr(failure.case, "target", None)
+        print(f"    replay:       {_replay_command(case_file, target=target)}", file=out)
+        print(f"    on gloo:      {_replay_command(case_file, 'gloo', target=target)}", file=out)
 
 
 class _Progress:
@@ -876,6 +913,11 @@ def _replay_target(case: Any, case_file: str, found: dict[str, Any], allow_outsi
     """
     target = case.target
     module_part, sep, attr = target.partition(":")
+    from tpsim._target_files import path_of_module_name
+
+    encoded = path_of_module_name(module_part)
+    if encoded is not None:  # the name tpsim imports a file under: the file's rule, not a module's
+        module_part = encoded
     is_path = module_part.endswith(".py") or "/" in module_part or os.sep in module_part
     if not is_path:
         import contextlib
@@ -917,6 +959,24 @@ def _replay_target(case: Any, case_file: str, found: dict[str, Any], allow_outsi
         + (f"; the case was found in {origin}" if isinstance(origin, str) else ""),
         prog="tpsim replay",
     )
+
+
+def _replay_options(case: Any, args: argparse.Namespace, found: dict[str, Any]) -> Any:
+    """The case's options, each ``--rank-local`` file held to the rule of a target file (a case file
+    is data: it cannot make replay import a file the user did not point at)."""
+    from types import SimpleNamespace
+
+    options = dict(case.options)
+    specs = options.get("rank_local")
+    if specs:
+        specs = [specs] if isinstance(specs, str) else list(specs)
+        kept = []
+        for spec in specs:
+            if isinstance(spec, str) and _target_file(spec) is not None:
+                spec, _ = _replay_target(SimpleNamespace(target=spec), args.case_file, found, args.allow_outside_target)
+            kept.append(spec)
+        options["rank_local"] = tuple(kept)
+    return options
 
 
 def _check_world_size(world_size: int, backend: str, prog: str, what: str) -> None:
@@ -969,7 +1029,7 @@ def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     try:
         with importing():  # the target's own code runs here (finding a module imports its parents)
             target, imports = _replay_target(case, args.case_file, found, args.allow_outside_target)
-            variant = resolve_variant(target, case.variant, case.options)
+            variant = resolve_variant(target, case.variant, _replay_options(case, args, found))
     except UsageError:
         raise
     except InvalidArgument as e:
@@ -1036,7 +1096,7 @@ def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         verdict = f"fails differently from the recorded {recorded[0]}: {recorded[1]}{where}"
     print(f"FAIL {verdict} ({seconds:.1f}s)", file=out)
     if backend != "gloo":
-        print(f"  on real process groups: {_replay_command(args.case_file, 'gloo')}", file=out)
+        print(f"  on real process groups: {_replay_command(args.case_file, 'gloo', target=case.target)}", file=out)
     return EXIT_FAILED
 
 

@@ -76,6 +76,9 @@ def failure_outcome(
     rank: int, exc: BaseException, session: RankSession | None, *, tb: str | None = None, prefix: str = ""
 ) -> Outcome:
     text = tb if tb is not None else "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    from tpsim.comm.scheduler import printable
+
+    exc = printable(exc)  # a hostile __str__ must not break the report
     try:
         pickled: bytes | None = dumps(exc)
         pickle.loads(pickled)  # some exceptions pickle but cannot be rebuilt; find out here

@@ -63,6 +63,7 @@ from tpsim.comm._payload import dump_call, load_call
 from tpsim.comm.board import Board, BoardView, install
 from tpsim.comm.result import WorldResult
 from tpsim.comm.runclock import RunClock, backstop, process_paths
+from tpsim.comm.scheduler import text_of
 from tpsim.errors import BackendUnavailable, CollectiveError, InvalidArgument, RankError
 
 __all__ = ["OOM_SCORE_ADJ", "START_BOUND", "helper_pids", "live_worker_pid", "run_isolated", "shutdown",
@@ -148,7 +149,7 @@ def _stand_in(exc: BaseException, rank: int) -> RankError:
     import traceback
 
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return RankError(f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}", rank=rank, remote_traceback=tb)
+    return RankError(f"{type(exc).__module__}.{type(exc).__qualname__}: {text_of(exc)}", rank=rank, remote_traceback=tb)
 
 
 def _portable(exc: BaseException) -> BaseException:
@@ -164,7 +165,7 @@ def _portable(exc: BaseException) -> BaseException:
         if _pickles(err):
             return err
         return _stand_in(exc, exc.rank)
-    return RuntimeError(f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}")
+    return RuntimeError(f"{type(exc).__module__}.{type(exc).__qualname__}: {text_of(exc)}")
 
 
 def _unpicklable_value(values: list[Any]) -> RankError:
