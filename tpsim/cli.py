@@ -171,9 +171,11 @@ def _choice(choices: Sequence[str]) -> Callable[[str], str]:
 
 
 _NO_ISOLATE_HELP = (
-    "run inproc worlds in this process instead of a supervised worker process. By default they are "
-    "isolated: a rank that exits, segfaults, aborts, runs out of memory or hangs in native code is reported "
-    "(rank-exited, rank-crashed) instead of ending tpsim, at a small cost in speed (see docs/design.md)"
+    "run inproc worlds in tpsim's session worker process (which imports the target) instead of a supervised "
+    "worker process per world. By default they are isolated: a rank that exits, segfaults, aborts, runs out of "
+    "memory or hangs in native code is reported (rank-exited, rank-crashed) with its case, at a small cost in "
+    "speed; with --no-isolate it ends the check (exit 1, no case file). Either way the target never runs in "
+    "the process that reports and sets the exit code (see docs/design.md)"
 )
 
 

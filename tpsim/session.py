@@ -274,7 +274,7 @@ def _reap(pid: int, bound: float) -> None:
 def _sweep(pgid: int | None, keep: set[int], bound: float = 10.0) -> None:
     """Kill the process group ``pgid`` and every child of this process not in ``keep`` (processes the
     session started that came back to this subreaper), round after round, until none is left."""
-    if pgid is not None:
+    if pgid is not None and pgid != os.getpgrp():  # never this process's own group
         with contextlib.suppress(OSError):
             os.killpg(pgid, signal.SIGKILL)
     deadline = time.monotonic() + bound
@@ -285,7 +285,8 @@ def _sweep(pgid: int | None, keep: set[int], bound: float = 10.0) -> None:
             return
         for pid in strays:
             with contextlib.suppress(OSError):
-                os.killpg(pid, signal.SIGKILL)  # a stray that leads a group takes its group along
+                if os.getpgid(pid) == pid != os.getpgrp():
+                    os.killpg(pid, signal.SIGKILL)  # a stray that leads a group takes its group along
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         for pid in strays:
@@ -330,6 +331,11 @@ def _worker_main(fd: int, argv: Sequence[str], tty: tuple[bool, bool], superviso
             real_exit(lifeline.ORPHANED_EXIT)
         signal.signal(signal.SIGINT, _on_sigint)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        # A closed stdout/stderr (``>&-``): Python made them None; the supervisor opened /dev/null there.
+        if sys.stdout is None:
+            sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False)  # noqa: SIM115
+        if sys.stderr is None:
+            sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)  # noqa: SIM115
         import torch
 
         torch.set_num_threads(1)  # a fork: the parent's OpenMP pool, if it had one, is unusable here
