@@ -368,7 +368,7 @@ def _cut(text: str, saved: bool = True) -> str:
     if not isinstance(text, str) or len(text) <= MESSAGE_CHARS:
         return text
     half = MESSAGE_CHARS // 2
-    where = "; the case file holds it whole" if saved else ""
+    where = "; the case file keeps more of it" if saved else ""
     return f"{text[:half]}\n... [{len(text) - 2 * half} more characters{where}] ...\n{text[-half:]}"
 
 
