@@ -154,6 +154,12 @@ def _raises(*args, **kwargs):
 TPSIM_VARIANTS = [Variant(name="Buggy", kind="row", build=_raises, input="sharded", output="reduced")]
 TPSIM_VOCAB = [CrossEntropyVariant(name="Refused", fn=cross_entropy_gathered_logits, dtypes=("bfloat16",))]
 """, target="{file}", args=("--report", "json")),
+    Probe("os-exit-in-forward-no-isolate", _GOOD + """
+import os
+class Exits(Row):
+    def forward(self, x):
+        os._exit(0)
+""", target="{file}:Exits", args=(*_ROW, "--no-isolate", "--report", "json")),
     Probe("stdout-head-c-10", _BAD, target="{file}:Bad", args=tuple(_ROW), shell_suffix="| head -c 10"),
     Probe("stdout-dev-full", _BAD, target="{file}:Bad", args=tuple(_ROW), shell_suffix="> /dev/full"),
     Probe("stdout-closed", _BAD, target="{file}:Bad", args=tuple(_ROW), shell_suffix=">&-"),

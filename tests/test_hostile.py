@@ -126,6 +126,14 @@ def test_stdout_that_cannot_be_written_ends_quietly_with_the_case_saved(name: st
     assert len(run.cases) == 1
 
 
+def test_a_rank_that_ends_the_session_worker_is_a_failure_with_a_json_report(tmp_path: Path) -> None:
+    run = _run("os-exit-in-forward-no-isolate", tmp_path)  # --no-isolate: the ranks run in the session worker
+    assert run.code == 1, run
+    doc = json.loads(run.out)
+    assert doc["passed"] is False and "ended tpsim's session worker process (exit status 0)" in doc["error"]
+    assert "tpsim check: error: the checked code ended tpsim's session worker process" in run.err
+
+
 # --- no internal error from the checked code ----------------------------------------------------------
 
 
