@@ -1156,15 +1156,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tpsim import session
 
     subject = args.target if args.command == "check" else args.case_file
-    return session.supervise(argv, out, err, command=args.command, subject=subject,
-                             json_report=args.report == "json")
+    codes = {"failed": EXIT_FAILED, "usage": EXIT_USAGE, "internal": EXIT_INTERNAL, "interrupted": EXIT_INTERRUPTED}
+    return session.supervise(argv, out, err, runner=run_command, codes=codes, version=_version(),
+                             command=args.command, subject=subject, json_report=args.report == "json")
 
 
-def run_command(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: TextIO) -> int:
-    """Run a parsed ``check`` or ``replay`` command here (in the session worker); return its exit code."""
+def run_command(argv: Sequence[str], out: TextIO, err: TextIO) -> int:
+    """Run a ``check`` or ``replay`` command line here (in the session worker); return its exit code."""
     from tpsim.errors import BackendUnavailable, SharedModuleState
 
+    argv = list(argv)
     try:
+        args = build_parser().parse_args(argv)
         if args.command == "check":
             return _check(args, argv, out, err)
         return _replay(args, out, err)

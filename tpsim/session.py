@@ -44,7 +44,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TextIO
 
 __all__ = ["INTERRUPT_GRACE", "importing", "in_worker", "safe_text", "supervise"]
@@ -314,9 +314,11 @@ def _on_sigint(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def _worker_main(fd: int, argv: Sequence[str], tty: tuple[bool, bool], supervisor: int) -> None:
-    """Body of the session worker: run the command, send its exit code, end without atexit hooks."""
-    from tpsim.comm import lifeline
+def _worker_main(fd: int, argv: Sequence[str], tty: tuple[bool, bool], supervisor: int,
+                 runner: tuple[str, str]) -> None:
+    """Body of the session worker: run the command (``runner(argv, out, err)``, named by module and
+    name), send its exit code, end without atexit hooks."""
+    from tpsim.comm import lifeline, zygote
 
     real_exit = _WORKER["exit"]
     code = 3
@@ -339,12 +341,10 @@ def _worker_main(fd: int, argv: Sequence[str], tty: tuple[bool, bool], superviso
         import torch
 
         torch.set_num_threads(1)  # a fork: the parent's OpenMP pool, if it had one, is unusable here
-        from tpsim import cli
-
+        run = zygote._resolve(runner)
         out, err = _Stream(channel, "out", tty[0]), _Stream(channel, "err", tty[1])
         try:
-            args = cli.build_parser().parse_args(list(argv))
-            code = cli.run_command(args, list(argv), out, err)  # type: ignore[arg-type]
+            code = run(list(argv), out, err)
         except SystemExit as exc:  # raised by the checked code outside the import (e.g. --no-isolate ranks)
             err.write(f"tpsim: error: the checked code raised SystemExit({safe_text(exc.code, 200)}), which "
                       "ended the check\n")
@@ -378,9 +378,10 @@ def _cleanup() -> None:
     _sweep(None, set(), bound=2.0)
 
 
-def _zygote_entry(conn: Any, argv: Sequence[str], tty: tuple[bool, bool], supervisor: int) -> None:
+def _zygote_entry(conn: Any, argv: Sequence[str], tty: tuple[bool, bool], supervisor: int,
+                  runner: tuple[str, str]) -> None:
     """A session worker forked from the zygote (see :func:`_start`): its channel is the zygote's socket."""
-    _worker_main(conn.fileno(), argv, tty, os.getppid())
+    _worker_main(conn.fileno(), argv, tty, os.getppid(), runner)
 
 
 # --- the supervisor --------------------------------------------------------------------------------
@@ -433,7 +434,7 @@ class _Handle:
                 self.child.close()
 
 
-def _start(argv: Sequence[str], tty: tuple[bool, bool]) -> _Handle:
+def _start(argv: Sequence[str], tty: tuple[bool, bool], runner: tuple[str, str]) -> _Handle:
     """Fork the session worker: from this process when it runs one thread, else from the zygote."""
     supervisor = os.getpid()
     if threading.active_count() == 1 and threading.current_thread() is threading.main_thread():
@@ -445,7 +446,7 @@ def _start(argv: Sequence[str], tty: tuple[bool, bool]) -> _Handle:
         if pid == 0:  # the worker: never returns into the supervisor's stack
             try:
                 os.close(read)
-                _worker_main(write, argv, tty, supervisor)
+                _worker_main(write, argv, tty, supervisor, runner)
             finally:
                 _WORKER["exit"](3)
         os.close(write)
@@ -456,13 +457,13 @@ def _start(argv: Sequence[str], tty: tuple[bool, bool]) -> _Handle:
     if z is None:
         raise OSError("no way to fork a session worker here")
     try:
-        [child] = z.fork(_zygote_entry, [(list(argv), tty, supervisor)], ["tpsim-session"])
+        [child] = z.fork(_zygote_entry, [(list(argv), tty, supervisor, runner)], ["tpsim-session"])
     except Exception:
         zygote.replace()
         z = zygote.shared()
         if z is None:
             raise
-        [child] = z.fork(_zygote_entry, [(list(argv), tty, supervisor)], ["tpsim-session"])
+        [child] = z.fork(_zygote_entry, [(list(argv), tty, supervisor, runner)], ["tpsim-session"])
     fd = os.dup(child.conn.fileno())
     child.conn.close()
     return _Handle(child.pid, fd, child)
@@ -565,14 +566,18 @@ class _Session:
             self.read(fd)
 
 
-def supervise(argv: Sequence[str], out: TextIO | None, err: TextIO | None, *, command: str, subject: str,
-              json_report: bool) -> int:
+def supervise(argv: Sequence[str], out: TextIO | None, err: TextIO | None, *, runner: Callable[..., int],
+              codes: Mapping[str, int], version: str, command: str, subject: str, json_report: bool) -> int:
     """Run the ``tpsim`` command ``argv`` in a session worker; write what it prints; return its exit code.
 
-    ``command``: ``check`` or ``replay``; ``subject``: the target or case file (messages name it);
-    ``json_report``: whether stdout must hold a JSON report (one is written here when the worker
-    could not write its own).
+    ``runner(argv, out, err)``: the top-level function the worker runs (it returns the exit code);
+    ``codes``: the exit codes for ``failed``, ``usage``, ``internal`` and ``interrupted``;
+    ``version``: tpsim's (a JSON report written here carries it); ``command``: ``check`` or
+    ``replay``; ``subject``: the target or case file (messages name it); ``json_report``: whether
+    stdout must hold a JSON report (one is written here when the worker could not write its own).
     """
+    from tpsim.comm.zygote import _ref
+
     from tpsim.comm import zygote
 
     _ensure_std_fds()
@@ -586,7 +591,9 @@ def supervise(argv: Sequence[str], out: TextIO | None, err: TextIO | None, *, co
     interrupted_at: float | None = None
     sent_at: float | None = None
     try:
-        handle = _start(argv, (_isatty(out), _isatty(err)))
+        handle = _start(argv, (_isatty(out), _isatty(err)), _ref(runner))
+        # What starting it started here (a zygote, multiprocessing's resource tracker) is this process's own.
+        keep |= (set(_children(os.getpid())) | zygote.pids()) - {handle.pid}
         while True:
             try:
                 now = time.monotonic()
@@ -619,13 +626,13 @@ def supervise(argv: Sequence[str], out: TextIO | None, err: TextIO | None, *, co
             handle.close()
         if was_reaper == 0:
             _prctl(_PR_SET_CHILD_SUBREAPER, 0)
-    return _verdict(session, handle, writer, interrupted_at is not None, command, subject, json_report)
+    return _verdict(session, handle, writer, interrupted_at is not None, codes, version, command, subject,
+                    json_report)
 
 
-def _verdict(session: _Session, handle: _Handle | None, writer: _Writer, interrupted: bool, command: str,
-             subject: str, json_report: bool) -> int:
+def _verdict(session: _Session, handle: _Handle | None, writer: _Writer, interrupted: bool,
+             codes: Mapping[str, int], version: str, command: str, subject: str, json_report: bool) -> int:
     """The exit code: the worker's own, else what its end says (and the message that explains it)."""
-    from tpsim.cli import EXIT_FAILED, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE, _version
 
     if session.code is not None:
         return session.code
@@ -633,24 +640,24 @@ def _verdict(session: _Session, handle: _Handle | None, writer: _Writer, interru
     prog = f"tpsim {command}"
     if interrupted:
         writer.write("err", f"{prog}: interrupted\n")
-        return EXIT_INTERRUPTED
+        return codes["interrupted"]
     if session.phase == "import":
         what = (f"the target module called {session.exit_call} while being imported" if session.exit_call else
                 f"the process importing the target ended with {status} while it was imported")
         writer.write("err", f"{prog}: error: cannot {command} {subject!r}: {what}\n")
-        return EXIT_USAGE
+        return codes["usage"]
     if session.phase == "run":
         message = (f"the checked code ended tpsim's session worker process ({status}) during the {command}; "
                    "what was reported before is complete and its case files are saved")
         writer.write("err", f"{prog}: error: {message}\n")
         if json_report and not writer.wrote_out:
-            doc = {"tpsim_version": _version(), "command": command, "target": subject, "passed": False,
+            doc = {"tpsim_version": version, "command": command, "target": subject, "passed": False,
                    "interrupted": False, "error": message, "failures": [], "variants": []}
             writer.write("out", json.dumps(doc, indent=2) + "\n")
-        return EXIT_FAILED
+        return codes["failed"]
     writer.write("err", f"tpsim: internal error: tpsim's session worker process ended with {status} before it "
                  "ran the command (a bug in tpsim; please report it)\n")
-    return EXIT_INTERNAL
+    return codes["internal"]
 
 
 def _isatty(stream: Any) -> bool:
