@@ -359,7 +359,8 @@ def _failure_dict(failure: Any, extra: dict[str, Any] | None = None) -> dict[str
 
 
 
-#: Characters of a failure's message (and of its traceback) a report shows; the case file keeps it whole.
+#: Characters of a failure's message (and of its traceback) a report shows; the case file keeps more
+#: (:data:`tpsim.props.case.CASE_TEXT_CHARS`).
 MESSAGE_CHARS = 4000
 
 
