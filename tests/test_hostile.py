@@ -8,7 +8,6 @@ printed, the case files and that no process the check started is left behind.
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import subprocess
 import sys

@@ -576,9 +576,8 @@ def supervise(argv: Sequence[str], out: TextIO | None, err: TextIO | None, *, ru
     ``replay``; ``subject``: the target or case file (messages name it); ``json_report``: whether
     stdout must hold a JSON report (one is written here when the worker could not write its own).
     """
-    from tpsim.comm.zygote import _ref
-
     from tpsim.comm import zygote
+    from tpsim.comm.zygote import _ref
 
     _ensure_std_fds()
     writer = _Writer(out, err)
