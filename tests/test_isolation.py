@@ -654,6 +654,17 @@ def _start_parent(tmp_path: Path, source: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
 
 
+def _readline(parent: subprocess.Popen[str], bound: float = 120) -> str:
+    """The parent's next line of output, waiting at most ``bound`` seconds (a test never hangs)."""
+    import select
+
+    assert parent.stdout is not None
+    ready, _, _ = select.select([parent.stdout], [], [], bound)
+    if not ready:
+        raise AssertionError(f"the parent printed nothing within {bound:.0f} s")
+    return parent.stdout.readline()
+
+
 def _kill(parent: subprocess.Popen[str]) -> None:
     """SIGKILL: the parent runs no cleanup at all."""
     parent.kill()
@@ -666,7 +677,7 @@ def test_an_isolated_worker_dies_with_a_checker_killed_mid_run(tmp_path: Path) -
     parent = _start_parent(tmp_path, _ISOLATED_PARENT)
     try:
         assert parent.stdout is not None
-        worker = int(parent.stdout.readline())
+        worker = int(_readline(parent, 300))
         _wait_started(parent, tmp_path / "started")  # the sleeping world is running in the worker now
         family = _descendants(parent.pid)
         assert worker in family
@@ -679,10 +690,10 @@ def test_ctrl_c_mid_run_reaches_the_caller_and_ends_the_worker(tmp_path: Path) -
     parent = _start_parent(tmp_path, _INTERRUPTED_PARENT)
     try:
         assert parent.stdout is not None
-        worker = int(parent.stdout.readline())
+        worker = int(_readline(parent, 300))
         _wait_started(parent, tmp_path / "started")  # Ctrl-C mid-run: the world is running in the worker
         parent.send_signal(signal.SIGINT)
-        assert parent.stdout.readline().split() == ["interrupted", "None"]
+        assert _readline(parent).split() == ["interrupted", "None"]
         assert parent.wait(120) == 130
     finally:
         _kill(parent)
@@ -694,7 +705,7 @@ def test_gloo_workers_die_with_a_checker_killed_while_they_start(tmp_path: Path)
     parent = _start_parent(tmp_path, _GLOO_PARENT)
     try:
         assert parent.stdout is not None
-        assert parent.stdout.readline().strip() == "starting"
+        assert _readline(parent, 300).strip() == "starting"
         deadline = time.monotonic() + 300  # a bound, not a delay: the loop ends when the ranks exist
         family: list[int] = []
         # the four ranks are being started (forked from the zygote: at once; spawned: importing torch)

@@ -44,7 +44,7 @@ from tpsim.runner import BACKENDS, DEFAULT_TIMEOUT
 from tpsim.variant import INPUT_GRADS, INPUTS, OUTPUTS, PARAM_GRADS
 
 __all__ = ["DEFAULT_CASES_DIR", "EXIT_CODES", "EXIT_FAILED", "EXIT_INTERNAL", "EXIT_INTERRUPTED", "EXIT_OK",
-           "EXIT_USAGE", "build_parser", "main"]
+           "EXIT_USAGE", "build_parser", "main", "run_command"]
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -171,9 +171,11 @@ def _choice(choices: Sequence[str]) -> Callable[[str], str]:
 
 
 _NO_ISOLATE_HELP = (
-    "run inproc worlds in this process instead of a supervised worker process. By default they are "
-    "isolated: a rank that exits, segfaults, aborts, runs out of memory or hangs in native code is reported "
-    "(rank-exited, rank-crashed) instead of ending tpsim, at a small cost in speed (see docs/design.md)"
+    "run inproc worlds in tpsim's session worker process (which imports the target) instead of a supervised "
+    "worker process per world. By default they are isolated: a rank that exits, segfaults, aborts, runs out of "
+    "memory or hangs in native code is reported (rank-exited, rank-crashed) with its case, at a small cost in "
+    "speed; with --no-isolate it ends the check (exit 1, no case file). Either way the target never runs in "
+    "the process that reports and sets the exit code (see docs/design.md)"
 )
 
 
@@ -302,9 +304,32 @@ def build_parser() -> _Parser:
 # --- output helpers ------------------------------------------------------------------------------
 
 
-def _replay_command(path: str, backend: str | None = None) -> str:
+def _replay_command(path: str, backend: str | None = None, target: str | None = None) -> str:
+    """The command that replays the case file ``path``, as the user can paste it where tpsim ran:
+    with ``--allow-outside-target`` when ``target`` is a file replay would not import by itself."""
     cmd = f"tpsim replay {shlex.quote(path)}"
-    return cmd + (f" --backend {backend}" if backend else "")
+    cmd += f" --backend {backend}" if backend else ""
+    return cmd + (" --allow-outside-target" if target and _outside_target(target, path) else "")
+
+
+def _target_file(target: str) -> str | None:
+    """The file a target names (a path, or the module name tpsim imports a file under), else None."""
+    from tpsim._target_files import path_of_module_name
+
+    module_part = target.partition(":")[0]
+    if module_part.endswith(".py") or "/" in module_part or os.sep in module_part:
+        return module_part
+    return path_of_module_name(module_part)
+
+
+def _outside_target(target: str, case_file: str) -> bool:
+    """Whether replaying ``case_file`` from here needs ``--allow-outside-target`` for ``target``."""
+    file = _target_file(target)
+    if file is None:
+        return False
+    places = [os.getcwd(), os.path.dirname(os.path.abspath(case_file))]
+    candidates = [file] if os.path.isabs(file) else [os.path.join(p, file) for p in places]
+    return not any(os.path.isfile(c) and any(_is_inside(c, p) for p in places) for c in candidates)
 
 
 def _case_dict(case: Any) -> Any:
@@ -325,7 +350,7 @@ def _failure_dict(failure: Any, extra: dict[str, Any] | None = None) -> dict[str
     out = {
         "property": failure.property,
         "diagnosis": failure.diagnosis,
-        "message": failure.message,
+        "message": _cut(failure.message, bool(getattr(failure, "case_file", None))),
         "case": _case_dict(failure.case),
         "case_file": getattr(failure, "case_file", None),
         "variant": getattr(failure, "variant", None),
@@ -333,14 +358,28 @@ def _failure_dict(failure: Any, extra: dict[str, Any] | None = None) -> dict[str
     }
     tb = getattr(failure, "traceback", None)
     if tb:
-        out["traceback"] = tb
+        out["traceback"] = _cut(tb, False)
     for key, value in base.items():
         out.setdefault(key, value)
     if out["case_file"]:
-        out["replay"] = _replay_command(out["case_file"])
+        out["replay"] = _replay_command(out["case_file"], target=getattr(failure.case, "target", None))
     out.update(extra or {})
     return jsonable(out)
 
+
+
+#: Characters of a failure's message (and of its traceback) a report shows; the case file keeps more
+#: (:data:`tpsim.props.case.CASE_TEXT_CHARS`).
+MESSAGE_CHARS = 4000
+
+
+def _cut(text: str, saved: bool = True) -> str:
+    """``text`` cut to :data:`MESSAGE_CHARS` (its head and its tail: where it came from and how it ended)."""
+    if not isinstance(text, str) or len(text) <= MESSAGE_CHARS:
+        return text
+    half = MESSAGE_CHARS // 2
+    where = "; the case file keeps more of it" if saved else ""
+    return f"{text[:half]}\n... [{len(text) - 2 * half} more characters{where}] ...\n{text[-half:]}"
 
 
 def _indent(text: str, prefix: str) -> str:
@@ -357,10 +396,10 @@ def _failure_block(failure: Any, out: TextIO, *, replaying: bool = False) -> Non
     :func:`_case_file_block`) case file and replay; when replaying, the case and its file are
     already in the heading."""
     print(f"  FAILED {failure.property}: {getattr(failure, 'label', failure.diagnosis)}", file=out)
-    message = failure.message
+    message = _cut(failure.message, bool(getattr(failure, "case_file", None)))
     tb = getattr(failure, "traceback", None)
-    if tb and tb.strip() not in message:
-        message = f"{message}\n--- traceback on rank {failure.rank} ---\n{tb.rstrip()}"
+    if tb and tb.strip() not in failure.message:
+        message = f"{message}\n--- traceback on rank {failure.rank} ---\n{_cut(tb.rstrip(), False)}"
     print(_indent(message, "    "), file=out)
     consequences = getattr(failure, "consequences", None) or []
     if consequences:
@@ -394,8 +433,9 @@ def _case_file_block(failure: Any, note: str | None, out: TextIO) -> None:
     case_file = getattr(failure, "case_file", None)
     if case_file:
         print(f"    case file:    {case_file}", file=out)
-        print(f"    replay:       {_replay_command(case_file)}", file=out)
-        print(f"    on gloo:      {_replay_command(case_file, 'gloo')}", file=out)
+        target = getattr(failure.case, "target", None)
+        print(f"    replay:       {_replay_command(case_file, target=target)}", file=out)
+        print(f"    on gloo:      {_replay_command(case_file, 'gloo', target=target)}", file=out)
 
 
 class _Progress:
@@ -449,6 +489,8 @@ class _VariantResult:
     failures: list[Any] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     verdicts: dict[str, Any] = field(default_factory=dict)
+    #: Why the search refused this variant (a usage error of one variant among several), or None.
+    refused: str | None = None
 
 
 def _nccl_check(world_size: int, prog: str) -> None:
@@ -657,6 +699,7 @@ def _run_check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: 
     from tpsim.errors import InvalidArgument
     from tpsim.props.family import family_of
     from tpsim.props.search import SearchInterrupted, search
+    from tpsim.session import importing
     from tpsim.target import resolve_target
 
     options = {k: getattr(args, k) for k in ("convention", "kind", "input", "output", "input_grad", "packed",
@@ -665,7 +708,8 @@ def _run_check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: 
     options["rank_local"] = tuple(args.rank_local) if args.rank_local else None
     options["param_grad"] = tuple(args.param_grad) if args.param_grad else None
     try:
-        variants = resolve_target(args.target, **options)
+        with importing():  # the target's own code runs here: what it does is its own (tpsim.session)
+            variants = resolve_target(args.target, **options)
     except InvalidArgument as e:
         raise UsageError(f"cannot check {args.target!r}: {e}", prog="tpsim check") from None
 
@@ -718,7 +762,15 @@ def _run_check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: 
             except SearchInterrupted as stop:
                 report, interrupted = stop.report, True
             except InvalidArgument as e:
-                raise UsageError(f"cannot check {variant.name!r}: {e}", prog="tpsim check") from None
+                if total == 1:
+                    raise UsageError(f"cannot check {variant.name!r}: {e}", prog="tpsim check") from None
+                # One variant among several: refused in its place; the others are still checked.
+                refusal = f"cannot check {variant.name!r}: {e}"
+                print(f"tpsim check: error: {refusal}", file=err)
+                result = _VariantResult(variant, False, 0, time.monotonic() - started_v, refused=refusal)
+                results.append(result)
+                _report_variant(result, width, saver, capture, extras, out if text else None)
+                continue
             finally:
                 progress.close()
                 if capture is not None:
@@ -755,15 +807,20 @@ def _run_check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: 
                   f"{seconds:.1f}s)" + ("; their cases are saved above" if all_failures else ""), file=out)
         elif passed:
             print(f"all properties hold: {len(results)} variant{plural}, {examples} examples, {seconds:.1f}s", file=out)
+        elif not all_failures:
+            refused = sum(1 for r in results if r.refused)
+            print(f"{refused} of {len(results)} variant{plural} refused (see above); the others hold ({examples} "
+                  f"examples, {seconds:.1f}s)", file=out)
         else:
-            bad = sum(1 for r in results if not r.passed)
+            bad = sum(1 for r in results if r.failures)
+            refused = sum(1 for r in results if r.refused)
             # The summary counts causes; the consequences listed under each are not counted again.
             props = len({(id(r), g.property) for r in results for f in r.failures
                          for g in (f, *(getattr(f, "consequences", None) or []))})
             print(f"{len(all_failures)} cause{'s' if len(all_failures) != 1 else ''} of failure ({props} failing "
                   f"propert{'ies' if props != 1 else 'y'}) in {bad} of "
-                  f"{len(results)} variant{plural} ({examples} examples, {seconds:.1f}s); "
-                  f"replay a case with the command above", file=out)
+                  f"{len(results)} variant{plural}" + (f" ({refused} refused)" if refused else "")
+                  + f" ({examples} examples, {seconds:.1f}s); replay a case with the command above", file=out)
     if interrupted:
         print("tpsim check: interrupted", file=err)
     doc = {
@@ -788,6 +845,7 @@ def _run_check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: 
                 "input_grad": r.variant.input_grad,
                 "bias": r.variant.bias,
                 "passed": r.passed,
+                **({"refused": r.refused} if r.refused else {}),
                 "examples": r.examples,
                 "seconds": round(r.seconds, 3),
                 "notes": r.notes,
@@ -804,19 +862,16 @@ def _run_check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: 
     }
     if interrupted:
         return EXIT_INTERRUPTED, doc
-    return (EXIT_OK if passed else EXIT_FAILED), doc
+    if all_failures or passed:
+        return (EXIT_OK if passed else EXIT_FAILED), doc
+    return EXIT_USAGE, doc  # refused variants, and nothing failed
 
 
 def _report_variant(result: _VariantResult, width: int, saver: _CaseSaver, capture: Any,
                     extras: dict[int, dict[str, Any]], out: TextIO | None) -> None:
-    """Print one variant's result (``out`` None: the JSON report prints it all at the end), then
-    save each failure's case: the failure is on the screen before anything can go wrong."""
-    if out is not None:
-        status = "PASS" if result.passed else "FAIL"
-        print(f"{status} {result.variant.name:<{width}}  {result.examples:>4} examples  {result.seconds:6.1f}s",
-              file=out)
-        for note in result.notes:
-            print(f"     note: {note}", file=out)
+    """Save each failure's case, then print the variant's result (``out`` None: the JSON report
+    prints it all at the end): a case is on disk before anything is printed, so neither a closed
+    pipe nor a full disk on stdout can lose it."""
     for failure in result.failures:
         if getattr(failure, "variant", None) is None:
             failure.variant = result.variant.name
@@ -825,18 +880,28 @@ def _report_variant(result: _VariantResult, width: int, saver: _CaseSaver, captu
             printed = capture.output_for(_case_key(failure.case))
             if printed:
                 extra["output"] = printed
-        if out is not None:
-            _failure_block(failure, out)
-            if extra.get("output"):
-                _printed_block(extra["output"], out)
-            out.flush()
         note = saver.save(failure, result.variant)
         if note:
             extra["case_file_note"] = note
-        if out is not None:
-            _case_file_block(failure, note, out)
-            out.flush()
         extras[id(failure)] = extra
+    if out is None:
+        return
+    status = "PASS" if result.passed else "REFUSED" if result.refused else "FAIL"
+    print(f"{status} {result.variant.name:<{width}}  {result.examples:>4} examples  {result.seconds:6.1f}s",
+          file=out)
+    for note in result.notes:
+        print(f"     note: {note}", file=out)
+    if result.refused:
+        print(f"    {result.refused}", file=out)
+        return
+    for failure in result.failures:
+        extra = extras[id(failure)]
+        _failure_block(failure, out)
+        if extra.get("output"):
+            _printed_block(extra["output"], out)
+        _case_file_block(failure, extra.get("case_file_note"), out)
+        out.flush()
+    out.flush()
 
 
 # --- replay --------------------------------------------------------------------------------------
@@ -860,6 +925,11 @@ def _replay_target(case: Any, case_file: str, found: dict[str, Any], allow_outsi
     """
     target = case.target
     module_part, sep, attr = target.partition(":")
+    from tpsim._target_files import path_of_module_name
+
+    encoded = path_of_module_name(module_part)
+    if encoded is not None:  # the name tpsim imports a file under: the file's rule, not a module's
+        module_part = encoded
     is_path = module_part.endswith(".py") or "/" in module_part or os.sep in module_part
     if not is_path:
         import contextlib
@@ -903,6 +973,24 @@ def _replay_target(case: Any, case_file: str, found: dict[str, Any], allow_outsi
     )
 
 
+def _replay_options(case: Any, args: argparse.Namespace, found: dict[str, Any]) -> Any:
+    """The case's options, each ``--rank-local`` file held to the rule of a target file (a case file
+    is data: it cannot make replay import a file the user did not point at)."""
+    from types import SimpleNamespace
+
+    options = dict(case.options)
+    specs = options.get("rank_local")
+    if specs:
+        specs = [specs] if isinstance(specs, str) else list(specs)
+        kept = []
+        for spec in specs:
+            if isinstance(spec, str) and _target_file(spec) is not None:
+                spec, _ = _replay_target(SimpleNamespace(target=spec), args.case_file, found, args.allow_outside_target)
+            kept.append(spec)
+        options["rank_local"] = tuple(kept)
+    return options
+
+
 def _check_world_size(world_size: int, backend: str, prog: str, what: str) -> None:
     """Refuse a world too large for ``backend`` here before any rank starts (exit 2); the limit
     and its override are the backends' (:func:`tpsim.comm.limits.check_world_size`)."""
@@ -933,6 +1021,7 @@ def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from tpsim.errors import InvalidArgument
     from tpsim.props.case import load_case
     from tpsim.props.family import family_of_case
+    from tpsim.session import importing
     from tpsim.target import resolve_variant
 
     try:
@@ -949,9 +1038,12 @@ def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     _check_world_size(case.world_size, backend, "tpsim replay", f"case file {args.case_file!r}")
     if backend == "nccl":
         _nccl_check(case.world_size, "tpsim replay")
-    target, imports = _replay_target(case, args.case_file, found, args.allow_outside_target)
     try:
-        variant = resolve_variant(target, case.variant, case.options)
+        with importing():  # the target's own code runs here (finding a module imports its parents)
+            target, imports = _replay_target(case, args.case_file, found, args.allow_outside_target)
+            variant = resolve_variant(target, case.variant, _replay_options(case, args, found))
+    except UsageError:
+        raise
     except InvalidArgument as e:
         raise UsageError(f"cannot replay {args.case_file!r}: {e}", prog="tpsim replay") from None
     start = time.monotonic()
@@ -1016,7 +1108,7 @@ def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         verdict = f"fails differently from the recorded {recorded[0]}: {recorded[1]}{where}"
     print(f"FAIL {verdict} ({seconds:.1f}s)", file=out)
     if backend != "gloo":
-        print(f"  on real process groups: {_replay_command(args.case_file, 'gloo')}", file=out)
+        print(f"  on real process groups: {_replay_command(args.case_file, 'gloo', target=case.target)}", file=out)
     return EXIT_FAILED
 
 
@@ -1043,9 +1135,10 @@ def _shared_state_message(err: Exception) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``tpsim`` command with ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
-    from tpsim.errors import BackendUnavailable, SharedModuleState
+    """Run the ``tpsim`` command with ``argv`` (default: ``sys.argv[1:]``); return the exit code.
 
+    This process parses the command line and writes the report; the command itself runs in a
+    session worker process (:mod:`tpsim.session`), so the checked code cannot change either."""
     argv = list(sys.argv[1:] if argv is None else argv)
     out, err = sys.stdout, sys.stderr
     # Like ``python -m``: modules in the working directory are importable as targets, also from
@@ -1062,6 +1155,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.print_usage(err)
             print("tpsim: error: name a command: check or replay (see 'tpsim --help')", file=err)
             return EXIT_USAGE
+    except UsageError as e:
+        print(f"{e.prog}: error: {e}", file=err)
+        return EXIT_USAGE
+    except Exception:
+        print("tpsim: internal error (a bug in tpsim; please report it with this traceback):", file=err)
+        traceback.print_exc(file=err)
+        return EXIT_INTERNAL
+    # --- session: the target is imported and run in a supervised worker, never here (tpsim.session)
+    from tpsim import session
+
+    subject = args.target if args.command == "check" else args.case_file
+    codes = {"failed": EXIT_FAILED, "usage": EXIT_USAGE, "internal": EXIT_INTERNAL, "interrupted": EXIT_INTERRUPTED}
+    return session.supervise(argv, out, err, runner=run_command, codes=codes, version=_version(),
+                             command=args.command, subject=subject, json_report=args.report == "json")
+
+
+def run_command(argv: Sequence[str], out: TextIO, err: TextIO) -> int:
+    """Run a ``check`` or ``replay`` command line here (in the session worker); return its exit code."""
+    from tpsim.errors import BackendUnavailable, SharedModuleState
+
+    argv = list(argv)
+    try:
+        args = build_parser().parse_args(argv)
         if args.command == "check":
             return _check(args, argv, out, err)
         return _replay(args, out, err)

@@ -76,6 +76,9 @@ def failure_outcome(
     rank: int, exc: BaseException, session: RankSession | None, *, tb: str | None = None, prefix: str = ""
 ) -> Outcome:
     text = tb if tb is not None else "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    from tpsim.comm.scheduler import printable
+
+    exc = printable(exc)  # a hostile __str__ must not break the report
     try:
         pickled: bytes | None = dumps(exc)
         pickle.loads(pickled)  # some exceptions pickle but cannot be rebuilt; find out here
@@ -251,6 +254,9 @@ def worker_main(
     have started, which a forked process cannot use).
     """
     # First, before anything that takes time: a worker must never outlive the parent.
+    from tpsim.comm.zygote import own_group
+
+    own_group()  # what this rank forks ends with it (procs kills the group)
     lifeline.arm(parent_pid=parent_pid, pdeathsig=pdeathsig)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     shared = _map(memory_path, world_size * RANK_MEMORY_BYTES)

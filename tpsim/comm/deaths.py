@@ -19,6 +19,7 @@ from __future__ import annotations
 import signal as _signal
 from collections.abc import Callable
 
+from tpsim.comm.scheduler import text_of
 from tpsim.errors import RankCrashed, RankDied, RankError, RankExited
 
 __all__ = ["classify", "describe_signal", "from_exit", "is_out_of_memory", "where"]
@@ -90,7 +91,7 @@ def is_out_of_memory(exc: BaseException | None) -> bool:
     while exc is not None and seen < 8:
         if isinstance(exc, MemoryError):
             return True
-        text = str(exc).lower()
+        text = text_of(exc).lower()
         if isinstance(exc, (RuntimeError, MemoryError)) and any(s in text for s in _ALLOC_FAILED):
             return True
         exc = exc.__cause__ or exc.__context__

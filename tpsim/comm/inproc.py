@@ -38,6 +38,7 @@ from tpsim.comm.scheduler import (
     WorldBroken,
     collective_error,
     format_exception,
+    printable,
 )
 from tpsim.comm.trace import CollectiveCall, Trace
 from tpsim.errors import CollectiveError, InvalidArgument
@@ -1125,8 +1126,8 @@ def _rank_main(world: _SimWorld, rank: int, fn: Callable, args: tuple, kwargs: d
         if sched.slots[rank].dropped:
             note = "was dropped"  # the rank's own finally-blocks raised after the drop: still dead
         else:
-            outcome.error = exc
             outcome.tb = format_exception(exc)
+            outcome.error = printable(exc)  # a hostile __str__ must not break the report
             note = f"raised {type(exc).__name__}"
     finally:
         threadworld.leave_rank_world()

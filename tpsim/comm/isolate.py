@@ -63,6 +63,7 @@ from tpsim.comm._payload import dump_call, load_call
 from tpsim.comm.board import Board, BoardView, install
 from tpsim.comm.result import WorldResult
 from tpsim.comm.runclock import RunClock, backstop, process_paths
+from tpsim.comm.scheduler import text_of
 from tpsim.errors import BackendUnavailable, CollectiveError, InvalidArgument, RankError
 
 __all__ = ["OOM_SCORE_ADJ", "START_BOUND", "helper_pids", "live_worker_pid", "run_isolated", "shutdown",
@@ -148,7 +149,7 @@ def _stand_in(exc: BaseException, rank: int) -> RankError:
     import traceback
 
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return RankError(f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}", rank=rank, remote_traceback=tb)
+    return RankError(f"{type(exc).__module__}.{type(exc).__qualname__}: {text_of(exc)}", rank=rank, remote_traceback=tb)
 
 
 def _portable(exc: BaseException) -> BaseException:
@@ -164,7 +165,7 @@ def _portable(exc: BaseException) -> BaseException:
         if _pickles(err):
             return err
         return _stand_in(exc, exc.rank)
-    return RuntimeError(f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}")
+    return RuntimeError(f"{type(exc).__module__}.{type(exc).__qualname__}: {text_of(exc)}")
 
 
 def _unpicklable_value(values: list[Any]) -> RankError:
@@ -355,6 +356,7 @@ def _serve(conn: Any, lifeline_end: Any, board_buf: Any, memory_limit: int | Non
     """
     for end in parents:
         end.close()
+    zygote.own_group()  # what the ranks fork dies with this worker (kill_group)
     lifeline.arm(lifeline=lifeline_end, parent_pid=parent_pid, pdeathsig=pdeathsig)
     torch.set_num_threads(1)  # a forked worker: OpenMP's pool did not survive the fork (ranks use one anyway)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to handle (it kills us)
@@ -570,7 +572,7 @@ class _Worker:
         if os.getpid() != self.owner:
             return  # inherited through fork: not ours
         if self.proc.is_alive():
-            self.proc.kill()
+            zygote.kill_group(self.proc.pid)  # with whatever its ranks forked
         self.proc.join(5.0)  # SIGKILL cannot be ignored; the bound only guards a wedged kernel
         self.conn.close()
         if isinstance(self.proc, zygote.Child):

@@ -264,7 +264,7 @@ class _Pool:
             return  # a forked copy of the registry: these processes are not ours to kill
         for proc in self.procs:
             if proc.is_alive():
-                proc.kill()
+                zygote.kill_group(proc.pid)  # with whatever the rank forked (its own process group)
         for proc in self.procs:
             proc.join(5.0)  # SIGKILL cannot be ignored; the bound only guards a wedged kernel
         for conn in self.conns:

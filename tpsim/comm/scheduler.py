@@ -400,3 +400,33 @@ def collective_error(err: WorldBroken, rank: int) -> CollectiveError:
 
 def format_exception(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+
+
+class UnprintableError(Exception):
+    """Stands in for a rank's exception that cannot be turned into text (its ``__str__`` raises):
+    names its class and what ``str()`` raised; the rank's traceback is kept."""
+
+
+def text_of(exc: BaseException) -> str:
+    """``str(exc)``, or a description of it when its ``__str__`` raises."""
+    try:
+        return str(exc)
+    except BaseException as err:  # noqa: BLE001 - the exception's own code: anything may come out
+        return f"<{type(exc).__qualname__}: its __str__ raised {type(err).__name__}>"
+
+
+def printable(exc: BaseException) -> BaseException:
+    """``exc``, or an :class:`UnprintableError` in its place when ``str(exc)`` raises: every report
+    formats a rank's exception, and a hostile ``__str__`` must not take the report down with it."""
+    try:
+        str(exc)
+        return exc
+    except BaseException as err:  # noqa: BLE001 - the exception's own code: anything may come out
+        try:
+            why = f"{type(err).__name__}: {str(err)[:200]}"
+        except BaseException:  # noqa: BLE001
+            why = type(err).__name__
+        cls = type(exc)
+        stand_in = UnprintableError(f"{cls.__module__}.{cls.__qualname__} (its __str__ raised {why})")
+        stand_in.__traceback__ = exc.__traceback__
+        return stand_in

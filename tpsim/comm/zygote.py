@@ -54,7 +54,7 @@ from typing import Any
 
 from tpsim.errors import BackendUnavailable
 
-__all__ = ["START_BOUND", "Child", "Zygote", "pid", "pids", "replace", "shared", "shutdown"]
+__all__ = ["START_BOUND", "Child", "Zygote", "kill_group", "own_group", "pid", "pids", "replace", "shared", "shutdown"]
 
 #: Seconds the zygote may take to start (it imports torch: seconds on a loaded machine).
 START_BOUND = 120.0
@@ -71,6 +71,32 @@ BASE_MODULES = ("torch", "torch.distributed", "torch.fx.experimental.symbolic_sh
 
 _STATUS = struct.Struct("<i")
 _PR_SET_NAME = 15
+
+
+# --- process groups: a worker and everything it starts end together -----------------------------------
+
+
+def own_group() -> None:
+    """Make this process the leader of a process group of its own: what it forks (a rank's child
+    processes) joins that group, and :func:`kill_group` ends them all with it."""
+    try:
+        if os.getpgid(0) != os.getpid():
+            os.setpgid(0, 0)
+    except OSError:  # not permitted here (a session leader): killing it alone is what remains
+        pass
+
+
+def kill_group(pid: int) -> None:
+    """SIGKILL ``pid`` and, when it leads a process group (:func:`own_group`), everything in that group."""
+    try:
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
 
 
 # --- framing: one pickled message per SOCK_SEQPACKET packet, file descriptors alongside --------------
@@ -141,6 +167,7 @@ def _child(sock: socket.socket, wake: tuple[int, int], statuses: dict[int, int],
     stdio and context, run ``fn(conn, *args)``, and exit (never return into the zygote's loop)."""
     code = 1
     try:
+        own_group()
         _set_name(name)
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -217,6 +244,10 @@ def _fork(sock: socket.socket, wake: tuple[int, int], statuses: dict[int, int], 
                 os.close(status_w)
                 _child(sock, wake, statuses, theirs, (stdio[0], stdio[1]), context, ref, args, name)
             theirs.close()
+            try:
+                os.setpgid(child, child)  # also here: no kill may find it still in the zygote's group
+            except OSError:
+                pass
             statuses[child] = status_w
             try:
                 _send(sock, ("child", child), [mine.fileno(), status_r])
@@ -314,10 +345,7 @@ def _main(sock: socket.socket, parent_pid: int, pdeathsig: bool, modules: Sequen
                 break  # "stop"
     finally:
         for child in list(statuses):
-            try:
-                os.kill(child, signal.SIGKILL)
-            except OSError:
-                pass
+            kill_group(child)
         os._exit(0)
 
 
@@ -374,11 +402,9 @@ class Child:
         self._poll(timeout if timeout is not None else None)  # type: ignore[arg-type]
 
     def kill(self) -> None:
+        """Kill the child and every process it started in its process group."""
         if os.getpid() == self.owner and not self._poll(0.0):
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_group(self.pid)
 
     def close(self) -> None:
         """Close the caller's descriptors (after the child ended or was killed)."""

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tpsim.comm.scheduler import text_of
 from tpsim.diagnosis import (
     COLLECTIVE_ON_STRIDED_VIEW,
     DIVISIBILITY_UNCHECKED,
@@ -104,7 +105,7 @@ class VariantRaised(RuntimeError):
 def variant_raised(phase: str, step: int, err: BaseException) -> VariantRaised:
     """The :class:`VariantRaised` a rank raises for ``err``, which the variant's code raised during
     ``phase`` of SGD step ``step`` (``raise variant_raised("forward", step, err) from err``)."""
-    summary = f"{type(err).__name__}: {err}".splitlines()[0][:500]
+    summary = f"{type(err).__name__}: {text_of(err)}".splitlines()[0][:500]
     cls = type(err)
     error_type = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
     tb = err.__traceback__
@@ -203,7 +204,7 @@ def _facts(err: BaseException) -> tuple[str | None, int | None, str, str]:
         return err.phase, err.step, err.summary, err.traceback_text
     if isinstance(err, RankError):
         return None, None, _first_line(err.summary) or type(err).__name__, err.remote_traceback
-    return None, None, _first_line(f"{type(err).__name__}: {err}"), ""
+    return None, None, _first_line(f"{type(err).__name__}: {text_of(err)}"), ""
 
 
 def _first_line(text: str) -> str:

@@ -406,6 +406,18 @@ def save_case(case: Case, directory: str, *, found: dict[str, Any] | None = None
 
 
 
+#: Characters of a failure's message and traceback a case file keeps (a report shows fewer); the
+#: file stays well under :data:`MAX_CASE_FILE_BYTES`, so it can always be replayed.
+CASE_TEXT_CHARS = 200_000
+
+
+def _kept(text: Any) -> Any:
+    if not isinstance(text, str) or len(text) <= CASE_TEXT_CHARS:
+        return text
+    half = CASE_TEXT_CHARS // 2
+    return f"{text[:half]}\n... [{len(text) - 2 * half} more characters] ...\n{text[-half:]}"
+
+
 def save_failure(failure: Any, variant: Any, directory: str = CASES_DIR, *, backend: str, command: str) -> str:
     """Save ``failure``'s minimal case (completed with its variant's target) and return the path.
 
@@ -425,7 +437,8 @@ def save_failure(failure: Any, variant: Any, directory: str = CASES_DIR, *, back
         "property": failure.property,
         "diagnosis": failure.diagnosis,
         "sublayer": getattr(failure, "sublayer", None),
-        "message": failure.message,
+        "message": _kept(failure.message),
+        "traceback": _kept(getattr(failure, "traceback", None)),
         "rank": getattr(failure, "rank", None),
         "backend": backend,
         # Relative file targets are resolved against the directory they were found from.

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from tpsim.comm.scheduler import text_of
 from tpsim.diagnosis import WRONG_DTYPE, Failure, recogniser
 from tpsim.errors import RankError
 from tpsim.props.property_names import FORWARD
@@ -100,7 +101,7 @@ class DenseReferenceFailed(Exception):
     :class:`tpsim.RankDied` of that rank; ``traceback_text`` its traceback."""
 
     def __init__(self, error: BaseException, traceback_text: str) -> None:
-        super().__init__(f"{type(error).__name__}: {error}".splitlines()[0][:500])
+        super().__init__(f"{type(error).__name__}: {text_of(error)}".splitlines()[0][:500])
         self.error = error
         self.traceback_text = traceback_text
 

@@ -1,0 +1,666 @@
+"""The session: ``tpsim check`` and ``tpsim replay`` run user code in a supervised session worker.
+
+The ``tpsim`` process is the **supervisor**: it parses the command line and never imports the
+target. It forks the **session worker**, which imports the target, builds its variants, runs the
+search (its ranks in their own workers, as before: :mod:`tpsim.comm.isolate`, :mod:`tpsim.comm.procs`),
+saves the case files, and streams what the command prints and, last, its exit code to the supervisor
+as JSON lines over a pipe (:class:`_Channel`). The supervisor writes the report and decides the exit
+code, so nothing the checked code does can change them:
+
+- **exits**: ``SystemExit``, ``KeyboardInterrupt`` or ``os._exit`` while the target is imported are a
+  usage error naming what the target did (exit 2); an ``atexit`` hook or a thread left running
+  cannot change the exit code or keep tpsim alive: once the worker has sent its exit code it ends
+  without running them, and the supervisor ends it if it does not;
+- **process state**: the worker returns to the checker's working directory and SIGINT/SIGCHLD
+  handlers after the import (:func:`importing`), so case files go where the user asked; what the
+  target does to the environment, ``sys.stdout`` or other handlers stays in the worker;
+- **what it prints**: the report travels over the pipe; the checked code's own output goes where it
+  went before (captured and shown under the failure it belongs to);
+- **the process tree**: the worker leads its own session (``setsid``), and while it runs the
+  supervisor is a *child subreaper* (``prctl(PR_SET_CHILD_SUBREAPER)``): when the worker is done its
+  whole process group is killed, and every process it started that escaped the group (a fork that
+  called ``setsid``) comes back to the supervisor when its parent dies, and is killed too. No
+  process the check started outlives it.
+- **Ctrl-C** reaches the supervisor (the worker is not in the terminal's process group): it is
+  forwarded to the worker, which reports what it found so far; a worker that ignores it is killed
+  after :data:`INTERRUPT_GRACE` seconds.
+- **stdout** that is closed, a broken pipe or a full disk ends the report quietly; the case files
+  are saved all the same (the worker saves them before it prints) and the exit code is the check's.
+
+The worker is a fork of the supervisor, which has imported torch and tpsim already (a fork costs
+milliseconds, not an interpreter's start-up); where the supervisor runs other threads (a test
+process), it is forked from the zygote (:mod:`tpsim.comm.zygote`) instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import json
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TextIO
+
+__all__ = ["INTERRUPT_GRACE", "importing", "in_worker", "safe_text", "supervise"]
+
+#: Seconds a worker has to report after Ctrl-C before the supervisor kills it.
+INTERRUPT_GRACE = 10.0
+#: Seconds a worker that sent its exit code has to end before its process group is killed.
+_EXIT_GRACE = 5.0
+#: Exit code of a session whose worker ended without saying (the checked code ended it mid-search).
+_PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
+
+#: In the session worker: its channel to the supervisor and what the import guard records.
+_WORKER: dict[str, Any] = {"channel": None, "signalled": False, "exit": os._exit, "cwd": None}
+
+
+def in_worker() -> bool:
+    """Whether this process is a session worker (its report goes to a supervisor)."""
+    return _WORKER["channel"] is not None
+
+
+def safe_text(obj: Any, limit: int | None = None) -> str:
+    """``str(obj)``, or a description when that raises (a hostile ``__str__``); cut to ``limit`` chars."""
+    try:
+        text = str(obj)
+        if not isinstance(text, str):
+            raise TypeError("__str__ returned a non-string")
+    except BaseException as err:  # noqa: BLE001 - the object's own code: anything may come out
+        name = type(obj).__qualname__ if isinstance(obj, BaseException) else type(obj).__name__
+        try:
+            why = type(err).__name__
+        except BaseException:  # noqa: BLE001
+            why = "an error"
+        text = f"<{name} object: its __str__ raised {why}>"
+    if limit is not None and len(text) > limit:
+        text = text[:limit] + f"... [{len(text) - limit} more characters]"
+    return text
+
+
+# --- the channel: JSON lines from the worker to the supervisor -------------------------------------
+
+
+class _Channel:
+    """The worker's end of the pipe: one JSON object per line, written whole (a lock per line)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.pid = os.getpid()
+        self._lock = threading.Lock()
+
+    def send(self, **event: Any) -> None:
+        if os.getpid() != self.pid:  # a process the worker forked: not the worker speaking
+            return
+        data = (json.dumps(event) + "\n").encode()
+        with self._lock:
+            view = memoryview(data)
+            while view:
+                try:
+                    view = view[os.write(self.fd, view):]
+                except InterruptedError:
+                    continue
+                except OSError:
+                    return  # the supervisor is gone: nothing to tell
+
+
+class _Stream:
+    """A text stream of the worker (``out`` or ``err``) that sends what is written, line by line."""
+
+    def __init__(self, channel: _Channel, name: str, tty: bool) -> None:
+        self._channel = channel
+        self._name = name
+        self._tty = tty
+        self._buffer: list[str] = []
+        self._size = 0
+
+    def write(self, text: str) -> int:
+        self._buffer.append(text)
+        self._size += len(text)
+        if "\n" in text or "\r" in text or self._size > 65536:
+            self.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        if self._buffer:
+            text, self._buffer, self._size = "".join(self._buffer), [], 0
+            self._channel.send(**{self._name: text})
+
+    def isatty(self) -> bool:
+        return self._tty
+
+    def writable(self) -> bool:
+        return True
+
+    @property
+    def encoding(self) -> str:
+        return "utf-8"
+
+
+# --- the import guard ------------------------------------------------------------------------------
+
+
+def _recording_exit(code: int) -> None:
+    """``os._exit`` while the target is imported: tell the supervisor who ended the worker, then exit."""
+    channel = _WORKER["channel"]
+    if channel is not None:
+        channel.send(exit_call=f"os._exit({code!r})")
+    _WORKER["exit"](code)
+
+
+def _frames_outside_tpsim(tb: Any) -> bool:
+    """Whether the innermost frame of ``tb`` is outside tpsim (the error came from the target's code)."""
+    root = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    last = None
+    while tb is not None:
+        last = tb
+        tb = tb.tb_next
+    if last is None:
+        return False
+    return not os.path.abspath(last.tb_frame.f_code.co_filename).startswith(root)
+
+
+@contextlib.contextmanager
+def importing() -> Iterator[None]:
+    """Import and resolve a target: what its code does there is the target's, not tpsim's.
+
+    ``SystemExit`` or ``KeyboardInterrupt`` (not a Ctrl-C) raised by the target, and an exception raised
+    by the target's own code while it is resolved (a hostile metaclass, a property), become
+    :class:`tpsim.target.TargetError` (exit 2, the message says what it did). In a session worker,
+    ``os._exit`` is reported to the supervisor before it ends the worker; afterwards the working
+    directory and the SIGINT/SIGCHLD handlers are the checker's again.
+    """
+    from tpsim._target_files import TargetError
+    from tpsim.errors import InvalidArgument
+
+    channel = _WORKER["channel"]
+    worker = channel is not None and os.getpid() == channel.pid
+    cwd = os.getcwd()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGCHLD)} if worker else {}
+    if worker:
+        channel.send(phase="import")
+        os._exit = _recording_exit
+    try:
+        yield
+    except SystemExit as exc:
+        raise TargetError(f"the target module raised SystemExit({safe_text(exc.code, 200)}) while being "
+                          "imported") from None
+    except KeyboardInterrupt:
+        if _WORKER["signalled"] or not worker:
+            raise
+        raise TargetError("the target module raised KeyboardInterrupt while being imported") from None
+    except InvalidArgument:
+        raise
+    except RecursionError as exc:
+        raise TargetError(f"resolving the target hit Python's recursion limit ({safe_text(exc, 300)})") from None
+    except Exception as exc:
+        if not _frames_outside_tpsim(exc.__traceback__):
+            raise
+        where = ""
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        if tb is not None:
+            where = f" at {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
+        raise TargetError(f"the target's code raised {type(exc).__name__}{where} while it was resolved: "
+                          f"{safe_text(exc, 2000)}") from None
+    finally:
+        if worker:
+            os._exit = _WORKER["exit"]
+            with contextlib.suppress(OSError):
+                if os.getcwd() != cwd:
+                    os.chdir(cwd)
+            for sig, handler in handlers.items():
+                with contextlib.suppress(ValueError, TypeError, OSError):
+                    if signal.getsignal(sig) is not handler:
+                        signal.signal(sig, handler)
+            channel.send(phase="run")
+
+
+# --- process-tree plumbing ---------------------------------------------------------------------------
+
+
+def _prctl(option: int, value: int = 0) -> int | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if option == _PR_GET_CHILD_SUBREAPER:
+            out = ctypes.c_int(0)
+            if libc.prctl(option, ctypes.byref(out), 0, 0, 0) != 0:
+                return None
+            return out.value
+        return 0 if libc.prctl(option, value, 0, 0, 0) == 0 else None
+    except (OSError, AttributeError):
+        return None
+
+
+def _children(pid: int) -> list[int]:
+    """Live or zombie child processes of ``pid`` (a ``/proc`` scan)."""
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as fh:
+                fields = fh.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if len(fields) > 1 and fields[1] == str(pid):
+            found.append(int(entry))
+    return found
+
+
+def _reap(pid: int, bound: float) -> None:
+    deadline = time.monotonic() + bound
+    while True:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if done or time.monotonic() > deadline:
+            return
+        time.sleep(0.005)
+
+
+def _sweep(pgid: int | None, keep: set[int], bound: float = 10.0) -> None:
+    """Kill the process group ``pgid`` and every child of this process not in ``keep`` (processes the
+    session started that came back to this subreaper), round after round, until none is left."""
+    if pgid is not None and pgid != os.getpgrp():  # never this process's own group
+        with contextlib.suppress(OSError):
+            os.killpg(pgid, signal.SIGKILL)
+    deadline = time.monotonic() + bound
+    me = os.getpid()
+    while time.monotonic() < deadline:
+        strays = [p for p in _children(me) if p not in keep]
+        if not strays:
+            return
+        for pid in strays:
+            with contextlib.suppress(OSError):
+                if os.getpgid(pid) == pid != os.getpgrp():
+                    os.killpg(pid, signal.SIGKILL)  # a stray that leads a group takes its group along
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        for pid in strays:
+            _reap(pid, max(0.0, deadline - time.monotonic()))
+
+
+def _ensure_std_fds() -> None:
+    """Open /dev/null on any of file descriptors 0-2 that is closed (``tpsim ... >&-``): the pipes the
+    session opens must not take their numbers, where the checked code's prints would land."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+
+
+# --- the worker ------------------------------------------------------------------------------------
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
+    _WORKER["signalled"] = True
+    raise KeyboardInterrupt
+
+
+def _worker_main(fd: int, argv: Sequence[str], tty: tuple[bool, bool], supervisor: int,
+                 runner: tuple[str, str]) -> None:
+    """Body of the session worker: run the command (``runner(argv, out, err)``, named by module and
+    name), send its exit code, end without atexit hooks."""
+    from tpsim.comm import lifeline, zygote
+
+    real_exit = _WORKER["exit"]
+    code = 3
+    channel = _Channel(fd)
+    _WORKER["channel"] = channel
+    try:
+        with contextlib.suppress(OSError):
+            os.setsid()
+        _prctl(_PR_SET_CHILD_SUBREAPER, 1)  # what the ranks orphan comes back here, to be ended with it
+        lifeline.arm(pdeathsig=True)  # the kernel's signal only: no watch thread (forks stay cheap)
+        if os.getppid() != supervisor:
+            real_exit(lifeline.ORPHANED_EXIT)
+        signal.signal(signal.SIGINT, _on_sigint)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        # A closed stdout/stderr (``>&-``): Python made them None; the supervisor opened /dev/null there.
+        if sys.stdout is None:
+            sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False)  # noqa: SIM115
+        if sys.stderr is None:
+            sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)  # noqa: SIM115
+        import torch
+
+        torch.set_num_threads(1)  # a fork: the parent's OpenMP pool, if it had one, is unusable here
+        run = zygote._resolve(runner)
+        out, err = _Stream(channel, "out", tty[0]), _Stream(channel, "err", tty[1])
+        try:
+            code = run(list(argv), out, err)
+        except SystemExit as exc:  # raised by the checked code outside the import (e.g. --no-isolate ranks)
+            err.write(f"tpsim: error: the checked code raised SystemExit({safe_text(exc.code, 200)}), which "
+                      "ended the check\n")
+            code = 1
+        except KeyboardInterrupt:
+            err.write("tpsim: interrupted\n")
+            code = 130
+        out.flush()
+        err.flush()
+        channel.send(exit=code)
+        _cleanup()
+    except BaseException:  # noqa: BLE001 - tpsim's own failure: the supervisor reports the death
+        try:
+            import traceback
+
+            channel.send(err="tpsim: internal error in the session worker:\n" + traceback.format_exc())
+        except BaseException:  # noqa: BLE001
+            pass
+    finally:
+        real_exit(code if isinstance(code, int) else 3)
+
+
+def _cleanup() -> None:
+    """End what the worker started (its pools, isolated worker, zygote), without the atexit hooks the
+    checked code may have registered; the supervisor kills what is left."""
+    from tpsim.comm import isolate, procs, zygote
+
+    for stop in (isolate.shutdown, procs.shutdown_pools, zygote.shutdown):
+        with contextlib.suppress(BaseException):
+            stop()
+    _sweep(None, set(), bound=2.0)
+
+
+def _zygote_entry(conn: Any, argv: Sequence[str], tty: tuple[bool, bool], supervisor: int,
+                  runner: tuple[str, str]) -> None:
+    """A session worker forked from the zygote (see :func:`_start`): its channel is the zygote's socket."""
+    _worker_main(conn.fileno(), argv, tty, os.getppid(), runner)
+
+
+# --- the supervisor --------------------------------------------------------------------------------
+
+
+class _Handle:
+    """The supervisor's view of its worker: pid, the channel's read end, whether it ended, its status."""
+
+    def __init__(self, pid: int, fd: int, child: Any = None) -> None:
+        self.pid = pid
+        self.fd = fd
+        self.child = child  # a zygote.Child when forked from the zygote
+        self.status: int | None = None
+        self._pidfd: int | None = None
+        if child is None:
+            with contextlib.suppress(OSError, AttributeError):
+                self._pidfd = os.pidfd_open(pid)
+
+    def waitables(self) -> list[int]:
+        if self.child is not None:
+            return [self.child.sentinel]
+        return [self._pidfd] if self._pidfd is not None else []
+
+    def ended(self) -> bool:
+        if self.status is not None:
+            return True
+        if self.child is not None:
+            if self.child.is_alive():
+                return False
+            self.status = self.child.exitcode
+            return True
+        try:
+            done, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            self.status = -signal.SIGKILL
+            return True
+        if not done:
+            return False
+        self.status = os.waitstatus_to_exitcode(status)
+        return True
+
+    def close(self) -> None:
+        for fd in (self._pidfd, self.fd):
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._pidfd = None
+        if self.child is not None:
+            with contextlib.suppress(OSError):
+                self.child.close()
+
+
+def _start(argv: Sequence[str], tty: tuple[bool, bool], runner: tuple[str, str]) -> _Handle:
+    """Fork the session worker: from this process when it runs one thread, else from the zygote."""
+    supervisor = os.getpid()
+    if threading.active_count() == 1 and threading.current_thread() is threading.main_thread():
+        read, write = os.pipe()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        pid = os.fork()
+        if pid == 0:  # the worker: never returns into the supervisor's stack
+            try:
+                os.close(read)
+                _worker_main(write, argv, tty, supervisor, runner)
+            finally:
+                _WORKER["exit"](3)
+        os.close(write)
+        return _Handle(pid, read)
+    from tpsim.comm import zygote
+
+    z = zygote.shared()
+    if z is None:
+        raise OSError("no way to fork a session worker here")
+    try:
+        [child] = z.fork(_zygote_entry, [(list(argv), tty, supervisor, runner)], ["tpsim-session"])
+    except Exception:
+        zygote.replace()
+        z = zygote.shared()
+        if z is None:
+            raise
+        [child] = z.fork(_zygote_entry, [(list(argv), tty, supervisor, runner)], ["tpsim-session"])
+    fd = os.dup(child.conn.fileno())
+    child.conn.close()
+    return _Handle(child.pid, fd, child)
+
+
+class _Writer:
+    """Writes what the worker sends to the supervisor's stdout and stderr; a broken pipe, a full disk
+    or a closed stream ends that stream's output quietly (the rest of the session goes on)."""
+
+    def __init__(self, out: TextIO | None, err: TextIO | None) -> None:
+        self.streams = {"out": out, "err": err}
+        self.failed: dict[str, str] = {}
+        self.wrote_out = False
+
+    def write(self, name: str, text: str) -> None:
+        stream = self.streams.get(name)
+        if stream is None or not text:
+            return
+        try:
+            stream.write(text)
+            stream.flush()
+            if name == "out":
+                self.wrote_out = True
+        except (OSError, ValueError) as exc:
+            self.streams[name] = None
+            self.failed[name] = getattr(exc, "strerror", None) or type(exc).__name__
+            if isinstance(exc, OSError) and exc.errno in (errno.EPIPE, errno.ENOSPC, errno.EBADF):
+                _silence(stream)
+
+
+def _silence(stream: TextIO) -> None:
+    """Point a stream that failed at /dev/null, so the interpreter's last flush cannot fail again."""
+    try:
+        fd = stream.fileno()
+    except (OSError, ValueError, AttributeError):
+        return
+    with contextlib.suppress(OSError):
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, fd)
+        os.close(null)
+
+
+def _describe_status(status: int | None) -> str:
+    if status is None:
+        return "an unknown status"
+    if status < 0:
+        try:
+            return f"signal {signal.Signals(-status).name}"
+        except ValueError:
+            return f"signal {-status}"
+    return f"exit status {status}"
+
+
+class _Session:
+    """What the supervisor learned from its worker: the exit code it sent, the phase it was in, the
+    ``os._exit`` call it reported; reads the channel and writes what it carries."""
+
+    def __init__(self, writer: _Writer) -> None:
+        self.writer = writer
+        self.code: int | None = None
+        self.phase = "start"
+        self.exit_call: str | None = None
+        self.eof = False
+        self._buffer = b""
+
+    def read(self, fd: int) -> None:
+        try:
+            data = os.read(fd, 1 << 16)
+        except OSError:
+            data = b""
+        if not data:
+            self.eof = True
+            return
+        self._buffer += data
+        *lines, self._buffer = self._buffer.split(b"\n")
+        for line in lines:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(event, dict):
+                self._take(event)
+
+    def _take(self, event: dict[str, Any]) -> None:
+        if self.code is not None:
+            return  # nothing after the exit code counts
+        for name in ("out", "err"):
+            if isinstance(event.get(name), str):
+                self.writer.write(name, event[name])
+        if isinstance(event.get("phase"), str):
+            self.phase = event["phase"]
+        if isinstance(event.get("exit_call"), str):
+            self.exit_call = event["exit_call"]
+        if isinstance(event.get("exit"), int) and not isinstance(event.get("exit"), bool):
+            self.code = event["exit"]
+
+    def drain(self, fd: int) -> None:
+        """Read what is already in the channel, without waiting (processes the worker left may hold it open)."""
+        while not self.eof and select.select([fd], [], [], 0)[0]:
+            self.read(fd)
+
+
+def supervise(argv: Sequence[str], out: TextIO | None, err: TextIO | None, *, runner: Callable[..., int],
+              codes: Mapping[str, int], version: str, command: str, subject: str, json_report: bool) -> int:
+    """Run the ``tpsim`` command ``argv`` in a session worker; write what it prints; return its exit code.
+
+    ``runner(argv, out, err)``: the top-level function the worker runs (it returns the exit code);
+    ``codes``: the exit codes for ``failed``, ``usage``, ``internal`` and ``interrupted``;
+    ``version``: tpsim's (a JSON report written here carries it); ``command``: ``check`` or
+    ``replay``; ``subject``: the target or case file (messages name it); ``json_report``: whether
+    stdout must hold a JSON report (one is written here when the worker could not write its own).
+    """
+    from tpsim.comm import zygote
+    from tpsim.comm.zygote import _ref
+
+    _ensure_std_fds()
+    writer = _Writer(out, err)
+    session = _Session(writer)
+    keep = set(_children(os.getpid())) | zygote.pids()
+    was_reaper = _prctl(_PR_GET_CHILD_SUBREAPER)
+    if was_reaper == 0:
+        _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    handle: _Handle | None = None
+    interrupted_at: float | None = None
+    sent_at: float | None = None
+    try:
+        handle = _start(argv, (_isatty(out), _isatty(err)), _ref(runner))
+        # What starting it started here (a zygote, multiprocessing's resource tracker) is this process's own.
+        keep |= (set(_children(os.getpid())) | zygote.pids()) - {handle.pid}
+        while True:
+            try:
+                now = time.monotonic()
+                if interrupted_at is not None and now - interrupted_at > INTERRUPT_GRACE:
+                    break  # it ignored Ctrl-C: the sweep below ends it
+                if session.code is not None:
+                    sent_at = sent_at or now
+                    if handle.ended() or now - sent_at > _EXIT_GRACE:
+                        break  # an atexit hook or a thread that keeps it alive changes nothing
+                if session.code is None and handle.ended():
+                    session.drain(handle.fd)
+                    break
+                waits = ([] if session.eof else [handle.fd]) + handle.waitables()
+                ready, _, _ = select.select(waits, [], [], 0.5)
+                if handle.fd in ready:
+                    session.read(handle.fd)
+            except KeyboardInterrupt:
+                if interrupted_at is not None:
+                    break  # a second Ctrl-C: stop now
+                interrupted_at = time.monotonic()
+                with contextlib.suppress(OSError):
+                    os.kill(handle.pid, signal.SIGINT)
+    except KeyboardInterrupt:
+        interrupted_at = interrupted_at or time.monotonic()
+    finally:
+        if handle is not None:
+            handle.ended()
+            _sweep(handle.pid, keep)
+            handle.ended()
+            handle.close()
+        if was_reaper == 0:
+            _prctl(_PR_SET_CHILD_SUBREAPER, 0)
+    return _verdict(session, handle, writer, interrupted_at is not None, codes, version, command, subject,
+                    json_report)
+
+
+def _verdict(session: _Session, handle: _Handle | None, writer: _Writer, interrupted: bool,
+             codes: Mapping[str, int], version: str, command: str, subject: str, json_report: bool) -> int:
+    """The exit code: the worker's own, else what its end says (and the message that explains it)."""
+
+    if session.code is not None:
+        return session.code
+    status = _describe_status(handle.status if handle is not None else None)
+    prog = f"tpsim {command}"
+    if interrupted:
+        writer.write("err", f"{prog}: interrupted\n")
+        return codes["interrupted"]
+    if session.phase == "import":
+        what = (f"the target module called {session.exit_call} while being imported" if session.exit_call else
+                f"the process importing the target ended with {status} while it was imported")
+        writer.write("err", f"{prog}: error: cannot {command} {subject!r}: {what}\n")
+        return codes["usage"]
+    if session.phase == "run":
+        message = (f"the checked code ended tpsim's session worker process ({status}) during the {command}; "
+                   "what was reported before is complete and its case files are saved")
+        writer.write("err", f"{prog}: error: {message}\n")
+        if json_report and not writer.wrote_out:
+            doc = {"tpsim_version": version, "command": command, "target": subject, "passed": False,
+                   "interrupted": False, "error": message, "failures": [], "variants": []}
+            writer.write("out", json.dumps(doc, indent=2) + "\n")
+        return codes["failed"]
+    writer.write("err", f"tpsim: internal error: tpsim's session worker process ended with {status} before it "
+                 "ran the command (a bug in tpsim; please report it)\n")
+    return codes["internal"]
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
