@@ -12,9 +12,10 @@ on its minimal case. So the cover cases enter through Hypothesis's own replay of
 each is recorded as the choice sequence the strategy made to draw it, and served (never stored) by
 :class:`CoverDatabase` as if a previous run had saved it. Hypothesis replays them before it
 generates (they count as examples), and a failing one is shrunk like any failure it found itself.
-Each sequence carries one unused trailing choice: Hypothesis skips shrinking a replayed example
-whose sequence it consumed exactly (it takes it for one it shrank before), and these were never
-shrunk.
+Each sequence carries unused trailing choices: Hypothesis skips shrinking a replayed example whose
+sequence it consumed exactly (it takes it for one it shrank before), and these were never shrunk;
+and it replays saved examples shortest first, so the padding also puts the failures a previous run
+saved (with ``database=``) before the cover cases.
 
 Which case fills a bucket depends on the search's seed (the same seed, the same cases), so searches
 at different seeds still check different cases; every bucket is checked at each.
@@ -88,26 +89,40 @@ class CoverDatabase(ExampleDatabase):
     def __init__(self, db: ExampleDatabase | None, cover: Sequence[Sequence[Any]]) -> None:
         super().__init__()
         self.db = db if db is not None else InMemoryExampleDatabase()
-        # The trailing 0 is never drawn: Hypothesis then shrinks a failing cover case (module docstring).
-        self.cover = [choices_to_bytes((*choices, 0)) for choices in cover]
-        self._served = set(self.cover)
+        self._choices = [tuple(c) for c in cover]
+        self._served: set[bytes] = set()
 
     def __repr__(self) -> str:
-        return f"CoverDatabase({self.db!r}, {len(self.cover)} cover cases)"
+        return f"CoverDatabase({self.db!r}, {len(self._choices)} cover cases)"
 
     def save(self, key: bytes, value: bytes) -> None:
         self.db.save(key, value)
 
     def fetch(self, key: bytes) -> Iterable[bytes]:
+        saved = [value for value in self.db.fetch(key) if value not in self._served]
         if not key.endswith(_OTHER_KEYS):
-            yield from self.cover
-        for value in self.db.fetch(key):
-            if value not in self._served:
-                yield value
+            yield from self._cover(max((len(v) for v in saved), default=0))
+        yield from saved
+
+    def _cover(self, longest: int) -> list[bytes]:
+        # Trailing choices the test never draws: Hypothesis then shrinks a failing cover case (module
+        # docstring); as many as make each longer than every saved example, which Hypothesis replays
+        # in order of length: a failure a previous run saved is replayed first.
+        out = []
+        for choices in self._choices:
+            pad = 1
+            value = choices_to_bytes((*choices, *(0,) * pad))
+            while len(value) <= longest:
+                pad += max(1, longest - len(value))
+                value = choices_to_bytes((*choices, *(0,) * pad))
+            out.append(value)
+        self._served.update(out)
+        return out
 
     def delete(self, key: bytes, value: bytes) -> None:
         if value not in self._served:
             self.db.delete(key, value)
 
     def move(self, src: bytes, dest: bytes, value: bytes) -> None:
-        self.db.move(src, dest, value)
+        if value not in self._served:
+            self.db.move(src, dest, value)

@@ -330,6 +330,7 @@ def search(
     layouts: Sequence[str] = INPUT_LAYOUTS,
     isolate: bool = False,
     max_size: int = DEFAULT_MAX_SIZE,
+    shrink: bool = True,
 ) -> SearchReport:
     """Check ``variant`` on up to ``max_examples`` generated cases; return a :class:`SearchReport`.
 
@@ -355,6 +356,9 @@ def search(
     ``max_size``: the largest size per rank a sharded dim draws (tiny sizes half the time; see
     :func:`tpsim.props.strategies.per_rank`).
 
+    ``shrink=False``: stop at the first failing example and report it as found, unshrunk (a quick "is
+    it caught, and after how many examples?"; the search-power benchmark uses it).
+
     The first examples are the cover phase (:mod:`tpsim.props.cover`): one case per world size asked
     for with and without a bias, and per memory layout, at every seed; then Hypothesis generates.
 
@@ -366,6 +370,8 @@ def search(
     # The variant's family (linear layer, whole module, ...) draws and checks its cases.
     family = family_of(variant)
     wanted = _check_options(max_examples, backend, timeout, properties, seed)
+    if not isinstance(shrink, bool):
+        raise InvalidArgument(f"shrink={shrink!r} must be True or False")
     if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1:
         raise InvalidArgument(f"max_size={max_size!r} must be an int >= 1 (the largest size per rank drawn)")
     _check_world(world_sizes, backend, isolate, variant)
@@ -427,9 +433,9 @@ def search(
         database=db,
         suppress_health_check=HEALTH_CHECKS_SUPPRESSED,
         verbosity=Verbosity.quiet,
-        report_multiple_bugs=True,
+        report_multiple_bugs=bool(shrink),
         print_blob=False,
-        phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink),
+        phases=(Phase.explicit, Phase.reuse, Phase.generate, *((Phase.shrink,) if shrink else ())),
     )
     if seed is not None:
         options["derandomize"] = False  # the seed decides, not the test's source
