@@ -35,18 +35,19 @@ __all__ = ["CoverDatabase", "cover_choices", "cover_order"]
 
 #: Draws the cover phase may make to fill its buckets (a bucket the variant cannot fill, such as a
 #: world size its tp groups do not fit, stays empty once these are spent).
-MAX_DRAWS = 600
+MAX_DRAWS = 300
 #: Draws after the last new bucket was filled before the cover phase stops looking.
-PATIENCE = 150
+PATIENCE = 50
 #: Hypothesis's suffixes of the keys beside a test's primary one (its corpus of failing examples).
 _OTHER_KEYS = (b".secondary", b".pareto")
 
 
 def cover_order(key: tuple[Any, ...]) -> tuple[Any, ...]:
     """Sort key of buckets, most telling first (what a budget smaller than the buckets keeps): several
-    ranks with a bias, then the memory layouts, then several ranks without a bias, then one rank."""
-    if key[0] == "layout":
-        return (1, 0, str(key[1]))
+    ranks with a bias, then the other buckets (memory layouts, a family's own), then several ranks
+    without a bias, then one rank."""
+    if key[0] != "world":
+        return (1, 0, repr(key))
     _, world, bias = key
     if world == 1:
         return (3, world, str(bias))
