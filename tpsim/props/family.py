@@ -26,6 +26,7 @@ plus one line in :data:`_BUILTIN`. The other hooks have defaults that fit most f
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -251,13 +252,21 @@ class Family:
         Default, for every family: a divisible case whose tp group spans the world fills
         ``("world", world size, bias)`` (bias: the case's, None where cases have none) and, on more
         than one rank (unless only one is asked for), ``("layout", its input layout)`` where cases have
-        one; any other case fills none. So each world size asked for, with and without a bias, and
-        each memory layout, are checked early at every seed."""
-        if getattr(case, "tp_size", case.world_size) != case.world_size or not self.divisible(variant, case):
+        one (a non-contiguous one with more than one row); a case whose sizes do not divide, on
+        several ranks, fills ``("not divisible", world size)``; any other case fills none. So each
+        world size asked for, with and without a bias, each memory layout and the sizes to refuse are
+        checked early at every seed."""
+        if getattr(case, "tp_size", case.world_size) != case.world_size:
             return []
+        if not self.divisible(variant, case):
+            # Sizes the variant must refuse (or split unevenly), on each world size of several ranks.
+            return [("not divisible", case.world_size)] if case.world_size > 1 else []
         keys: list[tuple[Any, ...]] = [("world", case.world_size, getattr(case, "bias", None))]
         layout = getattr(case, "input_layout", None)
-        if layout is not None and (case.world_size > 1 or max(world_sizes) == 1):
+        batch = getattr(case, "batch_shape", ())
+        # A layout counts where it shows: several ranks, and (non-contiguous) more than one row.
+        shows = layout == "contiguous" or math.prod(batch) > 1
+        if layout is not None and shows and (case.world_size > 1 or max(world_sizes) == 1):
             keys.append(("layout", layout))
         return keys
 
