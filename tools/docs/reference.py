@@ -165,7 +165,7 @@ def search_power_table(power_json: str) -> str:
     ]
     for row in doc["rows"]:
         missed = ", ".join(str(s) for s in row["missed"]) or "none"
-        out.append(f"| `{row['mutant']}` | {_number(row['median'])} | {_number(row['worst'])} | {missed} |")
+        out.append(f"| {row['mutant']} | {_number(row['median'])} | {_number(row['worst'])} | {missed} |")
     if doc.get("not_measured"):
         out += ["", "Not measured in that run: " + ", ".join(f"`{name}`" for name in doc["not_measured"]) + "."]
     return "\n".join(out)
