@@ -18,6 +18,7 @@ from helpers import assert_case_replays_on_gloo
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tpsim.props.strategies import DEFAULT_MAX_SIZE
 from tpsim import builtin_variants
 from tpsim.cli import main
 from tpsim.diagnosis import REGISTRY
@@ -89,7 +90,7 @@ def test_rows_are_read_from_the_stored_shape():
 def test_strategies_draw_valid_cases(data):
     emb = data.draw(embedding_cases(builtin_variants.vocab_embedding, world_sizes=(1, 2, 4), dtypes=("float64",),
                                     subgroups=True))
-    assert emb.world_size % emb.tp_size == 0 and 1 <= emb.vocab_size <= 4 * emb.tp_size + emb.tp_size
+    assert emb.world_size % emb.tp_size == 0 and 1 <= emb.vocab_size <= DEFAULT_MAX_SIZE * emb.tp_size + emb.tp_size
     megatron_like = CrossEntropyVariant("megatron", lambda logits, target, label_smoothing=0.0: logits,
                                         accepts=("label_smoothing",))
     ce = data.draw(cross_entropy_cases(megatron_like, world_sizes=(2, 4), dtypes=("float32",), subgroups=True))

@@ -39,7 +39,7 @@ from tpsim.module_variant import MODULE_OUTPUTS
 from tpsim.props.case import CASES_DIR, DTYPES
 from tpsim.props.family import kind_choices
 from tpsim.props.faults import FAULT_DETECTION
-from tpsim.props.search import DEFAULT_MAX_EXAMPLES, DEFAULT_WORLD_SIZES
+from tpsim.props.search import DEFAULT_MAX_EXAMPLES, DEFAULT_MAX_SIZE, DEFAULT_WORLD_SIZES
 from tpsim.runner import BACKENDS, DEFAULT_TIMEOUT
 from tpsim.variant import INPUT_GRADS, INPUTS, OUTPUTS, PARAM_GRADS
 
@@ -267,6 +267,10 @@ def build_parser() -> _Parser:
     run.add_argument("--max-examples", dest="max_examples", type=_bounded_int(1),
                      default=DEFAULT_MAX_EXAMPLES, metavar="N",
                      help=f"examples per variant (default: {DEFAULT_MAX_EXAMPLES})")
+    run.add_argument("--max-size", dest="max_size", type=_bounded_int(1), default=DEFAULT_MAX_SIZE, metavar="N",
+                     help=f"the largest size per rank a sharded dim draws (default: {DEFAULT_MAX_SIZE}); tiny sizes "
+                     "(1-3) half the time, otherwise any size up to N with powers of two and tile multiples ± 1 "
+                     "(15, 16, 17, ...) on purpose; a failure still shrinks to the smallest size that fails")
     run.add_argument("--seed", type=_bounded_int(0), default=None, metavar="N",
                      help="seed of the search (default: random); the same seed generates the same cases")
     run.add_argument("--timeout", type=_seconds, default=DEFAULT_TIMEOUT, metavar="S",
@@ -719,6 +723,7 @@ def _run_check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: 
         "tp_sizes": list(args.tp_sizes) if args.tp_sizes else None,
         "dtypes": list(args.dtypes),
         "max_examples": args.max_examples,
+        "max_size": args.max_size,
         "seed": args.seed,
         "timeout": args.timeout,
         "faults": list(args.faults) if args.faults else None,
@@ -757,7 +762,7 @@ def _run_check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: 
             try:
                 report = search(variant, world_sizes=args.world_sizes, tp_sizes=args.tp_sizes, dtypes=args.dtypes,
                                 max_examples=args.max_examples, seed=args.seed, backend=args.backend,
-                                timeout=args.timeout, on_example=on_example,
+                                timeout=args.timeout, on_example=on_example, max_size=args.max_size,
                                 isolate=args.isolate and variant.target is not None)
             except SearchInterrupted as stop:
                 report, interrupted = stop.report, True

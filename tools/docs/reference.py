@@ -145,6 +145,32 @@ def catch_table(bench_json: str | None = None) -> str:
     return "\n".join(out)
 
 
+def search_power_table(power_json: str) -> str:
+    """Examples to catch each catalogued mutant over many seeds (median and worst), from the file
+    ``python -m bench.search_power --write`` records."""
+
+    if not os.path.exists(power_json):
+        return "Not measured yet: `python -m bench.search_power --write` measures it."
+    with open(power_json, encoding="utf-8") as fh:
+        doc = json.load(fh)
+    out = [
+        f"Each mutant searched at seeds 0 to {doc['seeds'] - 1} with a budget of {doc['examples']} examples; "
+        "*median* and *worst*: the",
+        "example at which the search first failed (`search(..., shrink=False)`), over the seeds; *missed*: seeds at",
+        f"which it passed. Measured by `{doc['command']}` ({doc['seconds']:.0f} s in all); "
+        "tests/test_search_power.py asserts it.",
+        "",
+        "| mutant | median | worst | missed |",
+        "|---|---:|---:|---|",
+    ]
+    for row in doc["rows"]:
+        missed = ", ".join(str(s) for s in row["missed"]) or "none"
+        out.append(f"| {row['mutant']} | {_number(row['median'])} | {_number(row['worst'])} | {missed} |")
+    if doc.get("not_measured"):
+        out += ["", "Not measured in that run: " + ", ".join(f"`{name}`" for name in doc["not_measured"]) + "."]
+    return "\n".join(out)
+
+
 def diagnoses_evidence() -> str:
     """Every registered diagnosis: the properties it explains, its evidence, its mutant."""
     from tpsim.diagnosis import REGISTRY

@@ -45,6 +45,7 @@ from tpsim.diagnosis import (
     GRAD_MISSING,
     GRAD_NOT_REDUCED,
     GRAD_SCALED,
+    MISMATCH,
     MISSING_REDUCTION,
     OUTPUT_DETACHED,
     PACKED_SHARD_LAYOUT,
@@ -106,6 +107,7 @@ from tpsim.mutants.sequence import (
     SequenceRowBiasGradNotReduced,
     SequenceRowScatterBatchDim,
 )
+from tpsim.mutants.sizes import ColumnTileReusesFirst, RowChunkDropsRemainder, RowLargeKReduceTwice
 from tpsim.mutants.tp_rank import CorrectTpRankColumn, CorrectTpRankRow
 from tpsim.mutants.vocab import VOCAB_MUTANTS
 from tpsim.placement import Replicate, Shard
@@ -328,6 +330,13 @@ _ENTRIES = [
     (lambda v: (Mutant("row-replica-init-diverges", v.target or "", v, REPLICA_DIVERGENCE,
                        _first_paragraph(RowReplicaInitDiverges.__doc__), "bias, tp size >= 2"), v))(
         tp_rank_variant(RowReplicaInitDiverges, "row", name="row_replica_init_diverges")),
+    # Correct only at small sizes (tpsim/mutants/sizes.py): a tile, a chunk and a large-K code path.
+    _mutant("column-tile-reuses-first", ColumnTileReusesFirst, "column", MISMATCH,
+            needs="more than 4 output features per rank"),
+    _mutant("row-chunk-drops-remainder", RowChunkDropsRemainder, "row", MISMATCH,
+            needs="more than 8 input features per rank, not a multiple of 8"),
+    _mutant("row-large-k-reduce-twice", RowLargeKReduceTwice, "row", DOUBLE_REDUCTION,
+            needs="16 or more input features per rank, world size >= 2"),
     # Vocab-parallel embeddings and cross-entropies (tpsim/mutants/vocab.py); each docstring cites its report.
     *((Mutant(name, v.target or "", v, diagnosis, v.description, needs), v) for name, v, diagnosis, needs in VOCAB_MUTANTS),
     # Head-sharded attention (tpsim/mutants/attention.py); each docstring cites its report.

@@ -26,6 +26,7 @@ plus one line in :data:`_BUILTIN`. The other hooks have defaults that fit most f
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -34,6 +35,7 @@ from typing import Any, ClassVar
 from tpsim.errors import InvalidArgument, RankError
 from tpsim.props.observation import DenseReferenceFailed, Observation, output_dtype_failure
 from tpsim.props.property_names import FORWARD
+from tpsim.props.strategies import DEFAULT_MAX_SIZE
 from tpsim.runner import DEFAULT_TIMEOUT
 
 __all__ = [
@@ -235,14 +237,39 @@ class Family:
         return []
 
     def cases(self, variant: Any, *, world_sizes: tuple[int, ...], dtypes: tuple[str, ...], non_divisible: bool,
-              tp_sizes: tuple[int, ...] | None, subgroups: bool, layouts: tuple[str, ...]) -> Any:
+              tp_sizes: tuple[int, ...] | None, subgroups: bool, layouts: tuple[str, ...],
+              max_size: int = DEFAULT_MAX_SIZE) -> Any:
         """A Hypothesis strategy of this family's cases for ``variant`` (shrinking toward the smallest,
         most readable case); ``non_divisible``: also sizes that do not divide (the divisibility
-        property is asked for). Default: :attr:`strategy`, whose inputs are contiguous (memory layouts
-        are a property of the layers, checked on each of them)."""
+        property is asked for); ``max_size``: the largest size per rank a sharded dim draws
+        (:func:`tpsim.props.strategies.per_rank`). Default: :attr:`strategy`, whose inputs are
+        contiguous (memory layouts are a property of the layers, checked on each of them)."""
         return self.strategy(variant, world_sizes=world_sizes, dtypes=dtypes,
                              non_divisible=non_divisible or self.uneven_sizes_are_cases, tp_sizes=tp_sizes,
-                             subgroups=subgroups)
+                             subgroups=subgroups, max_size=max_size)
+
+    def cover_keys(self, variant: Any, case: Any, world_sizes: tuple[int, ...]) -> list[tuple[Any, ...]]:
+        """The coverage buckets ``case`` fills in a search's cover phase (:mod:`tpsim.props.cover`).
+        Default, for every family: a divisible case whose tp group spans the world fills
+        ``("world", world size, bias)`` (bias: the case's, None where cases have none) and, on more
+        than one rank (unless only one is asked for), ``("layout", its input layout)`` where cases have
+        one (a non-contiguous one with more than one row); a case whose sizes do not divide, on
+        several ranks, fills ``("not divisible", world size)``; any other case fills none. So each
+        world size asked for, with and without a bias, each memory layout and the sizes to refuse are
+        checked early at every seed."""
+        if getattr(case, "tp_size", case.world_size) != case.world_size:
+            return []
+        if not self.divisible(variant, case):
+            # Sizes the variant must refuse (or split unevenly), on each world size of several ranks.
+            return [("not divisible", case.world_size)] if case.world_size > 1 else []
+        keys: list[tuple[Any, ...]] = [("world", case.world_size, getattr(case, "bias", None))]
+        layout = getattr(case, "input_layout", None)
+        batch = getattr(case, "batch_shape", ())
+        # A layout counts where it shows: several ranks, and (non-contiguous) more than one row.
+        shows = layout == "contiguous" or math.prod(batch) > 1
+        if layout is not None and shows and (case.world_size > 1 or max(world_sizes) == 1):
+            keys.append(("layout", layout))
+        return keys
 
     #: The family's case strategy, ``strategy(variant, *, world_sizes, dtypes, non_divisible, tp_sizes,
     #: subgroups)`` (see :meth:`cases`).

@@ -38,7 +38,7 @@ from tpsim.props.property_names import (
     WEIGHT_GRAD,
 )
 from tpsim.props.rank import TRAIN_STEPS
-from tpsim.props.strategies import cases
+from tpsim.props.strategies import DEFAULT_MAX_SIZE, cases
 from tpsim.props.world import is_divisible, make_masters, rank_main
 from tpsim.runner import DEFAULT_TIMEOUT
 from tpsim.variant import KINDS, Variant
@@ -154,9 +154,10 @@ class LinearFamily(Family, name="linear", kinds=KINDS, variant_type=Variant, cas
         return notes
 
     def cases(self, variant: Variant, *, world_sizes: tuple[int, ...], dtypes: tuple[str, ...], non_divisible: bool,
-              tp_sizes: tuple[int, ...] | None, subgroups: bool, layouts: tuple[str, ...]) -> Any:
+              tp_sizes: tuple[int, ...] | None, subgroups: bool, layouts: tuple[str, ...],
+              max_size: int = DEFAULT_MAX_SIZE) -> Any:
         return cases(variant, world_sizes=world_sizes, dtypes=dtypes, non_divisible=non_divisible,
-                     tp_sizes=tp_sizes, subgroups=subgroups, layouts=layouts)
+                     tp_sizes=tp_sizes, subgroups=subgroups, layouts=layouts, max_per_rank=max_size)
 
     def fault_case(self, variant: Variant, world_size: int, seed: int) -> Case:
         features = 2 * world_size * (sum(variant.packed) if variant.packed else 1)

@@ -47,14 +47,16 @@ from tpsim.comm.limits import check_world_size
 from tpsim.diagnosis import MISMATCH, SHAPE_ERROR, Failure, follows_from, group_causes
 from tpsim.errors import InvalidArgument
 from tpsim.props.case import DTYPES, Case
+from tpsim.props.cover import CoverDatabase, cover_choices
 from tpsim.props.family import Family, family_of
 from tpsim.props.layouts import INPUT_LAYOUTS
 from tpsim.props.property_names import BIAS_GRAD, DIVISIBILITY, PROPERTIES
-from tpsim.props.strategies import DEFAULT_WORLD_SIZES
+from tpsim.props.strategies import DEFAULT_MAX_SIZE, DEFAULT_WORLD_SIZES
 from tpsim.runner import BACKENDS, DEFAULT_TIMEOUT
 
 __all__ = [
     "DEFAULT_DTYPES",
+    "DEFAULT_MAX_SIZE",
     "DEFAULT_MAX_EXAMPLES",
     "DEFAULT_WORLD_SIZES",
     "HEALTH_CHECKS_SUPPRESSED",
@@ -327,6 +329,8 @@ def search(
     subgroups: bool = True,
     layouts: Sequence[str] = INPUT_LAYOUTS,
     isolate: bool = False,
+    max_size: int = DEFAULT_MAX_SIZE,
+    shrink: bool = True,
 ) -> SearchReport:
     """Check ``variant`` on up to ``max_examples`` generated cases; return a :class:`SearchReport`.
 
@@ -349,6 +353,14 @@ def search(
     rank that exits, crashes or hangs in native code is a failure (``rank-exited``, ``rank-crashed``)
     instead of the end of this process; the variant needs a target string. World sizes above the
     backend's limit on this machine are refused up front (:func:`tpsim.comm.limits.check_world_size`).
+    ``max_size``: the largest size per rank a sharded dim draws (tiny sizes half the time; see
+    :func:`tpsim.props.strategies.per_rank`).
+
+    ``shrink=False``: stop at the first failing example and report it as found, unshrunk (a quick "is
+    it caught, and after how many examples?"; the search-power benchmark uses it).
+
+    The first examples are the cover phase (:mod:`tpsim.props.cover`): one case per world size asked
+    for with and without a bias, and per memory layout, at every seed; then Hypothesis generates.
 
     Raises :class:`tpsim.InvalidArgument` for bad options and re-raises harness errors (backend
     unavailable, ...); anything the variant does wrong, exceptions included, is a failure.
@@ -358,6 +370,10 @@ def search(
     # The variant's family (linear layer, whole module, ...) draws and checks its cases.
     family = family_of(variant)
     wanted = _check_options(max_examples, backend, timeout, properties, seed)
+    if not isinstance(shrink, bool):
+        raise InvalidArgument(f"shrink={shrink!r} must be True or False")
+    if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1:
+        raise InvalidArgument(f"max_size={max_size!r} must be an int >= 1 (the largest size per rank drawn)")
     _check_world(world_sizes, backend, isolate, variant)
     wanted, dtypes, notes = family.plan(variant, wanted, tuple(dtypes))
     strategy = family.cases(
@@ -368,6 +384,7 @@ def search(
         tp_sizes=None if tp_sizes is None else tuple(tp_sizes),
         subgroups=bool(subgroups),
         layouts=tuple(layouts),
+        max_size=max_size,
     )
     db = _database(database)
     if db is not None:
@@ -375,7 +392,13 @@ def search(
             variant, tuple(world_sizes), tuple(dtypes), wanted,
             *(() if tp_sizes is None and subgroups and tuple(layouts) == INPUT_LAYOUTS
               else (tp_sizes, subgroups, tuple(layouts))),
+            *(() if max_size == DEFAULT_MAX_SIZE else (("max_size", max_size),)),
         ))
+    # The cover phase: served as saved examples, so Hypothesis replays them first and shrinks a failing one.
+    sizes = tuple(world_sizes)
+    cover = cover_choices(strategy, lambda case: family.cover_keys(variant, case, sizes),
+                          seed=0 if seed is None else seed, limit=max_examples)
+    db = CoverDatabase(db, cover)
 
     calls = 0
     first_seen: dict[tuple[str, str], int] = {}
@@ -410,15 +433,17 @@ def search(
         database=db,
         suppress_health_check=HEALTH_CHECKS_SUPPRESSED,
         verbosity=Verbosity.quiet,
-        report_multiple_bugs=True,
+        report_multiple_bugs=bool(shrink),
         print_blob=False,
-        phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink),
+        phases=(Phase.explicit, Phase.reuse, Phase.generate, *((Phase.shrink,) if shrink else ())),
     )
     if seed is not None:
         options["derandomize"] = False  # the seed decides, not the test's source
     test = settings(**options)(given(strategy)(check_one))
     if seed is not None:
-        test = hypothesis.seed(seed)(test)
+        # What ``hypothesis.seed(seed)`` sets, without the ``database=None`` it also applies: the cover
+        # phase is served through the database (the seed still decides every generated example).
+        test._hypothesis_internal_use_seed = seed  # type: ignore[attr-defined]
 
     found: list[_Found] = []
     try:

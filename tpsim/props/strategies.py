@@ -9,7 +9,11 @@ Features: a sharded feature dim (``in_features`` of a row layer, ``out_features`
 layer; see :meth:`Variant.sharded_features`) is ``k * ws`` in a divisible case and ``k * ws + r``
 (``0 < r < ws``) in a non-divisible one — about one case in four, where only the divisibility
 property applies; an unsharded dim is a multiple of ``ws`` half the time (shrinking prefers it) and
-any small size otherwise.
+any size otherwise. Sizes per rank (:func:`per_rank`) are tiny (1 to 3) half the time and otherwise
+reach past the tiny, up to ``max_per_rank`` (:data:`DEFAULT_MAX_SIZE`, 64; ``tpsim check
+--max-size``): any size, or on purpose a power of two or a tile multiple ± 1 (15, 16, 17, 31, ...),
+where kernels, chunked losses and fused layers switch code paths. Shrinking still goes to the
+smallest size that fails (tiny first).
 
 Batch: 0 to 3 leading dims of sizes 1 to 3 (size-1 dims included; 0 dims: a single vector).
 Sequence-parallel variants (``input``/``output`` ``"sequence-sharded"``) get at least the batch dims
@@ -36,6 +40,7 @@ equally likely.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 
@@ -47,6 +52,7 @@ from tpsim.props.layouts import INPUT_LAYOUTS, needs_batch
 from tpsim.variant import Variant
 
 __all__ = [
+    "DEFAULT_MAX_SIZE",
     "DEFAULT_WORLD_SIZES",
     "THOROUGH_WORLD_SIZES",
     "batch_shapes",
@@ -54,6 +60,8 @@ __all__ = [
     "default_world_sizes",
     "draw_tp",
     "dtypes",
+    "per_rank",
+    "sizes_past_tiny",
     "world_and_tp",
     "world_sizes",
 ]
@@ -63,6 +71,14 @@ __all__ = [
 DEFAULT_WORLD_SIZES = (1, 2, 3, 4, 8)
 #: World sizes of the thorough profile: every size up to 8, then 12 and 16.
 THOROUGH_WORLD_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)
+#: The largest size per rank a sharded dim draws by default (``tpsim check --max-size``): past the
+#: tiles, chunks and vector widths kernels work in (4, 8, 16, 32, 64).
+DEFAULT_MAX_SIZE = 64
+#: Sizes per rank up to this are "tiny": drawn half the time, and where shrinking goes first.
+TINY = 3
+#: Tile sizes whose multiples (and their neighbours, ± 1) are drawn on purpose: kernels, chunked
+#: losses and fused layers switch code paths exactly there.
+TILES = (4, 8, 16, 32, 64)
 
 
 def world_sizes(sizes: Sequence[int] = DEFAULT_WORLD_SIZES) -> st.SearchStrategy[int]:
@@ -82,10 +98,40 @@ def dtypes(names: Sequence[str] = tuple(DTYPES)) -> st.SearchStrategy[str]:
     return st.sampled_from(ordered)
 
 
+@functools.lru_cache(maxsize=None)
 def batch_shapes(max_dims: int = 3, max_size: int = 3, min_dims: int = 0) -> st.SearchStrategy[tuple[int, ...]]:
     """Leading batch shapes of ``min_dims`` (default 0) to ``max_dims`` dims, sizes 1 to ``max_size``
     (size 1 included)."""
     return st.lists(st.integers(1, max_size), min_size=min_dims, max_size=max(max_dims, min_dims)).map(tuple)
+
+
+@functools.lru_cache(maxsize=None)
+def sizes_past_tiny(low: int, high: int) -> tuple[int, ...]:
+    """The sizes in ``[low, high]`` past :data:`TINY` drawn on purpose: powers of two, multiples of
+    :data:`TILES` and their neighbours (± 1), and ``high`` itself, in increasing order."""
+    picked = {high}
+    for tile in TILES:
+        for m in range(tile, high + 2, tile):
+            picked.update((m - 1, m, m + 1))
+    power = 1
+    while power <= high:
+        picked.add(power)
+        power *= 2
+    return tuple(sorted(n for n in picked if max(low, TINY + 1) <= n <= high))
+
+
+@functools.lru_cache(maxsize=None)  # strategies are immutable: built (and validated) once per bounds
+def per_rank(low: int, high: int) -> st.SearchStrategy[int]:
+    """A size per rank in ``[low, high]``: half the time tiny (``low`` to :data:`TINY`), otherwise any
+    size up to ``high``, or one of :func:`sizes_past_tiny` (tile multiples ± 1, powers of two).
+    Shrinking goes to the tiny branch first, then to the smallest size that still fails, so a bug that
+    needs 5 features per rank shrinks to 5 (the "any size" branch comes before the special sizes)."""
+    tiny = st.integers(low, max(low, min(TINY, high)))
+    if high <= TINY or low > high:
+        return tiny
+    special = sizes_past_tiny(low, high)
+    past = st.integers(max(low, TINY + 1), high)
+    return st.one_of(tiny, st.one_of(past, st.sampled_from(special)) if special else past)
 
 
 # Aliases: ``cases()`` takes parameters with the same names as these strategies.
@@ -100,9 +146,9 @@ def _feature(draw: st.DrawFn, ws: int, sharded: bool, divisible: bool, max_per_r
         # Half the time a multiple of ws, and shrinking prefers it: a weight split along the wrong
         # dim is then recognisable as such (a clean shard of the other dim) in the minimal case.
         if ws > 1 and draw(st.sampled_from((True, False))):
-            return ws * draw(st.integers(low, max(low, max_per_rank)))
-        return draw(st.integers(minimum, max(minimum, 2 * max_per_rank)))
-    k = draw(st.integers(low, max(low, max_per_rank)))
+            return ws * draw(per_rank(low, max(low, max_per_rank)))
+        return draw(per_rank(minimum, max(minimum, 2 * max_per_rank)))
+    k = draw(per_rank(low, max(low, max_per_rank)))
     if divisible or ws == 1:
         return k * ws
     return k * ws + draw(st.integers(1, ws - 1))
@@ -160,7 +206,8 @@ def _cases(
     seq = variant.sequence_dim_of(len(batch) + 1) if variant is not None else None
     if seq is not None:
         # The sequence length: k * ws tokens (a few per rank), or k * ws + r when it must not divide.
-        length = _feature(draw, ws, True, not bad_sequence, max_per_rank)
+        # (a few tokens per rank: the sequence multiplies every activation, and no layer tiles it)
+        length = _feature(draw, ws, True, not bad_sequence, min(max_per_rank, TINY))
         batch = (*batch[:seq], length, *batch[seq + 1 :])
     if variant is not None and not variant.bias:
         has_bias = False
@@ -243,7 +290,7 @@ def cases(
     world_sizes: Sequence[int] | None = None,
     dtypes: Sequence[str] = tuple(DTYPES),
     bias: bool | None = None,
-    max_per_rank: int = 3,
+    max_per_rank: int = DEFAULT_MAX_SIZE,
     non_divisible: bool = True,
     tp_sizes: Sequence[int] | None = None,
     subgroups: bool = False,
@@ -258,7 +305,8 @@ def cases(
     gets one group spanning the world.
 
     ``bias`` forces bias on/off (None: both; a variant without bias support: off).
-    ``max_per_rank`` bounds features per rank of a sharded dim (small shapes keep examples fast);
+    ``max_per_rank`` bounds features per rank of a sharded dim (:func:`per_rank`: tiny half the time,
+    otherwise up to this, tile multiples ± 1 included; an unsharded dim up to twice it);
     ``non_divisible=False`` generates divisible cases only.
     """
     sizes = tuple(default_world_sizes() if world_sizes is None else world_sizes)

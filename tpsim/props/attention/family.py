@@ -53,6 +53,17 @@ class AttentionFamily(Family, name="attention", kinds=(ATTENTION_KIND,), variant
     def divisible(self, variant: AttentionVariant, case: AttentionCase) -> bool:
         return divides(case)
 
+    def cover_keys(self, variant: AttentionVariant, case: AttentionCase, world_sizes: tuple[int, ...]) -> list[Any]:
+        """The shared buckets, and how the key/value heads sit on the ranks: replicated (fewer heads than
+        ranks: one head, or several each on a few ranks), or one or two heads per rank; so grouped-query
+        attention at a large tp size is checked early at every seed."""
+        keys = super().cover_keys(variant, case, world_sizes)
+        if keys and case.tp_size > 1:
+            kv, tp = case.num_kv_heads, case.tp_size
+            keys.append(("kv-heads", ("replicated, several" if kv >= 2 else "replicated, one") if kv < tp
+                         else f"{kv // tp} per rank"))
+        return keys
+
     def world(self, variant: AttentionVariant, case: AttentionCase, **_: Any) -> World:
         data = attention_data(case)
         return World(attention_rank, {"case": case, "data": data}, data)

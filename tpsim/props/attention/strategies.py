@@ -9,7 +9,9 @@ Heads: ``num_kv_heads`` is drawn among the sizes the tp size can split — ``tp`
 block of heads per rank), or, half the time, a proper divisor of ``tp`` (fewer heads than ranks,
 each replicated on ``tp / num_kv_heads`` ranks; the largest first) — and ``num_heads`` is a
 multiple of both ``tp`` and ``num_kv_heads``; a non-divisible case breaks one of the two rules.
-The sequence has a few tokens, a multiple of ``tp`` for sequence-parallel variants.
+The head dim and the hidden size are tiny half the time and otherwise up to ``max_size``, tile
+multiples ± 1 included (:func:`tpsim.props.strategies.per_rank`). The sequence has a few tokens, a
+multiple of ``tp`` for sequence-parallel variants.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from tpsim.attention_variant import AttentionVariant
 from tpsim.errors import InvalidArgument
 from tpsim.props.attention.case import AttentionCase
 from tpsim.props.case import DTYPES
-from tpsim.props.strategies import batch_shapes, world_and_tp
+from tpsim.props.strategies import DEFAULT_MAX_SIZE, batch_shapes, per_rank, world_and_tp
 
 __all__ = ["attention_cases"]
 
@@ -34,7 +36,7 @@ def _lcm(a: int, b: int) -> int:
 
 def attention_cases(variant: AttentionVariant, *, world_sizes: Sequence[int], dtypes: Sequence[str],
                     non_divisible: bool = True, tp_sizes: Sequence[int] | None = None,
-                    subgroups: bool = False) -> st.SearchStrategy[AttentionCase]:
+                    subgroups: bool = False, max_size: int = DEFAULT_MAX_SIZE) -> st.SearchStrategy[AttentionCase]:
     """Cases for an attention variant (see the module docstring)."""
     sizes = tuple(sorted(set(world_sizes)))
     names = tuple(dtypes)
@@ -65,8 +67,8 @@ def attention_cases(variant: AttentionVariant, *, world_sizes: Sequence[int], dt
             else:
                 kv = draw(st.sampled_from(bad))
                 heads = _lcm(tp, kv)
-        head_dim = draw(st.integers(1, 3))
-        hidden = draw(st.integers(1, 6))
+        head_dim = draw(per_rank(1, max_size))
+        hidden = draw(per_rank(1, max_size))
         seq = tp * draw(st.integers(1, 2)) if variant.sequence_parallel else draw(st.integers(1, 4))
         batch = draw(batch_shapes(max_dims=1, max_size=2))
         causal = draw(st.booleans())

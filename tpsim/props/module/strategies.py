@@ -4,8 +4,9 @@ Draw order (what shrinks first): the world size (toward 1, then 2), the tp size 
 first), the dtype (float64 first), whether the case is divisible (divisible first; about one case
 in four is not), the sizes, the batch shape, the seed (toward 0).
 
-Sizes: in a divisible case every size is ``k * tp`` with ``k`` a few units per rank (at least the
-variant's ``min_sizes``); in a non-divisible case one of them, drawn, is ``k * tp + r`` with
+Sizes: in a divisible case every size is ``k * tp`` with ``k`` units per rank (at least the
+variant's ``min_sizes``; at most 3, or ``max_size`` if smaller: larger sizes wait for a magnitude run
+that does not overflow through attention); in a non-divisible case one of them, drawn, is ``k * tp + r`` with
 ``0 < r < tp``. A module may shard that size (it must refuse it clearly, or shard it unevenly and
 still compute the dense result) or not shard it at all (an MLP's hidden size: it must just work),
 so nothing about which sizes are sharded needs declaring. A variant with a ``size_strategy``
@@ -24,17 +25,17 @@ from hypothesis import strategies as st
 from tpsim.errors import InvalidArgument
 from tpsim.module_variant import ModuleVariant
 from tpsim.props.module.case import ModuleCase
-from tpsim.props.strategies import batch_shapes, draw_tp
+from tpsim.props.strategies import DEFAULT_MAX_SIZE, batch_shapes, draw_tp, per_rank
 from tpsim.props.strategies import dtypes as dtype_strategy
 from tpsim.props.strategies import world_sizes as world_size_strategy
 
 __all__ = ["module_cases"]
 
-#: Units per rank of a drawn size (small shapes keep examples fast; shrinking goes toward 1).
+#: Units per rank of a drawn size and tokens per rank of a drawn sequence (see ``_sizes``).
 MAX_PER_RANK = 3
 
 
-def _sizes(draw: st.DrawFn, variant: ModuleVariant, tp: int, divisible: bool) -> tuple[int, ...]:
+def _sizes(draw: st.DrawFn, variant: ModuleVariant, tp: int, divisible: bool, max_size: int) -> tuple[int, ...]:
     if variant.size_strategy is not None:
         sizes = tuple(draw(variant.size_strategy(tp, divisible)))
         if len(sizes) != len(variant.sizes):
@@ -46,7 +47,9 @@ def _sizes(draw: st.DrawFn, variant: ModuleVariant, tp: int, divisible: bool) ->
     out = []
     for low in variant.min_sizes or (1,) * len(variant.sizes):
         least = -(-low // tp)
-        out.append(tp * draw(st.integers(least, max(least, MAX_PER_RANK))))
+        # Tiny only, for now: at larger sizes the magnitude run through attention overflows (a false
+        # usage error on a correct block, tests/test_attention_family.py); max_size still bounds them.
+        out.append(tp * draw(per_rank(least, max(least, min(max_size, MAX_PER_RANK)))))
     if not divisible:
         i = draw(st.integers(0, len(out) - 1))
         out[i] += draw(st.integers(1, tp - 1))
@@ -55,13 +58,14 @@ def _sizes(draw: st.DrawFn, variant: ModuleVariant, tp: int, divisible: bool) ->
 
 @st.composite
 def _module_cases(draw: st.DrawFn, variant: ModuleVariant, sizes: tuple[int, ...], dtype_names: tuple[str, ...],
-                  non_divisible: bool, tp_sizes: tuple[int, ...] | None, subgroups: bool) -> ModuleCase:
+                  non_divisible: bool, tp_sizes: tuple[int, ...] | None, subgroups: bool,
+                  max_size: int = DEFAULT_MAX_SIZE) -> ModuleCase:
     world = draw(world_size_strategy(sizes))
     world_only = variant.tp == "world"
     tp, layout = draw_tp(draw, world, None if world_only else tp_sizes, subgroups and not world_only)
     dtype = draw(dtype_strategy(dtype_names))
     divisible = draw(st.sampled_from((True, True, True, False))) if non_divisible and tp > 1 else True
-    drawn = _sizes(draw, variant, tp, divisible)
+    drawn = _sizes(draw, variant, tp, divisible, max_size)
     sequence = "sequence-sharded" in (variant.input, variant.output)
     least = 0
     if sequence:
@@ -91,6 +95,7 @@ def module_cases(
     non_divisible: bool = True,
     tp_sizes: Sequence[int] | None = None,
     subgroups: bool = True,
+    max_size: int = DEFAULT_MAX_SIZE,
 ) -> st.SearchStrategy[ModuleCase]:
     """Cases for ``variant`` (see the module docstring); ``non_divisible=False``: divisible only."""
     names = tuple(dtypes)
@@ -101,4 +106,4 @@ def module_cases(
         sizes = tuple(w for w in sizes if any(w % t == 0 for t in tps))
         if not sizes:
             raise InvalidArgument(f"tp_sizes={list(tps)} divide none of the world sizes {list(world_sizes)}")
-    return _module_cases(variant, sizes, names, bool(non_divisible), tps, bool(subgroups))
+    return _module_cases(variant, sizes, names, bool(non_divisible), tps, bool(subgroups), max_size)
