@@ -18,13 +18,13 @@ from helpers import assert_case_replays_on_gloo
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tpsim.props.strategies import DEFAULT_MAX_SIZE
 from tpsim import builtin_variants
 from tpsim.cli import main
 from tpsim.diagnosis import REGISTRY
 from tpsim.errors import InvalidArgument
 from tpsim.props.family import family_named, family_of
 from tpsim.props.search import search
+from tpsim.props.strategies import DEFAULT_MAX_SIZE
 from tpsim.props.vocab.case import CrossEntropyCase, EmbeddingCase
 from tpsim.props.vocab.family import CROSS_ENTROPY, EMBEDDING
 from tpsim.props.vocab.strategies import cross_entropy_cases, embedding_cases

@@ -98,14 +98,14 @@ def dtypes(names: Sequence[str] = tuple(DTYPES)) -> st.SearchStrategy[str]:
     return st.sampled_from(ordered)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def batch_shapes(max_dims: int = 3, max_size: int = 3, min_dims: int = 0) -> st.SearchStrategy[tuple[int, ...]]:
     """Leading batch shapes of ``min_dims`` (default 0) to ``max_dims`` dims, sizes 1 to ``max_size``
     (size 1 included)."""
     return st.lists(st.integers(1, max_size), min_size=min_dims, max_size=max(max_dims, min_dims)).map(tuple)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def sizes_past_tiny(low: int, high: int) -> tuple[int, ...]:
     """The sizes in ``[low, high]`` past :data:`TINY` drawn on purpose: powers of two, multiples of
     :data:`TILES` and their neighbours (± 1), and ``high`` itself, in increasing order."""
@@ -120,7 +120,7 @@ def sizes_past_tiny(low: int, high: int) -> tuple[int, ...]:
     return tuple(sorted(n for n in picked if max(low, TINY + 1) <= n <= high))
 
 
-@functools.lru_cache(maxsize=None)  # strategies are immutable: built (and validated) once per bounds
+@functools.cache  # strategies are immutable: built (and validated) once per bounds
 def per_rank(low: int, high: int) -> st.SearchStrategy[int]:
     """A size per rank in ``[low, high]``: half the time tiny (``low`` to :data:`TINY`), otherwise any
     size up to ``high``, or one of :func:`sizes_past_tiny` (tile multiples ± 1, powers of two).
