@@ -55,13 +55,21 @@ class AttentionFamily(Family, name="attention", kinds=(ATTENTION_KIND,), variant
 
     def cover_keys(self, variant: AttentionVariant, case: AttentionCase, world_sizes: tuple[int, ...]) -> list[Any]:
         """The shared buckets, and how the key/value heads sit on the ranks: replicated (fewer heads than
-        ranks: one head, or several each on a few ranks), or one or two heads per rank; so grouped-query
-        attention at a large tp size is checked early at every seed."""
+        ranks: one head, several each on the same number of ranks, or several the tp size does not
+        divide), or one or two heads per rank; so grouped-query attention at a large tp size is checked
+        early at every seed."""
         keys = super().cover_keys(variant, case, world_sizes)
         if keys and case.tp_size > 1:
             kv, tp = case.num_kv_heads, case.tp_size
-            keys.append(("kv-heads", ("replicated, several" if kv >= 2 else "replicated, one") if kv < tp
-                         else f"{kv // tp} per rank"))
+            if kv >= tp:
+                where = f"{kv // tp} per rank"
+            elif kv == 1:
+                where = "replicated, one"
+            else:
+                # Several heads, each replicated on tp / kv ranks; a tp size they do not divide is its
+                # own regime (a rank's query heads then straddle two key/value heads).
+                where = "replicated, several" if tp % kv == 0 else "replicated, straddling"
+            keys.append(("kv-heads", where))
         return keys
 
     def world(self, variant: AttentionVariant, case: AttentionCase, **_: Any) -> World:
