@@ -7,7 +7,9 @@ module-level :class:`ModuleVariant` objects (``tpsim.layers``: tpsim's own MLPs)
 ``--input``/``--output``/``--input-grad``/``--sequence-dim``/``--param-grad`` adapt them.
 
 Its dense reference is the module itself on a tp group of one rank (:mod:`tpsim.props.module.world`);
-its tolerances come from the magnitude run (:mod:`tpsim.props.module.magnitude`); a failing case is
+its tolerances come from the magnitude run (:mod:`tpsim.props.module.magnitude`) where it bounds every
+operation of a float64 or float32 case, else from the dense twin run in the case's precision
+(:mod:`tpsim.props.module.twin`: any operation, every dtype, never a refusal); a failing case is
 run again with its sublayers' boundaries recorded, so that the report names the first sublayer
 that diverges (:func:`tpsim.props.module.checks.localise`).
 """
@@ -33,8 +35,9 @@ from tpsim.variant import ParamSpec
 
 __all__ = ["MODULE", "MODULE_DTYPES", "ModuleFamily"]
 
-#: The dtypes module targets are checked in (see :attr:`ModuleFamily.dtype_reason`).
-MODULE_DTYPES = ("float64", "float32")
+#: The dtypes module targets are checked in: every dtype (bfloat16 and float16 against the dense twin,
+#: see :mod:`tpsim.props.module.twin`).
+MODULE_DTYPES = ("float64", "float32", "bfloat16", "float16")
 
 
 class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=ModuleVariant, case_type=ModuleCase,
@@ -45,9 +48,7 @@ class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=Mod
     declared_list = "TPSIM_MODULES"
     adapter_options = ("input", "output", "input_grad", "sequence_dim", "param_grad")
     params_inferred = True
-    dtypes = MODULE_DTYPES
-    dtype_reason = ("the rounding bound derived through several sublayers is, in bfloat16 or float16, as large as "
-                    "the bugs it looks for")
+    dtypes = None  # every dtype: the dense twin judges what the derived bound cannot
 
     # --- targets -----------------------------------------------------------------------------------
 

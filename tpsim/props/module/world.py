@@ -37,6 +37,7 @@ from tpsim.props.launch import launch, variant_of
 from tpsim.props.module.boundary import Capture
 from tpsim.props.module.case import ModuleCase
 from tpsim.props.module.magnitude import MagnitudeMode, TapeEntry, UnboundedOp, ValueTape
+from tpsim.props.module.twin import twin_magnitudes, twin_run
 from tpsim.props.module.sharding import ParamLayout, declared_layout, infer_layout, piece
 from tpsim.props.observation import DenseReferenceFailed, NotRealOutput, RankOutput
 from tpsim.props.rank import LR, TRAIN_STEPS, enter_rank, rank_phase, sgd_step, trainer_step
@@ -101,6 +102,8 @@ class StepTensors:
     grads: dict[str, torch.Tensor | None]
     capture: dict[str, Any] | None = None
     final: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: What the magnitude run measured (magnitudes from the derived bound only; None: the twin's).
+    derived: Any = None
 
 
 @dataclass
@@ -137,9 +140,10 @@ def reference_main(payload: dict[str, Any]) -> Reference:
     grads: list[list[torch.Tensor]] = []
     values: list[StepTensors] = []
     capture_on = bool(payload.get("capture"))
+    kinked: set[str] = set()
     tapes: list[list[list[TapeEntry]]] = []
     for _g in range(_n_groups(case)):
-        _assign(dense, {n: t.to(_F64, copy=True) for n, t in masters.items()})
+        assign(dense, {n: t.to(_F64, copy=True) for n, t in masters.items()})
         xs, gs, group_tapes = [], [], []
         first: tuple[Any, ...] = ()
         for step in range(TRAIN_STEPS):
@@ -154,6 +158,7 @@ def reference_main(payload: dict[str, Any]) -> Reference:
             g_master = draw(tuple(y.shape), g_scale)
             y.backward(g_master.to(_F64))
             group_tapes.append(tape.entries)
+            kinked |= tape.kinked
             if capture is not None:
                 capture.remove()
             if step == 0:
@@ -167,31 +172,56 @@ def reference_main(payload: dict[str, Any]) -> Reference:
         tapes.append(group_tapes)
         inputs.append(xs)
         grads.append(gs)
-    measured = None
-    # The magnitude run in float32 (half the memory traffic of float64 at the lab note's size; a
-    # bound of non-negative sums needs no more precision), or float64 for a module that cannot
-    # run in float32 once built in float64.
-    mags: list[StepTensors] = []
-    for mag_dtype in (torch.float32, _F64):
-        try:
-            mags = []
-            for g in range(len(values)):
-                mag, measured = _magnitudes(variant, dense, masters, inputs[g], grads[g], tapes[g], capture_on,
-                                            mag_dtype)
-                mags.append(mag)
-            break
-        except UnboundedOp:
-            raise
-        except Exception as err:
-            if mag_dtype == _F64:
-                if isinstance(err, _Overflow):
-                    raise UnboundedOp(f"a computation whose magnitudes overflow float64 ({err})") from None
-                raise
-    groups = [GroupReference(v, m) for v, m in zip(values, mags, strict=True)]
-    return Reference(masters, inputs, grads, groups, measured.reduction, measured.stages, sorted(measured.kinked))
+    groups = [GroupReference(v, m) for v, m in zip(values, _oracle(
+        variant, case, dense, masters, inputs, grads, values, tapes, capture_on), strict=True)]
+    if groups and groups[0].mag.derived is not None:
+        measured = groups[0].mag.derived
+        return Reference(masters, inputs, grads, groups, measured.reduction, measured.stages,
+                         sorted(measured.kinked | kinked), oracle=DERIVED)
+    return Reference(masters, inputs, grads, groups, 0, 0, sorted(kinked), oracle=TWIN)
 
 
-def _assign(module: nn.Module, values: dict[str, torch.Tensor]) -> None:
+#: :attr:`Reference.oracle` values: the tolerances came from the magnitude run, or from the dense twin.
+DERIVED = "derived"
+TWIN = "twin"
+
+
+def _finite(mag: StepTensors) -> bool:
+    tensors = [mag.y, mag.dx, *mag.grads.values(), *mag.final.values()]
+    return all(t is None or bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def _oracle(variant: ModuleVariant, case: ModuleCase, dense: nn.Module, masters: dict[str, torch.Tensor],
+            inputs: list[list[torch.Tensor]], grads: list[list[torch.Tensor]], values: list[StepTensors],
+            tapes: list[list[list[TapeEntry]]], capture_on: bool) -> list[StepTensors]:
+    """Every tp group's magnitudes: from the magnitude run where it bounds every operation and the
+    case is float64 or float32 (the derived bound, tighter), else from the dense twin
+    (:mod:`tpsim.props.module.twin`). An operation without a rule is never a refusal."""
+    if case.torch_dtype in (_F64, torch.float32):
+        # The magnitude run in float32 (half the memory traffic of float64 at the lab note's size; a
+        # bound of non-negative sums needs no more precision), or float64 for a module that cannot
+        # run in float32 once built in float64.
+        for mag_dtype in (torch.float32, _F64):
+            try:
+                mags = []
+                for g in range(len(values)):
+                    mag, measured = _magnitudes(variant, dense, masters, inputs[g], grads[g], tapes[g], capture_on,
+                                                mag_dtype)
+                    mag.derived = measured
+                    mags.append(mag)
+                if all(_finite(m) for m in mags):
+                    return mags
+                break
+            except (UnboundedOp, _Overflow):
+                break
+            except Exception:
+                if mag_dtype == _F64:
+                    break
+    return [twin_magnitudes(values[g], twin_run(variant, case, masters, inputs[g], grads[g], capture_on), case)
+            for g in range(len(values))]
+
+
+def assign(module: nn.Module, values: dict[str, torch.Tensor]) -> None:
     """Make ``values`` the module's parameters (no copy: the tensors become their storage)."""
     for name, p in module.named_parameters():
         p.data = values[name]
@@ -208,7 +238,7 @@ def _magnitudes(variant: ModuleVariant, dense: nn.Module, masters: dict[str, tor
     first: tuple[Any, ...] = ()
     measured = None
     for step in range(TRAIN_STEPS):
-        _assign(dense, current)
+        assign(dense, current)
         if step == 0:
             dense.to(dtype)  # its buffers: the parameters are in ``dtype`` already (no copy)
             with torch.no_grad():
@@ -253,6 +283,8 @@ class Reference:
     reduction: int
     stages: int
     kinked: list[str] = field(default_factory=list)
+    #: Where the tolerances came from: :data:`DERIVED` (the magnitude run) or :data:`TWIN` (the dense twin).
+    oracle: str = "derived"
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
