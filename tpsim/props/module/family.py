@@ -30,7 +30,7 @@ from tpsim.props.module.checks import evaluate, localise
 from tpsim.props.module.strategies import MAX_PER_RANK, module_cases
 from tpsim.props.module.world import ModuleData, Reference, is_divisible, rank_main, reference_run
 from tpsim.props.observation import Observation
-from tpsim.props.property_names import PROPERTIES
+from tpsim.props.property_names import FORWARD, PROPERTIES
 from tpsim.variant import ParamSpec
 
 __all__ = ["MODULE", "MODULE_DTYPES", "ModuleFamily"]
@@ -121,7 +121,11 @@ class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=Mod
         def traced() -> Observation:
             return self.observe(variant, case, backend=backend, timeout=timeout, capture=True, isolate=isolate)
 
-        return localise(variant, case, obs, failures, traced)
+        def rerun(other: ModuleVariant) -> list[Any]:
+            return evaluate(other, self.observe(other, case, backend=backend, timeout=timeout, isolate=isolate),
+                            (FORWARD,))
+
+        return localise(variant, case, obs, failures, traced, rerun)
 
 
 #: The module family object (registered as ``"module"`` in :mod:`tpsim.props.family`).

@@ -63,12 +63,12 @@ from tpsim.props.rank import TRAIN_STEPS, sgd_step
 from tpsim.props.tolerance import FACTOR
 from tpsim.props.tolerance import eps as eps_of
 
-__all__ = ["TWIN_FACTOR", "twin_bound", "twin_dtype", "twin_magnitudes", "twin_run"]
+__all__ = ["TWIN_FACTOR", "relative_error", "twin_bound", "twin_dtype", "twin_magnitudes", "twin_run"]
 
 _F64 = torch.float64
 
 #: The safety factor of the twin's bound (see the module docstring).
-TWIN_FACTOR = 4.0
+TWIN_FACTOR = 8.0
 
 
 def twin_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -76,33 +76,45 @@ def twin_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype == _F64 else dtype
 
 
-def twin_bound(ref: torch.Tensor, twin: torch.Tensor | None, dtype: torch.dtype, tp: int) -> float:
-    """The bound of every element of a tensor whose float64 reference is ``ref`` and twin ``twin``
-    (see the module docstring)."""
+def _scale(t: torch.Tensor) -> float:
+    finite = t[torch.isfinite(t)]
+    return float(finite.abs().max()) if finite.numel() else 0.0
+
+
+def relative_error(ref: torch.Tensor | None, twin: torch.Tensor | None) -> float:
+    """``max |TL - T64| / max |T64|`` of one tensor (``inf`` where the twin is missing or not finite
+    and the reference is; 0 for a zero tensor)."""
+    if ref is None:
+        return 0.0
     ref64 = ref.detach().to(_F64)
-    finite = torch.isfinite(ref64)
-    s = float(ref64[finite].abs().max()) if bool(finite.any()) else 0.0
-    d_eps = eps_of(dtype)
-    r = d_eps / eps_of(twin_dtype(dtype))
+    s = _scale(ref64)
     if twin is None or tuple(twin.shape) != tuple(ref64.shape):
-        e = math.inf
-    else:
-        diff = (twin.detach().to(_F64) - ref64).abs()
-        e = float(diff[finite].max()) if bool(finite.any()) else 0.0
+        return math.inf
+    finite = torch.isfinite(ref64)
+    diff = (twin.detach().to(_F64) - ref64).abs()[finite]
+    e = float(diff.max()) if diff.numel() else 0.0
     if not math.isfinite(e):
-        if dtype != _F64:
-            return math.inf
-        return math.sqrt(d_eps) * s
-    return TWIN_FACTOR * math.sqrt(tp + 1) * (r * e + d_eps * s)
+        return math.inf
+    return e / s if s > 0 else 0.0
 
 
-def _equivalent(ref: torch.Tensor | None, twin: torch.Tensor | None, dtype: torch.dtype, tp: int,
-                rows: int) -> torch.Tensor | None:
+def twin_bound(ref: torch.Tensor, rho: float, dtype: torch.dtype, tp: int) -> float:
+    """The bound of every element of a tensor whose float64 reference is ``ref``, when the twin's
+    worst relative error over the compared tensors is ``rho`` (see the module docstring)."""
+    s = _scale(ref.detach().to(_F64))
+    d_eps = eps_of(dtype)
+    if not math.isfinite(rho):
+        return math.sqrt(d_eps) * s if dtype == _F64 else math.inf
+    r = d_eps / eps_of(twin_dtype(dtype))
+    return TWIN_FACTOR * math.sqrt(tp + 1) * (r * rho + d_eps) * s
+
+
+def _equivalent(ref: torch.Tensor | None, rho: float, dtype: torch.dtype, tp: int, rows: int) -> torch.Tensor | None:
     """The magnitude tensor whose :func:`~tpsim.props.tolerance.tolerance` is :func:`twin_bound`."""
     if ref is None:
         return None
     unit = FACTOR * eps_of(dtype) * math.sqrt(max(rows, 1) + max(tp, 1))
-    return torch.full(tuple(ref.shape), twin_bound(ref, twin, dtype, tp) / unit, dtype=_F64)
+    return torch.full(tuple(ref.shape), twin_bound(ref, rho, dtype, tp) / unit, dtype=_F64)
 
 
 def twin_run(variant: ModuleVariant, case: ModuleCase, masters: dict[str, torch.Tensor],
@@ -137,18 +149,23 @@ def twin_magnitudes(value: Any, twin: Any, case: ModuleCase) -> Any:
     from tpsim.props.module.world import StepTensors
 
     dtype, tp, rows = case.torch_dtype, case.tp_size or case.world_size, case.rows
-
-    def eq(ref: torch.Tensor | None, low: torch.Tensor | None) -> torch.Tensor | None:
-        return _equivalent(ref, low, dtype, tp, rows)
-
-    capture = None
+    pairs = [(value.y, twin.y), (value.dx, twin.dx), *((g, twin.grads.get(n)) for n, g in value.grads.items()),
+             *((t, twin.final.get(n)) for n, t in value.final.items())]
+    ref_c = low_c = None
     if value.capture is not None:
         ref_c = Capture.from_payload(value.capture)
         low_c = Capture.from_payload(twin.capture or {})
+        pairs += [(t, low_c.tensors.get(k)) for k, t in ref_c.tensors.items()]
+    rho = max((relative_error(a, b) for a, b in pairs), default=0.0)
+
+    def eq(ref: torch.Tensor | None) -> torch.Tensor | None:
+        return _equivalent(ref, rho, dtype, tp, rows)
+
+    capture = None
+    if ref_c is not None:
         capture = Capture(active=False)
         capture.events = list(ref_c.events)
-        capture.tensors = {k: eq(t, low_c.tensors.get(k)) for k, t in ref_c.tensors.items()}  # type: ignore[misc]
+        capture.tensors = {k: eq(t) for k, t in ref_c.tensors.items()}  # type: ignore[misc]
         capture = capture.as_payload()
-    return StepTensors(eq(value.y, twin.y), eq(value.dx, twin.dx),
-                       {n: eq(g, twin.grads.get(n)) for n, g in value.grads.items()}, capture,
-                       final={n: eq(t, twin.final.get(n)) for n, t in value.final.items()})  # type: ignore[misc]
+    return StepTensors(eq(value.y), eq(value.dx), {n: eq(g) for n, g in value.grads.items()}, capture,
+                       final={n: eq(t) for n, t in value.final.items()})  # type: ignore[misc]
