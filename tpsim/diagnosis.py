@@ -504,6 +504,17 @@ ATTENTION_SCALE = register(DiagnosisSpec(
     consequences=(_INPUT_GRAD, _WEIGHT_GRAD, _BIAS_GRAD),
 ))
 
+NONDETERMINISTIC = register(DiagnosisSpec(
+    "nondeterministic", (_FORWARD,),
+    "the forward is not deterministic: run twice on one rank, on the same input from the same "
+    "parameters, it gives different outputs (dropout in train mode, unseeded noise); put the module in "
+    "eval mode or seed it",
+    "the dense reference (the module on a tp group of one rank) run twice on the same input, with the same "
+    "parameters and buffers, gives outputs that are not bit-identical",
+    "module-dropout-in-train-mode",
+    consequences=(_INPUT_GRAD, _WEIGHT_GRAD, _BIAS_GRAD, _REPLICA, _TRAINING),
+))
+
 # --- diagnoses and failures ----------------------------------------------------------------------
 
 

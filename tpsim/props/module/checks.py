@@ -55,6 +55,7 @@ from tpsim.diagnosis import (
     GRAD_SCALED,
     MISMATCH,
     MISSING_REDUCTION,
+    NONDETERMINISTIC,
     OUTPUT_DETACHED,
     PACKED_SHARD_LAYOUT,
     REPLICA_DIVERGENCE,
@@ -87,7 +88,7 @@ from tpsim.props.module.world import (
     input_placement,
     output_placement,
 )
-from tpsim.props.observation import DETACHED, OUTPUT_SHAPE, Observation
+from tpsim.props.observation import DETACHED, OUTPUT_SHAPE, NotDeterministic, Observation
 from tpsim.props.property_names import (
     BIAS_GRAD,
     DIVISIBILITY,
@@ -583,7 +584,7 @@ def _refuse_unknown_layouts(obs: Observation) -> None:
                 raise UnknownLayout(problem.param, problem.shape, problem.full, r, tp)
 
 
-@recogniser(EXCEPTION)
+@recogniser(EXCEPTION, NONDETERMINISTIC)
 def _failed_run(variant: ModuleVariant, obs: Observation) -> Failure:
     """The run failed: on the one-rank reference group (the module raised, or its rank died), else
     on the tp group (:func:`tpsim.props.blame.run_failure`, as in every family)."""
@@ -591,6 +592,13 @@ def _failed_run(variant: ModuleVariant, obs: Observation) -> Failure:
     if failed is None:
         return run_failure(variant.name, obs.case, obs.error)  # type: ignore[arg-type]
     where = "on a tp group of one rank (the dense reference, float64)"
+    if isinstance(failed.error, NotDeterministic):
+        return Failure(FORWARD, NONDETERMINISTIC,
+                       f"the forward is not deterministic: run twice {where} on the same input, from the same "
+                       f"parameters and buffers, its outputs differ by up to {failed.error.max_abs:.3g}; put the "
+                       "module in eval mode (dropout) or seed it: nothing about its parallelism can be judged from "
+                       "outputs that change from run to run", case=obs.case, variant=variant.name,
+                       details={"phase": "reference", "max_abs": failed.error.max_abs})
     if isinstance(failed.error, RankDied):
         return death_failure(variant.name, obs.case, failed.error, context=f"{where}: ")
     return Failure(FORWARD, EXCEPTION, f"the module raised when built and run {where}: {failed}", case=obs.case,

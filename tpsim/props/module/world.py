@@ -39,7 +39,7 @@ from tpsim.props.module.case import ModuleCase
 from tpsim.props.module.magnitude import MagnitudeMode, TapeEntry, UnboundedOp, ValueTape
 from tpsim.props.module.twin import twin_magnitudes, twin_run
 from tpsim.props.module.sharding import ParamLayout, declared_layout, infer_layout, piece
-from tpsim.props.observation import DenseReferenceFailed, NotRealOutput, RankOutput
+from tpsim.props.observation import DenseReferenceFailed, NotDeterministic, NotRealOutput, RankOutput
 from tpsim.props.rank import LR, TRAIN_STEPS, enter_rank, rank_phase, sgd_step, trainer_step
 
 __all__ = [
@@ -132,6 +132,7 @@ def reference_main(payload: dict[str, Any]) -> Reference:
         return (torch.randn(*shape, generator=gen, dtype=torch.float32) * scale).to(dtype)
 
     masters = {n: draw(tuple(p.shape), _scale(tuple(p.shape))) for n, p in dense.named_parameters()}
+    _check_deterministic(variant, dense, masters, case)
     # Upstream grads small enough that an SGD step moves every weight by about a tenth of its
     # scale (lr 0.1, summed over the rows): the trained parameters stay in the regime of the
     # initial ones at every size, instead of diverging at the lab note's.
@@ -221,6 +222,29 @@ def _oracle(variant: ModuleVariant, case: ModuleCase, dense: nn.Module, masters:
             for g in range(len(values))]
 
 
+def _check_deterministic(variant: ModuleVariant, dense: nn.Module, masters: dict[str, torch.Tensor],
+                         case: ModuleCase) -> None:
+    """Run the dense module twice on one input from the same parameters and buffers: outputs that
+    are not bit-identical (dropout in train mode, unseeded noise) raise :class:`NotDeterministic`,
+    before anything is compared (a tp run of such a module differs from any reference). The input
+    is drawn from its own generator: the case's draws are untouched; buffers are restored."""
+    assign(dense, {n: t.to(_F64, copy=True) for n, t in masters.items()})
+    saved = {k: v.detach().clone() for k, v in dense.state_dict().items()}
+    gen = torch.Generator().manual_seed(case.seed ^ 0x5EED)
+    x = torch.randn(*case.batch_shape, case.sizes[0], generator=gen, dtype=torch.float32).to(_F64)
+    outs = []
+    with torch.no_grad():
+        for _ in range(2):
+            y = variant.call(dense, x)
+            outs.append(y.detach().clone() if isinstance(y, torch.Tensor) else y)
+    dense.load_state_dict(saved)
+    a, b = outs
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and not torch.equal(a, b):
+        diff = (a.to(_F64) - b.to(_F64)).abs()
+        raise NotDeterministic(float(diff[torch.isfinite(diff)].max()) if bool(torch.isfinite(diff).any()) else
+                               float("nan"))
+
+
 def assign(module: nn.Module, values: dict[str, torch.Tensor]) -> None:
     """Make ``values`` the module's parameters (no copy: the tensors become their storage)."""
     for name, p in module.named_parameters():
@@ -305,6 +329,8 @@ def reference_run(variant: ModuleVariant, case: ModuleCase, *, timeout: float, c
         cause = err.errors.get(0, err)
         if isinstance(cause, UnboundedOp):
             raise cause from None
+        if isinstance(cause, NotDeterministic):
+            raise DenseReferenceFailed(cause, "") from None
         raise DenseReferenceFailed(cause, err.remote_traceback or "") from None
     return out
 
