@@ -34,6 +34,7 @@ from tpsim.errors import RankError
 from tpsim.module_variant import ModuleVariant
 from tpsim.placement import Replicate, Shard
 from tpsim.props.launch import launch, variant_of
+from tpsim.props.layouts import apply_layout, needs_batch
 from tpsim.props.module.boundary import Capture
 from tpsim.props.module.case import ModuleCase
 from tpsim.props.module.magnitude import MagnitudeMode, TapeEntry, UnboundedOp, ValueTape
@@ -366,6 +367,13 @@ def _cut(t: torch.Tensor, placement: Any, rank: int, tp: int) -> torch.Tensor:
     return t
 
 
+def _laid_out(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """``t``'s values in the case's memory layout (a tensor with too few dims for it stays contiguous)."""
+    if needs_batch(layout) and t.dim() < 2:
+        layout = "contiguous"
+    return apply_layout(t, layout)
+
+
 #: :attr:`LayoutProblem.kind` values.
 MISSING = "missing"  # the dense module has the parameter, this rank's module does not
 EXTRA = "extra"  # this rank's module has the parameter, the dense module does not
@@ -462,7 +470,8 @@ def rank_main(payload: dict[str, Any]) -> ModuleRankResult:
             params[name].copy_(piece(data.masters[name], layout.placement, rank, tp, layout.uneven))
     for step in range(TRAIN_STEPS):
         x_full = inputs[step]
-        x = _cut(x_full, input_placement(variant, x_full.dim()), rank, tp).detach().clone().requires_grad_(True)
+        x = _laid_out(_cut(x_full, input_placement(variant, x_full.dim()), rank, tp), case.input_layout)
+        x.requires_grad_(True)
         capture = Capture().install(module) if payload.get("capture") and step == 0 else None
         with rank_phase("forward", step):
             out = variant.call(module, x)
@@ -473,7 +482,7 @@ def rank_main(payload: dict[str, Any]) -> ModuleRankResult:
                 capture.remove()
             return result  # nothing to back-propagate: a wrong shape or dtype, or an output cut off from autograd
         with rank_phase("backward", step):
-            out.backward(want.to(out.dtype))
+            out.backward(_laid_out(want.to(out.dtype), case.input_layout))
         if capture is not None:
             capture.remove()
             result.capture = capture.as_payload()
