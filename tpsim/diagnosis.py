@@ -61,6 +61,7 @@ __all__ = [
     "bias_multiple",
     "block_mapping",
     "close",
+    "confirm",
     "diagnosis_table",
     "follows_from",
     "group_causes",
@@ -647,6 +648,37 @@ def group_causes(failures: Sequence[Failure]) -> list[Failure]:
             owner.consequences.extend(f.consequences)
             f.consequences = []
     return causes
+
+
+def confirm(failures: Sequence[Failure], float64: Sequence[Failure], patterns: frozenset[str] | set[str],
+            dtype: str) -> None:
+    """Hold the diagnoses ``patterns`` (read from numeric patterns: a factor, a bias multiple, an
+    offset of log tp) found on a ``dtype`` case narrower than float64 to what the *same case in
+    float64* shows (``float64``: its failures), where rounding cannot fake a pattern. For each such
+    failure (or consequence): kept where float64 shows the same diagnosis for the same property and
+    sublayer; renamed to the diagnosis float64 shows for that property and sublayer, if it names
+    one; otherwise ``mismatch``, with what was measured and what float64 showed. In place."""
+    seen: dict[tuple[str, str | None], Failure] = {}
+    for f in float64:
+        for g in (f, *f.consequences):
+            seen.setdefault((g.property, g.sublayer), g)
+    names = {(g.property, g.sublayer, g.diagnosis) for f in float64 for g in (f, *f.consequences)}
+    for f in failures:
+        for g in (f, *f.consequences):
+            if g.diagnosis not in patterns or (g.property, g.sublayer, g.diagnosis) in names:
+                continue
+            twin = seen.get((g.property, g.sublayer))
+            g.details = {**g.details, "unconfirmed": g.diagnosis}
+            if twin is not None and twin.diagnosis != MISMATCH:
+                g.message = (f"{twin.message} (named from the same case in float64; in {dtype} the pattern looked "
+                             f"like {g.diagnosis}, which rounding can fake)")
+                g.details = {**g.details, **twin.details, "unconfirmed": g.diagnosis}
+                g.diagnosis = twin.diagnosis
+                continue
+            shown = ", ".join(sorted({x.label for x in float64})) or "no failure"
+            g.message = (f"{g.message} — not named {g.diagnosis}: the same case in float64 shows {shown}, so the "
+                         "pattern is not confirmed where rounding cannot fake it")
+            g.diagnosis = MISMATCH
 
 
 # --- the fallback --------------------------------------------------------------------------------

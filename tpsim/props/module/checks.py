@@ -102,7 +102,7 @@ from tpsim.props.property_names import (
 from tpsim.props.rank import LR, TRAIN_STEPS
 from tpsim.props.tolerance import tolerance
 
-__all__ = ["NUMERIC_PATTERNS", "confirm", "evaluate", "grad_property", "localise"]
+__all__ = ["NUMERIC_PATTERNS", "evaluate", "grad_property", "localise"]
 
 _F64 = torch.float64
 _VALUE_PROPERTIES = (FORWARD, INPUT_GRAD, WEIGHT_GRAD, BIAS_GRAD)
@@ -934,29 +934,10 @@ def _layout_hint(layouts: dict[str, ParamLayout], suspects: Sequence[str]) -> st
 
 
 #: Diagnoses read from numeric patterns (a factor, a bias multiple, summands, blocks): in a case narrower
-#: than float64 they are claimed only when the same case in float64 shows them too (:func:`confirm`).
+#: than float64 they are claimed only when the same case in float64 shows them too
+#: (:func:`tpsim.diagnosis.confirm`, the family's ``confirmed_in_float64``).
 NUMERIC_PATTERNS = frozenset({BIAS_DUPLICATION, BIAS_MISSING, MISSING_REDUCTION, DOUBLE_REDUCTION, GRAD_SCALED,
                               GRAD_NOT_REDUCED, WRONG_SHARD_ORDER, PACKED_SHARD_LAYOUT, BIAS_GRAD_RANK0_ONLY})
-
-
-def confirm(failures: list[Failure], float64: list[Failure]) -> None:
-    """Keep a numeric-pattern diagnosis of a bfloat16/float16/float32 case only where the same case in
-    float64 (``float64``: its failures, localised) shows the same diagnosis at the same sublayer, where
-    rounding cannot fake the pattern; otherwise it becomes ``mismatch`` with what was measured and
-    what float64 showed."""
-    seen = set()
-    for f in float64:
-        for g in (f, *f.consequences):
-            seen.add((g.diagnosis, g.sublayer))
-    for f in failures:
-        for g in (f, *f.consequences):
-            if g.diagnosis not in NUMERIC_PATTERNS or (g.diagnosis, g.sublayer) in seen:
-                continue
-            shown = ", ".join(sorted({x.label for x in float64})) or "no failure"
-            g.details = {**g.details, "unconfirmed": g.diagnosis}
-            g.message = (f"{g.message} — not named {g.diagnosis}: the same case in float64 shows {shown}, so the "
-                         "pattern is not confirmed where rounding cannot fake it")
-            g.diagnosis = MISMATCH
 
 
 #: The packings a contiguous-looking packed weight is tried with (gate/up; Q/K/V of equal sizes).

@@ -26,7 +26,7 @@ from tpsim.module_variant import MODULE_KIND, ModuleVariant, module_from_class
 from tpsim.placement import Replicate
 from tpsim.props.family import ADAPTER_OPTIONS, Family, World
 from tpsim.props.module.case import ModuleCase
-from tpsim.props.module.checks import NUMERIC_PATTERNS, confirm, evaluate, localise
+from tpsim.props.module.checks import NUMERIC_PATTERNS, evaluate, localise
 from tpsim.props.module.strategies import MAX_PER_RANK, module_cases
 from tpsim.props.module.world import ModuleData, Reference, is_divisible, rank_main, reference_run
 from tpsim.props.observation import Observation
@@ -49,6 +49,7 @@ class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=Mod
     adapter_options = ("input", "output", "input_grad", "sequence_dim", "param_grad")
     params_inferred = True
     dtypes = None  # every dtype: the dense twin judges what the derived bound cannot
+    confirmed_in_float64 = NUMERIC_PATTERNS
 
     # --- targets -----------------------------------------------------------------------------------
 
@@ -125,15 +126,7 @@ class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=Mod
             return evaluate(other, self.observe(other, case, backend=backend, timeout=timeout, isolate=isolate),
                             (FORWARD,))
 
-        failures = localise(variant, case, obs, failures, traced, rerun)
-        if case.dtype != "float64" and any(f.diagnosis in NUMERIC_PATTERNS for f in failures):
-            twin = case.replace(dtype="float64")
-            obs64 = self.observe(variant, twin, backend=backend, timeout=timeout, isolate=isolate)
-            found = self.evaluate(variant, obs64, properties)
-            found = self.follow_up(variant, twin, obs64, found, backend=backend, timeout=timeout, isolate=isolate,
-                                   properties=properties) if found else []
-            confirm(failures, found)
-        return failures
+        return localise(variant, case, obs, failures, traced, rerun)
 
 
 #: The module family object (registered as ``"module"`` in :mod:`tpsim.props.family`).
