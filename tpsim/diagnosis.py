@@ -665,9 +665,11 @@ def confirm(failures: Sequence[Failure], float64: Sequence[Failure], patterns: f
     names = {(g.property, g.sublayer, g.diagnosis) for f in float64 for g in (f, *f.consequences)}
     for f in failures:
         for g in (f, *f.consequences):
-            if g.diagnosis not in patterns or (g.property, g.sublayer, g.diagnosis) in names:
+            if g.diagnosis not in patterns and g.diagnosis != MISMATCH or (g.property, g.sublayer, g.diagnosis) in names:
                 continue
             twin = seen.get((g.property, g.sublayer))
+            if g.diagnosis == MISMATCH and (twin is None or twin.diagnosis not in patterns):
+                continue  # nothing named here, nothing better named in float64
             g.details = {**g.details, "unconfirmed": g.diagnosis}
             if twin is not None and twin.diagnosis != MISMATCH:
                 g.message = (f"{twin.message} (named from the same case in float64; in {dtype} the pattern looked "

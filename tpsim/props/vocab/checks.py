@@ -344,7 +344,7 @@ class _CrossEntropyReference:
 
 
 #: A candidate mechanism *explains* a result when the result's distance from the candidate is at most
-#: this fraction of its distance from the dense result (plus the bound): a library that takes its own
+#: this fraction of its largest distance from the dense result (plus the bound): a library that takes its own
 #: path to the same wrong value (Megatron-core's float64 label smoothing lands 1.7e-7 from the closed
 #: form, where its deviation from the dense loss is 0.1) still shows that mechanism, while a candidate
 #: that explains less than 99.9% of the deviation is no evidence.
@@ -353,7 +353,8 @@ EXPLAINED = 1e-3
 
 def _explains(got: torch.Tensor, cand: torch.Tensor, dense: torch.Tensor, tol: torch.Tensor) -> bool:
     """Whether ``cand`` explains ``got`` (see :data:`EXPLAINED`)."""
-    away = (got.to(_F64) - dense.to(_F64)).abs() if got.shape == dense.shape else torch.zeros((), dtype=_F64)
+    # The deviation of the whole tensor: an entry the bug barely moves is no reason for a tighter test.
+    away = (got.to(_F64) - dense.to(_F64)).abs().max() if got.shape == dense.shape and got.numel() else 0.0
     return close(got, cand, tol + EXPLAINED * away)
 
 
