@@ -329,6 +329,16 @@ class LlamaBlockSP(LlamaBlock):
         super().__init__(hidden, ffn, kv_heads, sequence_parallel=True, process_group=process_group, **kwargs)
 
 
+class LlamaBlock8B(LlamaBlock):
+    """The block with Llama-3-8B's heads: 4 query heads per key/value head, head_dim 128 (with
+    ``kv_heads=8`` and ``hidden=4096``: 32 query heads; the size tpsim's timing in docs/design.md uses)."""
+
+    def __init__(self, hidden: int, ffn: int, kv_heads: int, *, process_group=None, **kwargs):
+        kwargs.setdefault("q_per_kv", 4)
+        kwargs.setdefault("head_dim", 128)
+        super().__init__(hidden, ffn, kv_heads, process_group=process_group, **kwargs)
+
+
 def sequence_parallel(cls: type, name: str | None = None) -> ModuleVariant:
     """The module variant of a sequence-parallel block class: input and output sharded along dim 0."""
     return module_from_class(cls, input="sequence-sharded", output="sequence-sharded", sequence_dim=0, name=name)
