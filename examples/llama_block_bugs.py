@@ -2,11 +2,10 @@
 
 Each class is a correct block with one sublayer changed; tpsim names the sublayer and the mechanism::
 
-    tpsim check examples/llama_block_bugs.py:OProjBiasBeforeReduce --kind module   # self_attn.o_proj: bias-duplication
-    tpsim check examples/llama_block_bugs.py:DownProjNotReduced --kind module      # mlp.down_proj: missing-reduction
-    tpsim check examples/llama_block_bugs.py:GateUpContiguous --kind module        # mlp.gate_up_proj: packed-shard-layout
-    tpsim check examples/llama_block_bugs.py:NormGradNotReducedSP --kind module \\
-        --input sequence-sharded --output sequence-sharded --sequence-dim 0           # input_layernorm: grad-not-reduced
+    tpsim check examples/llama_block_bugs.py:OProjBiasBeforeReduce --kind module   # exit 1: self_attn.o_proj: bias-duplication
+    tpsim check examples/llama_block_bugs.py:DownProjNotReduced --kind module      # exit 1: mlp.down_proj: missing-reduction
+    tpsim check examples/llama_block_bugs.py:GateUpContiguous --kind module        # exit 1: mlp.gate_up_proj: packed-shard-layout
+    tpsim check examples/llama_block_bugs.py:NormGradNotReducedSP --kind module --input sequence-sharded --output sequence-sharded --sequence-dim 0   # exit 1: input_layernorm: grad-not-reduced
 
 (``TPSIM_MODULES`` below lists them with their placements: ``tpsim check examples/llama_block_bugs.py --kind module``.)
 """
