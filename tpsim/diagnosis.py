@@ -61,6 +61,7 @@ __all__ = [
     "bias_multiple",
     "block_mapping",
     "close",
+    "confirm",
     "diagnosis_table",
     "follows_from",
     "group_causes",
@@ -515,6 +516,17 @@ PLAN_INPUT_LAYOUT = register(DiagnosisSpec(
     consequences=(_INPUT_GRAD, _WEIGHT_GRAD, _BIAS_GRAD),
 ))
 
+NONDETERMINISTIC = register(DiagnosisSpec(
+    "nondeterministic", (_FORWARD,),
+    "the forward is not deterministic: run twice on one rank, on the same input from the same "
+    "parameters, it gives different outputs (dropout in train mode, unseeded noise); put the module in "
+    "eval mode or seed it",
+    "the dense reference (the module on a tp group of one rank) run twice on the same input, with the same "
+    "parameters and buffers, gives outputs that are not bit-identical",
+    "module-dropout-in-train-mode",
+    consequences=(_INPUT_GRAD, _WEIGHT_GRAD, _BIAS_GRAD, _REPLICA, _TRAINING),
+))
+
 # --- diagnoses and failures ----------------------------------------------------------------------
 
 
@@ -647,6 +659,39 @@ def group_causes(failures: Sequence[Failure]) -> list[Failure]:
             owner.consequences.extend(f.consequences)
             f.consequences = []
     return causes
+
+
+def confirm(failures: Sequence[Failure], float64: Sequence[Failure], patterns: frozenset[str] | set[str],
+            dtype: str) -> None:
+    """Hold the diagnoses ``patterns`` (read from numeric patterns: a factor, a bias multiple, an
+    offset of log tp) found on a ``dtype`` case narrower than float64 to what the *same case in
+    float64* shows (``float64``: its failures), where rounding cannot fake a pattern. For each such
+    failure (or consequence): kept where float64 shows the same diagnosis for the same property and
+    sublayer; renamed to the diagnosis float64 shows for that property and sublayer, if it names
+    one; otherwise ``mismatch``, with what was measured and what float64 showed. In place."""
+    seen: dict[tuple[str, str | None], Failure] = {}
+    for f in float64:
+        for g in (f, *f.consequences):
+            seen.setdefault((g.property, g.sublayer), g)
+    names = {(g.property, g.sublayer, g.diagnosis) for f in float64 for g in (f, *f.consequences)}
+    for f in failures:
+        for g in (f, *f.consequences):
+            if g.diagnosis not in patterns and g.diagnosis != MISMATCH or (g.property, g.sublayer, g.diagnosis) in names:
+                continue
+            twin = seen.get((g.property, g.sublayer))
+            if g.diagnosis == MISMATCH and (twin is None or twin.diagnosis not in patterns):
+                continue  # nothing named here, nothing better named in float64
+            g.details = {**g.details, "unconfirmed": g.diagnosis}
+            if twin is not None and twin.diagnosis != MISMATCH:
+                g.message = (f"{twin.message} (named from the same case in float64; in {dtype} the pattern looked "
+                             f"like {g.diagnosis}, which rounding can fake)")
+                g.details = {**g.details, **twin.details, "unconfirmed": g.diagnosis}
+                g.diagnosis = twin.diagnosis
+                continue
+            shown = ", ".join(sorted({x.label for x in float64})) or "no failure"
+            g.message = (f"{g.message} — not named {g.diagnosis}: the same case in float64 shows {shown}, so the "
+                         "pattern is not confirmed where rounding cannot fake it")
+            g.diagnosis = MISMATCH
 
 
 # --- the fallback --------------------------------------------------------------------------------

@@ -248,6 +248,11 @@ class Variant:
     #: The layer always has a bias (its constructor cannot leave it out): biased cases only. Set by
     #: the conventions when a class without a ``bias`` flag builds a ``bias`` parameter.
     always_bias: bool = False
+    #: The layer's documented precondition that its input is contiguous (cite it where the variant is
+    #: declared): only contiguous inputs and upstream grads are drawn, and reports say so. For a layer
+    #: that hands its input to a collective as given, which NCCL refuses for a non-contiguous tensor,
+    #: when its callers always pass contiguous activations.
+    contiguous_inputs: bool = False
     #: Modules whose globals are per rank, as in a real job where every rank is a process: passed to
     #: :func:`tpsim.run` as ``rank_local`` (on inproc each rank thread sees its own copy of their
     #: globals; process backends have this already). Module names, e.g. ``("fairscale.nn.model_parallel.initialize",)``.
@@ -484,6 +489,9 @@ class Variant:
             out.append("divisible cases only: the divisibility property does not apply")
         if self.forward_only:
             out.append("forward only (an inference layer): the grad and training properties do not apply")
+        if self.contiguous_inputs:
+            out.append("contiguous inputs only (a precondition of the layer: it hands its input to a collective as "
+                       "given, and NCCL refuses a non-contiguous tensor)")
         if not self.subgroups:
             out.append("tp groups spanning the whole world only (subgroups=False: it does not take a tp group)")
         return tuple(out)

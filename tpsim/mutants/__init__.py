@@ -47,6 +47,7 @@ from tpsim.diagnosis import (
     GRAD_SCALED,
     MISMATCH,
     MISSING_REDUCTION,
+    NONDETERMINISTIC,
     OUTPUT_DETACHED,
     PACKED_SHARD_LAYOUT,
     PRECISION_LOSS,
@@ -194,6 +195,31 @@ def norm_variant(cls: type[nn.Module], *, name: str, **options: Any) -> ModuleVa
                          target=f"{_MODULE}:{name}")
 
 
+class DropoutInTrainMode(nn.Module):
+    """tpsim's parallel GELU MLP followed by dropout left in train mode: every run (and every rank)
+    draws another mask, so no run equals the dense one; the harness must say the forward is not
+    deterministic, not blame a reduction (dropout's 1/(1-p) scaling looks like a scaled output)."""
+
+    def __init__(self, hidden: int, ffn: int, *, group: Any = None, dtype: Any = None) -> None:
+        super().__init__()
+        from tpsim.layers import ParallelMLP
+
+        self.mlp = ParallelMLP(hidden, ffn, activation="gelu", group=group, dtype=dtype)
+        self.dropout = nn.Dropout(0.5)
+
+    def forward(self, x: Any) -> Any:
+        return self.dropout(self.mlp(x))
+
+
+def _module_dropout_in_train_mode() -> ModuleVariant:
+    def build(hidden: int, ffn: int, *, group: Any, dtype: Any) -> nn.Module:
+        return DropoutInTrainMode(hidden, ffn, group=group, dtype=dtype).train()
+
+    return ModuleVariant(name="module_dropout_in_train_mode", build=build, sizes=("hidden", "ffn"),
+                         description=_first_paragraph(DropoutInTrainMode.__doc__),
+                         target=f"{_MODULE}:module_dropout_in_train_mode")
+
+
 @dataclass(frozen=True)
 class Mutant:
     """One catalogued bug.
@@ -319,6 +345,8 @@ _ENTRIES = [
     (lambda v: (Mutant("sequence-norm-no-grad-reduce", v.target or "", v, GRAD_NOT_REDUCED, v.description,
                        "world size >= 2"), v))(
         norm_variant(SequenceNormNoGradReduce, name="sequence_norm_no_grad_reduce")),
+    (lambda v: (Mutant("module-dropout-in-train-mode", v.target or "", v, NONDETERMINISTIC, v.description), v))(
+        _module_dropout_in_train_mode()),
     # The gallery of published bugs (tpsim/mutants/gallery.py); each docstring cites its report.
     _mutant("row-wrong-group", RowWrongGroup, "row", WRONG_GROUP, needs="tp_size < world_size"),
     _mutant("row-contiguous-copy-reduce", RowContiguousCopyReduce, "row", MISSING_REDUCTION,

@@ -254,6 +254,12 @@ def _linear_variants(cls: type, kind: str, rank_local: tuple[str, ...], descript
                 max_batch_dims=2,
                 sequence_dim=0,
                 min_tp_size=2 if sp else 1,
+                # Under sequence parallelism the forward all-gathers its input as the caller gave it
+                # (LinearWithGradAccumulationAndAsyncCommunication.forward: all_gather_into_tensor on
+                # `input`, no .contiguous(); megatron-core 0.16.1 layers.py:483), which NCCL refuses for a
+                # non-contiguous tensor; its documented input is the [sequence, batch, hidden] activation
+                # its callers produce contiguous (ColumnParallelLinear.forward's docstring): a precondition.
+                contiguous_inputs=sp,
                 rank_local=rank_local,
             ))
     else:

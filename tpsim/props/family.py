@@ -349,7 +349,31 @@ class Family:
         if failures:
             failures = self.follow_up(variant, case, obs, failures, backend=backend, timeout=timeout, isolate=isolate,
                                       properties=properties)
+            failures = self.confirm_in_float64(variant, case, failures, backend=backend, timeout=timeout,
+                                               isolate=isolate, properties=properties)
         return group_causes(failures)
+
+    #: Diagnoses this family reads from numeric patterns, claimed on a case narrower than float64 only
+    #: when the same case in float64 shows them (:func:`tpsim.diagnosis.confirm`); empty: none.
+    confirmed_in_float64: ClassVar[frozenset[str]] = frozenset()
+
+    def confirm_in_float64(self, variant: Any, case: Any, failures: list[Any], *, backend: str, timeout: float,
+                           isolate: bool, properties: Sequence[str] | None) -> list[Any]:
+        """Run the float64 twin of a narrower ``case`` whose failures name one of
+        :attr:`confirmed_in_float64`, and hold those names to what it shows (see there)."""
+        from tpsim.diagnosis import confirm
+
+        if getattr(case, "dtype", "float64") == "float64" or not any(
+                g.diagnosis in self.confirmed_in_float64 for f in failures for g in (f, *f.consequences)):
+            return failures
+        twin = case.replace(dtype="float64")
+        obs = self.observe(variant, twin, backend=backend, timeout=timeout, isolate=isolate)
+        found = self.judge(variant, obs, properties)
+        if found:
+            found = self.follow_up(variant, twin, obs, found, backend=backend, timeout=timeout, isolate=isolate,
+                                   properties=properties)
+        confirm(failures, found, self.confirmed_in_float64, case.dtype)
+        return failures
 
 
 #: Families that ship with tpsim: name -> ``module:attribute`` of the family object (imported lazily).

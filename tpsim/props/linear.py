@@ -156,6 +156,8 @@ class LinearFamily(Family, name="linear", kinds=KINDS, variant_type=Variant, cas
     def cases(self, variant: Variant, *, world_sizes: tuple[int, ...], dtypes: tuple[str, ...], non_divisible: bool,
               tp_sizes: tuple[int, ...] | None, subgroups: bool, layouts: tuple[str, ...],
               max_size: int = DEFAULT_MAX_SIZE) -> Any:
+        if variant.contiguous_inputs:
+            layouts = ("contiguous",)  # its declared precondition (see Variant.contiguous_inputs)
         return cases(variant, world_sizes=world_sizes, dtypes=dtypes, non_divisible=non_divisible,
                      tp_sizes=tp_sizes, subgroups=subgroups, layouts=layouts, max_per_rank=max_size)
 

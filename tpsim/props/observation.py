@@ -32,6 +32,7 @@ __all__ = [
     "OK",
     "OUTPUT_SHAPE",
     "DenseReferenceFailed",
+    "NotDeterministic",
     "NotRealOutput",
     "Observation",
     "RankOutput",
@@ -93,6 +94,19 @@ class NotRealOutput(Exception):
 
     def __reduce__(self) -> tuple[Any, ...]:  # its field survives pickling (the isolated worker)
         return (type(self), (self.dtype,))
+
+
+class NotDeterministic(Exception):
+    """The variant, run twice on the same rank on the same input from the same parameters, gave
+    different outputs (``max_abs``: the largest difference): dropout in train mode, unseeded noise.
+    Nothing about its parallelism can be judged from such runs (named ``nondeterministic``)."""
+
+    def __init__(self, max_abs: float) -> None:
+        super().__init__(f"two runs of the forward on the same input differ by up to {max_abs:.3g}")
+        self.max_abs = max_abs
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.max_abs,))
 
 
 class DenseReferenceFailed(Exception):

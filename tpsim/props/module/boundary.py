@@ -1,7 +1,8 @@
 """Sublayer boundaries: what goes in and out of every sublayer of a module, forward and backward.
 
 A *sublayer* is a submodule that owns parameters directly (``fc1``, ``fc2``, ``attn.qkv``, a norm);
-its dotted name is the same in the dense module and on every rank. :class:`Capture` records, on one
+its dotted name is the same in the dense module and on every rank. A sublayer that returns a tuple,
+a list or a dict (Megatron's ``(output, bias)``) is recorded by its first floating tensor. :class:`Capture` records, on one
 step, each sublayer's input (its first positional tensor), its output, the grad of its output and
 the grad of its input, in the order they happen. The hooks change nothing numerically: the input
 and the output pass through an identity autograd function (a copy, so a module that modifies its
@@ -47,6 +48,37 @@ class _Tap(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         ctx.capture.record(ctx.key, grad)
         return grad, None, None
+
+
+def _first_tensor(output: Any, path: tuple[Any, ...] = ()) -> tuple[tuple[Any, ...], torch.Tensor] | None:
+    """The sublayer's output tensor and where it sits: the output itself, or the first floating tensor
+    of a tuple, list or dict (Megatron's ``(output, bias)``, a Hugging Face ``(hidden, weights)``, a
+    ``{"hidden_states": ...}``), searched depth first."""
+    if isinstance(output, torch.Tensor):
+        return (path, output) if output.is_floating_point() or not path else None
+    items: Any = output.items() if isinstance(output, dict) else enumerate(output) if isinstance(
+        output, (tuple, list)) else ()
+    for key, value in items:
+        found = _first_tensor(value, (*path, key))
+        if found is not None:
+            return found
+    return None
+
+
+def _replace(output: Any, path: tuple[Any, ...], tensor: torch.Tensor) -> Any:
+    """``output`` with the tensor at ``path`` replaced (containers rebuilt, their type kept)."""
+    if not path:
+        return tensor
+    key, rest = path[0], path[1:]
+    if isinstance(output, dict):
+        out = dict(output) if type(output) is dict else output.__class__(output)
+        out[key] = _replace(output[key], rest, tensor)
+        return out
+    items = list(output)
+    items[key] = _replace(items[key], rest, tensor)
+    if isinstance(output, tuple):
+        return type(output)(*items) if hasattr(output, "_fields") else type(output)(items)
+    return items
 
 
 @dataclass
@@ -98,12 +130,16 @@ class Capture:
 
     def _post(self, name: str) -> Any:
         def hook(_module: nn.Module, _args: tuple[Any, ...], output: Any) -> Any:
-            if not self.active or not isinstance(output, torch.Tensor) or (name, "out") in self.tensors:
+            if not self.active or (name, "out") in self.tensors:
                 return None
-            self.record((name, "out"), output)
-            if not (output.requires_grad and output.is_floating_point()):
+            found = _first_tensor(output)
+            if found is None:
                 return None
-            return _Tap.apply(output, self, (name, "gout"))
+            path, tensor = found
+            self.record((name, "out"), tensor)
+            if not (tensor.requires_grad and tensor.is_floating_point()):
+                return None
+            return _replace(output, path, _Tap.apply(tensor, self, (name, "gout")))
 
         return hook
 

@@ -13,8 +13,13 @@ from typing import ClassVar
 
 from tpsim.errors import InvalidArgument
 from tpsim.props.case import MAX_TENSOR_ELEMENTS, CaseBase
+from tpsim.props.layouts import needs_batch
 
-__all__ = ["ModuleCase"]
+__all__ = ["MODULE_INPUT_LAYOUTS", "ModuleCase"]
+
+#: The input layouts module cases draw (``expanded`` needs values repeated along a batch dim, which
+#: the module family's draws are not).
+MODULE_INPUT_LAYOUTS = ("contiguous", "transposed", "strided")
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,9 @@ class ModuleCase(CaseBase):
     tp_layout: str = "consecutive"
     #: The variant's names of the sizes (``hidden``, ``ffn``): reports and case files read better.
     size_names: tuple[str, ...] = ()
+    #: How every rank's input and upstream grads sit in memory (:data:`MODULE_INPUT_LAYOUTS`, see
+    #: :mod:`tpsim.props.layouts`): real callers pass sequence-first buffers viewed batch-first, slices.
+    input_layout: str = "contiguous"
 
     family: ClassVar[str] = "module"
     REQUIRED: ClassVar[tuple[str, ...] | None] = ("world_size", "sizes")
@@ -49,6 +57,13 @@ class ModuleCase(CaseBase):
         if names and (len(names) != len(sizes) or not all(isinstance(n, str) for n in names)):
             raise InvalidArgument(f"size_names={list(names)!r} must name each of the {len(sizes)} sizes")
         object.__setattr__(self, "size_names", names)
+        self._check_layout()
+
+    def _check_layout(self) -> None:
+        if self.input_layout not in MODULE_INPUT_LAYOUTS:
+            raise InvalidArgument(f"input_layout={self.input_layout!r}; expected one of {', '.join(MODULE_INPUT_LAYOUTS)}")
+        if needs_batch(self.input_layout) and not self.batch_shape:
+            raise InvalidArgument(f"input_layout={self.input_layout!r} needs at least one batch dim; got batch_shape=[]")
 
     def _check_tensors(self) -> None:
         # A size product bounds every 2-D parameter: refuse absurd files before anything is allocated.
@@ -60,7 +75,8 @@ class ModuleCase(CaseBase):
             )
 
     def _describe_sizes(self) -> list[str]:
-        # Sizes by name when the case has them.
+        # Sizes by name when the case has them; a layout other than contiguous is said.
+        layout = [] if self.input_layout == "contiguous" else [f"input_layout={self.input_layout}"]
         if len(self.size_names) == len(self.sizes):
-            return [f"{n}={s}" for n, s in zip(self.size_names, self.sizes, strict=True)]
-        return [f"sizes={list(self.sizes)}"]
+            return [f"{n}={s}" for n, s in zip(self.size_names, self.sizes, strict=True)] + layout
+        return [f"sizes={list(self.sizes)}"] + layout

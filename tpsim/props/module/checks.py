@@ -55,7 +55,9 @@ from tpsim.diagnosis import (
     GRAD_SCALED,
     MISMATCH,
     MISSING_REDUCTION,
+    NONDETERMINISTIC,
     OUTPUT_DETACHED,
+    PACKED_SHARD_LAYOUT,
     REPLICA_DIVERGENCE,
     SHAPE_ERROR,
     WRONG_DTYPE,
@@ -85,7 +87,7 @@ from tpsim.props.module.world import (
     input_placement,
     output_placement,
 )
-from tpsim.props.observation import DETACHED, OUTPUT_SHAPE, Observation
+from tpsim.props.observation import DETACHED, OUTPUT_SHAPE, NotDeterministic, Observation
 from tpsim.props.property_names import (
     BIAS_GRAD,
     DIVISIBILITY,
@@ -98,8 +100,9 @@ from tpsim.props.property_names import (
 )
 from tpsim.props.rank import LR, TRAIN_STEPS
 from tpsim.props.tolerance import tolerance
+from tpsim.variant import ParamSpec
 
-__all__ = ["evaluate", "grad_property", "localise"]
+__all__ = ["NUMERIC_PATTERNS", "evaluate", "grad_property", "localise"]
 
 _F64 = torch.float64
 _VALUE_PROPERTIES = (FORWARD, INPUT_GRAD, WEIGHT_GRAD, BIAS_GRAD)
@@ -581,7 +584,7 @@ def _refuse_unknown_layouts(obs: Observation) -> None:
                 raise UnknownLayout(problem.param, problem.shape, problem.full, r, tp)
 
 
-@recogniser(EXCEPTION)
+@recogniser(EXCEPTION, NONDETERMINISTIC)
 def _failed_run(variant: ModuleVariant, obs: Observation) -> Failure:
     """The run failed: on the one-rank reference group (the module raised, or its rank died), else
     on the tp group (:func:`tpsim.props.blame.run_failure`, as in every family)."""
@@ -589,6 +592,13 @@ def _failed_run(variant: ModuleVariant, obs: Observation) -> Failure:
     if failed is None:
         return run_failure(variant.name, obs.case, obs.error)  # type: ignore[arg-type]
     where = "on a tp group of one rank (the dense reference, float64)"
+    if isinstance(failed.error, NotDeterministic):
+        return Failure(FORWARD, NONDETERMINISTIC,
+                       f"the forward is not deterministic: run twice {where} on the same input, from the same "
+                       f"parameters and buffers, its outputs differ by up to {failed.error.max_abs:.3g}; put the "
+                       "module in eval mode (dropout) or seed it: nothing about its parallelism can be judged from "
+                       "outputs that change from run to run", case=obs.case, variant=variant.name,
+                       details={"phase": "reference", "max_abs": failed.error.max_abs})
     if isinstance(failed.error, RankDied):
         return death_failure(variant.name, obs.case, failed.error, context=f"{where}: ")
     return Failure(FORWARD, EXCEPTION, f"the module raised when built and run {where}: {failed}", case=obs.case,
@@ -867,13 +877,16 @@ def _localise(ctx: _Ctx, obs: Observation) -> tuple[_Culprit | None, _Culprit | 
 
 
 def _apply(failures: list[Failure], fwd: _Culprit | None, bwd: _Culprit | None,
-           layouts: dict[str, ParamLayout]) -> None:
+           layouts: dict[str, ParamLayout]) -> list[Failure]:
     """Name the sublayer of every failure. Where the sublayer's tensors show a known mechanism that
     explains a failure's property, that is its diagnosis (the module-level one is kept in
     ``details``); otherwise the first failure traced to it says where the values first diverge.
     Said once per culprit: the other failures it explains follow from it (their consequences)."""
     told: set[int] = set()
+    causes: list[Failure] = []
+    forward_cause: Failure | None = None
     for f in failures:
+        causes.append(f)
         tensor = f.details.get("tensor") if f.property == REPLICA else None
         if f.property == FORWARD or tensor == "the output":
             culprit = fwd
@@ -884,6 +897,14 @@ def _apply(failures: list[Failure], fwd: _Culprit | None, bwd: _Culprit | None,
         if culprit is None:
             continue
         f.sublayer = culprit.sublayer
+        if culprit is fwd and forward_cause is not None and f.property != FORWARD:
+            # The grads of a module whose forward diverged at this sublayer differ because of it
+            # (everything after it saw other values): one cause, its consequences under it.
+            causes.pop()
+            forward_cause.consequences.append(f)
+            continue
+        if culprit is fwd and f.property == FORWARD:
+            forward_cause = f
         if id(culprit) in told:
             continue
         told.add(id(culprit))
@@ -895,6 +916,7 @@ def _apply(failures: list[Failure], fwd: _Culprit | None, bwd: _Culprit | None,
             where = culprit.sublayer if culprit.sublayer.startswith(("before ", "after ")) else f"at {culprit.sublayer}"
             f.message = f"{f.message} — the values first diverge {where}: {d.message}"
             f.message += _layout_hint(layouts, culprit.suspects)
+    return causes
 
 
 def _layout_hint(layouts: dict[str, ParamLayout], suspects: Sequence[str]) -> str:
@@ -911,11 +933,67 @@ def _layout_hint(layouts: dict[str, ParamLayout], suspects: Sequence[str]) -> st
             f"ModuleVariant(params=(ParamSpec({name!r}, 'weight', Shard({dim}, parts=(1, 1))), ...))")
 
 
+#: Diagnoses read from numeric patterns (a factor, a bias multiple, summands, blocks): in a case narrower
+#: than float64 they are claimed only when the same case in float64 shows them too
+#: (:func:`tpsim.diagnosis.confirm`, the family's ``confirmed_in_float64``).
+NUMERIC_PATTERNS = frozenset({BIAS_DUPLICATION, BIAS_MISSING, MISSING_REDUCTION, DOUBLE_REDUCTION, GRAD_SCALED,
+                              GRAD_NOT_REDUCED, WRONG_SHARD_ORDER, PACKED_SHARD_LAYOUT, BIAS_GRAD_RANK0_ONLY})
+
+
+#: The packings a contiguous-looking packed weight is tried with (gate/up; Q/K/V of equal sizes).
+_PACKINGS = ((1, 1), (1, 1, 1))
+
+
+@recogniser(PACKED_SHARD_LAYOUT)
+def _confirm_packed(variant: ModuleVariant, failure: Failure, layouts: dict[str, ParamLayout],
+                    suspects: Sequence[str], rerun: Callable[[ModuleVariant], list[Failure]]) -> bool:
+    """A forward that diverges right after a sublayer whose weight is a contiguous slice of its
+    sharded dim (no ``parts`` said otherwise) is ``packed-shard-layout`` when the same case, with
+    that sublayer's parameters loaded as the shard of each of 2 (or 3) equal packed parts, passes:
+    the rank's rows are a contiguous slice of ``[gate; up]`` while its forward splits them into its
+    gate shard and its up shard. Confirmed by that re-run, never guessed."""
+    for sub in suspects:
+        names = [n for n, lay in layouts.items() if owner(n) == sub and not lay.declared
+                 and isinstance(lay.placement, Shard) and lay.placement.parts is None]
+        if not names:
+            continue
+        for parts in _PACKINGS:
+            specs = tuple(ParamSpec(n, "bias" if n.rpartition(".")[2] == "bias" else "weight",
+                                    Shard(layouts[n].placement.dim, parts=parts)) for n in names)  # type: ignore[attr-defined]
+            try:
+                confirmed = not rerun(variant.replace(params=(*variant.params, *specs)))
+            except Exception:  # the declared layout does not fit these sizes: not this packing
+                continue
+            if confirmed:
+                decl = ", ".join(f"ParamSpec({sp.name!r}, {sp.master!r}, Shard({sp.placement.dim}, parts={parts}))"  # type: ignore[attr-defined]
+                                 for sp in specs)
+                failure.details = {**failure.details, "module_diagnosis": failure.diagnosis,
+                                   "module_message": failure.message, "parts": list(parts), "params": names}
+                failure.diagnosis = PACKED_SHARD_LAYOUT
+                failure.sublayer = sub
+                failure.message = (
+                    f"{sub} packs {len(parts)} parts in its sharded dim, but {', '.join(names)} says nothing of it "
+                    f"(no `parts`), so each rank is given a contiguous 1/{case_tp(failure)} slice of the packed dim, "
+                    f"while its forward splits its rows into its shard of each part; loaded as the shard of each of "
+                    f"{len(parts)} equal parts, the same case passes. Give the layer a `parts` attribute (the full "
+                    f"sizes of its parts), or declare it: ModuleVariant(params=({decl},)). "
+                    f"(before: {failure.message})")
+                return True
+    return False
+
+
+def case_tp(failure: Failure) -> int:
+    case = failure.case
+    return int(getattr(case, "tp_size", None) or getattr(case, "world_size", 1))
+
+
 def localise(variant: ModuleVariant, case: ModuleCase, obs: Observation, failures: list[Failure],
-             traced_run: Callable[[], Observation]) -> list[Failure]:
+             traced_run: Callable[[], Observation],
+             rerun: Callable[[ModuleVariant], list[Failure]] | None = None) -> list[Failure]:
     """Name the sublayer of every value failure of ``case``: the case is run again with every sublayer's
     boundaries recorded (``traced_run``, the family's observation with capture on; the module
-    docstring's "where a failure comes from")."""
+    docstring's "where a failure comes from"). ``rerun(variant)``: the failures of the same case
+    with another variant, to confirm a diagnosis (:func:`_confirm_packed`)."""
     value_failures = [f for f in failures if f.property in _VALUE_PROPERTIES or f.property == REPLICA]
     if value_failures and obs.values is not None and all(f.diagnosis != EXCEPTION for f in failures):
         traced = traced_run()
@@ -924,5 +1002,10 @@ def localise(variant: ModuleVariant, case: ModuleCase, obs: Observation, failure
             ranks = tp_groups(case.world_size, case.tp_size or case.world_size, case.tp_layout)[g]
             ctx = _Ctx(variant, traced, g, [traced.values[r] for r in ranks])
             fwd, bwd = _localise(ctx, traced)
-            _apply(failures, fwd, bwd, ctx.layouts)
+            causes = _apply(failures, fwd, bwd, ctx.layouts)
+            first = causes[0] if causes else None
+            if (rerun is not None and fwd is not None and first is not None and first.property == FORWARD
+                    and first.diagnosis == MISMATCH and ctx.tp > 1):
+                _confirm_packed(variant, first, ctx.layouts, fwd.suspects, rerun)
+            return causes
     return failures

@@ -7,7 +7,9 @@ module-level :class:`ModuleVariant` objects (``tpsim.layers``: tpsim's own MLPs)
 ``--input``/``--output``/``--input-grad``/``--sequence-dim``/``--param-grad`` adapt them.
 
 Its dense reference is the module itself on a tp group of one rank (:mod:`tpsim.props.module.world`);
-its tolerances come from the magnitude run (:mod:`tpsim.props.module.magnitude`); a failing case is
+its tolerances come from the magnitude run (:mod:`tpsim.props.module.magnitude`) where it bounds every
+operation of a float64 or float32 case, else from the dense twin run in the case's precision
+(:mod:`tpsim.props.module.twin`: any operation, every dtype, never a refusal); a failing case is
 run again with its sublayers' boundaries recorded, so that the report names the first sublayer
 that diverges (:func:`tpsim.props.module.checks.localise`).
 """
@@ -25,18 +27,19 @@ from tpsim.module_variant import MODULE_KIND, ModuleVariant, module_from_class
 from tpsim.placement import Replicate
 from tpsim.props.family import ADAPTER_OPTIONS, Family, World
 from tpsim.props.module.case import ModuleCase
-from tpsim.props.module.checks import evaluate, localise
+from tpsim.props.module.checks import NUMERIC_PATTERNS, evaluate, localise
 from tpsim.props.module.plans import PlanVariant, name_plan_entry, plan_variant, resolve_plan, twin_variant
 from tpsim.props.module.strategies import MAX_PER_RANK, module_cases
 from tpsim.props.module.world import ModuleData, Reference, is_divisible, rank_main, reference_run
 from tpsim.props.observation import Observation
-from tpsim.props.property_names import DIVISIBILITY, PROPERTIES
+from tpsim.props.property_names import DIVISIBILITY, FORWARD, PROPERTIES
 from tpsim.variant import ParamSpec
 
 __all__ = ["MODULE", "MODULE_DTYPES", "ModuleFamily"]
 
-#: The dtypes module targets are checked in (see :attr:`ModuleFamily.dtype_reason`).
-MODULE_DTYPES = ("float64", "float32")
+#: The dtypes module targets are checked in: every dtype (bfloat16 and float16 against the dense twin,
+#: see :mod:`tpsim.props.module.twin`).
+MODULE_DTYPES = ("float64", "float32", "bfloat16", "float16")
 
 
 class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=ModuleVariant, case_type=ModuleCase,
@@ -47,9 +50,8 @@ class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=Mod
     declared_list = "TPSIM_MODULES"
     adapter_options = ("input", "output", "input_grad", "sequence_dim", "param_grad", "plan", "plan_twin")
     params_inferred = True
-    dtypes = MODULE_DTYPES
-    dtype_reason = ("the rounding bound derived through several sublayers is, in bfloat16 or float16, as large as "
-                    "the bugs it looks for")
+    dtypes = None  # every dtype: the dense twin judges what the derived bound cannot
+    confirmed_in_float64 = NUMERIC_PATTERNS
 
     # --- targets -----------------------------------------------------------------------------------
 
@@ -162,7 +164,11 @@ class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=Mod
         def traced() -> Observation:
             return self.observe(variant, case, backend=backend, timeout=timeout, capture=True, isolate=isolate)
 
-        failures = localise(variant, case, obs, failures, traced)
+        def rerun(other: ModuleVariant) -> list[Any]:
+            return evaluate(other, self.observe(other, case, backend=backend, timeout=timeout, isolate=isolate),
+                            (FORWARD,))
+
+        failures = localise(variant, case, obs, failures, traced, rerun)
         if isinstance(variant, PlanVariant) and not dict(variant.options).get("plan_twin"):
             failures = name_plan_entry(self, variant, case, failures, backend=backend, timeout=timeout,
                                        isolate=isolate, properties=properties)

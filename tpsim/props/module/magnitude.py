@@ -276,11 +276,16 @@ class ValueTape(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.entries: list[TapeEntry] = []
+        #: The activations with a kink the run went through (ReLU, clamp): known even when the
+        #: magnitude run is not made (see :mod:`tpsim.props.module.twin`).
+        self.kinked: set[str] = set()
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = dict(kwargs or {})
         name, in_place = _name(func)
         in_place = in_place or bool(kwargs.get("inplace"))
+        if (name in ACTIVATIONS and ACTIVATIONS[name].kink) or name in ("clamp", "clip", "clamp_min", "clamp_max"):
+            self.kinked.add(name)
         out = func(*args, **kwargs)
         if in_place or not (isinstance(out, torch.Tensor) and out.is_floating_point()):
             return out

@@ -12,8 +12,11 @@ still compute the dense result) or not shard it at all (an MLP's hidden size: it
 so nothing about which sizes are sharded needs declaring. A variant with a ``size_strategy``
 draws its own sizes.
 
-Batch: 0 to 2 leading dims of sizes 1 to 3; a sequence-sharded input gets the batch dims its
-``sequence_dim`` needs and a sequence of a few tokens per rank.
+Batch: 0 to 2 leading dims of sizes 1 to 3 (``[b, s, h]`` or ``[s, b, h]``: the module reads them as
+it does); a sequence-sharded input gets the batch dims its ``sequence_dim`` needs and a sequence of a
+few tokens per rank. Input layout (last, shrinking toward contiguous): every rank's input and
+upstream grads are contiguous, a sequence-first buffer viewed batch-first (``transposed``) or a
+strided slice (``strided``), as real callers pass them (:mod:`tpsim.props.layouts`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from hypothesis import strategies as st
 
 from tpsim.errors import InvalidArgument
 from tpsim.module_variant import ModuleVariant
-from tpsim.props.module.case import ModuleCase
+from tpsim.props.layouts import needs_batch
+from tpsim.props.module.case import MODULE_INPUT_LAYOUTS, ModuleCase
 from tpsim.props.strategies import DEFAULT_MAX_SIZE, batch_shapes, draw_tp, per_rank
 from tpsim.props.strategies import dtypes as dtype_strategy
 from tpsim.props.strategies import world_sizes as world_size_strategy
@@ -82,9 +86,11 @@ def _module_cases(draw: st.DrawFn, variant: ModuleVariant, sizes: tuple[int, ...
         if d is not None:
             batch = (*batch[:d], tp * draw(st.integers(1, MAX_PER_RANK)), *batch[d + 1:])
     seed = draw(st.integers(0, 2**31 - 1))
+    layouts = [lay for lay in MODULE_INPUT_LAYOUTS if batch or not needs_batch(lay)]
+    input_layout = draw(st.sampled_from(layouts))
     return ModuleCase(world_size=world, tp_size=tp, tp_layout=layout, sizes=drawn, batch_shape=batch, dtype=dtype,
                       seed=seed, target=variant.target, variant=variant.name, options=variant.options,
-                      size_names=variant.sizes)
+                      size_names=variant.sizes, input_layout=input_layout)
 
 
 def module_cases(

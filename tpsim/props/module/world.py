@@ -34,6 +34,7 @@ from tpsim.errors import RankError
 from tpsim.module_variant import ModuleVariant
 from tpsim.placement import Replicate, Shard
 from tpsim.props.launch import launch, variant_of
+from tpsim.props.layouts import apply_layout, needs_batch
 from tpsim.props.module.boundary import Capture
 from tpsim.props.module.case import ModuleCase
 from tpsim.props.module.dtensors import (
@@ -47,7 +48,8 @@ from tpsim.props.module.dtensors import (
 )
 from tpsim.props.module.magnitude import MagnitudeMode, TapeEntry, UnboundedOp, ValueTape
 from tpsim.props.module.sharding import ParamLayout, declared_layout, infer_layout, piece
-from tpsim.props.observation import DenseReferenceFailed, NotRealOutput, RankOutput
+from tpsim.props.module.twin import twin_magnitudes, twin_run
+from tpsim.props.observation import DenseReferenceFailed, NotDeterministic, NotRealOutput, RankOutput
 from tpsim.props.rank import LR, TRAIN_STEPS, enter_rank, rank_phase, sgd_step, trainer_step
 
 __all__ = [
@@ -110,6 +112,8 @@ class StepTensors:
     grads: dict[str, torch.Tensor | None]
     capture: dict[str, Any] | None = None
     final: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: What the magnitude run measured (magnitudes from the derived bound only; None: the twin's).
+    derived: Any = None
 
 
 @dataclass
@@ -139,6 +143,7 @@ def reference_main(payload: dict[str, Any]) -> Reference:
         return torch.randn(*shape, generator=gen, dtype=torch.float32).mul_(scale).to(dtype)
 
     masters = {n: draw(tuple(p.shape), _scale(tuple(p.shape))) for n, p in dense.named_parameters()}
+    _check_deterministic(variant, dense, masters, case)
     # Upstream grads small enough that an SGD step moves every weight by about a tenth of its
     # scale (lr 0.1, summed over the rows): the trained parameters stay in the regime of the
     # initial ones at every size, instead of diverging at the lab note's.
@@ -147,9 +152,10 @@ def reference_main(payload: dict[str, Any]) -> Reference:
     grads: list[list[torch.Tensor]] = []
     values: list[StepTensors] = []
     capture_on = bool(payload.get("capture"))
+    kinked: set[str] = set()
     tapes: list[list[list[TapeEntry]]] = []
     for _g in range(_n_groups(case)):
-        _assign(dense, {n: t.to(_F64, copy=True) for n, t in masters.items()})
+        assign(dense, {n: t.to(_F64, copy=True) for n, t in masters.items()})
         xs, gs, group_tapes = [], [], []
         first: tuple[Any, ...] = ()
         for step in range(TRAIN_STEPS):
@@ -164,6 +170,7 @@ def reference_main(payload: dict[str, Any]) -> Reference:
             g_master = draw(tuple(y.shape), g_scale)
             y.backward(g_master.to(_F64))
             group_tapes.append(tape.entries)
+            kinked |= tape.kinked
             if capture is not None:
                 capture.remove()
             if step == 0:
@@ -177,31 +184,79 @@ def reference_main(payload: dict[str, Any]) -> Reference:
         tapes.append(group_tapes)
         inputs.append(xs)
         grads.append(gs)
-    measured = None
-    # The magnitude run in float32 (half the memory traffic of float64 at the lab note's size; a
-    # bound of non-negative sums needs no more precision), or float64 for a module that cannot
-    # run in float32 once built in float64.
-    mags: list[StepTensors] = []
-    for mag_dtype in (torch.float32, _F64):
-        try:
-            mags = []
-            for g in range(len(values)):
-                mag, measured = _magnitudes(variant, dense, masters, inputs[g], grads[g], tapes[g], capture_on,
-                                            mag_dtype)
-                mags.append(mag)
-            break
-        except UnboundedOp:
-            raise
-        except Exception as err:
-            if mag_dtype == _F64:
-                if isinstance(err, _Overflow):
-                    raise UnboundedOp(f"a computation whose magnitudes overflow float64 ({err})") from None
-                raise
-    groups = [GroupReference(v, m) for v, m in zip(values, mags, strict=True)]
-    return Reference(masters, inputs, grads, groups, measured.reduction, measured.stages, sorted(measured.kinked))
+    groups = [GroupReference(v, m) for v, m in zip(values, _oracle(
+        variant, case, dense, masters, inputs, grads, values, tapes, capture_on), strict=True)]
+    if groups and groups[0].mag.derived is not None:
+        measured = groups[0].mag.derived
+        return Reference(masters, inputs, grads, groups, measured.reduction, measured.stages,
+                         sorted(measured.kinked | kinked), oracle=DERIVED)
+    return Reference(masters, inputs, grads, groups, 0, 0, sorted(kinked), oracle=TWIN)
 
 
-def _assign(module: nn.Module, values: dict[str, torch.Tensor]) -> None:
+#: :attr:`Reference.oracle` values: the tolerances came from the magnitude run, or from the dense twin.
+DERIVED = "derived"
+TWIN = "twin"
+
+
+def _finite(mag: StepTensors) -> bool:
+    tensors = [mag.y, mag.dx, *mag.grads.values(), *mag.final.values()]
+    return all(t is None or bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def _oracle(variant: ModuleVariant, case: ModuleCase, dense: nn.Module, masters: dict[str, torch.Tensor],
+            inputs: list[list[torch.Tensor]], grads: list[list[torch.Tensor]], values: list[StepTensors],
+            tapes: list[list[list[TapeEntry]]], capture_on: bool) -> list[StepTensors]:
+    """Every tp group's magnitudes: from the magnitude run where it bounds every operation and the
+    case is float64 or float32 (the derived bound, tighter), else from the dense twin
+    (:mod:`tpsim.props.module.twin`). An operation without a rule is never a refusal."""
+    if case.torch_dtype in (_F64, torch.float32):
+        # The magnitude run in float32 (half the memory traffic of float64 at the lab note's size; a
+        # bound of non-negative sums needs no more precision), or float64 for a module that cannot
+        # run in float32 once built in float64.
+        for mag_dtype in (torch.float32, _F64):
+            try:
+                mags = []
+                for g in range(len(values)):
+                    mag, measured = _magnitudes(variant, dense, masters, inputs[g], grads[g], tapes[g], capture_on,
+                                                mag_dtype)
+                    mag.derived = measured
+                    mags.append(mag)
+                if all(_finite(m) for m in mags):
+                    return mags
+                break
+            except (UnboundedOp, _Overflow):
+                break
+            except Exception:
+                if mag_dtype == _F64:
+                    break
+    return [twin_magnitudes(values[g], twin_run(variant, case, masters, inputs[g], grads[g], capture_on), case)
+            for g in range(len(values))]
+
+
+def _check_deterministic(variant: ModuleVariant, dense: nn.Module, masters: dict[str, torch.Tensor],
+                         case: ModuleCase) -> None:
+    """Run the dense module twice on one input from the same parameters and buffers: outputs that
+    are not bit-identical (dropout in train mode, unseeded noise) raise :class:`NotDeterministic`,
+    before anything is compared (a tp run of such a module differs from any reference). The input
+    is drawn from its own generator: the case's draws are untouched; buffers are restored."""
+    assign(dense, {n: t.to(_F64, copy=True) for n, t in masters.items()})
+    saved = {k: v.detach().clone() for k, v in dense.state_dict().items()}
+    gen = torch.Generator().manual_seed(case.seed ^ 0x5EED)
+    x = torch.randn(*case.batch_shape, case.sizes[0], generator=gen, dtype=torch.float32).to(_F64)
+    outs = []
+    with torch.no_grad():
+        for _ in range(2):
+            y = variant.call(dense, x)
+            outs.append(y.detach().clone() if isinstance(y, torch.Tensor) else y)
+    dense.load_state_dict(saved)
+    a, b = outs
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and not torch.equal(a, b):
+        diff = (a.to(_F64) - b.to(_F64)).abs()
+        raise NotDeterministic(float(diff[torch.isfinite(diff)].max()) if bool(torch.isfinite(diff).any()) else
+                               float("nan"))
+
+
+def assign(module: nn.Module, values: dict[str, torch.Tensor]) -> None:
     """Make ``values`` the module's parameters (no copy: the tensors become their storage)."""
     for name, p in module.named_parameters():
         p.data = values[name]
@@ -218,7 +273,7 @@ def _magnitudes(variant: ModuleVariant, dense: nn.Module, masters: dict[str, tor
     first: tuple[Any, ...] = ()
     measured = None
     for step in range(TRAIN_STEPS):
-        _assign(dense, current)
+        assign(dense, current)
         if step == 0:
             dense.to(dtype)  # its buffers: the parameters are in ``dtype`` already (no copy)
             with torch.no_grad():
@@ -263,6 +318,8 @@ class Reference:
     reduction: int
     stages: int
     kinked: list[str] = field(default_factory=list)
+    #: Where the tolerances came from: :data:`DERIVED` (the magnitude run) or :data:`TWIN` (the dense twin).
+    oracle: str = "derived"
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -283,6 +340,8 @@ def reference_run(variant: ModuleVariant, case: ModuleCase, *, timeout: float, c
         cause = err.errors.get(0, err)
         if isinstance(cause, UnboundedOp):
             raise cause from None
+        if isinstance(cause, NotDeterministic):
+            raise DenseReferenceFailed(cause, "") from None
         raise DenseReferenceFailed(cause, err.remote_traceback or "") from None
     return out
 
@@ -316,6 +375,13 @@ def _cut(t: torch.Tensor, placement: Any, rank: int, tp: int) -> torch.Tensor:
         uneven = t.shape[placement.dim] % tp != 0
         return piece(t, placement, rank, tp, uneven=uneven)
     return t
+
+
+def _laid_out(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """``t``'s values in the case's memory layout (a tensor with too few dims for it stays contiguous)."""
+    if needs_batch(layout) and t.dim() < 2:
+        layout = "contiguous"
+    return apply_layout(t, layout)
 
 
 #: :attr:`LayoutProblem.kind` values.
@@ -425,7 +491,8 @@ def rank_main(payload: dict[str, Any]) -> ModuleRankResult:
                 params[name].copy_(piece(data.masters[name], layout.placement, rank, tp, layout.uneven))
     for step in range(TRAIN_STEPS):
         x_full = inputs[step]
-        x = _cut(x_full, input_placement(variant, x_full.dim()), rank, tp).detach().clone().requires_grad_(True)
+        x = _laid_out(_cut(x_full, input_placement(variant, x_full.dim()), rank, tp), case.input_layout)
+        x.requires_grad_(True)
         capture = Capture().install(module) if payload.get("capture") and step == 0 else None
         with rank_phase("forward", step):
             out = plain_output(variant.call(module, x))
@@ -436,7 +503,7 @@ def rank_main(payload: dict[str, Any]) -> ModuleRankResult:
                 capture.remove()
             return result  # nothing to back-propagate: a wrong shape or dtype, or an output cut off from autograd
         with rank_phase("backward", step):
-            out.backward(want.to(out.dtype))
+            out.backward(_laid_out(want.to(out.dtype), case.input_layout))
         if capture is not None:
             capture.remove()
             result.capture = capture.as_payload()

@@ -387,6 +387,21 @@ class _CrossEntropyReference:
         return (1 - ls) * nll + ls * (log_z - total / (shifted.shape[-1] if count is None else count))
 
 
+#: A candidate mechanism *explains* a result when the result's distance from the candidate is at most
+#: this fraction of its largest distance from the dense result (plus the bound): a library that takes its own
+#: path to the same wrong value (Megatron-core's float64 label smoothing lands 1.7e-7 from the closed
+#: form, where its deviation from the dense loss is 0.1) still shows that mechanism, while a candidate
+#: that explains less than 99.9% of the deviation is no evidence.
+EXPLAINED = 1e-3
+
+
+def _explains(got: torch.Tensor, cand: torch.Tensor, dense: torch.Tensor, tol: torch.Tensor) -> bool:
+    """Whether ``cand`` explains ``got`` (see :data:`EXPLAINED`)."""
+    # The deviation of the whole tensor: an entry the bug barely moves is no reason for a tighter test.
+    away = (got.to(_F64) - dense.to(_F64)).abs().max() if got.shape == dense.shape and got.numel() else 0.0
+    return close(got, cand, tol + EXPLAINED * away)
+
+
 def _loss_candidate(variant: Any, case: CrossEntropyCase, ref: _CrossEntropyReference, values: list[CrossEntropyRankResult],
                     group: list[int], name: str, candidate: Callable[[int], torch.Tensor | None], message: str) -> Failure | None:
     """A failure named ``name`` when every rank's loss equals ``candidate(rank index)`` within the bound,
@@ -400,7 +415,7 @@ def _loss_candidate(variant: Any, case: CrossEntropyCase, ref: _CrossEntropyRefe
         # The buggy computation's own reductions may be up to tp times longer (a gathered vocabulary).
         tol = ref.loss_tol * (1 + len(group)) + tolerance(case.torch_dtype, cand.abs(), reduction_length=1,
                                                            world_size=len(group))
-        if not close(got, cand, tol):
+        if not _explains(got, cand, ref.loss, tol):
             return None
         told_apart = told_apart or not close(got, ref.loss, tol)
         hits += 1
@@ -526,7 +541,7 @@ def _smoothing_per_shard_grad(variant: Any, case: CrossEntropyCase, ref: _CrossE
                 grad, tol = F.pad(grad, (0, pad)), F.pad(tol, (0, pad))
             cols = slice(i * width, (i + 1) * width)
             cand, tol = grad[..., cols], tol[..., cols]
-            if got.shape != cand.shape or not close(got, cand, tol):
+            if got.shape != cand.shape or not _explains(got, cand, ref.logits_grad[..., cols], tol):
                 break
             all_dense = all_dense and close(got, ref.logits_grad[..., cols], ref.logits_tol[..., cols])
         else:

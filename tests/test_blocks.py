@@ -1,0 +1,291 @@
+"""Whole transformer blocks as module targets: the Llama-style block of examples/llama_block.py, its
+seeded bugs (examples/llama_block_bugs.py), the dense-twin oracle that needs no rule per operation,
+sublayers that return tuples or dicts, nondeterminism, and non-contiguous inputs."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hypothesis import find
+from torch import nn
+
+from tpsim.cli import main
+from tpsim.mutants import module_dropout_in_train_mode
+from tpsim.props.module.case import ModuleCase
+from tpsim.props.module.family import MODULE
+from tpsim.props.module.strategies import module_cases
+from tpsim.props.module.twin import TWIN_FACTOR, twin_bound
+from tpsim.props.module.world import DERIVED, TWIN, reference_run
+from tpsim.props.search import search
+from tpsim.target import resolve_target
+
+ROOT = Path(__file__).resolve().parent.parent
+BLOCK = str(ROOT / "examples" / "llama_block.py")
+BUGS = str(ROOT / "examples" / "llama_block_bugs.py")
+
+
+def _variant(path: str, name: str) -> Any:
+    (v,) = [v for v in resolve_target(path, kind="module") if v.name == name]
+    return v
+
+
+def _labels(failures: list) -> list[tuple[str, str]]:
+    return [(f.property, f.label) for f in failures]
+
+
+def _case(v: Any, dtype: str = "float64", seed: int = 1, **changes: Any) -> ModuleCase:
+    sp = v.input == "sequence-sharded"  # sequence first: [seq, batch, hidden]
+    base = ModuleCase(world_size=2, sizes=(4, 4, 2), batch_shape=(4, 2) if sp else (2, 4), seed=seed, dtype=dtype)
+    return base.replace(**changes) if changes else base
+
+
+# --- the block passes ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["LlamaBlock", "LlamaBlockComplexRope", "LlamaBlockSP"])
+def test_the_llama_block_passes(name: str, dtype: str) -> None:
+    report = search(_variant(BLOCK, name), max_examples=8, seed=0, dtypes=(dtype,), world_sizes=(1, 2, 4))
+    assert report.passed, [f.describe() for f in report.failures]
+    assert report.examples == 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["LlamaBlock", "LlamaBlockComplexRope", "LlamaBlockSP"])
+def test_the_llama_block_passes_a_longer_search_in_every_dtype(name: str) -> None:
+    report = search(_variant(BLOCK, name), max_examples=60, seed=3)
+    assert report.passed, [f.describe() for f in report.failures]
+
+
+def test_the_block_has_no_dtype_note_and_uses_the_twin() -> None:
+    v = _variant(BLOCK, "LlamaBlock")
+    report = search(v, max_examples=3, seed=0, world_sizes=(2,))
+    assert not any("dtypes" in n and "only" in n for n in report.notes)
+    # Rotary tables (cos, sin), a softmax: no magnitude rule; the dense twin sets the tolerance.
+    ref = reference_run(v, _case(v), timeout=60.0)
+    assert ref.oracle == TWIN
+
+
+# --- seeded bugs: the sublayer and the mechanism --------------------------------------------------
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("OProjBiasBeforeReduce", [("forward-equivalence", "self_attn.o_proj: bias-duplication")]),
+    ("DownProjNotReduced", [("forward-equivalence", "mlp.down_proj: missing-reduction")]),
+    ("GateUpContiguous", [("forward-equivalence", "mlp.gate_up_proj: packed-shard-layout")]),
+    ("NormGradNotReducedSP", [("weight-grad-equivalence", "input_layernorm: grad-not-reduced")]),
+])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_a_seeded_bug_is_named_with_its_sublayer(name: str, expected: list, dtype: str) -> None:
+    v = _variant(BUGS, name)
+    assert _labels(MODULE.check_case(v, _case(v, dtype))) == expected
+
+
+def test_a_forward_cause_lists_the_grads_it_moves_under_it() -> None:
+    v = _variant(BUGS, "OProjBiasBeforeReduce")
+    (cause,) = MODULE.check_case(v, _case(v))
+    assert {c.property for c in cause.consequences} >= {"input-grad-equivalence", "weight-grad-equivalence"}
+
+
+def test_the_packed_layout_is_confirmed_by_a_rerun_and_says_how_to_declare_it() -> None:
+    v = _variant(BUGS, "GateUpContiguous")
+    (f,) = MODULE.check_case(v, _case(v))
+    assert f.details["parts"] == [1, 1] and f.details["module_diagnosis"] == "mismatch"
+    assert "ParamSpec('mlp.gate_up_proj.weight', 'weight', Shard(0, parts=(1, 1)))" in f.message
+
+
+def test_in_bfloat16_a_bug_is_caught_and_only_float64_confirmed_mechanisms_are_named() -> None:
+    from tpsim.props.module.checks import NUMERIC_PATTERNS
+
+    for name in ("OProjBiasBeforeReduce", "GateUpContiguous", "NormGradNotReducedSP"):
+        v = _variant(BUGS, name)
+        failures = MODULE.check_case(v, _case(v, "bfloat16"))
+        assert failures, name
+        float64 = {(g.diagnosis, g.sublayer) for f in MODULE.check_case(v, _case(v)) for g in (f, *f.consequences)}
+        for f in failures:
+            for g in (f, *f.consequences):
+                if g.diagnosis in NUMERIC_PATTERNS:
+                    assert (g.diagnosis, g.sublayer) in float64, (name, g.label)
+                if "unconfirmed" in g.details:
+                    assert g.diagnosis == "mismatch" and "the same case in float64 shows" in g.message
+
+
+def test_the_check_shrinks_saves_and_replays_a_block_bug(capsys, tmp_path) -> None:
+    code = main(["check", f"{BUGS}:OProjBiasBeforeReduce", "--kind", "module", "--seed", "0", "--max-examples", "30",
+                 "--world-sizes", "1,2,4", "--cases-dir", str(tmp_path), "--report", "json", "--no-isolate"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 1
+    (failure,) = doc["failures"]
+    assert (failure["property"], failure["sublayer"], failure["diagnosis"]) == (
+        "forward-equivalence", "self_attn.o_proj", "bias-duplication")
+    assert failure["case"]["world_size"] == 2 and failure["case"]["dtype"] == "float64"  # shrunk
+    assert main(["replay", failure["case_file"], "--no-isolate"]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED forward-equivalence: self_attn.o_proj: bias-duplication" in out and "FAIL reproduced" in out
+
+
+@pytest.mark.gloo
+@pytest.mark.slow
+def test_a_block_bug_replays_on_gloo(capsys, tmp_path) -> None:
+    main(["check", f"{BUGS}:NormGradNotReducedSP", "--kind", "module", "--input", "sequence-sharded", "--output",
+          "sequence-sharded", "--sequence-dim", "0", "--seed", "0", "--max-examples", "30", "--world-sizes", "2",
+          "--cases-dir", str(tmp_path), "--report", "json", "--no-isolate"])
+    doc = json.loads(capsys.readouterr().out)
+    (failure,) = doc["failures"]
+    assert (failure["sublayer"], failure["diagnosis"]) == ("input_layernorm", "grad-not-reduced")
+    assert main(["replay", failure["case_file"], "--backend", "gloo"]) == 1
+    assert "input_layernorm: grad-not-reduced" in capsys.readouterr().out
+
+
+# --- the dense twin ------------------------------------------------------------------------------
+
+
+def test_the_twin_bound_follows_its_formula() -> None:
+    ref = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    # bfloat16: the twin's relative error times the factor, plus eps of the scale.
+    eps = torch.finfo(torch.bfloat16).eps
+    assert twin_bound(ref, 0.01, torch.bfloat16, 3) == pytest.approx(TWIN_FACTOR * 2.0 * (0.01 + eps) * 2.0)
+    # float64: the float32 twin's error scaled by eps(float64)/eps(float32).
+    r = torch.finfo(torch.float64).eps / torch.finfo(torch.float32).eps
+    e64 = torch.finfo(torch.float64).eps
+    assert twin_bound(ref, 1e-6, torch.float64, 1) == pytest.approx(TWIN_FACTOR * math.sqrt(2) * (r * 1e-6 + e64) * 2)
+    # A twin that did not stay finite: half the digits in float64, nothing to judge in a narrower dtype.
+    assert twin_bound(ref, math.inf, torch.float64, 2) == pytest.approx(math.sqrt(e64) * 2.0)
+    assert twin_bound(ref, math.inf, torch.bfloat16, 2) == math.inf
+
+
+class _Softmaxed(nn.Module):
+    """A column layer, an elementwise ``exp(-h²)/(1 + h²)`` (exp and a division by a tensor: no
+    magnitude rule), a row layer."""
+
+    def __init__(self, hidden: int, ffn: int, *, process_group: Any = None) -> None:
+        super().__init__()
+        import sys
+
+        sys.path.insert(0, str(ROOT / "examples"))
+        from llama_block import ColumnParallelLinear, RowParallelLinear
+
+        self.up = ColumnParallelLinear(hidden, ffn, bias=True, process_group=process_group)
+        self.down = RowParallelLinear(ffn, hidden, bias=True, process_group=process_group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = self.up(x)
+        y, _ = self.down(torch.exp(-h.square()) / (1.0 + h.square()))
+        return y
+
+
+def test_an_op_without_a_rule_is_never_a_refusal_and_the_derived_bound_stays_where_it_exists() -> None:
+    from tpsim.module_variant import module_from_class
+
+    v = module_from_class(_Softmaxed)
+    for dtype in ("float64", "float32", "bfloat16", "float16"):
+        case = ModuleCase(world_size=2, sizes=(4, 6), batch_shape=(3,), dtype=dtype, seed=2)
+        assert MODULE.check_case(v, case) == [], dtype
+    from tpsim.builtin_variants import mlp_gelu
+
+    assert reference_run(mlp_gelu, ModuleCase(world_size=2, sizes=(4, 6), batch_shape=(3,), seed=0),
+                         timeout=60.0).oracle == DERIVED
+
+
+# --- sublayers returning tuples and dicts --------------------------------------------------------
+
+
+class _DictRow(nn.Module):
+    """A row layer returning ``{"hidden": y, "bias": b}`` that adds its bias before the all-reduce."""
+
+    def __init__(self, ffn: int, hidden: int, group: Any) -> None:
+        super().__init__()
+        self.group = group
+        self.weight = nn.Parameter(torch.empty(hidden, ffn // dist.get_world_size(group)))
+        self.bias = nn.Parameter(torch.zeros(hidden))
+
+    def forward(self, x: torch.Tensor) -> dict[str, Any]:
+        y = F.linear(x, self.weight, self.bias).contiguous()
+        dist.all_reduce(y, group=self.group)  # not through autograd: fine for the forward check
+        return {"hidden": y, "bias": None}
+
+
+class _TupleColumn(nn.Module):
+    def __init__(self, hidden: int, ffn: int, group: Any) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(ffn // dist.get_world_size(group), hidden))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return F.linear(x, self.weight), None
+
+
+class _DictBlock(nn.Module):
+    def __init__(self, hidden: int, ffn: int, *, process_group: Any = None) -> None:
+        super().__init__()
+        group = dist.group.WORLD if process_group is None else process_group
+        self.fc1 = _TupleColumn(hidden, ffn, group)
+        self.fc2 = _DictRow(ffn, hidden, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = self.fc1(x)
+        return self.fc2(F.gelu(h))["hidden"]
+
+
+def test_sublayers_returning_tuples_and_dicts_are_localised_like_plain_ones() -> None:
+    from tpsim.module_variant import module_from_class
+
+    v = module_from_class(_DictBlock)
+    failures = MODULE.check_case(v, ModuleCase(world_size=2, sizes=(4, 6), batch_shape=(3,), seed=0),
+                                 properties=("forward-equivalence",))
+    assert _labels(failures) == [("forward-equivalence", "fc2: bias-duplication")]
+
+
+# --- nondeterminism ------------------------------------------------------------------------------
+
+
+def test_dropout_in_train_mode_is_named_nondeterministic_not_a_reduction_bug() -> None:
+    (f,) = MODULE.check_case(module_dropout_in_train_mode, ModuleCase(world_size=2, sizes=(4, 6), batch_shape=(3,),
+                                                                      seed=0))
+    assert f.diagnosis == "nondeterministic"
+    assert "not deterministic" in f.message and "eval mode" in f.message
+
+
+def test_the_block_in_eval_mode_is_deterministic() -> None:
+    v = _variant(BLOCK, "LlamaBlock")
+    assert MODULE.check_case(v, _case(v, world_size=1, tp_size=1)) == []
+
+
+# --- inputs as real callers make them ------------------------------------------------------------
+
+
+class _ViewFlatten(nn.Module):
+    """Flattens its input with ``.view``: fine on a contiguous input, refused on a transposed one."""
+
+    def __init__(self, hidden: int, ffn: int, *, process_group: Any = None) -> None:
+        super().__init__()
+        self.fc = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x.view(-1, x.shape[-1])).view(x.shape)
+
+
+def test_the_module_family_draws_transposed_and_strided_inputs_of_both_batch_orders() -> None:
+    v = _variant(BLOCK, "LlamaBlock")
+    strategy = module_cases(v, world_sizes=(1, 2), dtypes=("float64",))
+    for layout in ("transposed", "strided"):
+        case = find(strategy, lambda c, lay=layout: c.input_layout == lay and len(c.batch_shape) == 2)
+        assert case.input_layout == layout
+    from tpsim.module_variant import module_from_class
+
+    flat = module_from_class(_ViewFlatten)
+    base = ModuleCase(world_size=2, sizes=(4, 4), batch_shape=(3, 2), seed=0)
+    assert MODULE.check_case(flat, base) == []
+    (f,) = MODULE.check_case(flat, base.replace(input_layout="transposed"))
+    assert f.diagnosis == "exception" and "view" in f.message
+    # The block reads [b, s, h] and [s, b, h] views alike.
+    block = _variant(BLOCK, "LlamaBlock")
+    assert MODULE.check_case(block, _case(block, input_layout="transposed")) == []
+    sp = _variant(BLOCK, "LlamaBlockSP")
+    assert MODULE.check_case(sp, _case(sp, input_layout="strided")) == []

@@ -1,0 +1,171 @@
+"""The twin oracle: tolerances for a whole module without a rounding rule per operation.
+
+The magnitude run (:mod:`tpsim.props.module.magnitude`) derives a per-element bound through every
+operation it has a rule for; a module with an operation it has none for (a complex rotary
+embedding, a softmax written out, an ``exp``, a mask), or a case in bfloat16/float16 (where that
+bound, carried through several sublayers, is as large as the bugs it looks for), is judged by the
+**dense twin** instead: the same dense module (the module on a tp group of one rank), run on the
+same master values, inputs and upstream grads in a lower precision ``L``. How far the twin strays
+from the float64 reference measures how much rounding this very computation amplifies, whatever
+its operations are; the tensor-parallel run does the same operations in another reduction order,
+so its error must be of the same size.
+
+For every compared tensor ``T`` (the output, the input grad, every parameter grad, every parameter
+after the training steps, every recorded sublayer boundary) with float64 reference ``T64`` and twin
+``TL``, in a case of dtype ``d`` on a tp group of ``tp`` ranks:
+
+    e = max |TL - T64|,   s = max |T64|,   r = eps(d) / eps(L)
+    bound = TWIN_FACTOR * sqrt(tp + 1) * (r * e + eps(d) * s)         (every element of T)
+
+- ``L`` is the case's dtype for float32, bfloat16 and float16 (``r = 1``): the twin makes exactly the
+  roundings of a correct one-rank run. A float64 case has no lower-precision error to measure, so
+  its twin runs in float32 and its error is scaled by ``r = eps(float64)/eps(float32) = 2**-29``:
+  rounding errors are first-order in the unit roundoff (Higham, *Accuracy and Stability of
+  Numerical Algorithms*, §3), so the same computation in float64 errs ``r`` times less. Any
+  tensor-parallel bug (a summand missing, a bias twice, a wrong shard) is orders of magnitude
+  above that bound.
+- ``sqrt(tp + 1)``: the tp run splits each sharded reduction into ``tp`` partial sums and adds them
+  in the all-reduce: up to ``tp`` more roundings of partial sums than the twin, growing like the
+  square root of their number for rounding errors of random sign (the same model as
+  :mod:`tpsim.props.tolerance`).
+- ``eps(d) * s``: the floor. A twin that happens to be exact (a tensor of exactly representable
+  sums, an upstream grad passed through) says nothing about the tp run's own roundings, each at
+  most ``eps(d)/2`` of the tensor's scale.
+- ``TWIN_FACTOR = 4`` leaves room for the tails, as :data:`tpsim.props.tolerance.FACTOR` does;
+  tests/test_modules_twin.py measures the ratio of the tp error to this bound over many correct
+  cases in every dtype (it stays below a quarter) and checks that the catalogued bugs are caught.
+- The bound is per tensor (its largest error and scale), not per element: an element where the
+  twin happens to round exactly is no evidence that the tp run must too.
+- Where the twin does not stay finite but the reference does (it overflows in ``L``): in a float64
+  case the bound becomes ``sqrt(eps(float64)) * s`` (half the digits: still far below any bug); in a
+  narrower dtype nothing about that tensor can be judged in that dtype (``inf``).
+
+The checks use the same code for both oracles: the twin's bound is returned as the *equivalent
+magnitude* ``M`` for which :func:`tpsim.props.tolerance.tolerance` gives it (the tolerance is linear
+in ``M``), with the reduction length of the rows only.
+
+Gradients through an activation with a kink (ReLU) are compared in float64 cases only, as with
+the derived bound (the float64 reference records which activations the module went through).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tpsim.module_variant import ModuleVariant
+from tpsim.props.module.boundary import Capture
+from tpsim.props.module.case import ModuleCase
+from tpsim.props.rank import TRAIN_STEPS, sgd_step
+from tpsim.props.tolerance import FACTOR
+from tpsim.props.tolerance import eps as eps_of
+
+__all__ = ["TWIN_FACTOR", "relative_error", "twin_bound", "twin_dtype", "twin_magnitudes", "twin_run"]
+
+_F64 = torch.float64
+
+#: The safety factor of the twin's bound (see the module docstring).
+TWIN_FACTOR = 8.0
+
+
+def twin_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the twin runs in for a case of ``dtype``: float32 for float64, else ``dtype`` itself."""
+    return torch.float32 if dtype == _F64 else dtype
+
+
+def _scale(t: torch.Tensor) -> float:
+    finite = t[torch.isfinite(t)]
+    return float(finite.abs().max()) if finite.numel() else 0.0
+
+
+def relative_error(ref: torch.Tensor | None, twin: torch.Tensor | None) -> float:
+    """``max |TL - T64| / max |T64|`` of one tensor (``inf`` where the twin is missing or not finite
+    and the reference is; 0 for a zero tensor)."""
+    if ref is None:
+        return 0.0
+    ref64 = ref.detach().to(_F64)
+    s = _scale(ref64)
+    if twin is None or tuple(twin.shape) != tuple(ref64.shape):
+        return math.inf
+    finite = torch.isfinite(ref64)
+    diff = (twin.detach().to(_F64) - ref64).abs()[finite]
+    e = float(diff.max()) if diff.numel() else 0.0
+    if not math.isfinite(e):
+        return math.inf
+    return e / s if s > 0 else 0.0
+
+
+def twin_bound(ref: torch.Tensor, rho: float, dtype: torch.dtype, tp: int) -> float:
+    """The bound of every element of a tensor whose float64 reference is ``ref``, when the twin's
+    worst relative error over the compared tensors is ``rho`` (see the module docstring)."""
+    s = _scale(ref.detach().to(_F64))
+    d_eps = eps_of(dtype)
+    if not math.isfinite(rho):
+        return math.sqrt(d_eps) * s if dtype == _F64 else math.inf
+    r = d_eps / eps_of(twin_dtype(dtype))
+    return TWIN_FACTOR * math.sqrt(tp + 1) * (r * rho + d_eps) * s
+
+
+def _equivalent(ref: torch.Tensor | None, rho: float, dtype: torch.dtype, tp: int, rows: int) -> torch.Tensor | None:
+    """The magnitude tensor whose :func:`~tpsim.props.tolerance.tolerance` is :func:`twin_bound`."""
+    if ref is None:
+        return None
+    unit = FACTOR * eps_of(dtype) * math.sqrt(max(rows, 1) + max(tp, 1))
+    return torch.full(tuple(ref.shape), twin_bound(ref, rho, dtype, tp) / unit, dtype=_F64)
+
+
+def twin_run(variant: ModuleVariant, case: ModuleCase, masters: dict[str, torch.Tensor],
+             inputs: list[torch.Tensor], grads: list[torch.Tensor], capture_on: bool) -> Any:
+    """One tp group's steps on the dense twin in :func:`twin_dtype` (returned as
+    :class:`~tpsim.props.module.world.StepTensors`, in the twin's dtype)."""
+    from tpsim.props.module.world import StepTensors, assign
+
+    low = twin_dtype(case.torch_dtype)
+    torch.manual_seed(case.seed)
+    dense = variant.reference(case.sizes, group=dist.group.WORLD, dtype=low)
+    assign(dense, {n: t.to(low, copy=True) for n, t in masters.items()})
+    first: tuple[Any, ...] = ()
+    for step in range(TRAIN_STEPS):
+        x = inputs[step].to(low, copy=True).requires_grad_(True)
+        capture = Capture().install(dense) if capture_on and step == 0 else None
+        y = variant.call(dense, x)
+        y.backward(grads[step].to(y.dtype))
+        if capture is not None:
+            capture.remove()
+        if step == 0:
+            first = (y.detach(), None if x.grad is None else x.grad.detach(),
+                     {n: None if p.grad is None else p.grad.detach().clone() for n, p in dense.named_parameters()},
+                     None if capture is None else capture.as_payload())
+        sgd_step(dense)
+    return StepTensors(*first, final={n: p.detach() for n, p in dense.named_parameters()})
+
+
+def twin_magnitudes(value: Any, twin: Any, case: ModuleCase) -> Any:
+    """The equivalent magnitudes (:class:`~tpsim.props.module.world.StepTensors`) of one tp group's
+    reference ``value`` and its ``twin`` (see the module docstring)."""
+    from tpsim.props.module.world import StepTensors
+
+    dtype, tp, rows = case.torch_dtype, case.tp_size or case.world_size, case.rows
+    pairs = [(value.y, twin.y), (value.dx, twin.dx), *((g, twin.grads.get(n)) for n, g in value.grads.items()),
+             *((t, twin.final.get(n)) for n, t in value.final.items())]
+    ref_c = low_c = None
+    if value.capture is not None:
+        ref_c = Capture.from_payload(value.capture)
+        low_c = Capture.from_payload(twin.capture or {})
+        pairs += [(t, low_c.tensors.get(k)) for k, t in ref_c.tensors.items()]
+    rho = max((relative_error(a, b) for a, b in pairs), default=0.0)
+
+    def eq(ref: torch.Tensor | None) -> torch.Tensor | None:
+        return _equivalent(ref, rho, dtype, tp, rows)
+
+    capture = None
+    if ref_c is not None:
+        capture = Capture(active=False)
+        capture.events = list(ref_c.events)
+        capture.tensors = {k: eq(t) for k, t in ref_c.tensors.items()}  # type: ignore[misc]
+        capture = capture.as_payload()
+    return StepTensors(eq(value.y), eq(value.dx), {n: eq(g) for n, g in value.grads.items()}, capture,
+                       final={n: eq(t) for n, t in value.final.items()})  # type: ignore[misc]
