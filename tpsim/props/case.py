@@ -59,6 +59,7 @@ SCHEMA_VERSION = 2
 FORMAT = "tpsim-case"
 
 #: dtype names a case can carry, widest first (the order strategies shrink in).
+
 DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
     "float32": torch.float32,

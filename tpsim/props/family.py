@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 from tpsim.errors import InvalidArgument, RankError
 from tpsim.props.observation import DenseReferenceFailed, Observation, output_dtype_failure
 from tpsim.props.property_names import FORWARD
-from tpsim.props.strategies import DEFAULT_MAX_SIZE
+from tpsim.props.sizes import DEFAULT_MAX_SIZE
 from tpsim.runner import DEFAULT_TIMEOUT
 
 __all__ = [

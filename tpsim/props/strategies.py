@@ -49,6 +49,7 @@ from hypothesis import strategies as st
 from tpsim.errors import InvalidArgument
 from tpsim.props.case import DTYPES, Case
 from tpsim.props.layouts import INPUT_LAYOUTS, needs_batch
+from tpsim.props.sizes import DEFAULT_MAX_SIZE
 from tpsim.variant import Variant
 
 __all__ = [
@@ -71,9 +72,6 @@ __all__ = [
 DEFAULT_WORLD_SIZES = (1, 2, 3, 4, 8)
 #: World sizes of the thorough profile: every size up to 8, then 12 and 16.
 THOROUGH_WORLD_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)
-#: The largest size per rank a sharded dim draws by default (``tpsim check --max-size``): past the
-#: tiles, chunks and vector widths kernels work in (4, 8, 16, 32, 64).
-DEFAULT_MAX_SIZE = 64
 #: Sizes per rank up to this are "tiny": drawn half the time, and where shrinking goes first.
 TINY = 3
 #: Tile sizes whose multiples (and their neighbours, ± 1) are drawn on purpose: kernels, chunked

@@ -59,6 +59,7 @@ import torch.distributed as dist
 from tpsim.module_variant import ModuleVariant
 from tpsim.props.module.boundary import Capture
 from tpsim.props.module.case import ModuleCase
+from tpsim.props.module.steps import StepTensors, assign
 from tpsim.props.rank import TRAIN_STEPS, sgd_step
 from tpsim.props.tolerance import FACTOR
 from tpsim.props.tolerance import eps as eps_of
@@ -120,8 +121,7 @@ def _equivalent(ref: torch.Tensor | None, rho: float, dtype: torch.dtype, tp: in
 def twin_run(variant: ModuleVariant, case: ModuleCase, masters: dict[str, torch.Tensor],
              inputs: list[torch.Tensor], grads: list[torch.Tensor], capture_on: bool) -> Any:
     """One tp group's steps on the dense twin in :func:`twin_dtype` (returned as
-    :class:`~tpsim.props.module.world.StepTensors`, in the twin's dtype)."""
-    from tpsim.props.module.world import StepTensors, assign
+    :class:`~tpsim.props.module.steps.StepTensors`, in the twin's dtype)."""
 
     low = twin_dtype(case.torch_dtype)
     torch.manual_seed(case.seed)
@@ -144,9 +144,8 @@ def twin_run(variant: ModuleVariant, case: ModuleCase, masters: dict[str, torch.
 
 
 def twin_magnitudes(value: Any, twin: Any, case: ModuleCase) -> Any:
-    """The equivalent magnitudes (:class:`~tpsim.props.module.world.StepTensors`) of one tp group's
+    """The equivalent magnitudes (:class:`~tpsim.props.module.steps.StepTensors`) of one tp group's
     reference ``value`` and its ``twin`` (see the module docstring)."""
-    from tpsim.props.module.world import StepTensors
 
     dtype, tp, rows = case.torch_dtype, case.tp_size or case.world_size, case.rows
     pairs = [(value.y, twin.y), (value.dx, twin.dx), *((g, twin.grads.get(n)) for n, g in value.grads.items()),

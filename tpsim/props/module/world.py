@@ -48,6 +48,7 @@ from tpsim.props.module.dtensors import (
 )
 from tpsim.props.module.magnitude import MagnitudeMode, TapeEntry, UnboundedOp, ValueTape
 from tpsim.props.module.sharding import ParamLayout, declared_layout, infer_layout, piece
+from tpsim.props.module.steps import StepTensors, assign
 from tpsim.props.module.twin import twin_magnitudes, twin_run
 from tpsim.props.observation import DenseReferenceFailed, NotDeterministic, NotRealOutput, RankOutput
 from tpsim.props.rank import LR, TRAIN_STEPS, enter_rank, rank_phase, sgd_step, trainer_step
@@ -98,22 +99,6 @@ def _check_magnitude(t: torch.Tensor | None, what: str) -> None:
 
 
 # --- the reference world ---------------------------------------------------------------------------
-
-
-@dataclass
-class StepTensors:
-    """One tp group's steps on the dense module (or their magnitudes): the step-0 output ``y``, input
-    grad ``dx`` (None: the input got none) and parameter grads by dotted name, the sublayer
-    boundaries of step 0 (:meth:`Capture.as_payload`, None when not recorded), and every parameter
-    after the ``TRAIN_STEPS`` steps (``final``)."""
-
-    y: torch.Tensor
-    dx: torch.Tensor | None
-    grads: dict[str, torch.Tensor | None]
-    capture: dict[str, Any] | None = None
-    final: dict[str, torch.Tensor] = field(default_factory=dict)
-    #: What the magnitude run measured (magnitudes from the derived bound only; None: the twin's).
-    derived: Any = None
 
 
 @dataclass
@@ -254,12 +239,6 @@ def _check_deterministic(variant: ModuleVariant, dense: nn.Module, masters: dict
         diff = (a.to(_F64) - b.to(_F64)).abs()
         raise NotDeterministic(float(diff[torch.isfinite(diff)].max()) if bool(torch.isfinite(diff).any()) else
                                float("nan"))
-
-
-def assign(module: nn.Module, values: dict[str, torch.Tensor]) -> None:
-    """Make ``values`` the module's parameters (no copy: the tensors become their storage)."""
-    for name, p in module.named_parameters():
-        p.data = values[name]
 
 
 def _magnitudes(variant: ModuleVariant, dense: nn.Module, masters: dict[str, torch.Tensor], inputs: list[torch.Tensor],
