@@ -44,7 +44,15 @@ from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
 
 from tpsim.comm.limits import check_world_size
-from tpsim.diagnosis import MISMATCH, SHAPE_ERROR, Failure, follows_from, group_causes
+from tpsim.diagnosis import (
+    DIVISIBILITY_UNCHECKED,
+    EXCEPTION,
+    MISMATCH,
+    SHAPE_ERROR,
+    Failure,
+    follows_from,
+    group_causes,
+)
 from tpsim.errors import InvalidArgument
 from tpsim.props.case import DTYPES, Case
 from tpsim.props.cover import CoverDatabase, cover_choices
@@ -514,6 +522,11 @@ def _merge(found: list[_Found], first_seen: dict[tuple[str, str], int]) -> list[
        same property failing where the pattern could not be seen (low precision, a size the bug
        cannot cut) is not a second bug until shown otherwise.
 
+    5. an unclear refusal of a non-divisible case (``divisibility-unchecked``: every rank raised an
+       error that does not name the sizes) whose error is the very error an ``exception`` cause
+       raised on a divisible case is listed under that cause: the layer raises whatever the sizes,
+       one bug, not two.
+
     Nothing is dropped: folded failures stay in their cause's ``consequences``.
     """
     order = {p: i for i, p in enumerate(PROPERTIES)}
@@ -541,6 +554,8 @@ def _merge(found: list[_Found], first_seen: dict[tuple[str, str], int]) -> list[
             owner = next((c for c in causes if c.diagnosis == f.diagnosis and follows_from(c, f)), None)
         if owner is None and f.diagnosis in _FALLBACKS:
             owner = next((c for c in causes if c.property == f.property and c.diagnosis not in _FALLBACKS), None)
+        if owner is None and f.diagnosis == DIVISIBILITY_UNCHECKED:  # rule 5
+            owner = next((c for c in causes if _raises_whatever_the_sizes(c, f)), None)
         if owner is None:
             causes.append(f)
             continue
@@ -554,3 +569,13 @@ def _merge(found: list[_Found], first_seen: dict[tuple[str, str], int]) -> list[
             g.found_after = first_seen.get((g.property, g.diagnosis))
     causes.sort(key=lambda f: (order.get(f.property, len(order)), f.found_after or 0))
     return causes
+
+
+def _raises_whatever_the_sizes(cause: Failure, refusal: Failure) -> bool:
+    """Whether ``cause`` is an ``exception`` on a divisible case whose error (``Type: message`` as its
+    report quotes it) is the one the unclear refusal ``refusal`` quotes (rule 5 of :func:`_merge`)."""
+    if cause.diagnosis != EXCEPTION or "raised during " not in cause.message:
+        return False
+    _, _, quoted = cause.message.split("raised during ", 1)[1].partition(": ")
+    error = quoted.split("\n", 1)[0].strip()
+    return bool(error) and f": {error}" in refusal.message
