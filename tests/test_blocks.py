@@ -71,6 +71,10 @@ def test_the_block_has_no_dtype_note_and_uses_the_twin() -> None:
     # Rotary tables (cos, sin), a softmax: no magnitude rule; the dense twin sets the tolerance.
     ref = reference_run(v, _case(v), timeout=60.0)
     assert ref.oracle == TWIN
+    # Its RMSNorm computes in float32 as Llama's does: a float64 case is judged at float32 (the
+    # derived float64 bound flagged the sequence-parallel block's norm at 1e-7 relative).
+    assert ref.narrowed == "float32"
+    assert reference_run(v, _case(v, "float32"), timeout=60.0).narrowed is None
 
 
 # --- seeded bugs: the sublayer and the mechanism --------------------------------------------------

@@ -19,7 +19,7 @@ from tpsim.errors import InvalidArgument
 from tpsim.mutants import CORRECT, column_view_flatten
 from tpsim.props import check_case
 from tpsim.props.case import Case, save_case
-from tpsim.props.layouts import INPUT_LAYOUTS, apply_layout, layout_info
+from tpsim.props.layouts import INPUT_LAYOUTS, apply_layout, cover_bucket, layout_info
 
 BACKENDS = ["inproc", pytest.param("gloo", marks=pytest.mark.gloo)]
 WS = 3
@@ -46,6 +46,16 @@ def test_the_documented_strides() -> None:
     # The gaps of a strided view hold NaN: code reading storage in memory order gets NaN.
     v = apply_layout(torch.ones(2, 2), "strided")
     assert torch.isnan(v.as_strided((4,), (1,))).sum() == 2
+
+
+def test_a_transposed_matrix_and_a_transposed_batch_are_two_cover_buckets() -> None:
+    # [B, H] transposed is column-major as a whole; [B, S, H] transposed swaps only the leading dims.
+    assert cover_bucket("transposed", (3,)) == "transposed matrix"
+    assert cover_bucket("transposed", (3, 2)) == cover_bucket("transposed", (2, 2, 2)) == "transposed"
+    assert [cover_bucket(layout, (3,)) for layout in ("contiguous", "strided", "expanded")] == [
+        "contiguous", "strided", "expanded"]
+    matrix, batch = apply_layout(torch.ones(3, 4), "transposed"), apply_layout(torch.ones(3, 2, 4), "transposed")
+    assert matrix.stride() == (1, 3) and batch.stride() == (4, 12, 1)
 
 
 def test_layouts_needing_a_batch_dim_refuse_a_vector() -> None:

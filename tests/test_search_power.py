@@ -21,6 +21,7 @@ from bench.search_power import BUDGET, SEEDS, examples_to_catch
 from tpsim.mutants import CATALOG, correct_row
 from tpsim.props.cover import cover_choices
 from tpsim.props.family import family_of
+from tpsim.props.layouts import cover_bucket
 from tpsim.props.search import search
 from tpsim.props.strategies import DEFAULT_MAX_SIZE, cases, sizes_past_tiny
 
@@ -56,10 +57,13 @@ def test_the_cover_phase_checks_every_world_size_with_and_without_bias_and_every
         seen = []
         search(correct_row, world_sizes=(1, 2, 3), max_examples=14, seed=seed,
                on_example=lambda n, c, seen=seen: seen.append(c))
-        first = seen[:12]  # the cover phase: 6 world-size buckets, 4 layouts, 2 sizes to refuse at most
+        # The cover phase: 6 world-size buckets, 5 layout buckets (a transposed matrix and a transposed
+        # batch are two), 2 sizes to refuse at most.
+        first = seen[:13]
         full = [c for c in first if c.tp_size == c.world_size]
         assert {(c.world_size, c.bias) for c in full} == {(w, b) for w in (1, 2, 3) for b in (False, True)}, seed
-        assert {c.input_layout for c in first} == {"contiguous", "transposed", "strided", "expanded"}, seed
+        assert {cover_bucket(c.input_layout, c.batch_shape) for c in first} == {
+            "contiguous", "transposed matrix", "transposed", "strided", "expanded"}, seed
     # Deterministic: the same seed, the same cover cases; another seed, other cases.
     strategy = cases(variant, world_sizes=(1, 2, 3), subgroups=True,
                      layouts=("contiguous", "transposed", "strided", "expanded"))

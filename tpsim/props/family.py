@@ -33,6 +33,7 @@ from types import ModuleType
 from typing import Any, ClassVar
 
 from tpsim.errors import InvalidArgument, RankError
+from tpsim.props.layouts import cover_bucket
 from tpsim.props.observation import DenseReferenceFailed, Observation, output_dtype_failure
 from tpsim.props.property_names import FORWARD
 from tpsim.props.sizes import DEFAULT_MAX_SIZE
@@ -253,7 +254,7 @@ class Family:
         Default, for every family: a divisible case whose tp group spans the world fills
         ``("world", world size, bias)`` (bias: the case's, None where cases have none) and, on more
         than one rank (unless only one is asked for), ``("layout", its input layout)`` where cases have
-        one (a non-contiguous one with more than one row); a case whose sizes do not divide, on
+        one (a non-contiguous one with more than one row; :func:`tpsim.props.layouts.cover_bucket`); a case whose sizes do not divide, on
         several ranks, fills ``("not divisible", world size)``; any other case fills none. So each
         world size asked for, with and without a bias, each memory layout and the sizes to refuse are
         checked early at every seed."""
@@ -268,7 +269,7 @@ class Family:
         # A layout counts where it shows: several ranks, and (non-contiguous) more than one row.
         shows = layout == "contiguous" or math.prod(batch) > 1
         if layout is not None and shows and (case.world_size > 1 or max(world_sizes) == 1):
-            keys.append(("layout", layout))
+            keys.append(("layout", cover_bucket(layout, tuple(batch))))
         return keys
 
     #: The family's case strategy, ``strategy(variant, *, world_sizes, dtypes, non_divisible, tp_sizes,

@@ -33,7 +33,8 @@ import torch
 
 from tpsim.errors import InvalidArgument
 
-__all__ = ["INPUT_LAYOUTS", "NON_CONTIGUOUS", "apply_layout", "expand_values", "layout_info", "needs_batch"]
+__all__ = ["INPUT_LAYOUTS", "NON_CONTIGUOUS", "apply_layout", "cover_bucket", "expand_values", "layout_info",
+           "needs_batch"]
 
 #: Every layout, contiguous first (the strategies shrink toward it).
 INPUT_LAYOUTS = ("contiguous", "transposed", "strided", "expanded")
@@ -45,6 +46,19 @@ _NEEDS_BATCH = ("transposed", "expanded")
 def needs_batch(layout: str) -> bool:
     """Whether ``layout`` needs at least one leading batch dim."""
     return layout in _NEEDS_BATCH
+
+
+def cover_bucket(layout: str, batch_shape: tuple[int, ...]) -> str:
+    """The coverage bucket (:meth:`tpsim.props.family.Family.cover_keys`) of an input in ``layout``
+    with leading dims ``batch_shape``. ``transposed`` is two buckets, because the two are different
+    memory orders a layer meets differently: with one batch dim the whole ``[B, H]`` matrix is
+    column-major (``transposed matrix``: a flattened ``[B*S, H]`` activation, the gradient of a
+    ``x.t()``), with two or more only the leading dims swap (``transposed``: a sequence-first buffer
+    read batch-first). A layer that copies ``.contiguous()`` and reduces the copy may go wrong on one
+    and not the other, and a search must check both at every seed."""
+    if layout == "transposed" and len(batch_shape) == 1:
+        return "transposed matrix"
+    return layout
 
 
 def apply_layout(t: torch.Tensor, layout: str) -> torch.Tensor:

@@ -139,7 +139,8 @@ class _Ctx:
         self.k = ref.reduction + obs.case.rows  # type: ignore[union-attr]
         # A kink within rounding of a pre-activation flips its derivative: in a dtype narrower than
         # float64, grads through it are not determined by first-order bounds (see magnitude.py).
-        self.grads_bounded = not ref.kinked or self.dtype == _F64  # type: ignore[union-attr]
+        # A module that casts down (ref.narrowed) rounds in the narrower dtype even in a float64 case.
+        self.grads_bounded = not ref.kinked or (self.dtype == _F64 and not ref.narrowed)  # type: ignore[union-attr]
         self.layouts = dict(values[0].layouts)
         #: Replicated parameters whose grad the trainer sums (see tpsim.props.module.world).
         self.partial = set(values[0].partial)

@@ -279,6 +279,10 @@ class ValueTape(TorchFunctionMode):
         #: The activations with a kink the run went through (ReLU, clamp): known even when the
         #: magnitude run is not made (see :mod:`tpsim.props.module.twin`).
         self.kinked: set[str] = set()
+        #: The narrowest floating dtype an operation cast a wider tensor down to (Llama's RMSNorm
+        #: computes in float32 whatever its input), or None: the module then rounds to that dtype
+        #: in every case, and a case of a wider dtype is judged at this one.
+        self.narrowed: torch.dtype | None = None
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = dict(kwargs or {})
@@ -289,6 +293,7 @@ class ValueTape(TorchFunctionMode):
         out = func(*args, **kwargs)
         if in_place or not (isinstance(out, torch.Tensor) and out.is_floating_point()):
             return out
+        self._note_narrowing(out.dtype, args, kwargs)
         if name in ACTIVATIONS and isinstance(args[0], torch.Tensor):
             entry = TapeEntry("activation", (tuple(args[0].shape),), (args[0].detach().abs(), out.detach().abs()))
         elif name in NORMS and isinstance(args[0], torch.Tensor):
@@ -304,6 +309,15 @@ class ValueTape(TorchFunctionMode):
             return out
         self.entries.append(entry)
         return _GradTap.apply(out, entry) if out.requires_grad else out
+
+
+    def _note_narrowing(self, out: torch.dtype, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        unit = torch.finfo
+        widest = min((unit(a.dtype).eps for a in (*args, *kwargs.values())
+                      if isinstance(a, torch.Tensor) and a.is_floating_point()), default=None)
+        if widest is not None and unit(out).eps > widest and (
+                self.narrowed is None or unit(out).eps > unit(self.narrowed).eps):
+            self.narrowed = out
 
 
 class _Source(torch.autograd.Function):

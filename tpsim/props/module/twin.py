@@ -44,6 +44,12 @@ The checks use the same code for both oracles: the twin's bound is returned as t
 magnitude* ``M`` for which :func:`tpsim.props.tolerance.tolerance` gives it (the tolerance is linear
 in ``M``), with the reduction length of the rows only.
 
+A module that casts down inside (Llama's RMSNorm computes in float32 whatever its input) rounds to
+that dtype in every case: a float64 case of it is judged as a case of the narrower dtype ``n``
+(``d = n`` in the bound, its twin in ``twin_dtype(n)``). The float64 reference records the cast
+(:class:`~tpsim.props.module.magnitude.ValueTape`); the rounding-error bound of the magnitude run
+assumes the case's dtype throughout and is not used for such a case.
+
 Gradients through an activation with a kink (ReLU) are compared in float64 cases only, as with
 the derived bound (the float64 reference records which activations the module went through).
 """
@@ -110,20 +116,24 @@ def twin_bound(ref: torch.Tensor, rho: float, dtype: torch.dtype, tp: int) -> fl
     return TWIN_FACTOR * math.sqrt(tp + 1) * (r * rho + d_eps) * s
 
 
-def _equivalent(ref: torch.Tensor | None, rho: float, dtype: torch.dtype, tp: int, rows: int) -> torch.Tensor | None:
-    """The magnitude tensor whose :func:`~tpsim.props.tolerance.tolerance` is :func:`twin_bound`."""
+def _equivalent(ref: torch.Tensor | None, rho: float, at: torch.dtype, dtype: torch.dtype, tp: int,
+                rows: int) -> torch.Tensor | None:
+    """The magnitude tensor whose :func:`~tpsim.props.tolerance.tolerance` in the case's ``dtype`` is
+    :func:`twin_bound` at the precision ``at``."""
     if ref is None:
         return None
     unit = FACTOR * eps_of(dtype) * math.sqrt(max(rows, 1) + max(tp, 1))
-    return torch.full(tuple(ref.shape), twin_bound(ref, rho, dtype, tp) / unit, dtype=_F64)
+    return torch.full(tuple(ref.shape), twin_bound(ref, rho, at, tp) / unit, dtype=_F64)
 
 
 def twin_run(variant: ModuleVariant, case: ModuleCase, masters: dict[str, torch.Tensor],
-             inputs: list[torch.Tensor], grads: list[torch.Tensor], capture_on: bool) -> Any:
-    """One tp group's steps on the dense twin in :func:`twin_dtype` (returned as
-    :class:`~tpsim.props.module.steps.StepTensors`, in the twin's dtype)."""
+             inputs: list[torch.Tensor], grads: list[torch.Tensor], capture_on: bool,
+             precision: torch.dtype | None = None) -> Any:
+    """One tp group's steps on the dense twin in :func:`twin_dtype` of ``precision`` (the case's
+    dtype unless the module narrows it; returned as :class:`~tpsim.props.module.steps.StepTensors`,
+    in the twin's dtype)."""
 
-    low = twin_dtype(case.torch_dtype)
+    low = twin_dtype(precision or case.torch_dtype)
     torch.manual_seed(case.seed)
     dense = variant.reference(case.sizes, group=dist.group.WORLD, dtype=low)
     assign(dense, {n: t.to(low, copy=True) for n, t in masters.items()})
@@ -143,11 +153,13 @@ def twin_run(variant: ModuleVariant, case: ModuleCase, masters: dict[str, torch.
     return StepTensors(*first, final={n: p.detach() for n, p in dense.named_parameters()})
 
 
-def twin_magnitudes(value: Any, twin: Any, case: ModuleCase) -> Any:
+def twin_magnitudes(value: Any, twin: Any, case: ModuleCase, precision: torch.dtype | None = None) -> Any:
     """The equivalent magnitudes (:class:`~tpsim.props.module.steps.StepTensors`) of one tp group's
-    reference ``value`` and its ``twin`` (see the module docstring)."""
+    reference ``value`` and its ``twin`` (see the module docstring); ``precision``: the dtype the
+    bound is made at (default: the case's; a narrower one where the module casts down to it)."""
 
     dtype, tp, rows = case.torch_dtype, case.tp_size or case.world_size, case.rows
+    at = precision or dtype
     pairs = [(value.y, twin.y), (value.dx, twin.dx), *((g, twin.grads.get(n)) for n, g in value.grads.items()),
              *((t, twin.final.get(n)) for n, t in value.final.items())]
     ref_c = low_c = None
@@ -158,7 +170,7 @@ def twin_magnitudes(value: Any, twin: Any, case: ModuleCase) -> Any:
     rho = max((relative_error(a, b) for a, b in pairs), default=0.0)
 
     def eq(ref: torch.Tensor | None) -> torch.Tensor | None:
-        return _equivalent(ref, rho, dtype, tp, rows)
+        return _equivalent(ref, rho, at, dtype, tp, rows)
 
     capture = None
     if ref_c is not None:

@@ -52,6 +52,7 @@ from tpsim.props.module.steps import StepTensors, assign
 from tpsim.props.module.twin import twin_magnitudes, twin_run
 from tpsim.props.observation import DenseReferenceFailed, NotDeterministic, NotRealOutput, RankOutput
 from tpsim.props.rank import LR, TRAIN_STEPS, enter_rank, rank_phase, sgd_step, trainer_step
+from tpsim.props.tolerance import eps as eps_of
 
 __all__ = [
     "DECLARED",
@@ -138,6 +139,7 @@ def reference_main(payload: dict[str, Any]) -> Reference:
     values: list[StepTensors] = []
     capture_on = bool(payload.get("capture"))
     kinked: set[str] = set()
+    precision = case.torch_dtype
     tapes: list[list[list[TapeEntry]]] = []
     for _g in range(_n_groups(case)):
         assign(dense, {n: t.to(_F64, copy=True) for n, t in masters.items()})
@@ -156,6 +158,8 @@ def reference_main(payload: dict[str, Any]) -> Reference:
             y.backward(g_master.to(_F64))
             group_tapes.append(tape.entries)
             kinked |= tape.kinked
+            if tape.narrowed is not None and eps_of(tape.narrowed) > eps_of(precision):
+                precision = tape.narrowed
             if capture is not None:
                 capture.remove()
             if step == 0:
@@ -170,12 +174,13 @@ def reference_main(payload: dict[str, Any]) -> Reference:
         inputs.append(xs)
         grads.append(gs)
     groups = [GroupReference(v, m) for v, m in zip(values, _oracle(
-        variant, case, dense, masters, inputs, grads, values, tapes, capture_on), strict=True)]
+        variant, case, dense, masters, inputs, grads, values, tapes, capture_on, precision), strict=True)]
+    narrowed = None if precision == case.torch_dtype else str(precision).replace("torch.", "")
     if groups and groups[0].mag.derived is not None:
         measured = groups[0].mag.derived
         return Reference(masters, inputs, grads, groups, measured.reduction, measured.stages,
                          sorted(measured.kinked | kinked), oracle=DERIVED)
-    return Reference(masters, inputs, grads, groups, 0, 0, sorted(kinked), oracle=TWIN)
+    return Reference(masters, inputs, grads, groups, 0, 0, sorted(kinked), oracle=TWIN, narrowed=narrowed)
 
 
 #: :attr:`Reference.oracle` values: the tolerances came from the magnitude run, or from the dense twin.
@@ -190,11 +195,14 @@ def _finite(mag: StepTensors) -> bool:
 
 def _oracle(variant: ModuleVariant, case: ModuleCase, dense: nn.Module, masters: dict[str, torch.Tensor],
             inputs: list[list[torch.Tensor]], grads: list[list[torch.Tensor]], values: list[StepTensors],
-            tapes: list[list[list[TapeEntry]]], capture_on: bool) -> list[StepTensors]:
+            tapes: list[list[list[TapeEntry]]], capture_on: bool, precision: torch.dtype) -> list[StepTensors]:
     """Every tp group's magnitudes: from the magnitude run where it bounds every operation and the
     case is float64 or float32 (the derived bound, tighter), else from the dense twin
-    (:mod:`tpsim.props.module.twin`). An operation without a rule is never a refusal."""
-    if case.torch_dtype in (_F64, torch.float32):
+    (:mod:`tpsim.props.module.twin`). An operation without a rule is never a refusal. ``precision``:
+    the narrowest dtype the module rounds to in this case (the case's, or one it casts down to, as
+    Llama's RMSNorm computes in float32 in a float64 case): a case the module narrows is judged by
+    the twin at that dtype (the derived bound assumes the case's roundings throughout)."""
+    if precision == case.torch_dtype and case.torch_dtype in (_F64, torch.float32):
         # The magnitude run in float32 (half the memory traffic of float64 at the lab note's size; a
         # bound of non-negative sums needs no more precision), or float64 for a module that cannot
         # run in float32 once built in float64.
@@ -214,8 +222,8 @@ def _oracle(variant: ModuleVariant, case: ModuleCase, dense: nn.Module, masters:
             except Exception:
                 if mag_dtype == _F64:
                     break
-    return [twin_magnitudes(values[g], twin_run(variant, case, masters, inputs[g], grads[g], capture_on), case)
-            for g in range(len(values))]
+    return [twin_magnitudes(values[g], twin_run(variant, case, masters, inputs[g], grads[g], capture_on, precision),
+                            case, precision) for g in range(len(values))]
 
 
 def _check_deterministic(variant: ModuleVariant, dense: nn.Module, masters: dict[str, torch.Tensor],
@@ -299,6 +307,9 @@ class Reference:
     kinked: list[str] = field(default_factory=list)
     #: Where the tolerances came from: :data:`DERIVED` (the magnitude run) or :data:`TWIN` (the dense twin).
     oracle: str = "derived"
+    #: The dtype the module casts down to in this case (e.g. ``"float32"`` for a norm computed in
+    #: float32 in a float64 case), where the twin judged the case at that dtype; else None.
+    narrowed: str | None = None
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
