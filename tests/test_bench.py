@@ -120,6 +120,8 @@ def test_quick_json_is_well_formed(quick_run):
         assert rows and all(r["passed"] for r in rows)
 
 
+@pytest.mark.slow
+@pytest.mark.gloo
 def test_quick_markdown_says_what_a_user_waits_for(quick_run):
     out, stdout = quick_run
     text = (out / "bench.md").read_text()

@@ -42,6 +42,7 @@ def _in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
 # --- check: passing ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_check_tpsim_layers_passes_every_variant(capsys, tmp_path) -> None:
     code, out, err = run_cli(capsys, "check", "tpsim.layers", *FAST, "--cases-dir", str(tmp_path))
     assert code == 0, out + err
@@ -57,6 +58,7 @@ def test_check_tpsim_layers_passes_every_variant(capsys, tmp_path) -> None:
     assert list(tmp_path.iterdir()) == []  # nothing failed, nothing saved
 
 
+@pytest.mark.slow
 def test_check_json_report_of_a_passing_target(capsys, tmp_path) -> None:
     code, out, _ = run_cli(capsys, "check", "tpsim.layers", *FAST, "--report", "json", "--cases-dir", str(tmp_path))
     assert code == 0
@@ -326,6 +328,7 @@ def _env() -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow
 def test_python_dash_m_tpsim_check(tmp_path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "tpsim", "check", "tpsim.layers", "--max-examples", "3", "--world-sizes", "1,2",
@@ -344,6 +347,7 @@ def _console_script() -> str:
     return found
 
 
+@pytest.mark.slow
 def test_console_script_check_of_a_buggy_example_exits_1(tmp_path) -> None:
     proc = subprocess.run(
         [_console_script(), "check", BUGGY, "--max-examples", "10", "--world-sizes", "1,2,3", "--seed", "0",
@@ -355,6 +359,7 @@ def test_console_script_check_of_a_buggy_example_exits_1(tmp_path) -> None:
     assert "tpsim replay " in proc.stdout
 
 
+@pytest.mark.slow
 def test_console_script_imports_modules_from_the_working_directory(tmp_path) -> None:
     # Like `python -m`, the console script makes the working directory importable.
     shutil.copy(ROOT / SKILL, tmp_path / "my_tp_layers.py")

@@ -137,6 +137,7 @@ def test_ranks_in_this_process_have_their_output_told_apart(capsys, tmp_path) ->
     assert set(failure["output"]["process"].splitlines()) == {"native write"}
 
 
+@pytest.mark.slow
 def test_json_report_in_a_subprocess_has_nothing_else_on_stdout(tmp_path) -> None:
     # The real descriptor 1 of a real process: native writes and late flushes included.
     proc = subprocess.run(
@@ -214,6 +215,7 @@ def _interrupted_run(tmp_path: pathlib.Path, *extra: str) -> subprocess.Complete
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
+@pytest.mark.slow
 def test_ctrl_c_reports_and_saves_what_was_found(tmp_path) -> None:
     done = _interrupted_run(tmp_path)
     assert done.returncode == 130, done.stdout + done.stderr
@@ -227,6 +229,7 @@ def test_ctrl_c_reports_and_saves_what_was_found(tmp_path) -> None:
     assert "tpsim check: interrupted" in done.stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_with_a_json_report_still_prints_valid_json(tmp_path) -> None:
     done = _interrupted_run(tmp_path, "--report", "json")
     assert done.returncode == 130, done.stdout + done.stderr

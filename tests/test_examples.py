@@ -111,6 +111,7 @@ def test_every_example_has_a_docstring_with_the_command_to_check_it(path) -> Non
     assert any(path.name in " ".join(argv) for argv, _ in commands)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "argv, expected",
     [pytest.param(argv, code, id=" ".join(argv)) for path in EXAMPLES for argv, code in _doc_commands(path)],

@@ -19,6 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hostile_probes import PROBES, ProbeRun, run_probe  # noqa: E402
 
+# Every probe runs tpsim in a subprocess against a target that misbehaves (seconds each): the
+# thorough tier, which CI runs after the fast one.
+pytestmark = pytest.mark.slow
+
 
 def _run(name: str, tmp_path: Path) -> ProbeRun:
     run = run_probe(PROBES[name], tmp_path)

@@ -20,6 +20,7 @@ from tpsim.props.module.family import MODULE
 LAB = dict(world_size=2, sizes=(4096, 11008), dtype="float32", seed=0)
 
 
+@pytest.mark.slow
 def test_lab_note_mlp_holds_every_property() -> None:
     started = time.monotonic()
     cpu = time.process_time()

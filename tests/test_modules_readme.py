@@ -43,6 +43,7 @@ def test_the_readme_shows_the_example_file_as_it_is() -> None:
         assert plain(line) in plain(source), line
 
 
+@pytest.mark.slow
 def test_the_documented_commands_exit_and_report_as_shown(capsys, tmp_path) -> None:
     # The section's MLP commands (the block commands after them are checked by tests/test_blocks.py).
     commands = [c for c in _commands() if c[2].startswith("examples/my_mlp.py")]

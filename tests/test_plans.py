@@ -86,6 +86,7 @@ def test_buggy_plans_are_named_with_their_path(check, target, plan, extra, expec
     assert "(nothing else changed) the case passes" in failure["message"] or "it passes" in failure["message"]
 
 
+@pytest.mark.slow
 def test_replicated_dtensor_parameters_must_agree_across_ranks(check) -> None:
     code, doc = check(f"{EXAMPLE}:NormMLP", "--plan", f"{TARGETS}:rank_skewed_norm", *SP)
     assert code == 1

@@ -127,6 +127,7 @@ def test_presets_are_chosen_by_the_class_a_target_derives_from() -> None:
 # --- one command per library, small budgets (CI runs these) --------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("library, names", [
     (MEGATRON, MEGATRON_NAMES),
     # The layers module alone: its linear layers and embedding, not cross_entropy's function.

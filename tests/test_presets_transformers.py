@@ -39,6 +39,7 @@ def _check(capsys, tmp_path, target: str) -> tuple[int, dict | str]:
     return code, json.loads(captured.out) if code in (0, 1) else captured.err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model, mlp", [("llama", "LlamaMLP"), ("qwen2", "Qwen2MLP"), ("mistral", "MistralMLP")])
 def test_model_preset_passes(capsys, tmp_path, model, mlp) -> None:
     code, doc = _check(capsys, tmp_path, f"transformers.models.{model}")
@@ -47,6 +48,7 @@ def test_model_preset_passes(capsys, tmp_path, model, mlp) -> None:
     assert doc["variants"][0]["examples"] >= 6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, expected", [
     ("PatchedLlamaMLP", []),
     ("WrongPlanLlamaMLP", [("down_proj", "wrong-shard-dim")]),
@@ -58,12 +60,14 @@ def test_subclasses_under_the_model_plan(capsys, tmp_path, name, expected) -> No
     assert [(f["sublayer"], f["diagnosis"]) for f in doc["failures"]] == expected, json.dumps(doc["failures"], indent=1)
 
 
+@pytest.mark.slow
 def test_attention_is_refused_with_the_reason(capsys, tmp_path) -> None:
     code, err = _check(capsys, tmp_path, "transformers.models.llama.modeling_llama:LlamaAttention")
     assert code == 2
     assert "does not cover those ops yet" in err and "tpsim check transformers.models.llama" in err
 
 
+@pytest.mark.slow
 def test_plans_are_re_rooted_at_the_checked_module() -> None:
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 

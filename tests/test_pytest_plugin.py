@@ -34,6 +34,7 @@ def _user_suite(pytester: pytest.Pytester, body: str, *args: str) -> pytest.RunR
     return pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q", *args)
 
 
+@pytest.mark.slow
 def test_failing_rank_fails_the_test_with_its_traceback(pytester: pytest.Pytester) -> None:
     result = _user_suite(
         pytester,
@@ -50,6 +51,7 @@ def test_failing_rank_fails_the_test_with_its_traceback(pytester: pytest.Pyteste
     result.stdout.fnmatch_lines(["*rank 1*", "*KeyError*only on rank one*"])
 
 
+@pytest.mark.slow
 def test_world_size_option_parametrises(pytester: pytest.Pytester) -> None:
     result = _user_suite(
         pytester,
@@ -64,6 +66,7 @@ def test_world_size_option_parametrises(pytester: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(["*test_sizes?1?*PASSED*", "*test_sizes?5?*PASSED*"])
 
 
+@pytest.mark.slow
 def test_bad_world_sizes_option_is_a_usage_error(pytester: pytest.Pytester) -> None:
     result = _user_suite(pytester, "def test_x(tpsim_world_size):\n    pass\n", "--tpsim-world-sizes", "2,x")
     assert result.ret == pytest.ExitCode.USAGE_ERROR

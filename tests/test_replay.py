@@ -104,6 +104,7 @@ MY_ROW_FIXED_FORWARD = """
 """
 
 
+@pytest.mark.slow
 def test_fixing_the_layer_makes_its_replay_pass(tmp_path) -> None:
     # The user's loop: check finds the bug, replay reproduces it, they fix the file, replay passes.
     # Each command in its own process, as a user runs them (a process imports a file once).

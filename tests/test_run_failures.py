@@ -73,6 +73,7 @@ def test_the_rank_that_raised_is_named_not_the_peer_left_waiting(isolate: bool) 
     assert failure.details["ranks"] == [1] and failure.details["waiting"] == [0]
 
 
+@pytest.mark.slow
 def test_a_rank_that_spins_is_named_stuck_not_the_peer_waiting_for_it() -> None:
     # Isolated: the spinning rank is abandoned with its worker process, which is replaced.
     with pytest.raises(tpsim.CollectiveError) as info:
@@ -185,6 +186,7 @@ def test_the_module_family_names_the_rank_whose_own_code_raised(hostile: Path, i
     assert failure.message == "rank 1 raised during forward (step 0): ValueError: rank 1's own bug"
 
 
+@pytest.mark.slow
 def test_the_module_family_names_a_stuck_rank(hostile: Path) -> None:
     (variant,) = resolve_target(f"{hostile}:SpinsOnRank1", kind="module")
     (failure,) = MODULE.check_case(variant, MODULE_CASE, isolate=True, timeout=2.0)
@@ -288,6 +290,7 @@ class SlowEmbedding(VocabParallelEmbedding):
 '''
 
 
+@pytest.mark.slow
 def test_a_target_slower_to_import_than_the_timeout_is_imported_before_the_first_case(tmp_path: Path) -> None:
     (plain,) = resolve_target("tpsim.layers:VocabParallelEmbedding")
     # The isolated worker exists (and has run an embedding) before the slow target is imported here, so

@@ -95,6 +95,7 @@ def test_sizes_past_tiny_are_tile_multiples_and_their_neighbours() -> None:
     assert sizes_past_tiny(1, 3) == ()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "expected"), [
     # (mutant, what its minimal case must be): the smallest sizes that fail, not the typical ones.
     ("column-tile-reuses-first", lambda c: c.out_features == 5 * c.tp_size),

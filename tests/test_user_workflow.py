@@ -25,6 +25,7 @@ def _run_user_suite(pytester: pytest.Pytester, target: str) -> pytest.RunResult:
     return pytester.runpytest_subprocess("-p", "no:cacheprovider", "-W", "ignore::FutureWarning")
 
 
+@pytest.mark.slow
 def test_one_liner_passes_a_correct_variant(pytester: pytest.Pytester) -> None:
     result = _run_user_suite(pytester, "tpsim.layers:RowParallelLinear")
     result.assert_outcomes(passed=7)
@@ -37,6 +38,7 @@ def _replay(path: str, cwd: str, *extra: str) -> subprocess.CompletedProcess[str
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["inproc", "gloo"])
 def test_failing_one_liner_saves_a_case_that_replays(pytester: pytest.Pytester, backend: str) -> None:
     result = _run_user_suite(pytester, "tpsim.mutants:row_bias_before_reduce")

@@ -414,16 +414,32 @@ def search(
     # interrupt can still report it (the shrinker only tries cases smaller than the current one).
     latest: dict[tuple[str, str], _Found] = {}
 
+    # Shrinking a hang costs a whole timeout per attempt that hangs again (tens of attempts: minutes at
+    # the default timeout). Once the failing runs that hung have taken HANG_BUDGET timeouts, no new
+    # case runs: Hypothesis's remaining attempts count as passing (it keeps the smallest failing case
+    # found so far) and a case already seen failing fails again from memory (its final replay).
+    hung = 0.0
+    seen_failing: dict[str, list[Failure]] = {}
+
     def check_one(case: Case) -> None:
-        nonlocal calls
+        nonlocal calls, hung
+        key = repr(case)
+        if hung >= HANG_BUDGET * float(timeout):
+            if key in seen_failing:
+                failures = seen_failing[key]
+                raise _found_type(failures[0].property, failures[0].diagnosis)(case, failures)
+            return
         calls += 1
         if on_example is not None:
             on_example(calls, case)
+        began = time.monotonic()
         try:
             failures = family.check_case(variant, case, backend=backend, timeout=float(timeout), properties=wanted,
                                          isolate=isolate)
         except Exception as err:  # the harness failed, not the variant: stop now
             raise _Abort(err) from err
+        if failures and time.monotonic() - began >= float(timeout):
+            hung += time.monotonic() - began
         if failures:
             # One cause, one report (a family's checks may return its failures ungrouped).
             failures = group_causes(failures)
@@ -431,6 +447,7 @@ def search(
                 for g in (f, *f.consequences):
                     first_seen.setdefault((g.property, g.diagnosis), calls)
             head = failures[0]
+            seen_failing[key] = failures
             found_exc = _found_type(head.property, head.diagnosis)(case, failures)
             latest[found_exc.key] = found_exc
             raise found_exc
@@ -478,6 +495,9 @@ def search(
         found = _collect(err)
         if not found:
             raise
+    if hung >= HANG_BUDGET * float(timeout):
+        notes.append(f"shrinking stopped after {hung:.0f} s of failing runs that hung (each waits out the "
+                     f"{float(timeout):g} s timeout): each failure is on the smallest case found by then")
     failures = _merge(found, first_seen)
     return SearchReport(
         passed=not failures,
@@ -488,6 +508,11 @@ def search(
         variant=variant.name,
         verdicts=property_verdicts(family.properties, failures, _not_applicable(family, variant, wanted)),
     )
+
+
+#: How many timeouts' worth of failing runs that hung a search spends before it stops shrinking
+#: (see :func:`search`).
+HANG_BUDGET = 4
 
 
 def _not_applicable(family: Family, variant: Any, wanted: Sequence[str]) -> dict[str, str]:
