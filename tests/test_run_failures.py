@@ -27,6 +27,7 @@ from tpsim.props.module.case import ModuleCase
 from tpsim.props.module.family import MODULE
 from tpsim.props.module.sharding import UnknownLayout
 from tpsim.props.observation import RankOutput
+from tpsim.props.search import HANG_BUDGET, search
 from tpsim.props.vocab.case import CrossEntropyCase, EmbeddingCase
 from tpsim.props.vocab.family import CROSS_ENTROPY, EMBEDDING
 from tpsim.target import resolve_target
@@ -155,6 +156,11 @@ class SpinsOnRank1(_MLP):
             pass
 
 
+class SleepsOnRank1(_MLP):
+    def misbehave(self):
+        time.sleep(1.0)
+
+
 class ExitsOnRank1(_MLP):
     def misbehave(self):
         os._exit(1)
@@ -192,6 +198,20 @@ def test_the_module_family_names_a_stuck_rank(hostile: Path) -> None:
     (failure,) = MODULE.check_case(variant, MODULE_CASE, isolate=True, timeout=2.0)
     assert (failure.diagnosis, failure.rank) == ("exception", 1), failure.message
     assert failure.message.startswith("rank 1 is stuck")
+
+
+def test_shrinking_a_hang_stops_after_its_budget_with_a_note(hostile: Path) -> None:
+    # Every case hangs (rank 1 sleeps past the timeout): each shrink attempt would wait out the
+    # timeout again. The search stops shrinking once the hung runs took HANG_BUDGET timeouts, and
+    # still reports the failure on the smallest case found by then.
+    (variant,) = resolve_target(f"{hostile}:SleepsOnRank1", kind="module")
+    report = search(variant, world_sizes=(2,), dtypes=("float32",), max_examples=4, seed=0, timeout=0.25)
+    assert not report.passed and "rank 1 has been running for over 0.25 s" in report.failures[0].message, (
+        report.failures)
+    assert any(n.startswith("shrinking stopped after") and "0.25 s timeout" in n for n in report.notes), report.notes
+    assert not any("flaky" in n for n in report.notes), report.notes  # the final replay fails from memory
+    # Hung runs of at least 0.25 s each: at most HANG_BUDGET + 1 of them, plus the replay from memory.
+    assert report.examples <= HANG_BUDGET + 2, report.examples
 
 
 def test_the_module_family_names_a_dead_rank(hostile: Path) -> None:

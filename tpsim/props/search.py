@@ -425,32 +425,31 @@ def search(
         nonlocal calls, hung
         key = repr(case)
         if hung >= HANG_BUDGET * float(timeout):
-            if key in seen_failing:
-                failures = seen_failing[key]
-                raise _found_type(failures[0].property, failures[0].diagnosis)(case, failures)
-            return
-        calls += 1
-        if on_example is not None:
-            on_example(calls, case)
-        began = time.monotonic()
-        try:
-            failures = family.check_case(variant, case, backend=backend, timeout=float(timeout), properties=wanted,
-                                         isolate=isolate)
-        except Exception as err:  # the harness failed, not the variant: stop now
-            raise _Abort(err) from err
-        if failures and time.monotonic() - began >= float(timeout):
-            hung += time.monotonic() - began
+            failures = seen_failing.get(key, [])  # a case seen failing fails again, from memory
+        else:
+            calls += 1
+            if on_example is not None:
+                on_example(calls, case)
+            began = time.monotonic()
+            try:
+                failures = family.check_case(variant, case, backend=backend, timeout=float(timeout),
+                                             properties=wanted, isolate=isolate)
+            except Exception as err:  # the harness failed, not the variant: stop now
+                raise _Abort(err) from err
+            if failures and time.monotonic() - began >= float(timeout):
+                hung += time.monotonic() - began
+            if failures:
+                # One cause, one report (a family's checks may return its failures ungrouped).
+                failures = group_causes(failures)
+                for f in failures:
+                    for g in (f, *f.consequences):
+                        first_seen.setdefault((g.property, g.diagnosis), calls)
+                seen_failing[key] = failures
         if failures:
-            # One cause, one report (a family's checks may return its failures ungrouped).
-            failures = group_causes(failures)
-            for f in failures:
-                for g in (f, *f.consequences):
-                    first_seen.setdefault((g.property, g.diagnosis), calls)
             head = failures[0]
-            seen_failing[key] = failures
             found_exc = _found_type(head.property, head.diagnosis)(case, failures)
             latest[found_exc.key] = found_exc
-            raise found_exc
+            raise found_exc  # one raise site: Hypothesis tells failures apart by type and site
 
     options: dict[str, Any] = dict(
         max_examples=max_examples,
