@@ -163,6 +163,7 @@ def _cli_check(path, tmp_path, *extra):
     return code, buffer.getvalue()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", FILES)
 def test_tpsim_check_passes_inproc(path, tmp_path):
     code, text = _cli_check(path, tmp_path, "--max-examples", "6", "--world-sizes", "1,2,4")
