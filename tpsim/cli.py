@@ -39,7 +39,7 @@ from tpsim.module_variant import MODULE_OUTPUTS
 from tpsim.props.case import CASES_DIR, DTYPES
 from tpsim.props.family import kind_choices
 from tpsim.props.faults import FAULT_DETECTION
-from tpsim.props.search import DEFAULT_MAX_EXAMPLES, DEFAULT_MAX_SIZE, DEFAULT_WORLD_SIZES
+from tpsim.props.search import DEFAULT_MAX_EXAMPLES, DEFAULT_MAX_SIZE, DEFAULT_WORLD_SIZES, HANG_BUDGET
 from tpsim.runner import BACKENDS, DEFAULT_TIMEOUT
 from tpsim.variant import INPUT_GRADS, INPUTS, OUTPUTS, PARAM_GRADS
 
@@ -274,7 +274,9 @@ def build_parser() -> _Parser:
     run.add_argument("--seed", type=_bounded_int(0), default=None, metavar="N",
                      help="seed of the search (default: random); the same seed generates the same cases")
     run.add_argument("--timeout", type=_seconds, default=DEFAULT_TIMEOUT, metavar="S",
-                     help=f"seconds any collective wait may block (default: {DEFAULT_TIMEOUT:g})")
+                     help=f"seconds any collective wait may block (default: {DEFAULT_TIMEOUT:g}); a failure that "
+                     f"hangs is shrunk until its hung runs took {HANG_BUDGET} timeouts, then reported on the smallest "
+                     "case found by then")
     run.add_argument("--no-isolate", dest="isolate", action="store_false", help=_NO_ISOLATE_HELP)
     run.add_argument("--faults", type=_fault_kinds, default=None, metavar="KIND,...",
                      help=f"also inject faults of these kinds ({', '.join(FAULT_KINDS)}) beneath the "
