@@ -163,6 +163,22 @@ def test_the_twin_bound_follows_its_formula() -> None:
     # A twin that did not stay finite: half the digits in float64, nothing to judge in a narrower dtype.
     assert twin_bound(ref, math.inf, torch.float64, 2) == pytest.approx(math.sqrt(e64) * 2.0)
     assert twin_bound(ref, math.inf, torch.bfloat16, 2) == math.inf
+    # Never less than the twin's own error on the tensor: a reference of exact zeros (s = 0) is
+    # allowed the rounding the twin made of it, not a bound of zero.
+    zero = torch.zeros(2, dtype=torch.float64)
+    assert twin_bound(zero, 0.01, torch.bfloat16, 1) == 0.0
+    assert twin_bound(zero, 0.01, torch.bfloat16, 1, own=1e-9) == pytest.approx(TWIN_FACTOR * math.sqrt(2) * 1e-9)
+    assert twin_bound(ref, 0.01, torch.bfloat16, 3, own=1e-9) == twin_bound(ref, 0.01, torch.bfloat16, 3)
+
+
+def test_a_one_element_rms_norm_in_bfloat16_is_no_false_alarm() -> None:
+    # Its input grad is exactly zero in float64 and a rounding away from it in bfloat16, on the
+    # tp run and on the twin alike (found by the 500-example run of the correct norms).
+    from tpsim.mutants import CORRECT_NORMS
+
+    (v,) = [n for n in CORRECT_NORMS if n.name == "correct_sequence_rms_norm"]
+    case = ModuleCase(world_size=3, sizes=(1,), batch_shape=(1,), dtype="bfloat16", seed=2, tp_size=1)
+    assert MODULE.check_case(v, case) == []
 
 
 class _Softmaxed(nn.Module):
