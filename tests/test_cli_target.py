@@ -100,3 +100,12 @@ def test_tpsim_layers_resolves_to_the_builtin_variants() -> None:
     assert row.target == "tpsim.layers:RowParallelLinear" and row.output == "reduced"
     with pytest.raises(TargetError, match="declares no variant named 'Row'; it declares: ColumnParallelLinear"):
         resolve_target("tpsim.layers:Row")
+
+
+@pytest.mark.parametrize("value, kind", [('"ColumnParallelLinear"', "str"), ("{}", "dict")])
+def test_a_declared_variant_list_that_is_not_a_list_is_named(tmp_path, value, kind) -> None:
+    # A string is iterable: read as a list it would "hold" its first character.
+    (tmp_path / "declares.py").write_text(f"TPSIM_VARIANTS = {value}\n")
+    with pytest.raises((InvalidArgument, TargetError),
+                       match=rf"declares\.py: TPSIM_VARIANTS is a {kind} .*expected a list \(or tuple\) of tpsim variants"):
+        resolve_target(str(tmp_path / "declares.py"))

@@ -144,6 +144,12 @@ class Family:
                     for v in library_variants(library, self.kinds, target)]
         listed = getattr(module, self.declared_list, None) if self.declared_list else None
         if listed is not None:
+            if not isinstance(listed, (list, tuple)):
+                # list("ab") would be ['a', 'b']: a string (or one variant, a dict) is a declaration error.
+                shown = repr(listed)
+                shown = shown if len(shown) <= 80 else shown[:77] + "..."
+                raise InvalidArgument(f"{_shown(module, self.declared_list)} is a {type(listed).__name__} "
+                                      f"({shown}); expected a list (or tuple) of tpsim variants")
             items = self.declared_items(module, list(listed))
         else:
             items = []
@@ -158,7 +164,7 @@ class Family:
         if not self.declared_list_shared:
             bad = [v for v in items if not isinstance(v, self.variant_type)]
             if bad:
-                raise InvalidArgument(f"{module.__name__}.{self.declared_list} holds {bad[0]!r}, which is not a tpsim "
+                raise InvalidArgument(f"{_shown(module, self.declared_list)} holds {bad[0]!r}, which is not a tpsim "
                                       f"{self.variant_type.__name__}")
         return [v for v in items if isinstance(v, self.variant_type)]
 
@@ -441,3 +447,12 @@ def family_of(variant: Any) -> Family:
 def family_of_case(case: Any) -> Family:
     """The family a case belongs to (its ``family`` class attribute)."""
     return family_named(getattr(case, "family", "linear"))
+
+
+def _shown(module: ModuleType, attribute: str) -> str:
+    """``module.attribute`` as the user wrote the module: ``path.py: attribute`` for a target given as
+    a path (its module name is an encoding of that path), else ``dotted.name.attribute``."""
+    from tpsim._target_files import path_of_module_name  # lazily: it imports the presets
+
+    path = path_of_module_name(module.__name__)
+    return f"{path}: {attribute}" if path else f"{module.__name__}.{attribute}"
