@@ -36,6 +36,7 @@ from tpsim.comm._tracing import BACKEND_NAMES, RankSession, StatusSlot, activate
 from tpsim.comm.board import Board, install
 from tpsim.comm.trace import CollectiveCall
 from tpsim.errors import CollectiveError
+from tpsim.seeding import manual_seed
 
 __all__ = ["Outcome", "RANK_MEMORY_BYTES", "execute", "failure_outcome", "rank_memory", "reset_world", "worker_main"]
 
@@ -102,12 +103,7 @@ def failure_outcome(
 
 def _reset_process_state() -> None:
     """Undo what a previous run may have changed that a fresh process would not have."""
-    if torch.cuda.is_initialized():
-        torch.manual_seed(_FRESH_SEED)  # the CUDA generators too
-    else:
-        # CUDA's generators start fresh when CUDA starts; torch.manual_seed would queue a seed for
-        # every kind of device, formatting a stack for each: ~1 ms a run.
-        torch.default_generator.manual_seed(_FRESH_SEED)
+    manual_seed(_FRESH_SEED)  # every generator this process can draw from (tpsim.seeding)
     torch.set_default_dtype(torch.float32)
     torch.set_grad_enabled(True)
 

@@ -33,12 +33,11 @@ divisibility (:func:`names_the_size`: the only text read here is the variant's o
 from __future__ import annotations
 
 import re
-import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tpsim.comm.scheduler import text_of
+from tpsim.comm.scheduler import format_exception, text_of
 from tpsim.diagnosis import (
     COLLECTIVE_ON_STRIDED_VIEW,
     DIVISIBILITY_UNCHECKED,
@@ -112,7 +111,7 @@ def variant_raised(phase: str, step: int, err: BaseException) -> VariantRaised:
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     raised_in = "" if tb is None else str(tb.tb_frame.f_globals.get("__name__", ""))
-    return VariantRaised(phase, step, summary, "".join(traceback.format_exception(err)), _collective_in(err),
+    return VariantRaised(phase, step, summary, format_exception(err), _collective_in(err),
                          error_type, raised_in)
 
 

@@ -33,6 +33,7 @@ from tpsim.comm.board import mark_phase
 from tpsim.props.blame import variant_raised
 from tpsim.props.groups import tp_group
 from tpsim.props.launch import variant_of
+from tpsim.seeding import manual_seed
 
 __all__ = ["LR", "TRAIN_STEPS", "ThisRank", "enter_rank", "rank_phase", "sgd_step", "trainer_step"]
 
@@ -64,7 +65,7 @@ def enter_rank(payload: dict[str, Any]) -> ThisRank:
     case = payload["case"]
     variant = variant_of(payload)
     group, g, rank, tp = tp_group(case, dist.get_rank())
-    torch.manual_seed(case.seed)
+    manual_seed(case.seed)
     return ThisRank(case, variant, payload.get("data"), group, g, rank, tp)
 
 

@@ -74,6 +74,7 @@ from tpsim.props.module.steps import StepTensors, assign
 from tpsim.props.rank import TRAIN_STEPS, sgd_step
 from tpsim.props.tolerance import FACTOR
 from tpsim.props.tolerance import eps as eps_of
+from tpsim.seeding import manual_seed
 
 __all__ = ["TWIN_FACTOR", "relative_error", "twin_bound", "twin_dtype", "twin_magnitudes", "twin_run"]
 
@@ -152,7 +153,7 @@ def twin_run(variant: ModuleVariant, case: ModuleCase, masters: dict[str, torch.
     in the twin's dtype)."""
 
     low = twin_dtype(precision or case.torch_dtype)
-    torch.manual_seed(case.seed)
+    manual_seed(case.seed)
     dense = variant.reference(case.sizes, group=dist.group.WORLD, dtype=low)
     assign(dense, {n: t.to(low, copy=True) for n, t in masters.items()})
     first: tuple[Any, ...] = ()

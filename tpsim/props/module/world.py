@@ -53,6 +53,7 @@ from tpsim.props.module.twin import twin_magnitudes, twin_run
 from tpsim.props.observation import DenseReferenceFailed, NotDeterministic, NotRealOutput, RankOutput
 from tpsim.props.rank import LR, TRAIN_STEPS, enter_rank, rank_phase, sgd_step, trainer_step
 from tpsim.props.tolerance import eps as eps_of
+from tpsim.seeding import manual_seed
 
 __all__ = [
     "DECLARED",
@@ -117,7 +118,7 @@ def reference_main(payload: dict[str, Any]) -> Reference:
     (``p.data = ...``) rather than copied, and grads and final values are kept, not cloned."""
     case: ModuleCase = payload["case"]
     variant: ModuleVariant = variant_of(payload)
-    torch.manual_seed(case.seed)
+    manual_seed(case.seed)
     dense = variant.reference(case.sizes, group=dist.group.WORLD, dtype=_F64)
     dtype = case.torch_dtype
     gen = torch.Generator().manual_seed(case.seed)
