@@ -1,4 +1,4 @@
-"""Subclasses of Hugging Face's LlamaMLP, as a patch or a fork writes them: checked with the
+"""Subclasses of Hugging Face's Llama MLP, attention and decoder layer, as a patch or a fork writes them: checked with the
 transformers preset under Llama's tp plan (``tpsim check tests/hf_subclasses.py:NAME``)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.llama.modeling_llama import LlamaMLP
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 
 
 class PatchedLlamaMLP(LlamaMLP):
@@ -41,3 +41,18 @@ class BiasTwiceLlamaMLP(LlamaMLP):
     def __init__(self, config) -> None:
         super().__init__(config)
         self.down_proj = _LocalKernelLinear(config.intermediate_size, config.hidden_size, bias=True)
+
+
+class WrongPlanLlamaAttention(LlamaAttention):
+    """Bug: the subclass plans the output projection column-parallel, like q/k/v."""
+
+    tp_plan = {"o_proj": "colwise"}
+
+
+class BiasTwiceLlamaDecoderLayer(LlamaDecoderLayer):
+    """Bug: inside the decoder layer, the MLP's down projection is a local kernel with a bias that every
+    rank adds before the rowwise reduction."""
+
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        self.mlp.down_proj = _LocalKernelLinear(config.intermediate_size, config.hidden_size, bias=True)

@@ -40,12 +40,13 @@ def _check(capsys, tmp_path, target: str) -> tuple[int, dict | str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model, mlp", [("llama", "LlamaMLP"), ("qwen2", "Qwen2MLP"), ("mistral", "MistralMLP")])
-def test_model_preset_passes(capsys, tmp_path, model, mlp) -> None:
+@pytest.mark.parametrize("model, prefix", [("llama", "Llama"), ("qwen2", "Qwen2"), ("mistral", "Mistral")])
+def test_model_preset_passes(capsys, tmp_path, model, prefix) -> None:
     code, doc = _check(capsys, tmp_path, f"transformers.models.{model}")
     assert code == 0, doc
-    assert [v["name"] for v in doc["variants"]] == [mlp]
-    assert doc["variants"][0]["examples"] >= 6
+    # The MLP, the attention (rotary tables, SDPA) and the decoder layer (RMSNorm too), each under the plan.
+    assert [v["name"] for v in doc["variants"]] == [f"{prefix}MLP", f"{prefix}Attention", f"{prefix}DecoderLayer"]
+    assert all(v["examples"] >= 6 for v in doc["variants"]), doc["variants"]
 
 
 @pytest.mark.slow
@@ -53,18 +54,13 @@ def test_model_preset_passes(capsys, tmp_path, model, mlp) -> None:
     ("PatchedLlamaMLP", []),
     ("WrongPlanLlamaMLP", [("down_proj", "wrong-shard-dim")]),
     ("BiasTwiceLlamaMLP", [("down_proj", "bias-duplication")]),
+    ("WrongPlanLlamaAttention", [("o_proj", "wrong-shard-dim")]),
+    ("BiasTwiceLlamaDecoderLayer", [("mlp.down_proj", "bias-duplication")]),
 ])
 def test_subclasses_under_the_model_plan(capsys, tmp_path, name, expected) -> None:
     code, doc = _check(capsys, tmp_path, f"tests/hf_subclasses.py:{name}")
     assert code == (1 if expected else 0), doc
     assert [(f["sublayer"], f["diagnosis"]) for f in doc["failures"]] == expected, json.dumps(doc["failures"], indent=1)
-
-
-@pytest.mark.slow
-def test_attention_is_refused_with_the_reason(capsys, tmp_path) -> None:
-    code, err = _check(capsys, tmp_path, "transformers.models.llama.modeling_llama:LlamaAttention")
-    assert code == 2
-    assert "does not cover those ops yet" in err and "tpsim check transformers.models.llama" in err
 
 
 @pytest.mark.slow
@@ -75,9 +71,9 @@ def test_plans_are_re_rooted_at_the_checked_module() -> None:
 
     assert plan_for("llama", "mlp", LlamaMLP) == {"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
     assert plan_for("llama", "attention", LlamaAttention) == {
-        "inner.q_proj": "colwise", "inner.k_proj": "colwise", "inner.v_proj": "colwise", "inner.o_proj": "rowwise"}
+        "q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise"}
     layer = plan_for("llama", "layer", LlamaDecoderLayer)
-    assert layer["inner.self_attn.o_proj"] == "rowwise" and layer["inner.mlp.down_proj"] == "rowwise"
+    assert layer["self_attn.o_proj"] == "rowwise" and layer["mlp.down_proj"] == "rowwise"
     assert len(layer) == 7
 
 
