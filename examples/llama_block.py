@@ -244,6 +244,11 @@ class Attention(nn.Module):
         emb = torch.cat((angles, angles), dim=-1)
         return (t * emb.cos().to(t.dtype)) + (_rotate_half(t) * emb.sin().to(t.dtype))
 
+    def repeat_kv(self, t: torch.Tensor) -> torch.Tensor:
+        """``[B, kv, s, d] -> [B, kv * q_per_kv, s, d]``: each key/value head once for every query head of
+        its group (query heads ``j * q_per_kv`` to ``(j + 1) * q_per_kv`` use key/value head ``j``)."""
+        return t.repeat_interleave(self.q_per_kv, dim=1)
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         qkv, _ = self.qkv_proj(x)
         single = qkv.dim() == 1  # one token, no sequence dim
@@ -260,8 +265,7 @@ class Attention(nn.Module):
         v = v.unflatten(-1, (self.kv_local, hd)).transpose(1, 2)
         positions = torch.arange(s, device=x.device)
         q, k = self.rope(q, positions), self.rope(k, positions)
-        k = k.repeat_interleave(self.q_per_kv, dim=1)
-        v = v.repeat_interleave(self.q_per_kv, dim=1)
+        k, v = self.repeat_kv(k), self.repeat_kv(v)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         out = out.transpose(1, 2).flatten(-2).reshape(*lead, s, -1)
         if single:

@@ -5,6 +5,7 @@ Each class is a correct block with one sublayer changed; tpsim names the sublaye
     tpsim check examples/llama_block_bugs.py:OProjBiasBeforeReduce --kind module   # exit 1: self_attn.o_proj: bias-duplication
     tpsim check examples/llama_block_bugs.py:DownProjNotReduced --kind module      # exit 1: mlp.down_proj: missing-reduction
     tpsim check examples/llama_block_bugs.py:GateUpContiguous --kind module        # exit 1: mlp.gate_up_proj: packed-shard-layout
+    tpsim check examples/llama_block_bugs.py:KVHeadsTiled --kind module            # exit 1: self_attn: qkv-head-mismatch
     tpsim check examples/llama_block_bugs.py:NormGradNotReducedSP --kind module --input sequence-sharded --output sequence-sharded --sequence-dim 0   # exit 1: input_layernorm: grad-not-reduced
 
 (``TPSIM_MODULES`` below lists them with their placements: ``tpsim check examples/llama_block_bugs.py --kind module``.)
@@ -23,7 +24,7 @@ from tpsim.module_variant import module_from_class
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
-from llama_block import LlamaBlock, LlamaBlockSP, RowParallelLinear, sequence_parallel  # noqa: E402
+from llama_block import Attention, LlamaBlock, LlamaBlockSP, RowParallelLinear, sequence_parallel  # noqa: E402
 
 
 class _BiasBeforeReduce(RowParallelLinear):
@@ -38,6 +39,17 @@ class _NoReduce(RowParallelLinear):
 
     def forward(self, x):
         return F.linear(x, self.weight, self.bias), None
+
+
+class _TiledKV(Attention):
+    """Attention that repeats its key/value heads with ``repeat`` (the block ``[kv0, kv1, kv0, kv1]``)
+    instead of ``repeat_interleave`` (``[kv0, kv0, kv1, kv1]``): on one rank that is merely another
+    grouping of query heads, but the tp shards hold contiguous blocks of query heads and of key/value
+    heads, which only ``repeat_interleave``'s grouping keeps together, so at tp >= 2 a rank's query
+    heads attend with key/value heads of other groups."""
+
+    def repeat_kv(self, t):
+        return t.repeat(1, self.q_per_kv, 1, 1)  # the seeded bug: tiles [kv0, kv1] into [kv0, kv1, kv0, kv1]
 
 
 class OProjBiasBeforeReduce(LlamaBlock):
@@ -66,6 +78,15 @@ class GateUpContiguous(LlamaBlock):
         del self.mlp.gate_up_proj.parts
 
 
+class KVHeadsTiled(LlamaBlock):
+    """``self_attn`` repeats its key/value heads for grouped-query attention with ``repeat`` instead of
+    ``repeat_interleave``: right on one rank (another grouping of the same heads), wrong at tp >= 2."""
+
+    def __init__(self, hidden: int, ffn: int, kv_heads: int, *, process_group=None):
+        super().__init__(hidden, ffn, kv_heads, process_group=process_group)
+        self.self_attn.__class__ = _TiledKV
+
+
 class NormGradNotReducedSP(LlamaBlockSP):
     """Sequence parallelism: ``input_layernorm``'s weight lacks the ``sequence_parallel`` marker, so its
     grad (each rank's summand over its slice of the sequence) is never summed over the tp group."""
@@ -80,5 +101,6 @@ TPSIM_MODULES = [
     module_from_class(OProjBiasBeforeReduce),
     module_from_class(DownProjNotReduced),
     module_from_class(GateUpContiguous),
+    module_from_class(KVHeadsTiled),
     sequence_parallel(NormGradNotReducedSP),
 ]

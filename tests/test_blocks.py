@@ -18,6 +18,7 @@ from torch import nn
 
 from tpsim.cli import main
 from tpsim.mutants import module_dropout_in_train_mode
+from tpsim.placement import Shard
 from tpsim.props.module.case import ModuleCase
 from tpsim.props.module.family import MODULE
 from tpsim.props.module.strategies import module_cases
@@ -84,6 +85,7 @@ def test_the_block_has_no_dtype_note_and_uses_the_twin() -> None:
     ("OProjBiasBeforeReduce", [("forward-equivalence", "self_attn.o_proj: bias-duplication")]),
     ("DownProjNotReduced", [("forward-equivalence", "mlp.down_proj: missing-reduction")]),
     ("GateUpContiguous", [("forward-equivalence", "mlp.gate_up_proj: packed-shard-layout")]),
+    ("KVHeadsTiled", [("forward-equivalence", "self_attn: qkv-head-mismatch")]),
     ("NormGradNotReducedSP", [("weight-grad-equivalence", "input_layernorm: grad-not-reduced")]),
 ])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
@@ -108,7 +110,7 @@ def test_the_packed_layout_is_confirmed_by_a_rerun_and_says_how_to_declare_it() 
 def test_in_bfloat16_a_bug_is_caught_and_only_float64_confirmed_mechanisms_are_named() -> None:
     from tpsim.props.module.checks import NUMERIC_PATTERNS
 
-    for name in ("OProjBiasBeforeReduce", "GateUpContiguous", "NormGradNotReducedSP"):
+    for name in ("OProjBiasBeforeReduce", "GateUpContiguous", "KVHeadsTiled", "NormGradNotReducedSP"):
         v = _variant(BUGS, name)
         failures = MODULE.check_case(v, _case(v, "bfloat16"))
         assert failures, name
@@ -119,6 +121,58 @@ def test_in_bfloat16_a_bug_is_caught_and_only_float64_confirmed_mechanisms_are_n
                     assert (g.diagnosis, g.sublayer) in float64, (name, g.label)
                 if "unconfirmed" in g.details:
                     assert g.diagnosis == "mismatch" and "the same case in float64 shows" in g.message
+
+
+def test_a_head_pairing_is_confirmed_by_a_rerun_with_every_key_value_head_the_same() -> None:
+    from tpsim.props.module.checks import kv_ties
+    from tpsim.props.module.sharding import ParamLayout
+
+    v = _variant(BUGS, "KVHeadsTiled")
+    (f,) = MODULE.check_case(v, _case(v))
+    assert f.details["module_diagnosis"] == "mismatch" and f.details["params"] == ["self_attn.qkv_proj.weight"]
+    assert "passes once every key/value head is made the same head" in f.message
+    assert {c.sublayer for c in f.consequences} == {"self_attn"}
+    # One rank is one grouping among others: the dense twin of the bug is no finding.
+    assert MODULE.check_case(v, _case(v, world_size=1, tp_size=1)) == []
+    # The key and value rows: the last two of three packed parts, or projections named so.
+    packed = {"a.qkv.weight": ParamLayout(Shard(0, parts=(8, 4, 4))), "a.o.weight": ParamLayout(Shard(1))}
+    assert kv_ties(packed, {"a.qkv.weight": (16, 4), "a.o.weight": (4, 8)}, "a") == (
+        ("a.qkv.weight", 0, ((8, 12),)), ("a.qkv.weight", 0, ((12, 16),)))
+    assert kv_ties(packed, {"a.qkv.weight": (16, 4), "a.o.weight": (4, 8)}, "b") == ()
+    split = {"k_proj.weight": ParamLayout(Shard(0)), "v_proj.weight": ParamLayout(Shard(0)),
+             "q_proj.weight": ParamLayout(Shard(0))}
+    shapes = {"k_proj.weight": (4, 6), "v_proj.weight": (4, 6), "q_proj.weight": (8, 6)}
+    assert kv_ties(split, shapes, "") == (("k_proj.weight", 0, ((0, 4),)), ("v_proj.weight", 0, ((0, 4),)))
+    assert kv_ties({"k_proj.weight": ParamLayout(Shard(0))}, shapes, "") == ()  # no values: no claim
+
+
+class _ScaleByLocalHeads(nn.Module):
+    """An attention-shaped block whose softmax scale reads the local query width (a tp-dependent
+    factor, not a pairing): its key/value heads made one head, it still fails."""
+
+    def __init__(self, hidden: int, ffn: int, kv_heads: int, *, process_group: Any = None) -> None:
+        super().__init__()
+        import sys
+
+        sys.path.insert(0, str(ROOT / "examples"))
+        from llama_block import Attention
+
+        class _Scaled(Attention):
+            def repeat_kv(self, t: torch.Tensor) -> torch.Tensor:
+                return super().repeat_kv(t) * dist.get_world_size(self.group)
+
+        self.self_attn = _Scaled(hidden, kv_heads, process_group=process_group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.self_attn(x)[0]
+
+
+def test_an_attention_bug_that_is_no_pairing_is_not_named_a_head_mismatch() -> None:
+    from tpsim.module_variant import module_from_class
+
+    v = module_from_class(_ScaleByLocalHeads)
+    (f,) = MODULE.check_case(v, ModuleCase(world_size=2, sizes=(4, 4, 2), batch_shape=(2, 4), seed=1))
+    assert f.property == "forward-equivalence" and f.diagnosis != "qkv-head-mismatch", f.label
 
 
 def test_the_check_shrinks_saves_and_replays_a_block_bug(capsys, tmp_path) -> None:

@@ -481,7 +481,9 @@ QKV_HEAD_MISMATCH = register(DiagnosisSpec(
     "at least as many key/value heads as ranks; every rank holds its own query heads, but some rank's "
     "K/V rows are master heads other than the ones its query heads use (read from the rows it stores), "
     "and the output equals the attention recomputed with that pairing of query and key/value heads, "
-    "within tolerance",
+    "within tolerance; in a whole module (a block), the forward first diverges inside an attention "
+    "sublayer whose Q/K/V projections match, and the same case passes once every key row and every "
+    "value row of its masters is made one row (every key/value head the same head)",
     "attention-kv-heads-round-robin",
     consequences=(_INPUT_GRAD, _WEIGHT_GRAD, _BIAS_GRAD),
 ))

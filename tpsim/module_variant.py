@@ -59,7 +59,7 @@ Fields:
   replicated parameters are then not compared right after construction.
 
 :func:`module_from_class` makes one from a plain class whose constructor takes the sizes and a group
-keyword (``process_group``, ``group`` or ``tp_group``): ``tpsim check FILE:Class --kind module``.
+keyword (``process_group``, ``group``, ``tp_group`` or nanotron's ``pg``): ``tpsim check FILE:Class --kind module``.
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from tpsim.conventions import GROUP_KEYWORDS as CONVENTION_GROUP_KEYWORDS
 from tpsim.errors import InvalidArgument
 from tpsim.placement import Placement, Shard
 from tpsim.variant import INPUT_GRADS, ParamSpec
@@ -94,8 +95,9 @@ MODULE_INPUTS = ("replicated", "sharded", "sequence-sharded")
 #: Outputs a module variant can declare (``reduced``/``gathered`` are read as ``replicated``).
 MODULE_OUTPUTS = ("replicated", "partial", "sharded", "sequence-sharded")
 _OUTPUT_ALIASES = {"reduced": "replicated", "gathered": "replicated"}
-#: Constructor keywords that take the tp group, in the order they are looked for.
-GROUP_KEYWORDS = ("process_group", "group", "tp_group")
+#: Constructor keywords that take the tp group, in the order they are looked for: the same ones as a
+#: single layer's (nanotron's ``pg`` included).
+GROUP_KEYWORDS = CONVENTION_GROUP_KEYWORDS
 
 
 def _positive_int(value: Any, what: str) -> int:
@@ -315,7 +317,7 @@ def module_from_class(
     name: str | None = None,
 ) -> ModuleVariant:
     """A module variant for a plain ``nn.Module`` class whose constructor takes integer sizes and a
-    group keyword (``process_group``, ``group`` or ``tp_group``).
+    group keyword (``process_group``, ``group``, ``tp_group`` or ``pg``).
 
     The sizes are the constructor's required parameters other than the group, in order (an int
     annotation is honoured; anything else annotated is refused); parameters with defaults keep them.

@@ -58,6 +58,7 @@ from tpsim.diagnosis import (
     NONDETERMINISTIC,
     OUTPUT_DETACHED,
     PACKED_SHARD_LAYOUT,
+    QKV_HEAD_MISMATCH,
     REPLICA_DIVERGENCE,
     SHAPE_ERROR,
     WRONG_DTYPE,
@@ -84,6 +85,7 @@ from tpsim.props.module.world import (
     UNKNOWN,
     LayoutProblem,
     ModuleRankResult,
+    Ties,
     input_placement,
     output_placement,
 )
@@ -938,7 +940,8 @@ def _layout_hint(layouts: dict[str, ParamLayout], suspects: Sequence[str]) -> st
 #: than float64 they are claimed only when the same case in float64 shows them too
 #: (:func:`tpsim.diagnosis.confirm`, the family's ``confirmed_in_float64``).
 NUMERIC_PATTERNS = frozenset({BIAS_DUPLICATION, BIAS_MISSING, MISSING_REDUCTION, DOUBLE_REDUCTION, GRAD_SCALED,
-                              GRAD_NOT_REDUCED, WRONG_SHARD_ORDER, PACKED_SHARD_LAYOUT, BIAS_GRAD_RANK0_ONLY})
+                              GRAD_NOT_REDUCED, WRONG_SHARD_ORDER, PACKED_SHARD_LAYOUT, BIAS_GRAD_RANK0_ONLY,
+                              QKV_HEAD_MISMATCH})
 
 
 #: The packings a contiguous-looking packed weight is tried with (gate/up; Q/K/V of equal sizes).
@@ -983,6 +986,85 @@ def _confirm_packed(variant: ModuleVariant, failure: Failure, layouts: dict[str,
     return False
 
 
+#: Last components of the names of separate key and value projections (q/k/v each its own column layer).
+KEY_PROJECTIONS = frozenset({"k_proj", "key", "wk", "k", "key_proj", "linear_k", "k_lin"})
+VALUE_PROJECTIONS = frozenset({"v_proj", "value", "wv", "v", "value_proj", "linear_v", "v_lin"})
+
+
+def kv_ties(layouts: dict[str, ParamLayout], shapes: dict[str, tuple[int, ...]], root: str) -> Ties:
+    """The key and value rows of the attention module ``root`` (``""``: the whole module), as
+    :data:`~tpsim.props.module.world.Ties` making every key row one row and every value row one row
+    (so that every key/value head is the same head); ``()`` when it has no recognisable key and value
+    projections. Read from the layouts: a packed Q/K/V parameter sharded as three parts whose last two
+    (K and V) have one size, or separate column-sharded projections named like ``k_proj``/``v_proj``."""
+    prefix = f"{root}." if root else ""
+    keys: list[tuple[str, int, tuple[tuple[int, int], ...]]] = []
+    values: list[tuple[str, int, tuple[tuple[int, int], ...]]] = []
+    for name, layout in layouts.items():
+        placement = layout.placement
+        if not name.startswith(prefix) or not isinstance(placement, Shard) or layout.uneven or name not in shapes:
+            continue
+        dim = placement.dim % len(shapes[name])
+        size = shapes[name][dim]
+        parts = part_sizes(size, placement)
+        if len(parts) == 3 and parts[1] == parts[2]:
+            q, kv = parts[0], parts[1]
+            keys.append((name, dim, ((q, q + kv),)))
+            values.append((name, dim, ((q + kv, q + 2 * kv),)))
+        elif len(parts) == 1:
+            leaf = (owner(name) or "").rpartition(".")[2]
+            if leaf in KEY_PROJECTIONS:
+                keys.append((name, dim, ((0, size),)))
+            elif leaf in VALUE_PROJECTIONS:
+                values.append((name, dim, ((0, size),)))
+    return (*keys, *values) if keys and values else ()
+
+
+@recogniser(QKV_HEAD_MISMATCH)
+def _confirm_head_pairing(variant: ModuleVariant, failure: Failure, layouts: dict[str, ParamLayout],
+                          shapes: dict[str, tuple[int, ...]], where: str,
+                          rerun: Callable[..., list[Failure]]) -> bool:
+    """A forward that first diverges inside an attention module (``where``: a sublayer of it, or the
+    code between two of them), with its query, key and value projections all matching the
+    reference, is ``qkv-head-mismatch`` when the same case, with every key row and every value row of
+    that attention's masters made one row (every key/value head the same head, so that no pairing of
+    query heads with key/value heads can differ from another), passes: the ranks pair their query
+    heads with other key/value heads than the dense module does. Confirmed by that re-run, never
+    guessed; tried from the nearest enclosing module that has key and value projections outwards."""
+    name = where.removeprefix("before ").removeprefix("after ")
+    candidates = [name]
+    while candidates[-1]:
+        candidates.append(candidates[-1].rpartition(".")[0])
+    for root in candidates:
+        ties = kv_ties(layouts, shapes, root)
+        if not ties:
+            continue
+        try:
+            confirmed = not rerun(variant, tie=ties)
+        except Exception:  # noqa: BLE001 - a re-run the harness could not make is no evidence
+            return False
+        if not confirmed:
+            return False
+        old = failure.sublayer
+        params = sorted({t[0] for t in ties})
+        failure.details = {**failure.details, "module_diagnosis": failure.diagnosis, "module_message": failure.message,
+                           "params": params}
+        failure.diagnosis = QKV_HEAD_MISMATCH
+        failure.sublayer = root or None
+        for c in failure.consequences:
+            if c.sublayer == old:
+                c.sublayer = root or None
+        failure.message = (
+            f"{root or 'the module'} pairs its query heads with other key/value heads at tp={case_tp(failure)} than on "
+            f"one rank: the same case passes once every key/value head is made the same head (every key row and "
+            f"every value row of {', '.join(params)} one row), so the outputs differ only in which key/value head "
+            "each query head attends with. The tp shards hold contiguous blocks of query heads and of key/value "
+            "heads: query head i must use key/value head i // (query heads per key/value head), on one rank as on "
+            f"every tp rank (repeat_interleave, not repeat). (before: {failure.message})")
+        return True
+    return False
+
+
 def case_tp(failure: Failure) -> int:
     case = failure.case
     return int(getattr(case, "tp_size", None) or getattr(case, "world_size", 1))
@@ -990,11 +1072,12 @@ def case_tp(failure: Failure) -> int:
 
 def localise(variant: ModuleVariant, case: ModuleCase, obs: Observation, failures: list[Failure],
              traced_run: Callable[[], Observation],
-             rerun: Callable[[ModuleVariant], list[Failure]] | None = None) -> list[Failure]:
+             rerun: Callable[..., list[Failure]] | None = None) -> list[Failure]:
     """Name the sublayer of every value failure of ``case``: the case is run again with every sublayer's
     boundaries recorded (``traced_run``, the family's observation with capture on; the module
-    docstring's "where a failure comes from"). ``rerun(variant)``: the failures of the same case
-    with another variant, to confirm a diagnosis (:func:`_confirm_packed`)."""
+    docstring's "where a failure comes from"). ``rerun(variant, **how)``: the failures of the same case
+    with another variant (or run another way: ``tie=``), to confirm a diagnosis (:func:`_confirm_packed`,
+    :func:`_confirm_head_pairing`)."""
     value_failures = [f for f in failures if f.property in _VALUE_PROPERTIES or f.property == REPLICA]
     if value_failures and obs.values is not None and all(f.diagnosis != EXCEPTION for f in failures):
         traced = traced_run()
@@ -1008,5 +1091,7 @@ def localise(variant: ModuleVariant, case: ModuleCase, obs: Observation, failure
             if (rerun is not None and fwd is not None and first is not None and first.property == FORWARD
                     and first.diagnosis == MISMATCH and ctx.tp > 1):
                 _confirm_packed(variant, first, ctx.layouts, fwd.suspects, rerun)
+                if first.diagnosis == MISMATCH and fwd.kind in ("in", "out"):
+                    _confirm_head_pairing(variant, first, ctx.layouts, traced.data.shapes, fwd.sublayer, rerun)
             return causes
     return failures

@@ -30,7 +30,7 @@ from tpsim.props.module.case import ModuleCase
 from tpsim.props.module.checks import NUMERIC_PATTERNS, evaluate, localise
 from tpsim.props.module.plans import PlanVariant, name_plan_entry, plan_variant, resolve_plan, twin_variant
 from tpsim.props.module.strategies import MAX_PER_RANK, module_cases
-from tpsim.props.module.world import ModuleData, Reference, is_divisible, rank_main, reference_run
+from tpsim.props.module.world import ModuleData, Reference, Ties, is_divisible, rank_main, reference_run
 from tpsim.props.observation import Observation
 from tpsim.props.property_names import DIVISIBILITY, FORWARD, PROPERTIES
 from tpsim.variant import ParamSpec
@@ -147,12 +147,13 @@ class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=Mod
         return is_divisible(variant, case)
 
     def world(self, variant: ModuleVariant, case: ModuleCase, *, timeout: float, isolate: bool = False,
-              capture: bool = False, ref: Reference | None = None, **_: Any) -> World:
+              capture: bool = False, ref: Reference | None = None, tie: Ties = (), **_: Any) -> World:
         """The reference world first (unless ``ref`` is given: it raises
         :class:`~tpsim.props.observation.DenseReferenceFailed` when the module fails on one rank),
-        then the tp world on its data; ``capture``: both record every sublayer's boundaries."""
+        then the tp world on its data; ``capture``: both record every sublayer's boundaries; ``tie``:
+        rows of masters made equal (:data:`tpsim.props.module.world.Ties`)."""
         if ref is None:
-            ref = reference_run(variant, case, timeout=timeout, capture=capture, isolate=isolate)
+            ref = reference_run(variant, case, timeout=timeout, capture=capture, isolate=isolate, tie=tie)
         data = ModuleData(ref.shapes, ref.masters, ref.inputs, ref.grads)
         return World(rank_main, {"case": case, "data": data, "capture": capture}, ref)
 
@@ -164,8 +165,8 @@ class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=Mod
         def traced() -> Observation:
             return self.observe(variant, case, backend=backend, timeout=timeout, capture=True, isolate=isolate)
 
-        def rerun(other: ModuleVariant) -> list[Any]:
-            return evaluate(other, self.observe(other, case, backend=backend, timeout=timeout, isolate=isolate),
+        def rerun(other: ModuleVariant, **how: Any) -> list[Any]:
+            return evaluate(other, self.observe(other, case, backend=backend, timeout=timeout, isolate=isolate, **how),
                             (FORWARD,))
 
         failures = localise(variant, case, obs, failures, traced, rerun)

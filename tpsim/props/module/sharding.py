@@ -7,7 +7,8 @@ Compared dim by dim, the two shapes say how the parameter is sharded:
 - one dim ``d`` with ``full[d] == local[d] * tp`` and every other dim equal: ``Shard(d)``, rank ``r``
   holding the ``r``-th slice — unless the module that owns the parameter describes a packed layout
   with the attributes of :mod:`tpsim.layers.linear` (``parts``: the full sizes of its packed parts,
-  adding up to ``full[d]``), which makes it ``Shard(d, parts=parts)``, shard ``r`` of every part;
+  adding up to ``full[d]``; vLLM's ``output_sizes`` and nanotron's ``contiguous_chunks`` say the
+  same, :data:`PARTS_ATTRIBUTES`), which makes it ``Shard(d, parts=parts)``, shard ``r`` of every part;
 - one dim that does not divide, cut as ``torch.tensor_split`` cuts it (``ceil`` sizes on the first
   ``full[d] % tp`` ranks, ``floor`` on the rest): an *uneven* ``Shard(d)``, loaded and compared
   piece by piece (a module that shards uneven sizes correctly passes);
@@ -83,13 +84,21 @@ def uneven_size(size: int, tp: int, rank: int) -> int:
     return size // tp + (1 if rank < size % tp else 0)
 
 
+#: The attributes a layer describes its packed parts with (the full sizes of its parts, in order):
+#: tpsim's and Megatron-style layers' ``parts``, vLLM's ``output_sizes`` (``MergedColumnParallelLinear``,
+#: ``QKVParallelLinear``), nanotron's ``contiguous_chunks``.
+PARTS_ATTRIBUTES = ("parts", "output_sizes", "contiguous_chunks")
+
+
 def _parts_hint(owner: Any, size: int, tp: int) -> tuple[int, ...] | None:
-    parts = getattr(owner, "parts", None)
-    if not isinstance(parts, (tuple, list)) or len(parts) < 2:
-        return None
-    if not all(isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in parts) or sum(parts) != size:
-        return None
-    return tuple(parts) if all(p % tp == 0 for p in parts) else None
+    for attribute in PARTS_ATTRIBUTES:
+        parts = getattr(owner, attribute, None)
+        if not isinstance(parts, (tuple, list)) or len(parts) < 2:
+            continue
+        if not all(isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in parts) or sum(parts) != size:
+            continue
+        return tuple(parts) if all(p % tp == 0 for p in parts) else None
+    return None
 
 
 def infer_layout(full: Sequence[int], local: Sequence[int], tp: int, rank: int, owner: Any = None) -> ParamLayout | None:

@@ -19,6 +19,11 @@ every master, and runs the same steps on the group's data. Ranks return tensors,
 
 With ``capture=True`` both worlds also record every sublayer's boundary tensors on step 0
 (:mod:`tpsim.props.module.boundary`); the checks ask for that only for a case that fails.
+
+With ``tie`` (:data:`Ties`) the reference world makes rows of some masters equal before anything
+runs (every row of a range becomes the range's first row), so both worlds run on those values: a
+failing case run again so, to see whether a failure depends on which of those rows a rank pairs
+with which (:func:`tpsim.props.module.checks.localise`).
 """
 
 from __future__ import annotations
@@ -102,6 +107,18 @@ def _check_magnitude(t: torch.Tensor | None, what: str) -> None:
 
 # --- the reference world ---------------------------------------------------------------------------
 
+#: Rows of masters made equal: ``(parameter name, dim, ((start, stop), ...))`` entries; in every
+#: range of the dim, every row becomes the range's first row.
+Ties = tuple[tuple[str, int, tuple[tuple[int, int], ...]], ...]
+
+
+def tie_rows(masters: dict[str, torch.Tensor], ties: Ties) -> None:
+    """Apply ``ties`` to ``masters`` in place (see :data:`Ties`)."""
+    for name, dim, ranges in ties:
+        t = masters[name]
+        for start, stop in ranges:
+            t.narrow(dim, start, stop - start).copy_(t.narrow(dim, start, 1).expand_as(t.narrow(dim, start, stop - start)))
+
 
 @dataclass
 class GroupReference:
@@ -130,6 +147,7 @@ def reference_main(payload: dict[str, Any]) -> Reference:
         return torch.randn(*shape, generator=gen, dtype=torch.float32).mul_(scale).to(dtype)
 
     masters = {n: draw(tuple(p.shape), _scale(tuple(p.shape))) for n, p in dense.named_parameters()}
+    tie_rows(masters, payload.get("tie") or ())
     _check_deterministic(variant, dense, masters, case)
     # Upstream grads small enough that an SGD step moves every weight by about a tenth of its
     # scale (lr 0.1, summed over the rows): the trained parameters stay in the regime of the
@@ -319,13 +337,13 @@ class Reference:
 
 
 def reference_run(variant: ModuleVariant, case: ModuleCase, *, timeout: float, capture: bool = False,
-                  isolate: bool = False) -> Reference:
+                  isolate: bool = False, tie: Ties = ()) -> Reference:
     """Run the reference world. Raises :class:`DenseReferenceFailed` when the module raises (or its rank
     dies) on its one-rank group (a finding: it fails without any parallelism) and
     :class:`UnboundedOp` when the magnitude run cannot bound an operation (the harness's limit,
-    reported as a usage error)."""
+    reported as a usage error). ``tie``: masters' rows made equal (:data:`Ties`)."""
     try:
-        (out,) = launch(reference_main, variant, {"case": case, "capture": capture}, 1, timeout=timeout,
+        (out,) = launch(reference_main, variant, {"case": case, "capture": capture, "tie": tie}, 1, timeout=timeout,
                         isolate=isolate)
     except RankError as err:
         cause = err.errors.get(0, err)
