@@ -24,12 +24,12 @@ def _tiny_llama_mlp() -> type:
     from transformers.models.llama.modeling_llama import LlamaMLP
 
     class LlamaMLPTiny(LlamaMLP):
-        """Hugging Face's ``LlamaMLP`` from a tiny ``LlamaConfig`` (one attention head: the MLP's sizes
-        are free)."""
+        """Hugging Face's ``LlamaMLP`` from a tiny ``LlamaConfig`` (one attention head of an even
+        ``head_dim``, which RoPE's validation asks for: the MLP's sizes are free)."""
 
         def __init__(self, hidden: int, ffn: int) -> None:
             super().__init__(LlamaConfig(hidden_size=hidden, intermediate_size=ffn, num_attention_heads=1,
-                                         num_key_value_heads=1, hidden_act="silu"))
+                                         num_key_value_heads=1, head_dim=2, hidden_act="silu"))
 
     LlamaMLPTiny.__module__ = __name__
     return LlamaMLPTiny
