@@ -28,6 +28,9 @@ dense layer (see "Uneven by design" in docs/presets.md).
 mode) keep per-process globals: both are rank-local on inproc. The layers take the group as an
 argument, so tp groups smaller than the world, consecutive or strided, are checked. Inputs may have
 any number of batch dims.
+
+A dense module under DeepSpeed's automatic tensor parallelism is a plan target:
+``tpsim check MODULE:DenseClass --plan tpsim.presets.deepspeed:autotp`` (:func:`autotp`).
 """
 
 from __future__ import annotations
@@ -38,14 +41,16 @@ import torch
 from torch import nn
 
 from tpsim.conventions import own_module_state
+from tpsim.errors import InvalidArgument
 from tpsim.placement import Replicate, Shard
 from tpsim.presets._base import LibraryMissing, option_name, quiet_import, route_rank_warnings
 from tpsim.variant import ParamSpec, Variant
 
-__all__ = ["PRESET", "DeepSpeedPreset"]
+__all__ = ["PRESET", "DeepSpeedPreset", "autotp"]
 
 _LAYERS = "deepspeed.module_inject.layers"
 _COMM = "deepspeed.comm.comm"
+_GROUPS = "deepspeed.utils.groups"
 _COLUMN = f"{_LAYERS}.LinearLayer"
 _ROW = f"{_LAYERS}.LinearAllreduce"
 _ROW_REPLICATED = f"{_LAYERS}.LinearAllreduceWithReplicatedInput"
@@ -162,3 +167,83 @@ def _mode(training: bool) -> dict[str, Any]:
 
 
 PRESET = DeepSpeedPreset()
+
+
+# --- AutoTP on a whole dense module: a plan (tpsim.props.module.plans) --------------------------------
+
+
+class _AutoTPModel(nn.Module):
+    """The model AutoTP's parser is given: the checked module as the one repeated layer of its
+    ``layers`` ``ModuleList`` (where the parser looks for a model's transformer layers; the class
+    name ends in ``Model``, as the parser requires of a model)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([layer])
+
+
+class _Engine:
+    """What ``DeepSpeedEngine._apply_autotp_partitioning`` reads of its engine: the AutoTP size (the
+    tp group's), no local device to select (CPU) and no DeepCompile."""
+
+    local_rank = -1
+
+    def __init__(self, tp_size: int) -> None:
+        self._tp_size = tp_size
+
+    def autotp_size(self) -> int:
+        return self._tp_size
+
+    def is_deepcompile_enabled(self) -> bool:
+        return False
+
+    def compile_autotp(self) -> bool:
+        return False
+
+
+def autotp(module: nn.Module, mesh: Any) -> nn.Module:
+    """``module`` sharded by DeepSpeed's automatic tensor parallelism for training over ``mesh``'s group:
+    a plan (``--plan tpsim.presets.deepspeed:autotp``).
+
+    What ``deepspeed.initialize`` does with ``"tensor_parallel": {"autotp_size": tp}`` (or after
+    ``deepspeed.tp_model_init(model, tp, dtype)``), by DeepSpeed's own code: AutoTP's training mode
+    (``set_autotp_mode(training=True)``), the tp group in ``deepspeed.utils.groups`` (where
+    ``deepspeed.initialize`` puts the one it creates: here the case's group, so tp groups smaller than
+    the world are checked), then ``DeepSpeedEngine._apply_autotp_partitioning`` on a model holding
+    ``module`` as its one transformer layer. AutoTP's policy decides each ``nn.Linear``: row parallel
+    (``LinearAllreduce``) when its name has ``down_proj``, ``o_proj`` or ``out_proj`` or a LayerNorm
+    follows it, column parallel (``LinearLayer``) otherwise. A module AutoTP finds nothing to shard
+    in is refused (it would pass as the dense module it stays). A model's Hugging Face ``tp_plan``
+    (which DeepSpeed prefers when the model carries one) is not applied: the plan is AutoTP's own.
+    """
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.tensor_parallel.config import TPTrainingConfig
+    from deepspeed.utils import groups
+
+    _init_deepspeed(training=True)
+    from deepspeed.module_inject.layers import TensorParallel_Layer, configure_tensor_parallel_runtime
+
+    group, tp_size = mesh.get_group(), mesh.size()
+    groups._TENSOR_MODEL_PARALLEL_GROUP = group
+    groups._MODEL_PARALLEL_GROUP = group
+    dtype = next((p.dtype for p in module.parameters()), torch.get_default_dtype())
+    config = TPTrainingConfig(autotp_size=tp_size, dtype=dtype)
+    configure_tensor_parallel_runtime(config)
+    model = _AutoTPModel(module)
+    try:
+        DeepSpeedEngine._apply_autotp_partitioning(_Engine(tp_size), model, config)
+    except AssertionError as err:  # AutoTP's parser states what it cannot shard with asserts
+        raise InvalidArgument(f"DeepSpeed AutoTP cannot shard {type(module).__name__}: {err} (AutoTP makes an "
+                              "nn.Linear row parallel when its name has down_proj, o_proj or out_proj or a "
+                              "LayerNorm follows it; a module with none of them has no policy)") from None
+    sharded = model.layers[0]
+    if tp_size > 1 and not any(isinstance(m, TensorParallel_Layer) for m in sharded.modules()):
+        raise InvalidArgument(f"DeepSpeed AutoTP sharded no layer of {type(module).__name__} over {tp_size} ranks; "
+                              "expected a module with nn.Linear layers for AutoTP to replace")
+    return sharded
+
+
+#: Per process in a real job: DeepSpeed's communication backend, AutoTP's mode, the tp group.
+autotp.rank_local = (_COMM, _LAYERS, _GROUPS)  # type: ignore[attr-defined]
+#: AutoTP splits a size that does not divide into torch.tensor_split's pieces: ordinary cases, exact.
+autotp.uneven_sizes_are_cases = True  # type: ignore[attr-defined]

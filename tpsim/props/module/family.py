@@ -119,14 +119,18 @@ class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=Mod
             return []
         world = [] if variant.subgroups else ["tp groups spanning the whole world only (the plan builds its own mesh "
                                               "over the world)"]
-        return [PlanVariant.UNEVEN_NOTE, *world]
+        uneven = PlanVariant.UNEVEN_CASES_NOTE if variant.uneven_sizes_are_cases else PlanVariant.UNEVEN_NOTE
+        return [uneven, *world]
 
     def cases(self, variant: ModuleVariant, **kwargs: Any) -> Any:
         # A plan that builds its mesh over the whole world is checked on one tp group spanning it.
         kwargs["subgroups"] = kwargs["subgroups"] and getattr(variant, "subgroups", True)
         if not kwargs["subgroups"]:
             kwargs["tp_sizes"] = None
-        return super().cases(variant, **kwargs)
+        # The input memory layouts asked for (a search's ``layouts``) narrow the module cases too.
+        kwargs["non_divisible"] = (kwargs["non_divisible"] or self.uneven_sizes_are_cases
+                                   or getattr(variant, "uneven_sizes_are_cases", False))
+        return module_cases(variant, **kwargs)
 
     def fault_case(self, variant: ModuleVariant, world_size: int, seed: int) -> ModuleCase:
         ws = world_size

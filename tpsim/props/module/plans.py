@@ -14,7 +14,11 @@ class itself — the dense reference needs no parallel code at all. A plan is on
   ``transformers``' own ``apply_tensor_parallelism`` after expanding the wildcards as
   ``from_pretrained`` does;
 - a callable ``(module, mesh) -> module`` (None: the module parallelised in place), or a callable
-  of no arguments returning one of the dicts above (fresh style objects per rank).
+  of no arguments returning one of the dicts above (fresh style objects per rank). A callable's
+  ``rank_local`` attribute names the modules whose globals it sets per process (a library's parallel
+  state): they are rank-local on inproc; ``uneven_sizes_are_cases = True`` says it splits sizes that
+  do not divide into ``torch.tensor_split`` pieces, so those are drawn as cases that must be exact
+  (``tpsim.presets.deepspeed.autotp``, DeepSpeed's AutoTP, declares both).
 
 Parameters become DTensors: :mod:`tpsim.props.module.dtensors` loads, reads and updates them in their
 own placements. A failing plan is re-checked on twins of the failing case that change one entry of
@@ -55,11 +59,20 @@ class PlanVariant(ModuleVariant):
     min_batch_dims: int = 1
     #: False: the plan builds its own mesh over the whole world (torchtitan): one tp group spanning it.
     subgroups: bool = True
+    #: True: the plan splits a size that does not divide by the tp size into ``torch.tensor_split``
+    #: pieces (DeepSpeed AutoTP), which tpsim lays out too: such sizes are ordinary cases, which must be
+    #: exact (a plan function declares it with an ``uneven_sizes_are_cases`` attribute).
+    uneven_sizes_are_cases: bool = False
 
     #: Why the divisibility property does not apply (DTensor shards uneven sizes by design).
     UNEVEN_NOTE: ClassVar[str] = ("a plan's DTensor shards a size that does not divide by the tp size unevenly "
                                   "(torch.chunk pieces) by design instead of refusing it: divisible cases only, "
                                   "the divisibility property does not apply")
+    #: The note of a plan whose uneven pieces are ``torch.tensor_split``'s (``uneven_sizes_are_cases``).
+    UNEVEN_CASES_NOTE: ClassVar[str] = ("the plan splits a size that does not divide by the tp size unevenly "
+                                        "(torch.tensor_split pieces) by design instead of refusing it: such sizes "
+                                        "are ordinary cases and must be exact; the divisibility property does not "
+                                        "apply")
 
     def describe(self) -> str:
         return f"{super().describe()}; plan {self.plan_name or 'given'}: {describe_plan(self.plan)}"
@@ -260,6 +273,12 @@ def plan_variant(dense: Callable[..., nn.Module] | type, plan: Any, *, sizes: tu
         builder = dense
     # torch 2.13.0's DTensor refuses a sharded dim of global size 1 (docs/dtensor.md): sizes of at least 2.
     fields.setdefault("min_sizes", (2,) * len(sizes))
+    # A plan function's library state (its ``rank_local`` attribute: module names) is per rank.
+    declared = getattr(plan, "rank_local", ())
+    if declared:
+        fields["rank_local"] = tuple(dict.fromkeys((*fields.get("rank_local", ()), *declared)))
+    if getattr(plan, "uneven_sizes_are_cases", False) is True:
+        fields.setdefault("uneven_sizes_are_cases", True)
     return PlanVariant(name=name, build=_PlanBuild(builder, plan), dense=builder, sizes=tuple(sizes), plan=plan,
                        plan_name=plan_name, **fields)
 

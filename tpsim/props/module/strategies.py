@@ -63,7 +63,7 @@ def _sizes(draw: st.DrawFn, variant: ModuleVariant, tp: int, divisible: bool, ma
 @st.composite
 def _module_cases(draw: st.DrawFn, variant: ModuleVariant, sizes: tuple[int, ...], dtype_names: tuple[str, ...],
                   non_divisible: bool, tp_sizes: tuple[int, ...] | None, subgroups: bool,
-                  max_size: int = DEFAULT_MAX_SIZE) -> ModuleCase:
+                  max_size: int = DEFAULT_MAX_SIZE, input_layouts: tuple[str, ...] = MODULE_INPUT_LAYOUTS) -> ModuleCase:
     world = draw(world_size_strategy(sizes))
     world_only = variant.tp == "world"
     tp, layout = draw_tp(draw, world, None if world_only else tp_sizes, subgroups and not world_only)
@@ -86,7 +86,7 @@ def _module_cases(draw: st.DrawFn, variant: ModuleVariant, sizes: tuple[int, ...
         if d is not None:
             batch = (*batch[:d], tp * draw(st.integers(1, MAX_PER_RANK)), *batch[d + 1:])
     seed = draw(st.integers(0, 2**31 - 1))
-    layouts = [lay for lay in MODULE_INPUT_LAYOUTS if batch or not needs_batch(lay)]
+    layouts = [lay for lay in input_layouts if batch or not needs_batch(lay)] or ["contiguous"]
     input_layout = draw(st.sampled_from(layouts))
     return ModuleCase(world_size=world, tp_size=tp, tp_layout=layout, sizes=drawn, batch_shape=batch, dtype=dtype,
                       seed=seed, target=variant.target, variant=variant.name, options=variant.options,
@@ -102,8 +102,10 @@ def module_cases(
     tp_sizes: Sequence[int] | None = None,
     subgroups: bool = True,
     max_size: int = DEFAULT_MAX_SIZE,
+    layouts: Sequence[str] = MODULE_INPUT_LAYOUTS,
 ) -> st.SearchStrategy[ModuleCase]:
-    """Cases for ``variant`` (see the module docstring); ``non_divisible=False``: divisible only."""
+    """Cases for ``variant`` (see the module docstring); ``non_divisible=False``: divisible only;
+    ``layouts``: the input memory layouts to draw (those of :data:`MODULE_INPUT_LAYOUTS` among them)."""
     names = tuple(dtypes)
     sizes = tuple(sorted(set(int(w) for w in world_sizes)))
     tps = None
@@ -112,4 +114,8 @@ def module_cases(
         sizes = tuple(w for w in sizes if any(w % t == 0 for t in tps))
         if not sizes:
             raise InvalidArgument(f"tp_sizes={list(tps)} divide none of the world sizes {list(world_sizes)}")
-    return _module_cases(variant, sizes, names, bool(non_divisible), tps, bool(subgroups), max_size)
+    chosen = tuple(lay for lay in MODULE_INPUT_LAYOUTS if lay in tuple(layouts))
+    if not chosen:
+        raise InvalidArgument(f"layouts={list(layouts)!r}; expected some of {', '.join(MODULE_INPUT_LAYOUTS)} "
+                              "(the layouts module cases draw)")
+    return _module_cases(variant, sizes, names, bool(non_divisible), tps, bool(subgroups), max_size, chosen)

@@ -510,6 +510,7 @@ def rank_main(payload: dict[str, Any]) -> ModuleRankResult:
         if result.unusable(out, want.shape, graph=x):
             if capture is not None:
                 capture.remove()
+                result.capture = capture.as_payload()  # the forward's boundaries show where it went wrong
             return result  # nothing to back-propagate: a wrong shape or dtype, or an output cut off from autograd
         with rank_phase("backward", step):
             out.backward(_laid_out(want.to(out.dtype), case.input_layout))
