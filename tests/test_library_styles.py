@@ -1,6 +1,7 @@
 """Layers in libraries' own styles, checked with no adapter code: vLLM-style inference layers
 forward-only (``--forward-only``, ``Variant(forward_only=True)``, ``property_tests(forward_only=True)``),
-a divisibility refusal by bare ``assert`` accepted there, and nanotron's ``pg=`` group keyword."""
+a divisibility refusal by bare ``assert`` accepted there, nanotron's ``pg=`` group keyword and its row
+bias held by tp rank 0 only."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ from tpsim.errors import InvalidArgument
 from tpsim.props.case import Case
 from tpsim.props.linear import check_case
 from tpsim.props.suite import property_tests
+from tpsim.placement import Replicate, Shard
 from tpsim.target import resolve_target
+from tpsim.variant import ParamSpec
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STYLES = "tests/wild/inference_style.py"
+NANOTRON = "tests/wild/nanotron_style.py"
 SMALL = ["--max-examples", "15", "--world-sizes", "1,2,3", "--dtypes", "float64,float32", "--seed", "0"]
 
 
@@ -83,3 +87,69 @@ def test_a_module_global_group_is_exit_2_naming_the_module_and_the_global(capsys
     assert not list(tmp_path.iterdir())  # no case file: a usage error, not a finding
     # The suggested command works.
     assert main([*args, "--rank-local", "picotron_state"]) == 0, capsys.readouterr().out
+
+
+# --- a parameter held by tp rank 0 only (nanotron's row bias) ------------------------------------
+
+
+def _failures(target: str, world_size: int = 2) -> list[tuple[str, str | None]]:
+    (variant,) = resolve_target(f"{ROOT / NANOTRON}:{target}")
+    case = Case(world_size=world_size, in_features=6, out_features=3, batch_shape=(2,), bias=True, seed=0)
+    return [(f.property, f.diagnosis) for f in check_case(variant, case)]
+
+
+@pytest.mark.parametrize("target", ["Rank0BiasRowLinear", "rank0_row"])
+def test_a_bias_held_by_rank0_only_passes_detected_and_declared(capsys, tmp_path, monkeypatch, target) -> None:
+    code, out = _check(capsys, tmp_path, monkeypatch, f"{NANOTRON}:{target}")
+    assert code == 0, out
+    assert "PASS" in out and "15 examples" in out
+
+
+def test_the_conventions_detect_who_holds_a_replicated_bias() -> None:
+    (row,) = resolve_target(f"{ROOT / NANOTRON}:Rank0BiasRowLinear")
+    assert row.param("bias").held_by == "detect"
+    assert "bias R;" in row.describe()  # either holding is right: nothing to say
+    (column,) = resolve_target(f"{ROOT / STYLES}:PgColumnLinear")
+    assert column.param("bias").held_by == "all"  # a sharded bias lives on every rank
+    (declared,) = resolve_target(f"{ROOT / NANOTRON}:rank0_row")
+    assert "bias R on tp rank 0 only" in declared.describe()
+
+
+@pytest.mark.parametrize(("target", "world_size", "expected"), [
+    # Every rank holds and adds the bias before the all-reduce: the sum holds it ws times.
+    ("EveryRankBiasRowLinear", 2, ("forward-equivalence", "bias-duplication")),
+    # Rank 0's bias grad is scaled by the tp size, detected and declared.
+    ("Rank0BiasBadGradRowLinear", 2, ("bias-grad-equivalence", "grad-scaled")),
+    ("rank0_bad_grad_row", 2, ("bias-grad-equivalence", "grad-scaled")),
+    # Rank 0 adds it after the all-reduce: the other ranks' outputs lack it.
+    ("Rank0BiasAfterReduceRowLinear", 2, ("forward-equivalence", "bias-missing")),
+    # Ranks 0 and 2 hold one, rank 1 does not.
+    ("MixedBiasRowLinear", 3, ("bias-grad-equivalence", "shape-error")),
+    # Declarations that do not fit the layer.
+    ("every_rank_declared_rank0", 2, ("forward-equivalence", "shape-error")),
+    ("rank0_declared_all", 2, ("forward-equivalence", "shape-error")),
+])
+def test_rank0_bias_bugs_are_caught_with_their_diagnosis(target, world_size, expected) -> None:
+    assert _failures(target, world_size)[0] == expected
+
+
+def test_rank0_bias_declaration_errors_name_the_fix() -> None:
+    (variant,) = resolve_target(f"{ROOT / NANOTRON}:rank0_declared_all")
+    case = Case(world_size=2, in_features=6, out_features=3, batch_shape=(2,), bias=True, seed=0)
+    (failure, *_) = check_case(variant, case)
+    assert "no tensor at 'bias' on tp rank 1" in failure.message and "held_by='rank0'" in failure.message
+    (variant,) = resolve_target(f"{ROOT / NANOTRON}:every_rank_declared_rank0")
+    (failure, *_) = check_case(variant, case)
+    assert "declared held by tp rank 0 only" in failure.message and "tp rank 1 holds one of shape [3]" in failure.message
+    (variant,) = resolve_target(f"{ROOT / NANOTRON}:MixedBiasRowLinear")
+    (failure, *_) = check_case(variant, case.replace(world_size=3, tp_size=None))
+    assert "held by tp ranks [0, 2] but not by [1]" in failure.message
+
+
+def test_held_by_is_validated() -> None:
+    with pytest.raises(InvalidArgument, match=r"held_by='rank1'\): expected one of all, rank0, detect"):
+        ParamSpec("bias", "bias", Replicate(), held_by="rank1")
+    with pytest.raises(InvalidArgument, match=r"held_by='rank0'\) with placement S\(0\).*expected placement Replicate"):
+        ParamSpec("bias", "bias", Shard(0), held_by="rank0")
+    with pytest.raises(InvalidArgument, match=r"grad='partial'"):
+        ParamSpec("bias", "bias", Replicate(), grad="partial", held_by="rank0")

@@ -34,7 +34,11 @@ Every convention accepts a ``forward`` that returns ``(output, bias_or_None)`` (
 The bias comes from the built module as well as the signature: a constructor with a ``bias`` flag
 gets biased and bias-free cases; one without builds a probe layer once (a one-rank world, tp size 1)
 and, when the built module has a ``bias`` parameter, runs biased cases only with the master bias
-loaded into it (its own init is overwritten), else bias-free cases only.
+loaded into it (its own init is overwritten), else bias-free cases only. A row layer's (replicated)
+bias may be held by tp rank 0 only, as nanotron's row layers keep it (rank 0 adds it before the
+all-reduce; the other ranks' ``bias`` is None): the bias is declared ``held_by="detect"``, so rank 0
+gets the master bias and its grad is compared with the dense grad, and the other ranks hold none or
+all hold one (see :class:`~tpsim.variant.ParamSpec`).
 
 The module that defines the class is rank-local (each inproc rank thread sees its own copy of its
 globals, as each rank process does in a real job), so a module-global tp group is not shared.
@@ -326,7 +330,9 @@ def _convention_variant(
     weight_placement, bias_placement = _placements(kind)
     params = [ParamSpec("weight", "weight", weight_placement, **weight)]
     if has_bias:
-        params.append(ParamSpec("bias", "bias", bias_placement, load=True))
+        # A replicated bias may live on tp rank 0 only (nanotron's row layers): read from the built layers.
+        held_by = "detect" if isinstance(bias_placement, Replicate) else "all"
+        params.append(ParamSpec("bias", "bias", bias_placement, load=True, held_by=held_by))
     return Variant(
         kind=kind,
         build=build,

@@ -140,6 +140,24 @@ class _Ctx:
     def tol(self, magnitude: torch.Tensor, k: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         return tolerance(dtype or self.dtype, magnitude, reduction_length=k, world_size=self.ws)
 
+    def rank0_only(self, spec: Any) -> bool:
+        """Whether ``spec``'s parameter is held by tp rank 0 only in this run (declared or detected:
+        the other ranks' layers have no tensor there; see :attr:`tpsim.variant.ParamSpec.held_by`)."""
+        return self.ws > 1 and any(spec.master in getattr(v, "absent", ()) for v in self.values)
+
+    def holders_failure(self, spec: Any, prop: str) -> Failure | None:
+        """A ``shape-error`` when some but not all of the ranks after rank 0 hold ``spec``'s parameter."""
+        absent = [r for r, v in enumerate(self.values) if spec.master in getattr(v, "absent", ())]
+        if not absent or len(absent) == self.ws - 1:
+            return None
+        held = [r for r in range(self.ws) if r not in absent]
+        return self.fail(prop, Diagnosis(
+            SHAPE_ERROR,
+            f"parameter {spec.name!r} is held by tp ranks {held} but not by {absent}: a replicated parameter lives "
+            "on every rank, or on tp rank 0 only (nanotron's row bias)",
+            {"param": spec.name},
+        ), absent[0])
+
     def fail(self, prop: str, diag: Diagnosis, rank: int | None = None, prefix: str = "") -> Failure:
         message = f"{prefix}{diag.message}" if prefix else diag.message
         return Failure(prop, diag.name, message, case=self.case, rank=rank, details=dict(diag.details), variant=self.variant.name)
@@ -699,16 +717,22 @@ def _param_grad(ctx: _Ctx, master: str, prop: str) -> Failure | None:
     if dtype is not None:
         return ctx.fail(prop, dtype[1], dtype[0])
     grads = [_f64(g) for g in raw]
+    holders = ctx.holders_failure(spec, prop)
+    if holders is not None:
+        return holders
     if any(master in v.partial for v in ctx.values):
         return _partial_param_grad(ctx, spec, prop, grads, full, tol_full, mag_full, k)
     expected = [shard_tensor(full, placement, r, ws) if sharded else full for r in range(ws)]
     tols = [shard_tensor(tol_full, placement, r, ws) if sharded else tol_full for r in range(ws)]
     mags = [shard_tensor(mag_full, placement, r, ws) if sharded else mag_full for r in range(ws)]
 
-    ok = [g is not None and g.shape == e.shape and close(g, e, t) for g, e, t in zip(grads, expected, tols, strict=True)]
+    # A parameter held by tp rank 0 only: rank 0's grad is the whole dense grad; the others hold none.
+    rank0_only = ctx.rank0_only(spec)
+    ok = [(rank0_only and r > 0) or (g is not None and g.shape == e.shape and close(g, e, t))
+          for r, (g, e, t) in enumerate(zip(grads, expected, tols, strict=True))]
     if all(ok):
         return None
-    if master == "bias" and not sharded and _bias_grad_rank0_only(ctx, grads, full, ok):
+    if master == "bias" and not sharded and not rank0_only and _bias_grad_rank0_only(ctx, grads, full, ok):
         return ctx.fail(prop, Diagnosis(
             BIAS_GRAD_RANK0_ONLY,
             f"only rank 0's bias received its gradient (ranks 1..{ws - 1} have "
@@ -726,7 +750,7 @@ def _param_grad(ctx: _Ctx, master: str, prop: str) -> Failure | None:
         if sharded and getattr(placement, "parts", None) and ctx.ws > 1 and all(x is not None for x in grads) and \
                 _contiguous_packed(ctx, grads, full, tol_full, placement.dim % full.dim()):  # type: ignore[arg-type]
             return ctx.fail(prop, Diagnosis(PACKED_SHARD_LAYOUT, _packed_message(ctx, name), {"parts": list(placement.parts)}), r)
-        if not sharded and _grad_not_reduced(ctx, [x for x in grads if x is not None], full, tol_full):
+        if not sharded and not rank0_only and _grad_not_reduced(ctx, [x for x in grads if x is not None], full, tol_full):
             return ctx.fail(prop, Diagnosis(
                 GRAD_NOT_REDUCED,
                 f"{what} is only its own summand (the ranks' grads add up to the dense grad): the grad of the "
@@ -828,6 +852,8 @@ def _replica(ctx: _Ctx) -> Failure | None:
     if v.input == "replicated" and v.input_grad == "complete":
         items.append(("the input grad", [x.input_grad for x in ctx.values]))
     for spec in v.params or ():
+        if ctx.rank0_only(spec):
+            continue  # one holder: no replicas to agree
         if isinstance(spec.placement, Replicate) and (spec.master == "weight" or ctx.case.bias):
             if any(spec.master in x.partial for x in ctx.values):
                 # Partial by design: the replicas must agree after the trainer's sum.
@@ -856,7 +882,12 @@ def _training(ctx: _Ctx) -> Failure | None:
     for spec in ctx.variant.params or ():
         if spec.master == "bias" and not ctx.case.bias:
             continue
+        holders = ctx.holders_failure(spec, TRAINING)
+        if holders is not None:
+            return holders
         finals = [_f64(v.final.get(spec.master)) for v in ctx.values]
+        if ctx.rank0_only(spec):
+            finals = finals[:1]  # held by tp rank 0 only
         want = ref.final[spec.master]
         mag = ref.mag["final_" + spec.master]
         tol = ctx.tol(mag, k)

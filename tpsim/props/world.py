@@ -69,7 +69,9 @@ class RankResult(RankOutput):
     - ``init``: the layer's own values of its replicated parameters right after construction, by
       parameter name (before the master values are loaded);
     - ``partial``: master names of the parameters whose grad the trainer sums (declared partial, or
-      marked ``sequence_parallel`` by the built module).
+      marked ``sequence_parallel`` by the built module);
+    - ``absent``: master names of the parameters this rank's layer does not hold (a parameter held by
+      tp rank 0 only, see :attr:`tpsim.variant.ParamSpec.held_by`).
     """
 
     output_shape: tuple[int, ...] | None = None
@@ -79,6 +81,7 @@ class RankResult(RankOutput):
     final: dict[str, torch.Tensor | None] = field(default_factory=dict)
     init: dict[str, torch.Tensor] = field(default_factory=dict)
     partial: tuple[str, ...] = ()
+    absent: tuple[str, ...] = ()
     #: A non-divisible case the layer accepted with ``torch.tensor_split`` pieces, run like a divisible one.
     uneven: bool = False
 
@@ -261,7 +264,10 @@ def _train(me: Any, variant: Variant, case: Case, m: Masters, module: Any, init:
     """The training steps of one rank on a built, loaded layer (see the module docstring)."""
     group, rank, ws = me.group, me.rank, me.tp
     specs = [s for s in variant.params or () if s.master == "weight" or case.bias]
-    result = RankResult(OK, init=init, group=me.g, tp_rank=rank, partial=_partial_params(variant, module, specs))
+    absent = tuple(s.master for s in specs if s.absent_ok(rank) and get_param(module, s.name) is None)
+    specs = [s for s in specs if s.master not in absent]
+    result = RankResult(OK, init=init, group=me.g, tp_rank=rank, partial=_partial_params(variant, module, specs),
+                        absent=absent)
     by_master = {spec.master: spec for spec in specs}
     if variant.forward_only:
         return _forward_only(variant, case, m, module, result, rank, ws, layout)
