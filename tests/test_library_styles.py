@@ -153,3 +153,85 @@ def test_held_by_is_validated() -> None:
         ParamSpec("bias", "bias", Shard(0), held_by="rank0")
     with pytest.raises(InvalidArgument, match=r"grad='partial'"):
         ParamSpec("bias", "bias", Replicate(), grad="partial", held_by="rank0")
+
+
+# --- vLLM's (output, output_bias) return and its group read by the layer itself -------------------
+
+VLLM = "tests/wild/vllm_style.py"
+
+
+@pytest.mark.parametrize("skip_bias_add", [(), ("--ctor-arg", "skip_bias_add=True")], ids=["bias-added", "skip-bias-add"])
+@pytest.mark.parametrize("layer", ["ColumnParallelLinear", "RowParallelLinear"])
+def test_vllm_layers_pass_with_no_adapter(capsys, tmp_path, monkeypatch, layer, skip_bias_add) -> None:
+    code, out = _check(capsys, tmp_path, monkeypatch, f"{VLLM}:{layer}", "--forward-only", *skip_bias_add)
+    assert code == 0, out
+    assert "PASS" in out and "tp groups spanning the whole world only" in out
+
+
+def test_vllm_layers_are_the_implicit_group_convention() -> None:
+    (row,) = resolve_target(f"{ROOT / VLLM}:RowParallelLinear", forward_only=True)
+    assert "implicit-group convention" in row.description and not row.subgroups
+    assert (row.input, row.output) == ("sharded", "reduced")
+    (skip,) = resolve_target(f"{ROOT / VLLM}:RowParallelLinear", ctor_arg=(("skip_bias_add", "True"),))
+    assert "skip_bias_add=True" in skip.description
+    (column,) = resolve_target(f"{ROOT / VLLM}:ColumnParallelLinear")
+    assert (column.input, column.output) == ("replicated", "sharded")
+
+
+def test_vllm_options_follow_the_placements() -> None:
+    # gather_output / input_is_parallel / reduce_results are set from --output/--input, and pass.
+    for layer, options in [("ColumnParallelLinear", {"output": "gathered"}),
+                           ("RowParallelLinear", {"input": "replicated"}),
+                           ("RowParallelLinear", {"output": "partial", "ctor_arg": (("skip_bias_add", "True"),)})]:
+        (variant,) = resolve_target(f"{ROOT / VLLM}:{layer}", forward_only=True, **options)
+        for ws in (1, 2, 3):
+            case = Case(world_size=ws, in_features=6, out_features=3 * ws, batch_shape=(2,), bias=True, seed=0)
+            assert check_case(variant, case) == [], (layer, options, ws)
+
+
+@pytest.mark.parametrize(("layer", "args", "world_size", "message"), [
+    # Every rank adds the bias before the all-reduce.
+    ("BiasOnEveryRankRowLinear", (), 3, "off by exactly (world_size-1)*bias = 2*bias"),
+    # Under skip_bias_add it returns the bias and adds it too: off by +1*bias at every world size.
+    ("ReturnsBiasAndAddsItRowLinear", (("skip_bias_add", "True"),), 3, "also returns it for the caller"),
+    ("ReturnsBiasAndAddsItRowLinear", (("skip_bias_add", "True"),), 1, "also returns it for the caller"),
+])
+def test_vllm_bias_bugs_are_caught_as_bias_duplication(layer, args, world_size, message) -> None:
+    (variant,) = resolve_target(f"{ROOT / VLLM}:{layer}", forward_only=True, ctor_arg=args or None)
+    case = Case(world_size=world_size, in_features=6, out_features=3, batch_shape=(2,), bias=True, seed=0)
+    failures = check_case(variant, case)
+    assert [(f.property, f.diagnosis) for f in failures][:1] == [("forward-equivalence", "bias-duplication")]
+    assert message in failures[0].message
+
+
+def test_the_twin_that_returns_and_adds_the_bias_is_right_without_skip_bias_add(capsys, tmp_path, monkeypatch) -> None:
+    code, out = _check(capsys, tmp_path, monkeypatch, f"{VLLM}:ReturnsBiasAndAddsItRowLinear", "--forward-only")
+    assert code == 0, out
+
+
+def test_ctor_args_are_validated(capsys, tmp_path, monkeypatch) -> None:
+    target = f"{ROOT / VLLM}:RowParallelLinear"
+    with pytest.raises(InvalidArgument, match=r"--ctor-arg reduce_results=False: tpsim passes reduce_results itself "
+                                              r"\(--output reduced\|partial\)"):
+        resolve_target(target, ctor_arg=(("reduce_results", "False"),))
+    with pytest.raises(InvalidArgument, match=r"--ctor-arg bias=False: tpsim passes bias itself"):
+        resolve_target(target, ctor_arg=(("bias", "False"),))
+    with pytest.raises(InvalidArgument, match=r"--ctor-arg colour=1: RowParallelLinear\(input_size, .*\) has no "
+                                              r"parameter 'colour'"):
+        resolve_target(target, ctor_arg=(("colour", "1"),))
+    with pytest.raises(InvalidArgument, match=r"--ctor-arg skip_bias_add=yes: expected a Python literal"):
+        resolve_target(target, ctor_arg=(("skip_bias_add", "yes"),))
+    with pytest.raises(InvalidArgument, match=r"--ctor-arg applies to plain nn.Module classes only"):
+        resolve_target(f"{ROOT / NANOTRON}:rank0_row", ctor_arg=(("bias", "True"),))
+    code, out = _check(capsys, tmp_path, monkeypatch, f"{VLLM}:RowParallelLinear", "--ctor-arg", "skip_bias_add")
+    assert code == 2
+
+
+@pytest.mark.parametrize("output", ["reduced", "partial"])
+def test_a_returned_bias_joins_a_partial_output_once_with_its_whole_grad_on_every_rank(output) -> None:
+    # The caller adds a returned bias once, after its all-reduce: every rank's bias gets the whole grad.
+    (variant,) = resolve_target(f"{ROOT / VLLM}:TrainableRowLinear", output=output,
+                                ctor_arg=(("skip_bias_add", "True"),))
+    for ws in (1, 2, 3):
+        case = Case(world_size=ws, in_features=6, out_features=3, batch_shape=(2,), bias=True, seed=0)
+        assert check_case(variant, case) == [], (output, ws)

@@ -193,9 +193,11 @@ DIAGNOSES: Mapping[str, str] = _Docs()
 BIAS_DUPLICATION = register(DiagnosisSpec(
     "bias-duplication", (_FORWARD,),
     "the output is off by exactly (world_size-1)*bias: every rank added the full bias to its summand "
-    "before the reduction (add it once, after the reduction)",
+    "before the reduction (add it once, after the reduction); or by +1*bias from a layer that adds the bias "
+    "and also returns it for the caller under skip_bias_add",
     "output - dense output = c * bias (broadcast over the leading dims) within tolerance, with "
-    "c = world_size - 1, world_size >= 2 and a bias in the case",
+    "c = world_size - 1, world_size >= 2 and a bias in the case; or c = 1 when the forward returned "
+    "(output, bias) and tpsim added the returned bias, as the caller does",
     "row-bias-before-reduce",
     consequences=(_TRAINING,),
 ))

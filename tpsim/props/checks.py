@@ -342,6 +342,17 @@ def _bias_multiple(ctx: _Ctx, c: _Compared) -> Diagnosis | None:
     if bias is None or not bool(bias.ne(0).any()) or c.actual.shape[-1:] != bias.shape:
         return None
     ws = ctx.ws
+    if any(getattr(v, "returned_bias", False) for v in ctx.values):
+        # The forward returned a bias for the caller (skip_bias_add), and tpsim added it, as the caller does.
+        tol = ctx.tol(c.mag + bias.abs(), c.k)
+        if close(c.actual, c.expected + bias, tol):
+            return Diagnosis(
+                BIAS_DUPLICATION,
+                f"{c.what} is off by exactly +1*bias: the layer adds the bias itself and also returns it for the "
+                "caller to add (skip_bias_add), so the caller adds it a second time; under skip_bias_add leave it "
+                "out of the output",
+                {"factor": 1.0, "returned": True},
+            )
     for factor, name in (((ws - 1), BIAS_DUPLICATION), (-1, BIAS_MISSING)):
         if factor == 0:
             continue

@@ -85,12 +85,14 @@ class LinearFamily(Family, name="linear", kinds=KINDS, variant_type=Variant, cas
                                       f"{options['kind']} contradicts it")
             return [self.adapt(v, options, target) for v in library.variants(obj, kind)]
         variant = variant_from_class(obj, convention=options.get("convention"), kind=options.get("kind"),
-                                     **{k: options.get(k) for k in _OVERRIDES})
+                                     ctor_args=options.get("ctor_arg") or (), **{k: options.get(k) for k in _OVERRIDES})
         return [self._layout(variant, options)]
 
     def adapt(self, variant: Variant, options: Mapping[str, Any], where: str) -> Variant:
-        if options.get("convention") is not None:
-            raise InvalidArgument(f"{where} is a tpsim Variant; --convention applies to plain nn.Module classes only")
+        for flag in ("convention", "ctor_arg"):
+            if options.get(flag) is not None:
+                raise InvalidArgument(f"{where} is a tpsim Variant (or a library's layer, checked by its preset); "
+                                      f"--{flag.replace('_', '-')} applies to plain nn.Module classes only")
         if options.get("kind") not in (None, variant.kind):
             raise InvalidArgument(f"{where} is a {variant.kind} variant; --kind {options['kind']} contradicts it")
         overrides = {k: options[k] for k in _OVERRIDES if options.get(k) is not None}

@@ -34,6 +34,7 @@ from tpsim.props.case import Case
 from tpsim.props.layouts import apply_layout, expand_values
 from tpsim.props.observation import OK, RankOutput
 from tpsim.props.rank import LR, TRAIN_STEPS, enter_rank, rank_phase, trainer_step
+from tpsim.conventions import returned_bias
 from tpsim.variant import LayoutError, Variant, get_param, load_master
 
 __all__ = [
@@ -82,6 +83,8 @@ class RankResult(RankOutput):
     init: dict[str, torch.Tensor] = field(default_factory=dict)
     partial: tuple[str, ...] = ()
     absent: tuple[str, ...] = ()
+    #: The layer's forward returned a bias for the caller to add (``skip_bias_add``), which tpsim added.
+    returned_bias: bool = False
     #: A non-divisible case the layer accepted with ``torch.tensor_split`` pieces, run like a divisible one.
     uneven: bool = False
 
@@ -273,8 +276,13 @@ def _train(me: Any, variant: Variant, case: Case, m: Masters, module: Any, init:
         return _forward_only(variant, case, m, module, result, rank, ws, layout)
     for step in range(TRAIN_STEPS):
         x = _rank_input(variant, m.inputs[step], rank, ws, layout=layout)
-        with rank_phase("forward", step):
-            out = variant.call(module, x)
+        # A returned bias (skip_bias_add) joins a partial output once: the caller adds it after its all-reduce.
+        returned_bias(reset=True, add=variant.output != "partial" or rank == 0)
+        try:
+            with rank_phase("forward", step):
+                out = variant.call(module, x)
+        finally:  # read, and add again by default
+            result.returned_bias = returned_bias(reset=True) or result.returned_bias
         upstream = m.grads[step]
         if isinstance(variant.output_placement, Shard):  # sharded (packed: per part) or sequence-sharded
             upstream = shard_tensor(upstream, variant.output_placement, rank, ws)
@@ -303,8 +311,12 @@ def _forward_only(variant: Variant, case: Case, m: Masters, module: Any, result:
                   layout: str) -> RankResult:
     """An inference layer's one forward, under ``torch.no_grad()`` (no grads, no training steps)."""
     x = _rank_input(variant, m.inputs[0], rank, ws, layout=layout, grad=False)
-    with rank_phase("forward", 0), torch.no_grad():
-        out = variant.call(module, x)
+    returned_bias(reset=True, add=variant.output != "partial" or rank == 0)
+    try:
+        with rank_phase("forward", 0), torch.no_grad():
+            out = variant.call(module, x)
+    finally:
+        result.returned_bias = returned_bias(reset=True)
     expected = m.grads[0]
     if isinstance(variant.output_placement, Shard):
         expected = shard_tensor(expected, variant.output_placement, rank, ws)
