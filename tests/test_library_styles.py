@@ -1,7 +1,9 @@
 """Layers in libraries' own styles, checked with no adapter code: vLLM-style inference layers
 forward-only (``--forward-only``, ``Variant(forward_only=True)``, ``property_tests(forward_only=True)``),
-a divisibility refusal by bare ``assert`` accepted there, nanotron's ``pg=`` group keyword and its row
-bias held by tp rank 0 only."""
+a divisibility refusal by bare ``assert`` accepted there, vLLM's ``(output, output_bias)`` return and
+its tp group read by the layer itself (the implicit-group convention, ``--ctor-arg``), nanotron's ``pg=``
+group keyword, its row bias held by tp rank 0 only and its required ``mode`` (ALL_REDUCE, or
+REDUCE_SCATTER under sequence parallelism)."""
 
 from __future__ import annotations
 
@@ -235,3 +237,62 @@ def test_a_returned_bias_joins_a_partial_output_once_with_its_whole_grad_on_ever
     for ws in (1, 2, 3):
         case = Case(world_size=ws, in_features=6, out_features=3, batch_shape=(2,), bias=True, seed=0)
         assert check_case(variant, case) == [], (output, ws)
+
+
+# --- nanotron's mode: ALL_REDUCE, or REDUCE_SCATTER (sequence parallel) ---------------------------
+
+SEQ_COLUMN, SEQ_ROW = ("--input", "sequence-sharded"), ("--output", "sequence-sharded")
+
+
+@pytest.mark.parametrize(("layer", "args"), [
+    ("TensorParallelColumnLinear", ()), ("TensorParallelRowLinear", ()),
+    ("TensorParallelColumnLinear", SEQ_COLUMN), ("TensorParallelRowLinear", SEQ_ROW),
+], ids=["column-all-reduce", "row-all-reduce", "column-reduce-scatter", "row-reduce-scatter"])
+def test_nanotron_layers_with_a_required_mode_pass_with_no_adapter(capsys, tmp_path, monkeypatch, layer, args) -> None:
+    code, out = _check(capsys, tmp_path, monkeypatch, f"{NANOTRON}:{layer}", *args)
+    assert code == 0, out
+    assert "PASS" in out
+
+
+def test_nanotrons_mode_follows_the_placements() -> None:
+    target = f"{ROOT / NANOTRON}:TensorParallelRowLinear"
+    (row,) = resolve_target(target)
+    assert "mode=ALL_REDUCE" in row.description and row.output == "reduced"
+    assert row.param("bias").held_by == "detect"  # nanotron's row bias lives on tp rank 0
+    (seq,) = resolve_target(target, output="sequence-sharded")
+    assert "mode=REDUCE_SCATTER" in seq.description and seq.sequence_dim == 0  # [seq, batch, hidden]
+    with pytest.raises(InvalidArgument, match=r"--ctor-arg mode=REDUCE_SCATTER: tpsim passes mode itself "
+                                              r"\(ALL_REDUCE, or REDUCE_SCATTER with --input/--output sequence-sharded\)"):
+        resolve_target(target, ctor_arg=(("mode", "REDUCE_SCATTER"),))
+
+
+def test_the_split_backward_of_the_sequence_gather_is_grad_not_reduced() -> None:
+    target = f"{ROOT / NANOTRON}:SplitBackwardColumnLinear"
+    (plain,) = resolve_target(target)
+    (seq,) = resolve_target(target, input="sequence-sharded")
+    case = Case(world_size=2, in_features=4, out_features=6, batch_shape=(4, 3), bias=True, seed=0)
+    assert check_case(plain, case) == []  # ALL_REDUCE mode does not gather: the bug is not on its path
+    failures = check_case(seq, case)
+    assert [(f.property, f.diagnosis) for f in failures][:1] == [("input-grad-equivalence", "grad-not-reduced")]
+    assert "instead of reduce-scattering it" in failures[0].message
+
+
+def test_a_required_parameter_no_convention_passes_is_named_with_the_flag(tmp_path) -> None:
+    (tmp_path / "needs.py").write_text(
+        "import enum\n"
+        "import torch\n"
+        "class Layout(enum.Enum):\n"
+        "    FLAT = 1\n"
+        "    CHUNKED = 2\n"
+        "class NeedsRowLinear(torch.nn.Module):\n"
+        "    def __init__(self, in_features, out_features, pg, chunks, bias=True, layout=Layout.FLAT):\n"
+        "        super().__init__()\n")
+    target = f"{tmp_path / 'needs.py'}:NeedsRowLinear"
+    with pytest.raises(InvalidArgument, match=r"requires chunks, which the group convention does not pass: fix it "
+                                              r"with --ctor-arg chunks=VALUE"):
+        resolve_target(target)
+    (variant,) = resolve_target(target, ctor_arg=(("chunks", "2"), ("layout", "CHUNKED")))
+    assert "chunks=2, layout=<Layout.CHUNKED: 2>" in variant.description
+    with pytest.raises(InvalidArgument, match=r"--ctor-arg layout=SIDEWAYS: NeedsRowLinear's layout is a Layout; "
+                                              r"expected one of FLAT, CHUNKED"):
+        resolve_target(target, ctor_arg=(("chunks", "2"), ("layout", "SIDEWAYS")))

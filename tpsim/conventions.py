@@ -23,8 +23,10 @@ skip_bias_add=False, process_group=None)``
     (column) / ``[out, in/ws]`` (row). Megatron's option keywords follow the placements:
     ``gather_output`` is passed as ``output == "gathered"``, ``input_is_parallel`` as
     ``input != "replicated"``, ``sequence_parallel`` as "a placement is sequence-sharded" (whose
-    sequence dim is then 0 by default: Megatron's inputs are sequence-first ``[s, b, h]``); a
-    required ``skip_bias_add`` gets False. Defaults come from the signature: column output
+    sequence dim is then 0 by default: Megatron's inputs are sequence-first ``[s, b, h]``), nanotron's
+    ``mode`` (an enum with ``ALL_REDUCE`` and ``REDUCE_SCATTER``, nanotron's ``TensorParallelLinearMode``)
+    as ``REDUCE_SCATTER`` when a placement is sequence-sharded, else ``ALL_REDUCE``; a required
+    ``skip_bias_add`` gets False. Defaults come from the signature: column output
     ``gathered`` when ``gather_output`` defaults to True, else ``sharded``; row input ``sharded``
     unless ``input_is_parallel`` defaults to False; row output ``reduced`` (``partial`` when vLLM's
     ``reduce_results`` defaults to False; the keyword follows the row output).
@@ -535,7 +537,10 @@ def _group_like(cls: type, sig: _Signature, group_kw: str | None, *, kind: str |
     convention = "group" if group_kw is not None else "implicit-group"
     has_flag = sig.has("bias")
     options = [k for k in _GROUP_OPTIONS if sig.has(k)]
-    passed = [*([group_kw] if group_kw else []), *(["bias"] if has_flag else []), *options, *(n for n, _ in ctor_args)]
+    # nanotron's mode (an enum with ALL_REDUCE and REDUCE_SCATTER) follows the placements too.
+    mode = _nanotron_mode(cls, sig)
+    passed = [*([group_kw] if group_kw else []), *(["bias"] if has_flag else []), *options,
+              *(["mode"] if mode is not None else []), *(n for n, _ in ctor_args)]
     if forced:
         _check_fit(cls, convention, sig, passed)
     missing = [n for n in sig.required if n not in set(sig.names[:2]) | set(passed)]
@@ -555,10 +560,11 @@ def _group_like(cls: type, sig: _Signature, group_kw: str | None, *, kind: str |
         input = input or ("sharded" if parallel else "replicated")
         output = output or ("partial" if defaults.get("reduce_results", True) is False else "reduced")
     sequence = "sequence-sharded" in (input, output)
-    if sequence and not sig.has("sequence_parallel"):
+    if sequence and not sig.has("sequence_parallel") and mode is None:
         raise InvalidArgument(
-            f"{cls.__qualname__}({sig.render()}) has no sequence_parallel keyword, so it cannot run with a "
-            "sequence-sharded input/output; drop --input/--output sequence-sharded or describe it with a Variant"
+            f"{cls.__qualname__}({sig.render()}) has no sequence_parallel keyword (nor nanotron's mode), so it "
+            "cannot run with a sequence-sharded input/output; drop --input/--output sequence-sharded or describe it "
+            "with a Variant"
         )
     settings: dict[str, Any] = {}
     if "gather_output" in options:
@@ -571,6 +577,8 @@ def _group_like(cls: type, sig: _Signature, group_kw: str | None, *, kind: str |
         settings["reduce_results"] = output != "partial"
     if "skip_bias_add" in options and "skip_bias_add" not in defaults:
         settings["skip_bias_add"] = False  # required: tpsim adds a returned bias either way
+    if mode is not None:
+        settings["mode"] = mode["REDUCE_SCATTER" if sequence else "ALL_REDUCE"]
     fixed = {**_fixed_by_placements(settings), **({group_kw: "the tp group"} if group_kw else {})}
     extra = ctor_settings(cls, sig, ctor_args, fixed)
     settings.update(extra)
@@ -584,6 +592,8 @@ def _group_like(cls: type, sig: _Signature, group_kw: str | None, *, kind: str |
         return _construct(cls, in_features, out_features, bias, has_flag, {**kwargs, **settings}).to(dtype)
 
     how = f"tp group by {group_kw}=" if group_kw is not None else "the layer reads its tp group itself: the world"
+    if mode is not None:
+        how += f"; mode={settings['mode'].name}"
     if extra:
         how += "; " + ", ".join(f"{k}={v!r}" for k, v in extra.items())
     return _convention_variant(
@@ -606,7 +616,19 @@ _PLACEMENT_FLAGS = {
     "input_is_parallel": "--input sharded|replicated",
     "sequence_parallel": "--input/--output sequence-sharded",
     "reduce_results": "--output reduced|partial",
+    "mode": "ALL_REDUCE, or REDUCE_SCATTER with --input/--output sequence-sharded",
 }
+
+
+def _nanotron_mode(cls: type, sig: _Signature) -> type[enum.Enum] | None:
+    """nanotron's ``TensorParallelLinearMode`` when the constructor takes it as ``mode`` (an enum, by its
+    annotation or its default, with members ``ALL_REDUCE`` and ``REDUCE_SCATTER``), else None."""
+    if not sig.has("mode"):
+        return None
+    kinds = _enum_type(cls, sig, "mode")
+    if kinds is None or not {"ALL_REDUCE", "REDUCE_SCATTER"} <= set(kinds.__members__):
+        return None
+    return kinds
 
 
 def _fixed_by_placements(settings: dict[str, Any]) -> dict[str, str]:

@@ -261,7 +261,9 @@ GRAD_NOT_REDUCED = register(DiagnosisSpec(
     "differ and add up to the dense grad; the backward all-reduce is missing (for a parameter whose "
     "trainer reduces it, declare ParamSpec(grad='partial'))",
     "the ranks' grads of a replicated tensor whose grad is declared complete differ from each other "
-    "and their rank-order sum equals the dense grad within tolerance (ws >= 2)",
+    "and their rank-order sum equals the dense grad within tolerance (ws >= 2); or, for a column layer's "
+    "sequence-sharded input, each rank's grad equals its sequence slice of its own summand g_r W_r (the "
+    "backward reduce-scatter is a plain split)",
     "column-no-backward-reduce",
     consequences=(_REPLICA, _TRAINING),
 ))

@@ -677,6 +677,9 @@ def _input_grad(ctx: _Ctx) -> Failure | None:
                 "all-reduce of the replicated input's grad is missing (Megatron's copy_to_tensor_parallel_region); "
                 "if the caller reduces it, declare input_grad='partial'",
             ), r)
+        split = _sequence_grad_split(ctx, grads, in_place, mag, k)
+        if split is not None:
+            return ctx.fail(INPUT_GRAD, split, r)
         found = _grad_scaled(ctx, g, exp, t, what)
         if found is not None:
             return ctx.fail(INPUT_GRAD, found, r)
@@ -699,6 +702,33 @@ def _input_grad(ctx: _Ctx) -> Failure | None:
         m = shard_tensor(mag, in_place, r, ws) if sharded else mag
         return ctx.fail(INPUT_GRAD, _unexplained(ctx, _Compared(what, g, exp, t, m, k, None if sharded else summands)), r)
     return None
+
+
+@recogniser(GRAD_NOT_REDUCED)
+def _sequence_grad_split(ctx: _Ctx, grads: Sequence[torch.Tensor], in_place: Any, mag: torch.Tensor,
+                         k: int) -> Diagnosis | None:
+    """``grad-not-reduced`` of a column layer's sequence-sharded input: every rank's input grad is its
+    sequence slice of its own summand ``g_r W_r`` (rank r's output features), not of their sum: the
+    backward of the forward all-gather splits the grad instead of reduce-scattering it."""
+    v, ws, ref = ctx.variant, ctx.ws, ctx.ref
+    weight = v.param("weight")
+    if v.kind != "column" or v.input != "sequence-sharded" or ws < 2 or weight is None or ref.g is None:
+        return None
+    if not isinstance(in_place, Shard):
+        return None
+    features = Shard(-1, parts=v.packed) if v.packed else Shard(-1)  # rank r's output features, however returned
+    for r, g in enumerate(grads):
+        own = shard_tensor(ref.g, features, r, ws) @ shard_tensor(ref.weight, weight.placement, r, ws)
+        own_mag = shard_tensor(ref.g.abs(), features, r, ws) @ shard_tensor(ref.weight.abs(), weight.placement, r, ws)
+        expected, t = shard_tensor(own, in_place, r, ws), ctx.tol(shard_tensor(own_mag, in_place, r, ws), k)
+        if g.shape != expected.shape or not close(g, expected, t):
+            return None
+    return Diagnosis(
+        GRAD_NOT_REDUCED,
+        f"the input grad on every rank is its sequence slice of its own summand (rank r's output features only): "
+        "the backward of the input's all-gather along the sequence dim keeps this rank's slice of the grad instead "
+        "of reduce-scattering it (Megatron's gather_from_sequence_parallel_region, nanotron's differentiable_all_gather)",
+    )
 
 
 @recogniser(BIAS_GRAD_RANK0_ONLY)
