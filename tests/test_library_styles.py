@@ -296,3 +296,46 @@ def test_a_required_parameter_no_convention_passes_is_named_with_the_flag(tmp_pa
     with pytest.raises(InvalidArgument, match=r"--ctor-arg layout=SIDEWAYS: NeedsRowLinear's layout is a Layout; "
                                               r"expected one of FLAT, CHUNKED"):
         resolve_target(target, ctor_arg=(("chunks", "2"), ("layout", "SIDEWAYS")))
+
+
+# --- torch.chunk's uneven pieces (5 over 4 ranks: 2, 2, 1, 0) -------------------------------------
+
+CHUNK = "tests/wild/chunk_style.py"
+#: (in/out size, tp size): an empty piece and a rank whose piece has tensor_split's size at another
+#: offset (5 over 4), chunk's pieces differing from tensor_split's on several ranks (7 over 3, 9 over
+#: 4), and sizes where both layouts agree (5 over 2, 2 over 4: every piece of one element or none).
+CHUNK_SIZES = [(5, 4), (7, 3), (9, 4), (5, 2), (2, 4)]
+
+
+def _chunk_case(layer: str, size: int, ws: int) -> Case:
+    sizes = dict(in_features=size, out_features=3) if "Row" in layer else dict(in_features=3, out_features=size)
+    return Case(world_size=ws, batch_shape=(2,), bias=True, seed=0, **sizes)
+
+
+@pytest.mark.parametrize(("size", "ws"), CHUNK_SIZES)
+@pytest.mark.parametrize("layer", ["ChunkColumnLinear", "ChunkRowLinear"])
+def test_layers_cut_by_torch_chunk_pass(layer, size, ws) -> None:
+    (variant,) = resolve_target(f"{ROOT / CHUNK}:{layer}")
+    assert check_case(variant, _chunk_case(layer, size, ws)) == []
+
+
+def test_a_chunk_layer_is_loaded_and_fed_by_chunks_pieces_on_every_rank() -> None:
+    from tpsim.props.linear import LINEAR
+
+    (variant,) = resolve_target(f"{ROOT / CHUNK}:ChunkRowLinear")
+    obs = LINEAR.observe(variant, _chunk_case("ChunkRowLinear", 5, 4))
+    assert [v.pieces for v in obs.values] == ["chunk"] * 4
+    # Rank 2's piece (one column) has tensor_split's size too, at another offset: only its peers tell.
+    assert [v.fits for v in obs.values] == [("tensor_split", "chunk"), ("chunk",), ("tensor_split", "chunk"), ("chunk",)]
+
+
+@pytest.mark.parametrize(("size", "ws"), CHUNK_SIZES)
+def test_a_truncating_layer_is_still_divisibility_unchecked(size, ws) -> None:
+    (variant,) = resolve_target(f"{ROOT / CHUNK}:FloorRowLinear")
+    failures = check_case(variant, _chunk_case("FloorRowLinear", size, ws))
+    assert [(f.property, f.diagnosis) for f in failures] == [("divisibility", DIVISIBILITY_UNCHECKED)]
+
+
+def test_a_chunk_layer_passes_a_search(capsys, tmp_path, monkeypatch) -> None:
+    code, out = _check(capsys, tmp_path, monkeypatch, f"{CHUNK}:ChunkRowLinear")
+    assert code == 0, out

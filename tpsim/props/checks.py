@@ -19,7 +19,8 @@ Per-case properties (all fed by one world run, :meth:`tpsim.props.linear.LinearF
   state bugs such as a cached weight copy that stops following the parameter;
 - :func:`divisibility` — for a case whose sharded sizes do not divide by the tp size: every rank
   raises an exception (while building the layer or in its first forward), or the layer shards the
-  sizes unevenly by design (every parameter holds its ``torch.tensor_split`` piece) and every other
+  sizes unevenly by design (every parameter holds its ``torch.tensor_split`` piece, or every one its
+  ``torch.chunk`` piece) and every other
   property holds on those pieces. A truncated or padded shard, a wrong result, a failure after the
   first forward and a rank left failing in a collective are findings (``divisibility-unchecked``).
   A forward-only variant's refusal by ``assert`` on every rank counts too (``python -O`` strips it).
@@ -1016,10 +1017,13 @@ def _divisibility(variant: Variant, obs: Observation) -> Failure | None:
                                assert_refuses=variant.forward_only)
     values = obs.values or []
     wrong: list[Failure] = []
-    if values and all(getattr(v, "uneven", False) for v in values):
-        # Every rank holds torch.tensor_split's piece of each sharded parameter: uneven by design. The
-        # case is judged like a divisible one on those pieces; only a wrong result is a finding.
-        with uneven_pieces():
+    styles = {getattr(v, "pieces", None) or "tensor_split" for v in values}
+    if values and all(getattr(v, "uneven", False) for v in values) and len(styles) == 1:
+        # Every rank holds torch.tensor_split's (or every rank torch.chunk's) piece of each sharded
+        # parameter: uneven by design. The case is judged like a divisible one on those pieces; only a
+        # wrong result is a finding.
+        (style,) = styles
+        with uneven_pieces(style):
             wrong = _evaluate_divisible(variant, obs, [p for p in (FORWARD_ONLY if variant.forward_only else PROPERTIES)
                                                        if p != DIVISIBILITY])
         if not wrong:
@@ -1031,7 +1035,7 @@ def _divisibility(variant: Variant, obs: Observation) -> Failure | None:
         return Failure(
             DIVISIBILITY,
             DIVISIBILITY_UNCHECKED,
-            f"{what}; every rank accepted it and holds torch.tensor_split's piece of each sharded parameter "
+            f"{what}; every rank accepted it and holds torch.{style}'s piece of each sharded parameter "
             f"(uneven by design), but the result is wrong: {first.property}: {first.diagnosis} — {first.message}",
             case=case,
             rank=first.rank if first.rank is not None else r0,
@@ -1044,7 +1048,8 @@ def _divisibility(variant: Variant, obs: Observation) -> Failure | None:
         DIVISIBILITY_UNCHECKED,
         f"{what}, yet every rank built the layer and its forward returned an output (rank {r0}: shape "
         f"{list(shape) if shape is not None else shape}) without an error: the sizes were silently truncated or "
-        "padded (the shards are not torch.tensor_split's pieces of the sharded sizes); raise a ValueError naming the "
+        "padded (the shards are neither torch.tensor_split's nor torch.chunk's pieces of the sharded sizes); raise a "
+        "ValueError naming the "
         "sizes at construction, or shard them unevenly and compute the right result",
         case=case,
         rank=r0,
