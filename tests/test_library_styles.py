@@ -14,10 +14,10 @@ import pytest
 from tpsim.cli import main
 from tpsim.diagnosis import DIVISIBILITY_UNCHECKED
 from tpsim.errors import InvalidArgument
+from tpsim.placement import Replicate, Shard
 from tpsim.props.case import Case
 from tpsim.props.linear import check_case
 from tpsim.props.suite import property_tests
-from tpsim.placement import Replicate, Shard
 from tpsim.target import resolve_target
 from tpsim.variant import ParamSpec
 

@@ -726,7 +726,7 @@ def _sequence_grad_split(ctx: _Ctx, grads: Sequence[torch.Tensor], in_place: Any
             return None
     return Diagnosis(
         GRAD_NOT_REDUCED,
-        f"the input grad on every rank is its sequence slice of its own summand (rank r's output features only): "
+        "the input grad on every rank is its sequence slice of its own summand (rank r's output features only): "
         "the backward of the input's all-gather along the sequence dim keeps this rank's slice of the grad instead "
         "of reduce-scattering it (Megatron's gather_from_sequence_parallel_region, nanotron's differentiable_all_gather)",
     )

@@ -29,13 +29,13 @@ from typing import Any
 
 import torch
 
+from tpsim.conventions import returned_bias
 from tpsim.errors import InvalidArgument
 from tpsim.placement import UNEVEN_STYLES, Replicate, Shard, part_sizes, shard_tensor, uneven_pieces
 from tpsim.props.case import Case
 from tpsim.props.layouts import apply_layout, expand_values
 from tpsim.props.observation import OK, RankOutput
 from tpsim.props.rank import LR, TRAIN_STEPS, enter_rank, rank_phase, trainer_step
-from tpsim.conventions import returned_bias
 from tpsim.variant import LayoutError, Variant, get_param, load_master, stored_shape
 
 __all__ = [
