@@ -173,6 +173,7 @@ def test_vllm_layers_pass_with_no_adapter(capsys, tmp_path, monkeypatch, layer, 
 def test_vllm_layers_are_the_implicit_group_convention() -> None:
     (row,) = resolve_target(f"{ROOT / VLLM}:RowParallelLinear", forward_only=True)
     assert "implicit-group convention" in row.description and not row.subgroups
+    assert any("takes no tp group" in n and "needs a Variant whose builder initialises it" in n for n in row.notes)
     assert (row.input, row.output) == ("sharded", "reduced")
     (skip,) = resolve_target(f"{ROOT / VLLM}:RowParallelLinear", ctor_arg=(("skip_bias_add", "True"),))
     assert "skip_bias_add=True" in skip.description

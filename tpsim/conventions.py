@@ -380,6 +380,7 @@ def _convention_variant(
     kind: str,
     weight: dict[str, Any],
     convention: str,
+    extra_notes: tuple[str, ...] = (),
     **fields: Any,
 ) -> Variant:
     """The variant of a plain class built by ``build``: the weight's :class:`ParamSpec` options
@@ -399,7 +400,7 @@ def _convention_variant(
         always_bias=always,
         forward=add_returned_bias,
         description=f"{cls.__module__}.{cls.__qualname__} ({convention})",
-        notes=notes,
+        notes=(*notes, *extra_notes),
         rank_local=_rank_local(cls),
         **fields,
     )
@@ -602,7 +603,10 @@ def _group_like(cls: type, sig: _Signature, group_kw: str | None, *, kind: str |
         # Megatron's tensors are sequence-first [s, b, h]: the sequence dim is 0 (--sequence-dim overrides).
         sequence_dim=0 if sequence else -2,
         # Without a group to pass, the layer's tp group is the whole world.
-        **({} if group_kw is not None else {"subgroups": False}),
+        **({} if group_kw is not None else {"subgroups": False, "extra_notes": (
+            f"{cls.__qualname__} takes no tp group (implicit-group convention): it must find it itself, e.g. a "
+            "get_tp_group() that defaults to the world; a library whose parallel state must be initialised first "
+            f"(vLLM's initialize_model_parallel) needs a Variant whose builder initialises it: see {HOW_TO_CHECK}",)}),
     )
 
 
