@@ -59,3 +59,21 @@ def test_sizes_that_do_not_divide_are_refused_with_the_numbers() -> None:
         Shard("0")  # type: ignore[arg-type]
     with pytest.raises(InvalidArgument, match="pieces is empty"):
         assemble([], Shard(0))
+
+
+def test_chunk_pieces_follow_torch_chunk_with_empty_pieces_after_the_last() -> None:
+    from tpsim.placement import split_sizes, uneven_pieces
+
+    assert split_sizes(5, 4, "chunk") == (2, 2, 1, 0)
+    assert split_sizes(7, 3, "chunk") == (3, 3, 1)
+    assert split_sizes(5, 4) == (2, 1, 1, 1)
+    for size, ws in [(5, 4), (7, 3), (9, 4), (2, 4), (8, 4)]:
+        t = torch.arange(size)
+        with uneven_pieces("chunk"):
+            pieces = [shard_tensor(t, Shard(0), r, ws) for r in range(ws)]
+        chunks = list(torch.chunk(t, ws))
+        assert [p.tolist() for p in pieces] == [c.tolist() for c in chunks] + [[]] * (ws - len(chunks))
+        assert torch.equal(assemble(pieces, Shard(0)), t)
+    with pytest.raises(InvalidArgument, match=r"uneven_pieces\(style='ceil'\): expected one of tensor_split, chunk"):
+        with uneven_pieces("ceil"):
+            pass

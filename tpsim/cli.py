@@ -208,8 +208,10 @@ def build_parser() -> _Parser:
     adapt.add_argument("--convention", type=_choice(CONVENTION_CHOICES), metavar=_braces(CONVENTION_CHOICES),
                        help="constructor convention, detected from the signature when unambiguous: master-weight "
                        "(in_features, out_features, bias, master_weight), tp-rank (in_features, out_features, tp_size, "
-                       "tp_rank[, tp_group]) or group (Megatron style: input_size, output_size, *, bias, gather_output, "
-                       "skip_bias_add, process_group|group|tp_group|pg; forward may return (output, bias)); a forced "
+                       "tp_rank[, tp_group]), group (Megatron style: input_size, output_size, *, bias, gather_output, "
+                       "skip_bias_add, process_group|group|tp_group|pg; forward may return (output, bias)) or "
+                       "implicit-group (vLLM style: the same without a group keyword, reduce_results too; the layer "
+                       "reads its tp group itself, the world); a forced "
                        "convention that does not fit the constructor is a usage error (README: Check your own layer)")
     adapt.add_argument("--kind", type=_choice(KIND_CHOICES), metavar=_braces(KIND_CHOICES),
                        help="column- or row-parallel (detected from the class name when it says); module: a "
@@ -239,6 +241,12 @@ def build_parser() -> _Parser:
                        help="an inference layer (weights without grads, collectives outside autograd): run the "
                        "forward only, under torch.no_grad(), and check forward equivalence, replica consistency "
                        "and divisibility (a refusal by assert on every rank counts; python -O strips it)")
+    adapt.add_argument("--ctor-arg", dest="ctor_arg", action="append", type=_ctor_arg, default=None,
+                       metavar="NAME=VALUE",
+                       help="a constructor keyword of a plain class, fixed for every case (repeatable): a Python "
+                       "literal (skip_bias_add=True, 8, 'text'), or an enum member's name for an enum parameter "
+                       "(mode=ALL_REDUCE); the keywords tpsim passes itself (sizes, bias, the tp group, options that "
+                       "follow --input/--output) are refused")
     real = check.add_argument_group("what a real job does per process or in its trainer (any target)")
     real.add_argument("--rank-local", dest="rank_local", action="append", default=None, metavar="MODULE",
                       help="make MODULE's globals per rank on inproc, as they are per process in a real job (a "
@@ -521,6 +529,17 @@ def _packed(text: str) -> tuple[int, ...]:
     return (1,) * values[0] if len(values) == 1 else tuple(values)
 
 
+def _ctor_arg(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    name, value = name.strip(), value.strip()
+    if not sep or not name.isidentifier() or not value:
+        raise argparse.ArgumentTypeError(
+            f"invalid value {text!r}; expected NAME=VALUE, a constructor keyword and its value (e.g. "
+            "skip_bias_add=True, mode=ALL_REDUCE)"
+        )
+    return name, value
+
+
 def _param_grad(text: str) -> tuple[str, str]:
     name, sep, mode = text.partition("=")
     name, mode = name.strip(), mode.strip()
@@ -710,6 +729,7 @@ def _run_check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: 
 
     options = {k: getattr(args, k) for k in ("convention", "kind", "input", "output", "input_grad", "packed",
                                              "sequence_dim", "plan", "forward_only")}
+    options["ctor_arg"] = tuple(args.ctor_arg) if args.ctor_arg else None
     # Repeatable flags as tuples (options must be hashable: they key the resolver's cache).
     options["rank_local"] = tuple(args.rank_local) if args.rank_local else None
     options["param_grad"] = tuple(args.param_grad) if args.param_grad else None

@@ -193,9 +193,11 @@ DIAGNOSES: Mapping[str, str] = _Docs()
 BIAS_DUPLICATION = register(DiagnosisSpec(
     "bias-duplication", (_FORWARD,),
     "the output is off by exactly (world_size-1)*bias: every rank added the full bias to its summand "
-    "before the reduction (add it once, after the reduction)",
+    "before the reduction (add it once, after the reduction); or by +1*bias from a layer that adds the bias "
+    "and also returns it for the caller under skip_bias_add",
     "output - dense output = c * bias (broadcast over the leading dims) within tolerance, with "
-    "c = world_size - 1, world_size >= 2 and a bias in the case",
+    "c = world_size - 1, world_size >= 2 and a bias in the case; or c = 1 when the forward returned "
+    "(output, bias) and tpsim added the returned bias, as the caller does",
     "row-bias-before-reduce",
     consequences=(_TRAINING,),
 ))
@@ -259,7 +261,9 @@ GRAD_NOT_REDUCED = register(DiagnosisSpec(
     "differ and add up to the dense grad; the backward all-reduce is missing (for a parameter whose "
     "trainer reduces it, declare ParamSpec(grad='partial'))",
     "the ranks' grads of a replicated tensor whose grad is declared complete differ from each other "
-    "and their rank-order sum equals the dense grad within tolerance (ws >= 2)",
+    "and their rank-order sum equals the dense grad within tolerance (ws >= 2); or, for a column layer's "
+    "sequence-sharded input, each rank's grad equals its sequence slice of its own summand g_r W_r (the "
+    "backward reduce-scatter is a plain split)",
     "column-no-backward-reduce",
     consequences=(_REPLICA, _TRAINING),
 ))

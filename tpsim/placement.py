@@ -18,7 +18,9 @@ so separately (see :mod:`tpsim.variant`).
 back together; both refuse sizes that do not divide, naming the numbers, except inside
 :func:`uneven_pieces`: there an unpacked dim that does not divide is cut into ``torch.tensor_split``'s
 pieces (the first ``size % world_size`` ranks hold one more), the layout libraries that shard
-uneven sizes by design use (DeepSpeed AutoTP, DTensor). tpsim enters it to check such a layer's
+uneven sizes by design use (DeepSpeed AutoTP, DTensor), or, with ``uneven_pieces("chunk")``, into
+``torch.chunk``'s (pieces of ``ceil(size / world_size)``, the last non-empty one smaller and the
+ranks after it empty: 5 over 4 ranks is 2, 2, 1, 0). tpsim enters it to check such a layer's
 result, never to build one.
 """
 
@@ -44,28 +46,45 @@ __all__ = [
     "shard_tensor",
     "split_sizes",
     "uneven_pieces",
+    "UNEVEN_STYLES",
 ]
 
-#: Whether an unpacked dim that does not divide is cut into tensor_split pieces (see the module docstring).
-_UNEVEN: contextvars.ContextVar[bool] = contextvars.ContextVar("tpsim_uneven_pieces", default=False)
+#: How a dim that does not divide is cut inside :func:`uneven_pieces`: ``torch.tensor_split``'s pieces
+#: (sizes differ by at most one) or ``torch.chunk``'s (equal pieces of the ceiling, then the rest).
+UNEVEN_STYLES = ("tensor_split", "chunk")
+#: How an unpacked dim that does not divide is cut (None: it is refused; see the module docstring).
+_UNEVEN: contextvars.ContextVar[str | None] = contextvars.ContextVar("tpsim_uneven_pieces", default=None)
 
 
 @contextlib.contextmanager
-def uneven_pieces() -> Iterator[None]:
+def uneven_pieces(style: str = "tensor_split") -> Iterator[None]:
     """Within this block (of this thread), :func:`shard_shape` and :func:`shard_tensor` cut an unpacked
-    dim that does not divide by the world size into ``torch.tensor_split``'s pieces instead of refusing."""
-    token = _UNEVEN.set(True)
+    dim that does not divide by the world size into ``torch.tensor_split``'s pieces (``style="chunk"``:
+    ``torch.chunk``'s, see :func:`split_sizes`) instead of refusing."""
+    if style not in UNEVEN_STYLES:
+        raise InvalidArgument(f"uneven_pieces(style={style!r}): expected one of {', '.join(UNEVEN_STYLES)}")
+    token = _UNEVEN.set(style)
     try:
         yield
     finally:
         _UNEVEN.reset(token)
 
 
-def split_sizes(size: int, world_size: int) -> tuple[int, ...]:
-    """The sizes of ``torch.tensor_split``'s ``world_size`` pieces of a dim of ``size``: the first
-    ``size % world_size`` are one larger."""
+def split_sizes(size: int, world_size: int, style: str = "tensor_split") -> tuple[int, ...]:
+    """The sizes of ``world_size`` pieces of a dim of ``size``: ``torch.tensor_split``'s (the first
+    ``size % world_size`` are one larger) or, ``style="chunk"``, ``torch.chunk``'s (``ceil(size /
+    world_size)`` each while the dim lasts: the last non-empty piece holds the rest, and the ranks after
+    it hold empty pieces, which ``torch.chunk`` itself leaves out: 5 over 4 ranks is 2, 2, 1, 0)."""
+    if style == "chunk":
+        step = -(-size // world_size)
+        return tuple(max(0, min(step, size - r * step)) for r in range(world_size))
     base, extra = divmod(size, world_size)
     return tuple(base + (1 if r < extra else 0) for r in range(world_size))
+
+
+def _uneven_piece(tensor: torch.Tensor, dim: int, rank: int, world_size: int, style: str) -> torch.Tensor:
+    sizes = split_sizes(tensor.shape[dim], world_size, style)
+    return tensor.narrow(dim, sum(sizes[:rank]), sizes[rank])
 
 
 class Placement:
@@ -186,13 +205,14 @@ def shard_shape(shape: Sequence[int], placement: Placement, world_size: int, ran
         return shape
     dim = placement.dim % len(shape) if shape else placement.dim
     out = list(shape)
-    if _UNEVEN.get() and placement.parts is None and shape[dim] % world_size and rank is not None:
-        out[dim] = split_sizes(shape[dim], world_size)[rank]
+    style = _UNEVEN.get()
+    if style is not None and placement.parts is None and shape[dim] % world_size and rank is not None:
+        out[dim] = split_sizes(shape[dim], world_size, style)[rank]
         return tuple(out)
-    if _UNEVEN.get() and placement.parts is None and shape[dim] % world_size:
+    if style is not None and placement.parts is None and shape[dim] % world_size:
         raise InvalidArgument(
             f"the pieces of a tensor of shape {list(shape)} along dim {placement.dim} over world_size={world_size} "
-            f"differ by rank ({list(split_sizes(shape[dim], world_size))}); ask shard_tensor for one rank's piece"
+            f"differ by rank ({list(split_sizes(shape[dim], world_size, style))}); ask shard_tensor for one rank's piece"
         )
     _check_divisible(placement, shape[dim], world_size, f"a tensor of shape {list(shape)}")
     out[dim] = shape[dim] // world_size
@@ -215,8 +235,9 @@ def shard_tensor(tensor: torch.Tensor, placement: Placement, rank: int, world_si
     if not isinstance(placement, Shard):
         raise InvalidArgument(f"placement={placement!r} is not a Shard, Replicate or Partial")
     dim = placement.dim % tensor.dim()
-    if _UNEVEN.get() and placement.parts is None and tensor.shape[dim] % world_size:
-        return torch.tensor_split(tensor, world_size, dim=dim)[rank]
+    style = _UNEVEN.get()
+    if style is not None and placement.parts is None and tensor.shape[dim] % world_size:
+        return _uneven_piece(tensor, dim, rank, world_size, style)
     parts = _check_divisible(placement, tensor.shape[dim], world_size, f"a tensor of shape {list(tensor.shape)}")
     pieces = []
     start = 0

@@ -61,7 +61,7 @@ __all__ = [
 ]
 
 _OPTION_NAMES = ("convention", "kind", "input", "output", "input_grad", "packed", "sequence_dim", "rank_local",
-                 "param_grad", "plan", "plan_twin", "forward_only")
+                 "param_grad", "plan", "plan_twin", "forward_only", "ctor_arg")
 #: Modules whose variants are declared elsewhere (the layer core never imports the harness).
 DECLARED_IN = {"tpsim.layers": "tpsim.builtin_variants"}
 _lock = threading.Lock()
@@ -199,8 +199,9 @@ def resolve_target(target: str, **options: Any) -> list[Any]:
     if isinstance(options.get("rank_local"), (list, str)):
         value = options["rank_local"]
         options = dict(options, rank_local=(value,) if isinstance(value, str) else tuple(value))
-    if isinstance(options.get("param_grad"), list):
-        options = dict(options, param_grad=tuple(tuple(p) for p in options["param_grad"]))
+    for key in ("param_grad", "ctor_arg"):  # a case file's JSON lists of pairs: hashable again
+        if isinstance(options.get(key), list):
+            options = dict(options, **{key: tuple(tuple(p) for p in options[key])})
     key = (target, tuple(sorted((k, v) for k, v in options.items() if v is not None)))
     with _lock:
         cached = _cache.get(key)

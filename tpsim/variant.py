@@ -70,6 +70,7 @@ from tpsim.placement import Partial, Placement, Replicate, Shard, shard_shape, s
 
 __all__ = [
     "INPUTS",
+    "HELD_BY",
     "INPUT_GRADS",
     "KINDS",
     "OUTPUTS",
@@ -89,6 +90,8 @@ OUTPUTS = ("sharded", "gathered", "partial", "reduced", "sequence-sharded")
 INPUT_GRADS = ("complete", "partial")
 #: Who completes a replicated parameter's grad (see :class:`ParamSpec`): the layer, or the trainer.
 PARAM_GRADS = ("complete", "partial")
+#: Which tp ranks hold a parameter (see :class:`ParamSpec`): every rank, tp rank 0 only, or read from the built layers.
+HELD_BY = ("all", "rank0", "detect")
 
 _VALID_IO = {
     "column": {"input": ("replicated", "sequence-sharded"), "output": ("sharded", "gathered")},
@@ -154,6 +157,14 @@ class ParamSpec:
     sum before each SGD step (so training equivalence sees what the trainer does) and checks that
     the replicas agree after it. A parameter the built module marks ``param.sequence_parallel =
     True`` (Megatron's marker) is partial without a declaration.
+
+    ``held_by`` says which tp ranks hold the parameter: ``"all"`` (the default), ``"rank0"`` (tp rank
+    0 only: nanotron's row bias, which rank 0 adds before the all-reduce so the sum holds it once; the
+    other ranks' layers have no tensor there, ``None`` or no attribute) or ``"detect"`` (every rank, or
+    rank 0 only, read from the built layers: what the plain-class conventions declare). Only a
+    replicated parameter with a complete grad can be held by rank 0 only. Rank 0 gets the master value
+    and its grad is compared with the dense grad; the other ranks must hold none (``"rank0"``: a tensor
+    there is a ``shape-error``, declare ``"all"`` for it).
     """
 
     name: str
@@ -162,6 +173,7 @@ class ParamSpec:
     transposed: bool = False
     load: bool = True
     grad: str = "complete"
+    held_by: str = "all"
 
     def __post_init__(self) -> None:
         if self.master not in ("weight", "bias"):
@@ -181,12 +193,27 @@ class ParamSpec:
                 f"ParamSpec(name={self.name!r}, grad='partial') with placement {self.placement}: only a replicated "
                 "parameter's grad can be left partial for the trainer to sum (a sharded one is complete on its rank)"
             )
+        if self.held_by not in HELD_BY:
+            raise InvalidArgument(
+                f"ParamSpec(name={self.name!r}, held_by={self.held_by!r}): expected one of {', '.join(HELD_BY)}"
+            )
+        if self.held_by != "all" and (not isinstance(self.placement, Replicate) or self.grad != "complete"):
+            raise InvalidArgument(
+                f"ParamSpec(name={self.name!r}, held_by={self.held_by!r}) with placement {self.placement} and "
+                f"grad={self.grad!r}: only a replicated parameter with a complete grad can be held by rank 0 only "
+                "(expected placement Replicate() and grad='complete')"
+            )
 
     def describe(self) -> str:
         """Short form, e.g. ``weight S(0)``, ``weight S(1) stored transposed`` or ``bias R grad partial``."""
         text = f"{self.name} {self.placement}"
         text += " stored transposed" if self.transposed else ""
+        text += " on tp rank 0 only" if self.held_by == "rank0" else ""  # "detect": either is right
         return text + (" grad partial" if self.grad == "partial" else "")
+
+    def absent_ok(self, rank: int) -> bool:
+        """Whether tp rank ``rank``'s layer may hold no tensor for this parameter (rank 0 always holds it)."""
+        return rank != 0 and self.held_by != "all"
 
 
 def _default_params(kind: str, has_bias: bool) -> tuple[ParamSpec, ...]:
@@ -515,7 +542,9 @@ class Variant:
                     f"variant {self.name!r} has no parameter {key!r} to set grad={value!r} on; expected one of {names}"
                 )
             for i in hits:
-                specs[i] = dataclasses.replace(specs[i], grad=value)
+                # A grad the trainer sums lives on every rank: a detected holding becomes "all".
+                held = "all" if value == "partial" and specs[i].held_by == "detect" else specs[i].held_by
+                specs[i] = dataclasses.replace(specs[i], grad=value, held_by=held)
         return self.replace(params=tuple(specs))
 
     # -- building ---------------------------------------------------------------------------
@@ -621,7 +650,8 @@ def load_master(
 
     Specs with ``load=True`` get ``shard_tensor(master, placement, rank, world_size)``
     (transposed when stored transposed); every spec's stored shape is checked, raising
-    :class:`LayoutError` on a mismatch or a missing parameter.
+    :class:`LayoutError` on a mismatch or a missing parameter. A parameter held by tp rank 0 only
+    (``held_by``) may be missing on the other ranks; declared ``"rank0"``, it must be.
     """
     for spec in variant.params or ():
         master = masters.get(spec.master)
@@ -629,12 +659,27 @@ def load_master(
             continue  # e.g. the bias of a bias-free case
         expected = stored_shape(spec, tuple(master.shape), world_size, rank)
         param = get_param(module, spec.name)
+        if param is None and spec.absent_ok(rank):
+            continue  # held by tp rank 0 only
         if param is None:
+            hint = "fix the ParamSpec name"
+            if rank != 0 and isinstance(spec.placement, Replicate) and spec.grad == "complete":
+                hint += (f", or, if only tp rank 0 holds it (nanotron's row bias), declare "
+                         f"ParamSpec({spec.name!r}, ..., held_by='rank0')")
             raise LayoutError(
-                f"variant {variant.name!r}: the built layer has no tensor at {spec.name!r} "
-                f"(expected shape {list(expected)}); fix the ParamSpec name",
+                f"variant {variant.name!r}: the built layer has no tensor at {spec.name!r} on tp rank {rank} "
+                f"(expected shape {list(expected)}); {hint}",
                 param=spec.name,
                 shape=None,
+                expected=expected,
+            )
+        if rank != 0 and spec.held_by == "rank0":
+            raise LayoutError(
+                f"variant {variant.name!r}: parameter {spec.name!r} is declared held by tp rank 0 only "
+                f"(held_by='rank0'), but tp rank {rank} holds one of shape {list(param.shape)}; declare "
+                "held_by='all' if every rank holds it",
+                param=spec.name,
+                shape=tuple(param.shape),
                 expected=expected,
             )
         if tuple(param.shape) != expected:

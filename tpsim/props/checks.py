@@ -19,7 +19,8 @@ Per-case properties (all fed by one world run, :meth:`tpsim.props.linear.LinearF
   state bugs such as a cached weight copy that stops following the parameter;
 - :func:`divisibility` — for a case whose sharded sizes do not divide by the tp size: every rank
   raises an exception (while building the layer or in its first forward), or the layer shards the
-  sizes unevenly by design (every parameter holds its ``torch.tensor_split`` piece) and every other
+  sizes unevenly by design (every parameter holds its ``torch.tensor_split`` piece, or every one its
+  ``torch.chunk`` piece) and every other
   property holds on those pieces. A truncated or padded shard, a wrong result, a failure after the
   first forward and a rank left failing in a collective are findings (``divisibility-unchecked``).
   A forward-only variant's refusal by ``assert`` on every rank counts too (``python -O`` strips it).
@@ -139,6 +140,24 @@ class _Ctx:
 
     def tol(self, magnitude: torch.Tensor, k: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         return tolerance(dtype or self.dtype, magnitude, reduction_length=k, world_size=self.ws)
+
+    def rank0_only(self, spec: Any) -> bool:
+        """Whether ``spec``'s parameter is held by tp rank 0 only in this run (declared or detected:
+        the other ranks' layers have no tensor there; see :attr:`tpsim.variant.ParamSpec.held_by`)."""
+        return self.ws > 1 and any(spec.master in getattr(v, "absent", ()) for v in self.values)
+
+    def holders_failure(self, spec: Any, prop: str) -> Failure | None:
+        """A ``shape-error`` when some but not all of the ranks after rank 0 hold ``spec``'s parameter."""
+        absent = [r for r, v in enumerate(self.values) if spec.master in getattr(v, "absent", ())]
+        if not absent or len(absent) == self.ws - 1:
+            return None
+        held = [r for r in range(self.ws) if r not in absent]
+        return self.fail(prop, Diagnosis(
+            SHAPE_ERROR,
+            f"parameter {spec.name!r} is held by tp ranks {held} but not by {absent}: a replicated parameter lives "
+            "on every rank, or on tp rank 0 only (nanotron's row bias)",
+            {"param": spec.name},
+        ), absent[0])
 
     def fail(self, prop: str, diag: Diagnosis, rank: int | None = None, prefix: str = "") -> Failure:
         message = f"{prefix}{diag.message}" if prefix else diag.message
@@ -324,6 +343,17 @@ def _bias_multiple(ctx: _Ctx, c: _Compared) -> Diagnosis | None:
     if bias is None or not bool(bias.ne(0).any()) or c.actual.shape[-1:] != bias.shape:
         return None
     ws = ctx.ws
+    if any(getattr(v, "returned_bias", False) for v in ctx.values):
+        # The forward returned a bias for the caller (skip_bias_add), and tpsim added it, as the caller does.
+        tol = ctx.tol(c.mag + bias.abs(), c.k)
+        if close(c.actual, c.expected + bias, tol):
+            return Diagnosis(
+                BIAS_DUPLICATION,
+                f"{c.what} is off by exactly +1*bias: the layer adds the bias itself and also returns it for the "
+                "caller to add (skip_bias_add), so the caller adds it a second time; under skip_bias_add leave it "
+                "out of the output",
+                {"factor": 1.0, "returned": True},
+            )
     for factor, name in (((ws - 1), BIAS_DUPLICATION), (-1, BIAS_MISSING)):
         if factor == 0:
             continue
@@ -648,6 +678,9 @@ def _input_grad(ctx: _Ctx) -> Failure | None:
                 "all-reduce of the replicated input's grad is missing (Megatron's copy_to_tensor_parallel_region); "
                 "if the caller reduces it, declare input_grad='partial'",
             ), r)
+        split = _sequence_grad_split(ctx, grads, in_place, mag, k)
+        if split is not None:
+            return ctx.fail(INPUT_GRAD, split, r)
         found = _grad_scaled(ctx, g, exp, t, what)
         if found is not None:
             return ctx.fail(INPUT_GRAD, found, r)
@@ -670,6 +703,33 @@ def _input_grad(ctx: _Ctx) -> Failure | None:
         m = shard_tensor(mag, in_place, r, ws) if sharded else mag
         return ctx.fail(INPUT_GRAD, _unexplained(ctx, _Compared(what, g, exp, t, m, k, None if sharded else summands)), r)
     return None
+
+
+@recogniser(GRAD_NOT_REDUCED)
+def _sequence_grad_split(ctx: _Ctx, grads: Sequence[torch.Tensor], in_place: Any, mag: torch.Tensor,
+                         k: int) -> Diagnosis | None:
+    """``grad-not-reduced`` of a column layer's sequence-sharded input: every rank's input grad is its
+    sequence slice of its own summand ``g_r W_r`` (rank r's output features), not of their sum: the
+    backward of the forward all-gather splits the grad instead of reduce-scattering it."""
+    v, ws, ref = ctx.variant, ctx.ws, ctx.ref
+    weight = v.param("weight")
+    if v.kind != "column" or v.input != "sequence-sharded" or ws < 2 or weight is None or ref.g is None:
+        return None
+    if not isinstance(in_place, Shard):
+        return None
+    features = Shard(-1, parts=v.packed) if v.packed else Shard(-1)  # rank r's output features, however returned
+    for r, g in enumerate(grads):
+        own = shard_tensor(ref.g, features, r, ws) @ shard_tensor(ref.weight, weight.placement, r, ws)
+        own_mag = shard_tensor(ref.g.abs(), features, r, ws) @ shard_tensor(ref.weight.abs(), weight.placement, r, ws)
+        expected, t = shard_tensor(own, in_place, r, ws), ctx.tol(shard_tensor(own_mag, in_place, r, ws), k)
+        if g.shape != expected.shape or not close(g, expected, t):
+            return None
+    return Diagnosis(
+        GRAD_NOT_REDUCED,
+        "the input grad on every rank is its sequence slice of its own summand (rank r's output features only): "
+        "the backward of the input's all-gather along the sequence dim keeps this rank's slice of the grad instead "
+        "of reduce-scattering it (Megatron's gather_from_sequence_parallel_region, nanotron's differentiable_all_gather)",
+    )
 
 
 @recogniser(BIAS_GRAD_RANK0_ONLY)
@@ -699,16 +759,22 @@ def _param_grad(ctx: _Ctx, master: str, prop: str) -> Failure | None:
     if dtype is not None:
         return ctx.fail(prop, dtype[1], dtype[0])
     grads = [_f64(g) for g in raw]
+    holders = ctx.holders_failure(spec, prop)
+    if holders is not None:
+        return holders
     if any(master in v.partial for v in ctx.values):
         return _partial_param_grad(ctx, spec, prop, grads, full, tol_full, mag_full, k)
     expected = [shard_tensor(full, placement, r, ws) if sharded else full for r in range(ws)]
     tols = [shard_tensor(tol_full, placement, r, ws) if sharded else tol_full for r in range(ws)]
     mags = [shard_tensor(mag_full, placement, r, ws) if sharded else mag_full for r in range(ws)]
 
-    ok = [g is not None and g.shape == e.shape and close(g, e, t) for g, e, t in zip(grads, expected, tols, strict=True)]
+    # A parameter held by tp rank 0 only: rank 0's grad is the whole dense grad; the others hold none.
+    rank0_only = ctx.rank0_only(spec)
+    ok = [(rank0_only and r > 0) or (g is not None and g.shape == e.shape and close(g, e, t))
+          for r, (g, e, t) in enumerate(zip(grads, expected, tols, strict=True))]
     if all(ok):
         return None
-    if master == "bias" and not sharded and _bias_grad_rank0_only(ctx, grads, full, ok):
+    if master == "bias" and not sharded and not rank0_only and _bias_grad_rank0_only(ctx, grads, full, ok):
         return ctx.fail(prop, Diagnosis(
             BIAS_GRAD_RANK0_ONLY,
             f"only rank 0's bias received its gradient (ranks 1..{ws - 1} have "
@@ -726,7 +792,7 @@ def _param_grad(ctx: _Ctx, master: str, prop: str) -> Failure | None:
         if sharded and getattr(placement, "parts", None) and ctx.ws > 1 and all(x is not None for x in grads) and \
                 _contiguous_packed(ctx, grads, full, tol_full, placement.dim % full.dim()):  # type: ignore[arg-type]
             return ctx.fail(prop, Diagnosis(PACKED_SHARD_LAYOUT, _packed_message(ctx, name), {"parts": list(placement.parts)}), r)
-        if not sharded and _grad_not_reduced(ctx, [x for x in grads if x is not None], full, tol_full):
+        if not sharded and not rank0_only and _grad_not_reduced(ctx, [x for x in grads if x is not None], full, tol_full):
             return ctx.fail(prop, Diagnosis(
                 GRAD_NOT_REDUCED,
                 f"{what} is only its own summand (the ranks' grads add up to the dense grad): the grad of the "
@@ -828,6 +894,8 @@ def _replica(ctx: _Ctx) -> Failure | None:
     if v.input == "replicated" and v.input_grad == "complete":
         items.append(("the input grad", [x.input_grad for x in ctx.values]))
     for spec in v.params or ():
+        if ctx.rank0_only(spec):
+            continue  # one holder: no replicas to agree
         if isinstance(spec.placement, Replicate) and (spec.master == "weight" or ctx.case.bias):
             if any(spec.master in x.partial for x in ctx.values):
                 # Partial by design: the replicas must agree after the trainer's sum.
@@ -856,7 +924,12 @@ def _training(ctx: _Ctx) -> Failure | None:
     for spec in ctx.variant.params or ():
         if spec.master == "bias" and not ctx.case.bias:
             continue
+        holders = ctx.holders_failure(spec, TRAINING)
+        if holders is not None:
+            return holders
         finals = [_f64(v.final.get(spec.master)) for v in ctx.values]
+        if ctx.rank0_only(spec):
+            finals = finals[:1]  # held by tp rank 0 only
         want = ref.final[spec.master]
         mag = ref.mag["final_" + spec.master]
         tol = ctx.tol(mag, k)
@@ -944,10 +1017,13 @@ def _divisibility(variant: Variant, obs: Observation) -> Failure | None:
                                assert_refuses=variant.forward_only)
     values = obs.values or []
     wrong: list[Failure] = []
-    if values and all(getattr(v, "uneven", False) for v in values):
-        # Every rank holds torch.tensor_split's piece of each sharded parameter: uneven by design. The
-        # case is judged like a divisible one on those pieces; only a wrong result is a finding.
-        with uneven_pieces():
+    styles = {getattr(v, "pieces", None) or "tensor_split" for v in values}
+    if values and all(getattr(v, "uneven", False) for v in values) and len(styles) == 1:
+        # Every rank holds torch.tensor_split's (or every rank torch.chunk's) piece of each sharded
+        # parameter: uneven by design. The case is judged like a divisible one on those pieces; only a
+        # wrong result is a finding.
+        (style,) = styles
+        with uneven_pieces(style):
             wrong = _evaluate_divisible(variant, obs, [p for p in (FORWARD_ONLY if variant.forward_only else PROPERTIES)
                                                        if p != DIVISIBILITY])
         if not wrong:
@@ -959,7 +1035,7 @@ def _divisibility(variant: Variant, obs: Observation) -> Failure | None:
         return Failure(
             DIVISIBILITY,
             DIVISIBILITY_UNCHECKED,
-            f"{what}; every rank accepted it and holds torch.tensor_split's piece of each sharded parameter "
+            f"{what}; every rank accepted it and holds torch.{style}'s piece of each sharded parameter "
             f"(uneven by design), but the result is wrong: {first.property}: {first.diagnosis} — {first.message}",
             case=case,
             rank=first.rank if first.rank is not None else r0,
@@ -972,7 +1048,8 @@ def _divisibility(variant: Variant, obs: Observation) -> Failure | None:
         DIVISIBILITY_UNCHECKED,
         f"{what}, yet every rank built the layer and its forward returned an output (rank {r0}: shape "
         f"{list(shape) if shape is not None else shape}) without an error: the sizes were silently truncated or "
-        "padded (the shards are not torch.tensor_split's pieces of the sharded sizes); raise a ValueError naming the "
+        "padded (the shards are neither torch.tensor_split's nor torch.chunk's pieces of the sharded sizes); raise a "
+        "ValueError naming the "
         "sizes at construction, or shard them unevenly and compute the right result",
         case=case,
         rank=r0,

@@ -85,12 +85,14 @@ class LinearFamily(Family, name="linear", kinds=KINDS, variant_type=Variant, cas
                                       f"{options['kind']} contradicts it")
             return [self.adapt(v, options, target) for v in library.variants(obj, kind)]
         variant = variant_from_class(obj, convention=options.get("convention"), kind=options.get("kind"),
-                                     **{k: options.get(k) for k in _OVERRIDES})
+                                     ctor_args=options.get("ctor_arg") or (), **{k: options.get(k) for k in _OVERRIDES})
         return [self._layout(variant, options)]
 
     def adapt(self, variant: Variant, options: Mapping[str, Any], where: str) -> Variant:
-        if options.get("convention") is not None:
-            raise InvalidArgument(f"{where} is a tpsim Variant; --convention applies to plain nn.Module classes only")
+        for flag in ("convention", "ctor_arg"):
+            if options.get(flag) is not None:
+                raise InvalidArgument(f"{where} is a tpsim Variant (or a library's layer, checked by its preset); "
+                                      f"--{flag.replace('_', '-')} applies to plain nn.Module classes only")
         if options.get("kind") not in (None, variant.kind):
             raise InvalidArgument(f"{where} is a {variant.kind} variant; --kind {options['kind']} contradicts it")
         overrides = {k: options[k] for k in _OVERRIDES if options.get(k) is not None}
@@ -171,9 +173,24 @@ class LinearFamily(Family, name="linear", kinds=KINDS, variant_type=Variant, cas
     def divisible(self, variant: Variant, case: Case) -> bool:
         return is_divisible(variant, case)
 
-    def world(self, variant: Variant, case: Case, *, layout: str | None = None, **_: Any) -> World:
+    def observe(self, variant: Variant, case: Case, **how: Any) -> Observation:
+        """The world run of ``case``; a non-divisible case whose ranks' parameters all have
+        ``torch.chunk``'s pieces, and not all ``torch.tensor_split``'s, runs again with every rank
+        loaded and fed by chunk's (a rank whose piece has the same size in both layouts cannot tell
+        alone which one the layer uses: its peers' shapes say)."""
+        obs = super().observe(variant, case, **how)
+        values = obs.values or []
+        if (not obs.divisible and how.get("pieces") is None and values
+                and all("chunk" in getattr(v, "fits", ()) for v in values)
+                and not all("tensor_split" in getattr(v, "fits", ()) for v in values)):
+            return super().observe(variant, case, **how, pieces="chunk")
+        return obs
+
+    def world(self, variant: Variant, case: Case, *, layout: str | None = None, pieces: str | None = None,
+              **_: Any) -> World:
         """``layout`` overrides the memory layout of the case's tensors (same values): ``"contiguous"``
-        runs the contiguous twin of a non-contiguous case."""
+        runs the contiguous twin of a non-contiguous case; ``pieces`` (``"chunk"``) the layout every
+        rank of a non-divisible case is loaded and fed by (see :meth:`observe`)."""
         if variant.packed and case.out_features % sum(variant.packed):
             raise InvalidArgument(
                 f"case out_features={case.out_features} is not a multiple of variant {variant.name!r}'s packed part "
@@ -181,7 +198,8 @@ class LinearFamily(Family, name="linear", kinds=KINDS, variant_type=Variant, cas
                 f"{sum(variant.packed)}"
             )
         masters = make_masters(case)
-        payload = {"case": case, "data": masters, "divisible": is_divisible(variant, case), "layout": layout}
+        payload = {"case": case, "data": masters, "divisible": is_divisible(variant, case), "layout": layout,
+                   "pieces": pieces}
         return World(rank_main, payload, masters)
 
     def evaluate(self, variant: Variant, obs: Observation, properties: Sequence[str] | None = None) -> list[Any]:

@@ -11,8 +11,9 @@ Megatron's ``param.sequence_parallel`` marker) has its grad summed over the tp g
 step, as Megatron's ``finalize_model_grads`` does — and the same code serves every backend.
 
 A case whose sharded sizes do not divide runs the same steps (:func:`_uneven_rank`): the layer may
-refuse it while it is built or in its first forward, or hold ``torch.tensor_split``'s pieces, which
-are then loaded and checked like a divisible case's (:func:`tpsim.placement.uneven_pieces`). A
+refuse it while it is built or in its first forward, or hold ``torch.tensor_split``'s (or
+``torch.chunk``'s) pieces, which are then loaded and checked like a divisible case's
+(:func:`tpsim.placement.uneven_pieces`). A
 forward-only variant (an inference layer) runs one forward under ``torch.no_grad()``.
 
 The rank function :func:`rank_main` is module-level and takes picklable arguments, so gloo/nccl
@@ -28,13 +29,14 @@ from typing import Any
 
 import torch
 
+from tpsim.conventions import returned_bias
 from tpsim.errors import InvalidArgument
-from tpsim.placement import Replicate, Shard, part_sizes, shard_tensor, uneven_pieces
+from tpsim.placement import UNEVEN_STYLES, Replicate, Shard, part_sizes, shard_tensor, uneven_pieces
 from tpsim.props.case import Case
 from tpsim.props.layouts import apply_layout, expand_values
 from tpsim.props.observation import OK, RankOutput
 from tpsim.props.rank import LR, TRAIN_STEPS, enter_rank, rank_phase, trainer_step
-from tpsim.variant import LayoutError, Variant, get_param, load_master
+from tpsim.variant import LayoutError, Variant, get_param, load_master, stored_shape
 
 __all__ = [
     "LR",
@@ -69,7 +71,9 @@ class RankResult(RankOutput):
     - ``init``: the layer's own values of its replicated parameters right after construction, by
       parameter name (before the master values are loaded);
     - ``partial``: master names of the parameters whose grad the trainer sums (declared partial, or
-      marked ``sequence_parallel`` by the built module).
+      marked ``sequence_parallel`` by the built module);
+    - ``absent``: master names of the parameters this rank's layer does not hold (a parameter held by
+      tp rank 0 only, see :attr:`tpsim.variant.ParamSpec.held_by`).
     """
 
     output_shape: tuple[int, ...] | None = None
@@ -79,8 +83,15 @@ class RankResult(RankOutput):
     final: dict[str, torch.Tensor | None] = field(default_factory=dict)
     init: dict[str, torch.Tensor] = field(default_factory=dict)
     partial: tuple[str, ...] = ()
-    #: A non-divisible case the layer accepted with ``torch.tensor_split`` pieces, run like a divisible one.
+    absent: tuple[str, ...] = ()
+    #: The layer's forward returned a bias for the caller to add (``skip_bias_add``), which tpsim added.
+    returned_bias: bool = False
+    #: A non-divisible case the layer accepted with ``torch.tensor_split`` or ``torch.chunk`` pieces, run like
+    #: a divisible one: ``pieces`` names the layout it was loaded and fed by, ``fits`` every layout its
+    #: parameters' shapes fit (:data:`tpsim.placement.UNEVEN_STYLES`).
     uneven: bool = False
+    pieces: str | None = None
+    fits: tuple[str, ...] = ()
 
 
 @dataclass
@@ -213,7 +224,7 @@ def rank_main(payload: dict[str, Any]) -> RankResult:
         # The layer must refuse the case on every rank (before or in its forward), or compute it right
         # with uneven pieces. Refusing is raising, on every rank: exceptions propagate so that a rank that
         # refuses while another goes on into a collective shows up as exactly that.
-        return _uneven_rank(me, variant, case, m, kwargs, layout)
+        return _uneven_rank(me, variant, case, m, kwargs, layout, payload.get("pieces"))
 
     init: dict[str, Any] = {}
     with rank_phase("build", passthrough=(LayoutError,)):  # a LayoutError: the parent diagnoses the shape
@@ -222,13 +233,17 @@ def rank_main(payload: dict[str, Any]) -> RankResult:
     return _train(me, variant, case, m, module, init, layout)
 
 
-def _uneven_rank(me: Any, variant: Variant, case: Case, m: Masters, kwargs: dict[str, Any], layout: str) -> RankResult:
+def _uneven_rank(me: Any, variant: Variant, case: Case, m: Masters, kwargs: dict[str, Any], layout: str,
+                 style: str | None = None) -> RankResult:
     """A case whose sharded sizes do not divide: the layer may refuse it (raise on every rank, while it
     is built or in its first forward), or shard it unevenly and compute it right. The layer is built,
-    loaded where its parameters have ``torch.tensor_split``'s pieces (:func:`tpsim.placement.uneven_pieces`;
-    a truncated or padded one keeps its own values) and run like a divisible case, the result marked
-    ``uneven`` when every parameter had such a piece. Every rank runs the same steps whatever its
-    shapes, so the ranks' collectives stay in step."""
+    loaded where its parameters have ``torch.tensor_split``'s or ``torch.chunk``'s pieces
+    (:func:`tpsim.placement.uneven_pieces`; a truncated or padded one keeps its own values) and run like
+    a divisible case, its input cut the same way, the result marked ``uneven`` when every parameter had
+    such a piece. ``style`` (None: tensor_split's where they fit, else chunk's) is the parent's choice on
+    a second run, when every rank's shapes fit chunk's pieces and not all fit tensor_split's (a rank
+    whose piece has the same size in both layouts cannot tell them apart alone). Every rank runs the
+    same steps whatever its shapes, so the ranks' collectives stay in step."""
     rank, ws = me.rank, me.tp
     init: dict[str, Any] = {}
     with rank_phase("build"):
@@ -242,18 +257,36 @@ def _uneven_rank(me: Any, variant: Variant, case: Case, m: Masters, kwargs: dict
             out = variant.call(module, x)
         return RankResult(ACCEPTED, output_shape=tuple(out.shape) if isinstance(out, torch.Tensor) else None,
                           output_type=type(out).__name__, tp_rank=rank)
-    with uneven_pieces():
-        try:
-            load_master(module, variant, rank=rank, world_size=ws,
-                        masters={"weight": kwargs["master_weight"], "bias": kwargs["master_bias"]})
-            pieces = True
-        except InvalidArgument:  # LayoutError too: not tensor_split's pieces
-            pieces = False
+    masters = {"weight": kwargs["master_weight"], "bias": kwargs["master_bias"]}
+    fits = tuple(s for s in UNEVEN_STYLES if _holds_pieces(module, variant, rank, ws, masters, s))
+    used = (style if style in fits else None) if style is not None else next(iter(fits), None)
+    with uneven_pieces(used or "tensor_split"):
+        if used is not None:
+            load_master(module, variant, rank=rank, world_size=ws, masters=masters)
         result = _train(me, variant, case, m, module, init, layout)
-    result.uneven = pieces
+    result.uneven = used is not None
+    result.pieces, result.fits = used, fits
     if result.output is not None:
         result.output_shape = tuple(result.output.shape)
     return result
+
+
+def _holds_pieces(module: Any, variant: Variant, rank: int, ws: int, masters: dict[str, Any], style: str) -> bool:
+    """Whether every parameter of ``module`` has the shape of its ``style`` piece (``uneven_pieces``)."""
+    with uneven_pieces(style):
+        for spec in variant.params or ():
+            master = masters.get(spec.master)
+            if master is None:
+                continue
+            param = get_param(module, spec.name)
+            if param is None and spec.absent_ok(rank):
+                continue
+            try:
+                if param is None or tuple(param.shape) != stored_shape(spec, tuple(master.shape), ws, rank):
+                    return False
+            except InvalidArgument:  # packed parts that do not divide: no piece of either layout
+                return False
+    return True
 
 
 def _train(me: Any, variant: Variant, case: Case, m: Masters, module: Any, init: dict[str, Any],
@@ -261,14 +294,22 @@ def _train(me: Any, variant: Variant, case: Case, m: Masters, module: Any, init:
     """The training steps of one rank on a built, loaded layer (see the module docstring)."""
     group, rank, ws = me.group, me.rank, me.tp
     specs = [s for s in variant.params or () if s.master == "weight" or case.bias]
-    result = RankResult(OK, init=init, group=me.g, tp_rank=rank, partial=_partial_params(variant, module, specs))
+    absent = tuple(s.master for s in specs if s.absent_ok(rank) and get_param(module, s.name) is None)
+    specs = [s for s in specs if s.master not in absent]
+    result = RankResult(OK, init=init, group=me.g, tp_rank=rank, partial=_partial_params(variant, module, specs),
+                        absent=absent)
     by_master = {spec.master: spec for spec in specs}
     if variant.forward_only:
         return _forward_only(variant, case, m, module, result, rank, ws, layout)
     for step in range(TRAIN_STEPS):
         x = _rank_input(variant, m.inputs[step], rank, ws, layout=layout)
-        with rank_phase("forward", step):
-            out = variant.call(module, x)
+        # A returned bias (skip_bias_add) joins a partial output once: the caller adds it after its all-reduce.
+        returned_bias(reset=True, add=variant.output != "partial" or rank == 0)
+        try:
+            with rank_phase("forward", step):
+                out = variant.call(module, x)
+        finally:  # read, and add again by default
+            result.returned_bias = returned_bias(reset=True) or result.returned_bias
         upstream = m.grads[step]
         if isinstance(variant.output_placement, Shard):  # sharded (packed: per part) or sequence-sharded
             upstream = shard_tensor(upstream, variant.output_placement, rank, ws)
@@ -297,8 +338,12 @@ def _forward_only(variant: Variant, case: Case, m: Masters, module: Any, result:
                   layout: str) -> RankResult:
     """An inference layer's one forward, under ``torch.no_grad()`` (no grads, no training steps)."""
     x = _rank_input(variant, m.inputs[0], rank, ws, layout=layout, grad=False)
-    with rank_phase("forward", 0), torch.no_grad():
-        out = variant.call(module, x)
+    returned_bias(reset=True, add=variant.output != "partial" or rank == 0)
+    try:
+        with rank_phase("forward", 0), torch.no_grad():
+            out = variant.call(module, x)
+    finally:
+        result.returned_bias = returned_bias(reset=True)
     expected = m.grads[0]
     if isinstance(variant.output_placement, Shard):
         expected = shard_tensor(expected, variant.output_placement, rank, ws)
