@@ -181,6 +181,52 @@ def test_vllm_layers_are_the_implicit_group_convention() -> None:
     assert (column.input, column.output) == ("replicated", "sharded")
 
 
+_UNINITIALISED = """
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+_TP = None
+
+
+def get_tp_group():
+    # vLLM's own check: its parallel state must be initialised before a layer is built.
+    assert _TP is not None, "tensor model parallel group is not initialized"
+    return _TP
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, input_size, output_size, bias=True, input_is_parallel=True, skip_bias_add=False,
+                 reduce_results=True, params_dtype=None):
+        super().__init__()
+        tp = dist.get_world_size(get_tp_group())
+        self.weight = nn.Parameter(torch.empty(output_size, input_size // tp, dtype=params_dtype))
+        self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype)) if bias else None
+
+    def forward(self, x):
+        y = F.linear(x, self.weight)
+        dist.all_reduce(y, group=get_tp_group())
+        return (y if self.bias is None else y + self.bias), None
+"""
+
+
+def test_a_layer_whose_library_state_is_not_initialised_is_a_usage_error_not_a_finding(capsys, tmp_path,
+                                                                                      monkeypatch) -> None:
+    # Its constructor fails at tp size 1, where every size divides: set-up tpsim cannot see, not a bug of
+    # the layer; exit 2 quoting the layer's own error and the way in, and no case file.
+    layer = tmp_path / "uninitialised_vllm.py"
+    layer.write_text(_UNINITIALISED)
+    cases = tmp_path / "cases"
+    monkeypatch.chdir(tmp_path)
+    code = main(["check", f"{layer}:RowParallelLinear", *SMALL, "--cases-dir", str(cases)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "cannot be built in a one-rank world" in err and "tensor model parallel group is not initialized" in err
+    assert "needs a Variant whose builder initialises it" in err
+    assert not cases.exists() or not any(cases.iterdir())
+
+
 def test_vllm_options_follow_the_placements() -> None:
     # gather_output / input_is_parallel / reduce_results are set from --output/--input, and pass.
     for layer, options in [("ColumnParallelLinear", {"output": "gathered"}),

@@ -332,6 +332,31 @@ def _probe_bias(build: Callable[..., nn.Module]) -> bool | None:
         return None
 
 
+def _probe_implicit_group(cls: type, build: Callable[..., nn.Module]) -> None:
+    """A layer that reads its tp group itself must be buildable in a one-rank world (tp size 1, where
+    every size divides). If it is not, it depends on set-up tpsim cannot see (vLLM's
+    ``initialize_model_parallel``): that is a usage error naming the layer's own error, never a
+    finding against the layer."""
+    import torch.distributed as dist
+
+    import tpsim
+
+    def probe() -> None:
+        build(2, 2, False, group=dist.group.WORLD, rank=0, world_size=1, master_weight=torch.zeros(2, 2),
+              master_bias=None, dtype=torch.float32)
+
+    try:
+        tpsim.run(probe, 1, backend="inproc", timeout=30.0, rank_local=_rank_local(cls))
+    except Exception as err:  # noqa: BLE001 - whatever the constructor raised is quoted
+        what = str(err).strip().splitlines()[0][:400] if str(err).strip() else type(err).__name__
+        raise InvalidArgument(
+            f"{cls.__qualname__} takes no tp group (implicit-group convention), so it must find one itself, but it "
+            f"cannot be built in a one-rank world (tp size 1, 2 x 2 features): {what}. A layer whose library state "
+            "must be initialised first (vLLM's initialize_model_parallel) needs a Variant whose builder initialises "
+            f"it, with that library's module rank_local: see {HOW_TO_CHECK}"
+        ) from None
+
+
 def _bias_setup(cls: type, sig: _Signature, build: Callable[..., nn.Module]) -> tuple[bool, bool, tuple[str, ...]]:
     """``(bias, always_bias, notes)`` of a plain class: from the ``bias`` flag, else the built module."""
     if sig.has("bias"):
@@ -592,6 +617,8 @@ def _group_like(cls: type, sig: _Signature, group_kw: str | None, *, kind: str |
         # Its own init, in the default dtype: converted, then overwritten with the master shards.
         return _construct(cls, in_features, out_features, bias, has_flag, {**kwargs, **settings}).to(dtype)
 
+    if group_kw is None and not _inside_rank():
+        _probe_implicit_group(cls, build)
     how = f"tp group by {group_kw}=" if group_kw is not None else "the layer reads its tp group itself: the world"
     if mode is not None:
         how += f"; mode={settings['mode'].name}"
