@@ -236,9 +236,11 @@ def build_parser() -> _Parser:
                        "rowwise, sequence_parallel, ...) or a function (module, mesh) -> module; sizes come from the "
                        "class's constructor (docs/cli.md: Plans)")
     adapt.add_argument("--forward-only", dest="forward_only", action="store_const", const=True, default=None,
-                       help="an inference layer (weights without grads, collectives outside autograd): run the "
-                       "forward only, under torch.no_grad(), and check forward equivalence, replica consistency "
-                       "and divisibility (a refusal by assert on every rank counts; python -O strips it)")
+                       help="an inference layer or module (weights without grads, collectives outside autograd): "
+                       "run the forward only, under torch.no_grad(), and check forward equivalence, replica "
+                       "consistency and divisibility (a refusal by assert on every rank counts; python -O strips "
+                       "it); with --kind module the dense reference and its twin run forward only too, and a "
+                       "failure is named by its sublayer")
     real = check.add_argument_group("what a real job does per process or in its trainer (any target)")
     real.add_argument("--rank-local", dest="rank_local", action="append", default=None, metavar="MODULE",
                       help="make MODULE's globals per rank on inproc, as they are per process in a real job (a "
