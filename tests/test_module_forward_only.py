@@ -116,3 +116,29 @@ def test_a_module_refuses_a_linear_only_flag_saying_what_to_do(capsys, tmp_path)
     assert code == 2, out
     assert "--convention applies to single linear layers" in out and "check it without --convention" in out, out
     assert "packed parameter" not in out, out
+
+
+def test_a_plan_target_is_checked_forward_only(capsys, tmp_path, monkeypatch) -> None:
+    # A dense class under a DTensor plan is a ModuleVariant too: --forward-only applies to it.
+    monkeypatch.chdir(ROOT)
+    args = ["check", "examples/plan_mlp.py:GatedMLP", "--plan", "examples/plan_mlp.py:PLAN", "--forward-only",
+            "--max-examples", "4", "--world-sizes", "1,2", "--dtypes", "float64", "--seed", "0",
+            "--cases-dir", str(tmp_path)]
+    code = main(args)
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert code == 0, text
+    assert "GatedMLP is forward-only" in text and "only forward-equivalence, replica-consistency apply" in text, text
+
+
+@pytest.mark.slow
+def test_a_buggy_plan_is_caught_forward_only(capsys, tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(ROOT)
+    args = ["check", "examples/plan_mlp.py:GatedMLP", "--plan", "examples/plan_mlp.py:BUGGY_PLAN", "--forward-only",
+            "--max-examples", "6", "--world-sizes", "1,2", "--dtypes", "float64", "--seed", "0",
+            "--cases-dir", str(tmp_path)]
+    code = main(args)
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert code == 1, text
+    assert "FAILED forward-equivalence: down_proj: wrong-shard-dim" in text, text
