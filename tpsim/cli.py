@@ -238,9 +238,11 @@ def build_parser() -> _Parser:
                        "rowwise, sequence_parallel, ...) or a function (module, mesh) -> module; sizes come from the "
                        "class's constructor (docs/cli.md: Plans)")
     adapt.add_argument("--forward-only", dest="forward_only", action="store_const", const=True, default=None,
-                       help="an inference layer (weights without grads, collectives outside autograd): run the "
-                       "forward only, under torch.no_grad(), and check forward equivalence, replica consistency "
-                       "and divisibility (a refusal by assert on every rank counts; python -O strips it)")
+                       help="an inference layer or module (weights without grads, collectives outside autograd): "
+                       "run the forward only, under torch.no_grad(), and check forward equivalence, replica "
+                       "consistency and divisibility (a refusal by assert on every rank counts; python -O strips "
+                       "it); with --kind module the dense reference and its twin run forward only too, and a "
+                       "failure is named by its sublayer")
     adapt.add_argument("--ctor-arg", dest="ctor_arg", action="append", type=_ctor_arg, default=None,
                        metavar="NAME=VALUE",
                        help="a constructor keyword of a plain class, fixed for every case (repeatable): a Python "

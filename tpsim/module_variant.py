@@ -57,6 +57,11 @@ Fields:
 - ``initialised``: whether the builder initialises the parameters (the default). A builder that
   leaves them empty because the harness loads every one anyway (fast at large sizes) says False:
   replicated parameters are then not compared right after construction.
+- ``forward_only``: an inference module (weights with ``requires_grad=False``, collectives outside
+  autograd, e.g. vLLM's): its forward runs once per case under ``torch.no_grad()`` (the dense
+  reference and its twin likewise), with no backward and no SGD steps, and only forward
+  equivalence, replica consistency and divisibility are checked (a refusal by ``assert`` on every
+  rank counts: vLLM's ``divide()``; ``python -O`` strips it). ``tpsim check --kind module --forward-only``.
 
 :func:`module_from_class` makes one from a plain class whose constructor takes the sizes and a group
 keyword (``process_group``, ``group``, ``tp_group`` or nanotron's ``pg``): ``tpsim check FILE:Class --kind module``.
@@ -124,6 +129,7 @@ class ModuleVariant:
     size_strategy: Callable[[int, bool], Any] | None = None
     rank_local: tuple[str, ...] = ()
     initialised: bool = True
+    forward_only: bool = False
     tp: str | None = None
     min_batch_dims: int = 0
     max_batch_dims: int | None = None
@@ -188,6 +194,9 @@ class ModuleVariant:
                                   f"min_batch_dims={low}")
         if not isinstance(self.initialised, bool):
             raise InvalidArgument(f"ModuleVariant {self.name!r}: initialised={self.initialised!r}; expected a bool")
+        if not isinstance(self.forward_only, bool):
+            raise InvalidArgument(f"ModuleVariant {self.name!r}: forward_only={self.forward_only!r}; expected a bool "
+                                  "(True: an inference module, checked forward only)")
         names = (self.rank_local,) if isinstance(self.rank_local, str) else tuple(self.rank_local)
         if not all(isinstance(n, str) and n for n in names):
             raise InvalidArgument(f"ModuleVariant {self.name!r}: rank_local={self.rank_local!r}; expected module names")
@@ -236,6 +245,8 @@ class ModuleVariant:
         text = f"{self.name}: module({', '.join(self.sizes)}), input {self.input}, output {self.output}"
         if self.input_grad != "complete":
             text += f", input grad {self.input_grad}"
+        if self.forward_only:
+            text += ", forward only"
         if self.params:
             text += "; declared " + ", ".join(s.describe() for s in self.params)
         text += "; dense reference: " + ("its dense builder" if self.dense is not None else "itself on one rank")

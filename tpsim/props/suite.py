@@ -91,8 +91,8 @@ def reproduction(failure: Any) -> str:
 def property_tests(variant_or_target: Any, *, target_options: dict[str, Any] | None = None,
                    forward_only: bool = False, **search_options: Any) -> type:
     """A pytest test class with one test per property (see the module docstring). ``forward_only=True``:
-    inference layers (``tpsim check --forward-only``): the forward runs alone and only the forward-only
-    properties get tests."""
+    inference layers and modules (``tpsim check --forward-only``): the forward runs alone and only the
+    forward-only properties get tests."""
     if not isinstance(forward_only, bool):
         raise InvalidArgument(f"property_tests(forward_only={forward_only!r}): expected a bool")
     unknown = sorted(set(search_options) - set(_SEARCH_OPTIONS))
@@ -106,8 +106,9 @@ def property_tests(variant_or_target: Any, *, target_options: dict[str, Any] | N
     if forward_only:
         refused = [v.name for v in variants if not hasattr(v, "forward_only")]
         if refused:
-            raise InvalidArgument(f"property_tests(forward_only=True): {refused} are no linear layers; forward-only "
-                                  "applies to linear layers (Variant(forward_only=True))")
+            raise InvalidArgument(f"property_tests(forward_only=True): {refused} are neither linear layers nor "
+                                  "modules; forward-only applies to linear layers (Variant(forward_only=True)) and "
+                                  "modules (ModuleVariant(forward_only=True))")
         variants = [v if v.forward_only else v.replace(forward_only=True) for v in variants]
     reports: dict[tuple[str, str], SearchReport] = {}
 

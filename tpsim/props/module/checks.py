@@ -480,7 +480,7 @@ def _replica(ctx: _Ctx) -> Failure | None:
         items.append(("the output", [v.output for v in ctx.values], None))
     if ctx.variant.input == "replicated" and ctx.variant.input_grad == "complete":
         items.append(("the input grad", [v.input_grad for v in ctx.values], None))
-    for name, layout in ctx.layouts.items():
+    for name, layout in ctx.layouts.items() if not ctx.variant.forward_only else ():  # forward-only: no grads, no steps
         if isinstance(layout.placement, Replicate):
             if name in ctx.partial:  # the trainer's sum must be the same bits everywhere
                 items.append((f"the {name} grad summed by the trainer",
@@ -564,7 +564,8 @@ def _divisibility(variant: ModuleVariant, obs: Observation) -> Failure | None:
     size_name = "world_size" if tp == case.world_size else "tp_size"
     what = ", ".join(f"{n}={v}" for n, v in offending.items()) + f" is not divisible by {size_name}={tp}"
     if obs.error is not None:
-        return refusal_failure(variant.name, case, obs.error, what, list(offending.values()), subject="module")
+        return refusal_failure(variant.name, case, obs.error, what, list(offending.values()), subject="module",
+                               assert_refuses=variant.forward_only)
     for r, v in enumerate(obs.values or []):
         for problem in v.problems:
             if problem.kind == DECLARED or _truncated(problem, tp):

@@ -4,7 +4,12 @@ Targets: a :class:`ModuleVariant` (or a list of them) named ``MODULE:Name``; a p
 class with ``--kind module`` (its constructor takes the sizes and a group keyword, see
 :func:`tpsim.module_variant.module_from_class`); a bare module's ``TPSIM_MODULES`` list, else its
 module-level :class:`ModuleVariant` objects (``tpsim.layers``: tpsim's own MLPs). The CLI's
-``--input``/``--output``/``--input-grad``/``--sequence-dim``/``--param-grad`` adapt them.
+``--input``/``--output``/``--input-grad``/``--sequence-dim``/``--param-grad``/``--forward-only`` adapt them.
+
+A forward-only variant (``ModuleVariant(forward_only=True)``, ``--forward-only``: an inference
+module) runs one forward under ``torch.no_grad()`` in every world and is checked for
+:data:`~tpsim.props.property_names.FORWARD_ONLY` only (a refusal by ``assert`` on every rank counts
+for divisibility, as for a forward-only linear layer).
 
 Its dense reference is the module itself on a tp group of one rank (:mod:`tpsim.props.module.world`);
 its tolerances come from the magnitude run (:mod:`tpsim.props.module.magnitude`) where it bounds every
@@ -23,7 +28,7 @@ from typing import Any
 from torch import nn
 
 from tpsim.errors import InvalidArgument
-from tpsim.module_variant import MODULE_KIND, ModuleVariant, module_from_class
+from tpsim.module_variant import GROUP_KEYWORDS, MODULE_KIND, ModuleVariant, module_from_class
 from tpsim.placement import Replicate
 from tpsim.props.family import ADAPTER_OPTIONS, Family, World
 from tpsim.props.module.case import ModuleCase
@@ -32,7 +37,7 @@ from tpsim.props.module.plans import PlanVariant, name_plan_entry, plan_variant,
 from tpsim.props.module.strategies import MAX_PER_RANK, module_cases
 from tpsim.props.module.world import ModuleData, Reference, Ties, is_divisible, rank_main, reference_run
 from tpsim.props.observation import Observation
-from tpsim.props.property_names import DIVISIBILITY, FORWARD, PROPERTIES
+from tpsim.props.property_names import DIVISIBILITY, FORWARD, FORWARD_ONLY, PROPERTIES
 from tpsim.variant import ParamSpec
 
 __all__ = ["MODULE", "MODULE_DTYPES", "ModuleFamily"]
@@ -48,7 +53,7 @@ class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=Mod
 
     strategy = staticmethod(module_cases)
     declared_list = "TPSIM_MODULES"
-    adapter_options = ("input", "output", "input_grad", "sequence_dim", "param_grad", "plan", "plan_twin")
+    adapter_options = ("input", "output", "input_grad", "sequence_dim", "param_grad", "plan", "plan_twin", "forward_only")
     params_inferred = True
     dtypes = None  # every dtype: the dense twin judges what the derived bound cannot
     confirmed_in_float64 = NUMERIC_PATTERNS
@@ -58,11 +63,16 @@ class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=Mod
     def takes(self, options: Mapping[str, Any]) -> bool:
         # Without --kind module, the adapter flags adapt the linear variants of a bare module, not its modules.
         return options.get("kind") == MODULE_KIND or not any(
-            options.get(k) is not None for k in ADAPTER_OPTIONS if k not in ("plan", "plan_twin"))
+            options.get(k) is not None for k in ADAPTER_OPTIONS if k not in ("plan", "plan_twin", "forward_only"))
 
     def foreign_option(self, where: str, option: str) -> str:
-        return (f"{where} is a whole module; --{option.replace('_', '-')} applies to single linear layers (declare a "
-                "packed parameter with ModuleVariant(params=(ParamSpec(name, 'weight', Shard(0, parts=...)),)))")
+        flag = f"--{option.replace('_', '-')}"
+        if option == "packed":
+            return (f"{where} is a whole module; {flag} applies to single linear layers: declare a module's packed "
+                    "parameter with ModuleVariant(params=(ParamSpec(name, 'weight', Shard(0, parts=...)),)), or name "
+                    "its packed parts in the layer's output_sizes/parts attribute")
+        return (f"{where} is a whole module; {flag} applies to single linear layers (a module is built from its "
+                f"constructor's sizes and its {'/'.join(GROUP_KEYWORDS)} keyword): check it without {flag}")
 
     def from_object(self, target: str, obj: Any, options: Mapping[str, Any]) -> list[Any] | None:
         from tpsim.presets import preset_for_class
@@ -90,7 +100,8 @@ class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=Mod
         if options.get("plan") is not None and not isinstance(variant, PlanVariant):
             raise InvalidArgument(f"--plan applies to a dense nn.Module class (MODULE:DenseClass --plan MODULE:PLAN); "
                                   f"{where} is already a tensor-parallel module variant")
-        changes = {k: options[k] for k in ("input", "output", "input_grad", "sequence_dim") if options.get(k) is not None}
+        changes = {k: options[k] for k in ("input", "output", "input_grad", "sequence_dim", "forward_only")
+                   if options.get(k) is not None}
         variant = variant.replace(**changes) if changes else variant
         twin = options.get("plan_twin")
         if twin is not None and isinstance(variant, PlanVariant):
@@ -110,17 +121,29 @@ class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=Mod
     # --- a search ----------------------------------------------------------------------------------
 
     def applicable(self, variant: ModuleVariant) -> tuple[str, ...]:
+        kept = FORWARD_ONLY if variant.forward_only else self.properties
         if isinstance(variant, PlanVariant):
-            return tuple(p for p in self.properties if p != DIVISIBILITY)
-        return self.properties
+            return tuple(p for p in kept if p != DIVISIBILITY)
+        return tuple(p for p in self.properties if p in kept)
+
+    def nothing_applies(self, variant: ModuleVariant, properties: tuple[str, ...], applies: tuple[str, ...]) -> str:
+        why = f"variant {variant.name!r} is forward-only, so only" if variant.forward_only else f"{self.subject} is checked for"
+        return f"properties={list(properties)!r}: {why} {', '.join(applies)}; choose other properties"
 
     def notes(self, variant: ModuleVariant) -> list[str]:
+        notes = []
+        if variant.forward_only:
+            notes.append(f"{variant.name} is forward-only: one forward under torch.no_grad() per case, no backward and "
+                         f"no training steps; only {', '.join(self.applicable(variant))} apply"
+                         + ("; a non-divisible case refused by an assert on every rank counts as refused, but "
+                            "python -O strips asserts (raise a ValueError to refuse under -O too)"
+                            if DIVISIBILITY in self.applicable(variant) else ""))
         if not isinstance(variant, PlanVariant):
-            return []
+            return notes
         world = [] if variant.subgroups else ["tp groups spanning the whole world only (the plan builds its own mesh "
                                               "over the world)"]
         uneven = PlanVariant.UNEVEN_CASES_NOTE if variant.uneven_sizes_are_cases else PlanVariant.UNEVEN_NOTE
-        return [uneven, *world]
+        return [*notes, uneven, *world]
 
     def cases(self, variant: ModuleVariant, **kwargs: Any) -> Any:
         # A plan that builds its mesh over the whole world is checked on one tp group spanning it.
@@ -162,6 +185,10 @@ class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=Mod
         return World(rank_main, {"case": case, "data": data, "capture": capture}, ref)
 
     def evaluate(self, variant: ModuleVariant, obs: Observation, properties: Sequence[str] | None = None) -> list[Any]:
+        if variant.forward_only:
+            properties = [p for p in (properties or self.properties) if p in FORWARD_ONLY]
+            if not properties:
+                return []
         return evaluate(variant, obs, properties)
 
     def follow_up(self, variant: ModuleVariant, case: ModuleCase, obs: Observation, failures: list[Any], *,
@@ -174,6 +201,12 @@ class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=Mod
                             (FORWARD,))
 
         failures = localise(variant, case, obs, failures, traced, rerun)
+        if not variant.forward_only and obs.values and all(getattr(v, "frozen", False) for v in obs.values):
+            for f in failures[:1]:  # the first cause: its consequences follow from it
+                if f.property != FORWARD:
+                    f.message += (f"; note: every parameter of {variant.name} has requires_grad=False (an inference "
+                                  "module?): check it forward-only with --forward-only "
+                                  "(ModuleVariant(forward_only=True)), which runs no backward")
         if isinstance(variant, PlanVariant) and not dict(variant.options).get("plan_twin"):
             failures = name_plan_entry(self, variant, case, failures, backend=backend, timeout=timeout,
                                        isolate=isolate, properties=properties)

@@ -61,6 +61,7 @@ the derived bound (the float64 reference records which activations the module we
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -71,7 +72,7 @@ from tpsim.module_variant import ModuleVariant
 from tpsim.props.module.boundary import Capture
 from tpsim.props.module.case import ModuleCase
 from tpsim.props.module.steps import StepTensors, assign
-from tpsim.props.rank import TRAIN_STEPS, sgd_step
+from tpsim.props.rank import sgd_step
 from tpsim.props.tolerance import FACTOR
 from tpsim.props.tolerance import eps as eps_of
 from tpsim.seeding import manual_seed
@@ -157,19 +158,26 @@ def twin_run(variant: ModuleVariant, case: ModuleCase, masters: dict[str, torch.
     dense = variant.reference(case.sizes, group=dist.group.WORLD, dtype=low)
     assign(dense, {n: t.to(low, copy=True) for n, t in masters.items()})
     first: tuple[Any, ...] = ()
-    for step in range(TRAIN_STEPS):
-        x = inputs[step].to(low, copy=True).requires_grad_(True)
+    # A forward-only variant: the one forward the reference ran (``inputs`` holds one step), under
+    # torch.no_grad(), with no backward and no SGD step (tpsim.props.module.world).
+    forward_only = variant.forward_only
+    for step in range(len(inputs)):
+        x = inputs[step].to(low, copy=True).requires_grad_(not forward_only)
         capture = Capture().install(dense) if capture_on and step == 0 else None
-        y = variant.call(dense, x)
-        y.backward(grads[step].to(y.dtype))
+        with torch.no_grad() if forward_only else contextlib.nullcontext():
+            y = variant.call(dense, x)
+        if not forward_only:
+            y.backward(grads[step].to(y.dtype))
         if capture is not None:
             capture.remove()
         if step == 0:
             first = (y.detach(), None if x.grad is None else x.grad.detach(),
-                     {n: None if p.grad is None else p.grad.detach().clone() for n, p in dense.named_parameters()},
+                     {} if forward_only else {n: None if p.grad is None else p.grad.detach().clone()
+                                              for n, p in dense.named_parameters()},
                      None if capture is None else capture.as_payload())
-        sgd_step(dense)
-    return StepTensors(*first, final={n: p.detach() for n, p in dense.named_parameters()})
+        if not forward_only:
+            sgd_step(dense)
+    return StepTensors(*first, final={} if forward_only else {n: p.detach() for n, p in dense.named_parameters()})
 
 
 def twin_magnitudes(value: Any, twin: Any, case: ModuleCase, precision: torch.dtype | None = None) -> Any:

@@ -17,6 +17,12 @@ group, reads how each parameter is sharded (:mod:`tpsim.props.module.sharding`),
 every master, and runs the same steps on the group's data. Ranks return tensors, as a
 :class:`ModuleRankResult`; everything is compared in the parent (:mod:`tpsim.props.module.checks`).
 
+A forward-only variant (``ModuleVariant(forward_only=True)``: an inference module, weights without
+grads, collectives outside autograd) runs one step in both worlds, its forward under
+``torch.no_grad()``: no backward, no SGD step; the reference still draws that step's upstream
+grad (unused: the ranks read the output's shape from it), so a case draws the same numbers either
+way. :func:`steps_of` says how many steps a variant runs.
+
 With ``capture=True`` both worlds also record every sublayer's boundary tensors on step 0
 (:mod:`tpsim.props.module.boundary`); the checks ask for that only for a case that fails.
 
@@ -28,6 +34,7 @@ with which (:func:`tpsim.props.module.checks.localise`).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +87,17 @@ __all__ = [
 ]
 
 _F64 = torch.float64
+
+
+def steps_of(variant: ModuleVariant) -> int:
+    """How many steps a case of ``variant`` runs: one forward for a forward-only variant, else
+    ``TRAIN_STEPS`` SGD steps."""
+    return 1 if variant.forward_only else TRAIN_STEPS
+
+
+def grad_mode(variant: ModuleVariant) -> Any:
+    """The context a forward runs in: ``torch.no_grad()`` for a forward-only variant."""
+    return torch.no_grad() if variant.forward_only else contextlib.nullcontext()
 
 
 def _n_groups(case: ModuleCase) -> int:
@@ -160,21 +178,23 @@ def reference_main(payload: dict[str, Any]) -> Reference:
     kinked: set[str] = set()
     precision = case.torch_dtype
     tapes: list[list[list[TapeEntry]]] = []
+    forward_only = variant.forward_only
     for _g in range(_n_groups(case)):
         assign(dense, {n: t.to(_F64, copy=True) for n, t in masters.items()})
         xs, gs, group_tapes = [], [], []
         first: tuple[Any, ...] = ()
-        for step in range(TRAIN_STEPS):
+        for step in range(steps_of(variant)):
             x_master = draw((*case.batch_shape, case.sizes[0]))
-            x = x_master.to(_F64, copy=True).requires_grad_(True)
+            x = x_master.to(_F64, copy=True).requires_grad_(not forward_only)
             capture = Capture().install(dense) if capture_on and step == 0 else None
             tape = ValueTape()
-            with tape:
+            with tape, grad_mode(variant):
                 y = variant.call(dense, x)
             if isinstance(y, torch.Tensor) and not y.is_floating_point():
                 raise NotRealOutput(str(y.dtype).replace("torch.", ""))  # wrong-dtype: nothing to compare with
             g_master = draw(tuple(y.shape), g_scale)
-            y.backward(g_master.to(_F64))
+            if not forward_only:
+                y.backward(g_master.to(_F64))
             group_tapes.append(tape.entries)
             kinked |= tape.kinked
             if tape.narrowed is not None and eps_of(tape.narrowed) > eps_of(precision):
@@ -183,12 +203,14 @@ def reference_main(payload: dict[str, Any]) -> Reference:
                 capture.remove()
             if step == 0:
                 first = (y.detach(), None if x.grad is None else x.grad.detach(),
-                         {n: p.grad for n, p in dense.named_parameters()},
+                         {} if forward_only else {n: p.grad for n, p in dense.named_parameters()},
                          None if capture is None else capture.as_payload())
             xs.append(x_master)
             gs.append(g_master)
-            sgd_step(dense)  # drops each grad after using it: the step-0 ones live on in ``first`` only
-        values.append(StepTensors(*first, final={n: p.detach() for n, p in dense.named_parameters()}))
+            if not forward_only:
+                sgd_step(dense)  # drops each grad after using it: the step-0 ones live on in ``first`` only
+        values.append(StepTensors(*first, final={} if forward_only else {
+            n: p.detach() for n, p in dense.named_parameters()}))
         tapes.append(group_tapes)
         inputs.append(xs)
         grads.append(gs)
@@ -278,7 +300,8 @@ def _magnitudes(variant: ModuleVariant, dense: nn.Module, masters: dict[str, tor
     current = {n: t.to(dtype, copy=True).abs_() for n, t in masters.items()}
     first: tuple[Any, ...] = ()
     measured = None
-    for step in range(TRAIN_STEPS):
+    forward_only = variant.forward_only
+    for step in range(steps_of(variant)):
         assign(dense, current)
         if step == 0:
             dense.to(dtype)  # its buffers: the parameters are in ``dtype`` already (no copy)
@@ -288,29 +311,32 @@ def _magnitudes(variant: ModuleVariant, dense: nn.Module, masters: dict[str, tor
                         buffer.abs_()  # constants enter as magnitudes too (a rotary table's signs)
         for p in dense.parameters():
             p._tpsim_stages = 0  # type: ignore[attr-defined]
-        x = inputs[step].detach().to(dtype, copy=True).abs_().requires_grad_(True)
+        x = inputs[step].detach().to(dtype, copy=True).abs_().requires_grad_(not forward_only)
         x._tpsim_stages = 0  # type: ignore[attr-defined]
         capture = Capture().install(dense) if capture_on and step == 0 else None
         mode = MagnitudeMode(tapes[step])
-        with mode:
+        with mode, grad_mode(variant):
             y = variant.call(dense, x)
         _check_magnitude(y, "the output")
         # Grads of non-negative outputs through the bounding rules are non-negative: checking the
         # output and the input grad covers every op the run went through.
-        y.backward(grads[step].to(dtype).abs())
+        if not forward_only:
+            y.backward(grads[step].to(dtype).abs())
         if capture is not None:
             capture.remove()
         if step == 0:
             measured = mode.measured
             _check_magnitude(x.grad, "the input grad")
             first = (y.detach().to(_F64), None if x.grad is None else x.grad.detach().to(_F64),
-                     {n: None if p.grad is None else p.grad.float() for n, p in dense.named_parameters()},
+                     {} if forward_only else {n: None if p.grad is None else p.grad.float()
+                                              for n, p in dense.named_parameters()},
                      None if capture is None else capture.as_payload())
         for name, p in dense.named_parameters():
             if p.grad is not None:
                 current[name].add_(p.grad, alpha=LR)  # also the parameter: it shares the storage
             p.grad = None
-    return StepTensors(*first, final={n: t.float() for n, t in current.items()}), measured
+    final = {} if forward_only else {n: t.float() for n, t in current.items()}
+    return StepTensors(*first, final=final), measured
 
 
 @dataclass
@@ -456,7 +482,9 @@ class ModuleRankResult(RankOutput):
     - ``input_grad``, ``grads``: step-0 grads (None where none came);
     - ``summed_grads``: the step-0 grads of ``partial`` after the trainer's sum;
     - ``final``: every parameter after ``TRAIN_STEPS`` SGD steps;
-    - ``capture``: the sublayer boundaries of step 0 (:meth:`Capture.as_payload`), when asked for.
+    - ``capture``: the sublayer boundaries of step 0 (:meth:`Capture.as_payload`), when asked for;
+    - ``frozen``: every parameter has ``requires_grad=False`` (an inference module: the report
+      suggests ``--forward-only`` when it is not checked so).
     """
 
     layouts: dict[str, ParamLayout] = field(default_factory=dict)
@@ -469,6 +497,7 @@ class ModuleRankResult(RankOutput):
     summed_grads: dict[str, torch.Tensor] = field(default_factory=dict)
     final: dict[str, torch.Tensor] = field(default_factory=dict)
     capture: dict[str, Any] | None = None
+    frozen: bool = False
 
 
 def rank_main(payload: dict[str, Any]) -> ModuleRankResult:
@@ -488,7 +517,8 @@ def rank_main(payload: dict[str, Any]) -> ModuleRankResult:
     partial = tuple(n for n, lay in layouts.items() if isinstance(lay.placement, Replicate) and (
         getattr(variant.param(n), "grad", "complete") == "partial" or getattr(params[n], "sequence_parallel", False) is True))
     result = ModuleRankResult(group=me.g, tp_rank=rank, layouts=layouts, problems=problems, partial=partial,
-                              shapes={n: local_shape(p) for n, p in params.items()})
+                              shapes={n: local_shape(p) for n, p in params.items()},
+                              frozen=bool(params) and not any(p.requires_grad for p in params.values()))
     if variant.initialised:
         result.init = {n: local_value(params[n]).clone() for n, lay in layouts.items()
                        if isinstance(lay.placement, Replicate)}
@@ -498,12 +528,13 @@ def rank_main(payload: dict[str, Any]) -> ModuleRankResult:
                 load_piece(params[name], data.masters[name])
             else:
                 params[name].copy_(piece(data.masters[name], layout.placement, rank, tp, layout.uneven))
-    for step in range(TRAIN_STEPS):
+    forward_only = variant.forward_only
+    for step in range(steps_of(variant)):
         x_full = inputs[step]
         x = _laid_out(_cut(x_full, input_placement(variant, x_full.dim()), rank, tp), case.input_layout)
-        x.requires_grad_(True)
+        x.requires_grad_(not forward_only)
         capture = Capture().install(module) if payload.get("capture") and step == 0 else None
-        with rank_phase("forward", step):
+        with rank_phase("forward", step), grad_mode(variant):
             out = plain_output(variant.call(module, x))
         g_full = upstream[step]
         want = _cut(g_full, output_placement(variant, g_full.dim()), rank, tp)
@@ -512,11 +543,15 @@ def rank_main(payload: dict[str, Any]) -> ModuleRankResult:
                 capture.remove()
                 result.capture = capture.as_payload()  # the forward's boundaries show where it went wrong
             return result  # nothing to back-propagate: a wrong shape or dtype, or an output cut off from autograd
-        with rank_phase("backward", step):
-            out.backward(_laid_out(want.to(out.dtype), case.input_layout))
+        if not forward_only:
+            with rank_phase("backward", step):
+                out.backward(_laid_out(want.to(out.dtype), case.input_layout))
         if capture is not None:
             capture.remove()
             result.capture = capture.as_payload()
+        if forward_only:  # one forward: no grads, nothing trained
+            result.output, result.output_type = out.detach().clone(), type(out).__name__
+            return result
         if step == 0:
             result.output, result.output_type = out.detach().clone(), type(out).__name__
             result.input_grad = None if x.grad is None else x.grad.detach().clone()
