@@ -52,7 +52,7 @@ def test_case_sizes_are_whole_world_groups() -> None:
 
     variant = ffn_variant(FeedForward, "spmd_types", True)
     strategy = family_of(variant).cases(variant, world_sizes=(1, 2, 4), dtypes=("float64",), non_divisible=False,
-                                         tp_sizes=(2,), subgroups=True, layouts=())
+                                         tp_sizes=(2,), subgroups=True, layouts=("contiguous",))
 
     @settings(max_examples=30, database=None)
     @given(strategy)

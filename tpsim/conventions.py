@@ -319,7 +319,7 @@ def _probe_bias(build: Callable[..., nn.Module]) -> bool | None:
     in-process world (tp size 1, 2 x 2 features). None when the constructor raises there."""
     import torch.distributed as dist
 
-    import tpsim
+    from tpsim.runner import run
 
     def probe() -> bool:
         module = build(2, 2, False, group=dist.group.WORLD, rank=0, world_size=1,
@@ -327,7 +327,7 @@ def _probe_bias(build: Callable[..., nn.Module]) -> bool | None:
         return isinstance(getattr(module, "bias", None), nn.Parameter)
 
     try:
-        return bool(tpsim.run(probe, 1, backend="inproc", timeout=30.0)[0])
+        return bool(run(probe, 1, backend="inproc", timeout=30.0)[0])
     except Exception:  # noqa: BLE001 - the real runs report what the constructor does
         return None
 
@@ -339,14 +339,14 @@ def _probe_implicit_group(cls: type, build: Callable[..., nn.Module]) -> None:
     finding against the layer."""
     import torch.distributed as dist
 
-    import tpsim
+    from tpsim.runner import run
 
     def probe() -> None:
         build(2, 2, False, group=dist.group.WORLD, rank=0, world_size=1, master_weight=torch.zeros(2, 2),
               master_bias=None, dtype=torch.float32)
 
     try:
-        tpsim.run(probe, 1, backend="inproc", timeout=30.0, rank_local=_rank_local(cls))
+        run(probe, 1, backend="inproc", timeout=30.0, rank_local=_rank_local(cls))
     except Exception as err:  # noqa: BLE001 - whatever the constructor raised is quoted
         what = str(err).strip().splitlines()[0][:400] if str(err).strip() else type(err).__name__
         raise InvalidArgument(
