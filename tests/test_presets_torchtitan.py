@@ -1,6 +1,7 @@
-"""The torchtitan preset: Llama 3's feed-forward under torchtitan 0.3.0's own tp sharding
-(``Module.parallelize(ParallelDims)``, the spmd_types backend inside ``get_spmd_context``), on a
-CPU mesh, one tp group spanning the world; the same module outside the context is caught."""
+"""The torchtitan preset: Llama 3's feed-forward and attention under torchtitan 0.3.0's own tp
+sharding (``Module.parallelize(ParallelDims)``, the spmd_types backend inside ``get_spmd_context``), on
+a CPU mesh, one tp group spanning the world; the feed-forward outside the context and an attention
+whose output projection is not reduced are caught."""
 
 from __future__ import annotations
 
@@ -22,12 +23,12 @@ def _in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(ROOT)
 
 
-def _check(capsys, tmp_path, target: str, *extra: str) -> tuple[int, dict]:
-    code = main(["check", target, *FAST, *extra, "--report", "json", "--cases-dir", str(tmp_path)])
+def _check(capsys, tmp_path, target: str, *extra: str, search: tuple[str, ...] = tuple(FAST)) -> tuple[int, dict]:
+    code = main(["check", target, *search, *extra, "--report", "json", "--cases-dir", str(tmp_path)])
     return code, json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("target", ["torchtitan.models.llama3", "torchtitan.models.common.feed_forward"])
+@pytest.mark.parametrize("target", ["torchtitan.models.common.feed_forward"])
 def test_preset_passes(capsys, tmp_path, target) -> None:
     code, doc = _check(capsys, tmp_path, target)
     assert code == 0, json.dumps(doc["failures"], indent=1)
@@ -36,11 +37,95 @@ def test_preset_passes(capsys, tmp_path, target) -> None:
     assert any("spanning the whole world" in n for n in variant["notes"])
 
 
+def test_llama3_lists_the_feed_forward_and_the_attention(capsys, tmp_path) -> None:
+    code, doc = _check(capsys, tmp_path, "torchtitan.models.llama3", search=("--max-examples", "2", "--world-sizes",
+                                                                             "1,2", "--seed", "0"))
+    assert code == 0, json.dumps(doc["failures"], indent=1)
+    assert [v["name"] for v in doc["variants"]] == ["FeedForward-spmd_types", "GQAttention-spmd_types"]
+
+
+ATTENTION = ["--max-examples", "6", "--world-sizes", "1,2,4", "--seed", "0"]
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_llama3_attention_passes(capsys, tmp_path, dtype) -> None:
+    code, doc = _check(capsys, tmp_path, "torchtitan.models.common.attention", "--dtypes", dtype,
+                       search=tuple(ATTENTION))
+    assert code == 0, json.dumps(doc["failures"], indent=1)
+    (variant,) = doc["variants"]
+    assert variant["name"] == "GQAttention-spmd_types" and variant["examples"] >= 6
+    # torchtitan's attention declares an I -> R input redistribution: its input grad is all-reduced.
+    assert variant["input_grad"] == "complete"
+    assert all(v["verdict"] == "pass" for k, v in variant["verdicts"].items() if k != "divisibility")
+
+
+def test_an_unreduced_output_projection_is_named(capsys, tmp_path) -> None:
+    code, doc = _check(capsys, tmp_path, "tests/titan_targets.py:UnreducedOutputAttention", "--dtypes",
+                       "float64,float32", search=tuple(ATTENTION))
+    assert code == 1
+    causes = [(f["sublayer"], f["property"], f["diagnosis"]) for f in doc["failures"]]
+    assert causes == [("wo", "forward-equivalence", "missing-reduction")], json.dumps(doc["failures"], indent=1)
+    (variant,) = doc["variants"]
+    assert variant["name"] == "UnreducedOutputAttention-spmd_types"
+
+
+def test_attention_is_built_as_llama3_builds_it() -> None:
+    import torch
+    from torchtitan.models.common.attention import FusedQKVLinear, GQAttention, ScaledDotProductAttention
+    from torchtitan.models.common.rope import ComplexRoPE
+
+    from tpsim.presets.torchtitan import ROPE_POSITIONS, _Dense
+
+    module = _Dense(GQAttention, "attention")(16, 4, 2, dtype=torch.float64)
+    assert isinstance(module.qkv_linear, FusedQKVLinear) and isinstance(module.rope, ComplexRoPE)
+    assert isinstance(module.inner_attention, ScaledDotProductAttention)
+    assert (module.n_heads, module.n_kv_heads, module.head_dim) == (4, 2, 4)
+    assert module.wo.weight.dtype == torch.float64
+    # The rotary table stays torchtitan's complex one (Module.to(float64) would keep its real part only).
+    assert module.rope.cache.dtype == torch.complex64 and module.rope.cache.shape == (ROPE_POSITIONS, 2)
+    assert torch.equal(module.rope.cache, module.rope._precompute_cache())
+    assert module._sharding_config is not None  # its own I -> R input redistribution, as config.build() sets
+
+
+@pytest.mark.gloo
+@pytest.mark.slow
+def test_llama3_attention_passes_on_gloo(capsys, tmp_path) -> None:
+    code, doc = _check(capsys, tmp_path, "torchtitan.models.common.attention", "--backend", "gloo", "--dtypes",
+                       "float64", "--timeout", "120", search=("--max-examples", "2", "--world-sizes", "2",
+                                                              "--seed", "0"))
+    assert code == 0, json.dumps(doc["failures"], indent=1)
+    (variant,) = doc["variants"]
+    assert variant["name"] == "GQAttention-spmd_types" and variant["examples"] >= 2
+
+
 def test_outside_the_spmd_context_the_reduction_is_missing(capsys, tmp_path) -> None:
     code, doc = _check(capsys, tmp_path, "tests/titan_targets.py:NO_CONTEXT")
     assert code == 1
     causes = [(f["sublayer"], f["diagnosis"]) for f in doc["failures"]]
     assert causes and causes[0][1] == "missing-reduction", json.dumps(doc["failures"], indent=1)
+
+
+def test_attention_heads_are_multiples_of_the_tp_size() -> None:
+    from hypothesis import given, settings
+    from torchtitan.models.common.attention import GQAttention
+
+    from tpsim.presets.torchtitan import attention_variant
+    from tpsim.props.family import family_of
+
+    variant = attention_variant(GQAttention, "spmd_types", True)
+    strategy = family_of(variant).cases(variant, world_sizes=(1, 2, 4), dtypes=("float64",), non_divisible=True,
+                                         tp_sizes=None, subgroups=True, layouts=("contiguous",))
+
+    @settings(max_examples=40, database=None)
+    @given(strategy)
+    def check(case):
+        hidden, heads, kv = case.sizes
+        tp = case.tp_size or case.world_size
+        assert tp == case.world_size and heads % kv == 0 and kv % tp == 0
+        assert hidden // heads in (2, 4) and hidden % heads == 0
+        assert len(case.batch_shape) == 2  # [batch, seq, dim]
+
+    check()
 
 
 def test_case_sizes_are_whole_world_groups() -> None:

@@ -41,9 +41,15 @@ from tpsim.presets._base import quiet_import
 __all__ = ["PRESET", "TorchtitanPreset", "BACKENDS"]
 
 _FFN = "torchtitan.models.common.feed_forward.FeedForward"
-#: The Llama 3 model builds the common feed-forward: the same class, named under the model's package
-#: so that ``tpsim check torchtitan.models.llama3`` lists it.
+_ATTN = "torchtitan.models.common.attention.GQAttention"
+#: The Llama 3 model builds the common feed-forward and attention: the same classes, named under the
+#: model's package so that ``tpsim check torchtitan.models.llama3`` lists them.
 _LLAMA3_FFN = "torchtitan.models.llama3.FeedForward"
+_LLAMA3_ATTN = "torchtitan.models.llama3.GQAttention"
+#: Llama 3's rotary settings (``torchtitan.models.llama3``: ``ComplexRoPE``, theta 500000, llama
+#: scaling), its table for positions ``0..ROPE_POSITIONS-1`` (the drawn sequences are shorter).
+ROPE_THETA = 500000.0
+ROPE_POSITIONS = 64
 #: The spmd backends checked, and whether the forward runs inside ``get_spmd_context``.
 BACKENDS = (("spmd_types", True),)
 
@@ -70,20 +76,56 @@ def _ffn_config(cls: type, hidden: int, ffn: int) -> Any:
     return config
 
 
+def _attention_config(cls: type, hidden: int, heads: int, kv_heads: int) -> Any:
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.common.config_utils import make_gqa_config
+    from torchtitan.models.common.decoder_sharding import (
+        set_gqa_attention_sharding,
+        set_gqa_inner_attention_local_map,
+    )
+    from torchtitan.models.common.rope import ComplexRoPE
+
+    # As torchtitan.models.llama3 builds every layer's attention (fused wqkv, head_dim = dim // n_heads,
+    # complex rotary tables), with the SDPA inner attention (causal, no mask) in place of flex/varlen,
+    # which need compiled kernels.
+    config = make_gqa_config(
+        dim=hidden, n_heads=heads, n_kv_heads=kv_heads, wqkv_param_init={}, wo_param_init={},
+        inner_attention=ScaledDotProductAttention.Config(), fuse_qkv=True,
+        rope=ComplexRoPE.Config(dim=hidden // heads, max_seq_len=ROPE_POSITIONS, theta=ROPE_THETA, scaling="llama"))
+    # As set_llama3_sharding_config sets every layer without sequence parallelism.
+    set_gqa_attention_sharding(config, enable_sp=False)
+    set_gqa_inner_attention_local_map(config.inner_attention)
+    return config
+
+
+def _built(cls: type, config: Any, dtype: torch.dtype) -> nn.Module:
+    """``cls(config)`` as ``config.build()`` makes it (its own sharding declared, for a subclass too), in
+    ``dtype``. Rotary tables (complex buffers, which ``Module.to(float)`` would make real) are kept as
+    torchtitan's precompute made them."""
+    module = cls(config)
+    if config.sharding_config is not None:
+        module._sharding_config = config.sharding_config
+    # Module.to's own conversion (parameters and buffers alike), for real floating tensors only.
+    return module._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+
 class _Dense:
-    """``cls`` built from its config with torchtitan's sharding declared (not yet applied)."""
+    """``cls`` (``role`` "ffn" or "attention") built from its config with torchtitan's sharding declared
+    (not yet applied)."""
 
-    def __init__(self, cls: type) -> None:
-        self.cls = cls
+    def __init__(self, cls: type, role: str = "ffn") -> None:
+        self.cls, self.role = cls, role
 
-    def __call__(self, hidden: int, ffn: int, *, dtype: torch.dtype) -> nn.Module:
-        return self.cls(_ffn_config(self.cls, hidden, ffn)).to(dtype)
+    def __call__(self, *sizes: int, dtype: torch.dtype) -> nn.Module:
+        if self.role == "ffn":
+            return self.cls(_ffn_config(self.cls, *sizes)).to(dtype)
+        return _built(self.cls, _attention_config(self.cls, *sizes), dtype)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Dense) and other.cls is self.cls
+        return isinstance(other, _Dense) and (other.cls, other.role) == (self.cls, self.role)
 
     def __hash__(self) -> int:
-        return hash(self.cls)
+        return hash((self.cls, self.role))
 
 
 class _Parallelize:
@@ -119,30 +161,36 @@ class _Parallelize:
 
 
 class _SpmdRegion(torch.autograd.Function):
-    """``module(x)`` with its forward *and* its backward inside torchtitan's spmd context, as the
+    """``module(x, *args)`` with its forward *and* its backward inside torchtitan's spmd context, as the
     trainer's ``train_context`` wraps both (the backward's collectives need it too): the module's own
     graph is built in the forward and back-propagated, in the context, in this node's backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, module: nn.Module, context: Any) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, module: nn.Module, context: Any, args: tuple[Any, ...]) -> torch.Tensor:
         ctx.context = context
         ctx.x = x.detach().requires_grad_(x.requires_grad)
         with torch.enable_grad(), context():
-            ctx.y = module(ctx.x)
+            ctx.y = module(ctx.x, *args)
         return ctx.y.detach()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None, None, None]:
         with ctx.context():
             torch.autograd.backward(ctx.y, grad)
-        return ctx.x.grad, None, None
+        return ctx.x.grad, None, None, None
 
 
-def in_spmd_context(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)``, forward and backward inside the spmd context its plan left on it (the dense
+def in_spmd_context(module: nn.Module, x: torch.Tensor, *args: Any) -> torch.Tensor:
+    """``module(x, *args)``, forward and backward inside the spmd context its plan left on it (the dense
     reference has none)."""
     context = getattr(module, "_tpsim_spmd_context", None)
-    return module(x) if context is None else _SpmdRegion.apply(x, module, context)
+    return module(x, *args) if context is None else _SpmdRegion.apply(x, module, context, args)
+
+
+def attention_in_spmd_context(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The attention's ``forward(x_BLD, attention_masks=None, positions=None)`` (SDPA: causal, no mask;
+    positions ``0..seq-1`` from its own rotary table) in the spmd context (:func:`in_spmd_context`)."""
+    return in_spmd_context(module, x, None, None)  # as Llama3TransformerBlock calls it: positionally
 
 
 def ffn_variant(cls: type, backend: str, context: bool) -> Any:
@@ -157,27 +205,62 @@ def ffn_variant(cls: type, backend: str, context: bool) -> Any:
                         description=f"{cls.__module__}.{cls.__qualname__} under torchtitan's tp sharding ({backend})")
 
 
+def _head_sizes(tp: int, divisible: bool) -> Any:
+    """``(hidden, heads, kv_heads)``: key/value heads and heads multiples of the tp size (the sharding
+    splits whole heads; the fused ``wqkv`` splits whole key/value groups), head_dim 2 or 4 (even: the
+    complex rotary pairs features)."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def draw(draw_fn: Any) -> tuple[int, int, int]:
+        kv = tp * draw_fn(st.integers(1, 2))
+        heads = kv * draw_fn(st.integers(1, 2))
+        return (heads * draw_fn(st.sampled_from((2, 4))), heads, kv)
+
+    return draw()
+
+
+def attention_variant(cls: type, backend: str, context: bool) -> Any:
+    """The variant of torchtitan's Llama 3 attention ``cls`` (``GQAttention`` or a subclass) under its tp
+    sharding on ``backend`` (the forward inside the spmd context when ``context``)."""
+    from tpsim.props.module.plans import plan_variant
+
+    suffix = backend if context or backend != "spmd_types" else f"{backend}-no-context"
+    return plan_variant(_Dense(cls, "attention"), _Parallelize(backend, context), sizes=("hidden", "heads", "kv_heads"),
+                        name=f"{cls.__qualname__}-{suffix}",
+                        plan_name=f"torchtitan set_gqa_attention_sharding, {backend}",
+                        forward=attention_in_spmd_context, size_strategy=_head_sizes, min_batch_dims=2,
+                        max_batch_dims=2, subgroups=False,
+                        description=f"{cls.__module__}.{cls.__qualname__} (Llama 3: fused wqkv, complex rotary, "
+                                    f"SDPA causal) under torchtitan's tp sharding ({backend})")
+
+
 class TorchtitanPreset:
     """torchtitan 0.3.0's dense feed-forward under its tp sharding (see the module docstring)."""
 
     name = "torchtitan"
     requirement = "torchtitan==0.3.0"
-    targets = ("torchtitan.models.llama3", "torchtitan.models.common", "torchtitan.models.common.feed_forward")
-    classes = {_FFN: "module", _LLAMA3_FFN: "module"}
+    targets = ("torchtitan.models.llama3", "torchtitan.models.common", "torchtitan.models.common.feed_forward",
+               "torchtitan.models.common.attention")
+    classes = {_FFN: "module", _LLAMA3_FFN: "module", _ATTN: "module", _LLAMA3_ATTN: "module"}
     rank_local: tuple[str, ...] = ()
 
     def load(self) -> dict[str, Any]:
         try:
-            cls = quiet_import(self, "torchtitan.models.common.feed_forward").FeedForward
+            ffn = quiet_import(self, "torchtitan.models.common.feed_forward").FeedForward
+            attention = quiet_import(self, "torchtitan.models.common.attention").GQAttention
         except InvalidArgument as err:
             if "triton" in str(err):
                 raise InvalidArgument(f"{err}; torchtitan 0.3.0 imports triton at import time: pip install -c "
                                       "constraints.txt triton") from None
             raise
-        return {_FFN: cls, _LLAMA3_FFN: cls}
+        return {_FFN: ffn, _LLAMA3_FFN: ffn, _ATTN: attention, _LLAMA3_ATTN: attention}
 
     def variants(self, cls: Any, kind: str) -> list[Any]:
-        return [ffn_variant(cls, backend, context) for backend, context in BACKENDS]
+        from torchtitan.models.common.attention import GQAttention
+
+        make = attention_variant if issubclass(cls, GQAttention) else ffn_variant
+        return [make(cls, backend, context) for backend, context in BACKENDS]
 
 
 #: The preset object (listed in :data:`tpsim.presets.PRESETS`).

@@ -304,7 +304,10 @@ def _magnitudes(variant: ModuleVariant, dense: nn.Module, masters: dict[str, tor
     for step in range(steps_of(variant)):
         assign(dense, current)
         if step == 0:
-            dense.to(dtype)  # its buffers: the parameters are in ``dtype`` already (no copy)
+            # Its real floating buffers (the parameters are in ``dtype`` already: no copy); a complex
+            # buffer (a rotary table) is left complex, not cast to its real part: arithmetic on it is
+            # refused (UnboundedOp) and the dense twin judges the module.
+            dense._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
             with torch.no_grad():
                 for buffer in dense.buffers():
                     if buffer.is_floating_point():
