@@ -1,14 +1,30 @@
-"""The torchtitan preset: ``tpsim check torchtitan.models.llama3`` checks Llama 3's feed-forward under
-torchtitan's own tensor-parallel sharding.
+"""The torchtitan preset: ``tpsim check torchtitan.models.llama3`` checks Llama 3's feed-forward and
+attention under torchtitan's own tensor-parallel sharding.
 
 Tested with ``torchtitan==0.3.0``. torchtitan 0.3.0 parallelises a module with its own protocol:
-each sub-config carries a ``sharding_config`` (for the dense feed-forward,
-``decoder_sharding.set_dense_ffn_sharding``: ``w1``/``w3`` colwise, ``w2`` rowwise, as
-``set_llama3_sharding_config`` sets it for every Llama 3 layer) and ``Module.parallelize(parallel_dims)``
-distributes the parameters and wraps each forward with the redistributions. The preset builds the
-dense ``FeedForward(w1, w2, w3)`` from the case's ``(hidden, ffn)``, loads the masters and checks it
-under that sharding as a plan target (:mod:`tpsim.props.module.plans`), with the context the trainer
-gives it:
+each sub-config carries a ``sharding_config`` and ``Module.parallelize(parallel_dims)`` distributes
+the parameters and wraps each forward with the redistributions. The preset builds each layer from its
+config with the sharding ``set_llama3_sharding_config`` sets for every Llama 3 layer without sequence
+parallelism, loads the masters and checks it as a plan target (:mod:`tpsim.props.module.plans`):
+
+- ``FeedForward(w1, w2, w3)`` from the case's ``(hidden, ffn)``, ``set_dense_ffn_sharding``: ``w1``/``w3``
+  colwise, ``w2`` rowwise;
+- ``GQAttention`` (and a subclass of it, built the same way: ``tpsim check mypatch.py:MyAttention``) from
+  ``(hidden, heads, kv_heads)`` as Llama 3 builds it (``make_gqa_config``: fused ``wqkv``,
+  ``head_dim = hidden // heads``, ``ComplexRoPE`` with theta 500000 and llama scaling), with
+  ``set_gqa_attention_sharding`` (``wqkv`` colwise, ``wo`` rowwise all-reduced, the input ``I -> R``)
+  and ``set_gqa_inner_attention_local_map``. Heads and key/value heads are drawn as multiples of the tp
+  size (the sharding splits whole key/value groups), ``head_dim`` 2 or 4. The inner attention is
+  ``ScaledDotProductAttention`` (causal, no mask): Llama 3's own backends (flex, varlen) need compiled
+  or CUDA kernels, and ``get_attention_config("sdpa")`` refuses language models; the tp question
+  (whole heads per rank, the ``wo`` reduction) is the same. The forward is
+  ``forward(x, None, None)``, positionally as ``Llama3TransformerBlock`` calls it (no masks, positions
+  ``0..seq-1`` from the module's own rotary table, precomputed once by torchtitan in the constructor;
+  a complex buffer, kept complex when the module is cast to the case's dtype). The module's own
+  ``sharding_config`` is set as ``config.build()`` sets it, so its input grad is all-reduced
+  (``input_grad="complete"``). Its complex rotary product is judged against the dense twin.
+
+The context each gets, as the trainer gives it:
 
 - ``ParallelDims(tp=world_size, every other degree 1)``, whose mesh is built over the **whole world**
   (``init_device_mesh``): the preset checks one tp group spanning the world (no subgroups);
@@ -24,8 +40,7 @@ gives it:
 - inputs ``[batch, seq, hidden]``: torchtitan's activation layouts name the sequence dim 1.
 
 torchtitan imports ``triton`` at import time: without it, ``tpsim check torchtitan...`` is a usage
-error naming the missing module. The attention (rotary tables, SDPA) is not checked: the module
-check cannot bound those ops yet (see :mod:`tpsim.presets.transformers`).
+error naming the missing module. Not checked: the whole ``TransformerBlock``, sequence parallelism.
 """
 
 from __future__ import annotations
@@ -211,13 +226,11 @@ def _head_sizes(tp: int, divisible: bool) -> Any:
     complex rotary pairs features)."""
     from hypothesis import strategies as st
 
-    @st.composite
-    def draw(draw_fn: Any) -> tuple[int, int, int]:
-        kv = tp * draw_fn(st.integers(1, 2))
-        heads = kv * draw_fn(st.integers(1, 2))
-        return (heads * draw_fn(st.sampled_from((2, 4))), heads, kv)
+    def sizes(kv_per_rank: int, group: int, head_dim: int) -> tuple[int, int, int]:
+        kv = tp * kv_per_rank
+        return (kv * group * head_dim, kv * group, kv)
 
-    return draw()
+    return st.builds(sizes, st.integers(1, 2), st.integers(1, 2), st.sampled_from((2, 4)))
 
 
 def attention_variant(cls: type, backend: str, context: bool) -> Any:
@@ -236,7 +249,8 @@ def attention_variant(cls: type, backend: str, context: bool) -> Any:
 
 
 class TorchtitanPreset:
-    """torchtitan 0.3.0's dense feed-forward under its tp sharding (see the module docstring)."""
+    """torchtitan 0.3.0's dense feed-forward and Llama 3 attention under their tp sharding (see the
+    module docstring)."""
 
     name = "torchtitan"
     requirement = "torchtitan==0.3.0"
