@@ -1,7 +1,7 @@
-"""The torchtitan preset: Llama 3's feed-forward and attention under torchtitan 0.3.0's own tp
-sharding (``Module.parallelize(ParallelDims)``, the spmd_types backend inside ``get_spmd_context``), on
-a CPU mesh, one tp group spanning the world; the feed-forward outside the context and an attention
-whose output projection is not reduced are caught."""
+"""The torchtitan preset: Llama 3's feed-forward, attention and transformer block under torchtitan
+0.3.0's own tp sharding (``Module.parallelize(ParallelDims)``, the spmd_types backend inside
+``get_spmd_context``), on a CPU mesh, one tp group spanning the world; the feed-forward outside the
+context, and an attention and a block whose output projection is not reduced, are caught."""
 
 from __future__ import annotations
 
@@ -37,36 +37,44 @@ def test_preset_passes(capsys, tmp_path, target) -> None:
     assert any("spanning the whole world" in n for n in variant["notes"])
 
 
-def test_llama3_lists_the_feed_forward_and_the_attention(capsys, tmp_path) -> None:
+def test_llama3_lists_its_feed_forward_attention_and_block(capsys, tmp_path) -> None:
     code, doc = _check(capsys, tmp_path, "torchtitan.models.llama3", search=("--max-examples", "2", "--world-sizes",
                                                                              "1,2", "--seed", "0"))
     assert code == 0, json.dumps(doc["failures"], indent=1)
-    assert [v["name"] for v in doc["variants"]] == ["FeedForward-spmd_types", "GQAttention-spmd_types"]
+    assert [v["name"] for v in doc["variants"]] == ["FeedForward-spmd_types", "GQAttention-spmd_types",
+                                                    "Llama3TransformerBlock-spmd_types"]
 
 
 ATTENTION = ["--max-examples", "6", "--world-sizes", "1,2,4", "--seed", "0"]
 
 
+LAYERS = [("torchtitan.models.common.attention:GQAttention", "GQAttention-spmd_types"),
+          ("torchtitan.models.llama3.model:Llama3TransformerBlock", "Llama3TransformerBlock-spmd_types")]
+
+
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_llama3_attention_passes(capsys, tmp_path, dtype) -> None:
-    code, doc = _check(capsys, tmp_path, "torchtitan.models.common.attention", "--dtypes", dtype,
-                       search=tuple(ATTENTION))
+@pytest.mark.parametrize(("target", "name"), LAYERS)
+def test_llama3_attention_and_block_pass(capsys, tmp_path, target, name, dtype) -> None:
+    code, doc = _check(capsys, tmp_path, target, "--dtypes", dtype, search=tuple(ATTENTION))
     assert code == 0, json.dumps(doc["failures"], indent=1)
     (variant,) = doc["variants"]
-    assert variant["name"] == "GQAttention-spmd_types" and variant["examples"] >= 6
-    # torchtitan's attention declares an I -> R input redistribution: its input grad is all-reduced.
+    assert variant["name"] == name and variant["examples"] >= 6
+    # torchtitan's attention and feed-forward declare an I -> R input redistribution: the input grad
+    # is all-reduced.
     assert variant["input_grad"] == "complete"
     assert all(v["verdict"] == "pass" for k, v in variant["verdicts"].items() if k != "divisibility")
 
 
-def test_an_unreduced_output_projection_is_named(capsys, tmp_path) -> None:
-    code, doc = _check(capsys, tmp_path, "tests/titan_targets.py:UnreducedOutputAttention", "--dtypes",
-                       "float64,float32", search=tuple(ATTENTION))
+@pytest.mark.parametrize(("target", "sublayer"), [("UnreducedOutputAttention", "wo"),
+                                                  ("UnreducedFeedForwardBlock", "feed_forward.w2")])
+def test_an_unreduced_projection_is_named(capsys, tmp_path, target, sublayer) -> None:
+    code, doc = _check(capsys, tmp_path, f"tests/titan_targets.py:{target}", "--dtypes", "float64,float32",
+                       search=tuple(ATTENTION))
     assert code == 1
     causes = [(f["sublayer"], f["property"], f["diagnosis"]) for f in doc["failures"]]
-    assert causes == [("wo", "forward-equivalence", "missing-reduction")], json.dumps(doc["failures"], indent=1)
+    assert causes == [(sublayer, "forward-equivalence", "missing-reduction")], json.dumps(doc["failures"], indent=1)
     (variant,) = doc["variants"]
-    assert variant["name"] == "UnreducedOutputAttention-spmd_types"
+    assert variant["name"] == f"{target}-spmd_types"
 
 
 def test_attention_is_built_as_llama3_builds_it() -> None:
@@ -89,13 +97,13 @@ def test_attention_is_built_as_llama3_builds_it() -> None:
 
 @pytest.mark.gloo
 @pytest.mark.slow
-def test_llama3_attention_passes_on_gloo(capsys, tmp_path) -> None:
-    code, doc = _check(capsys, tmp_path, "torchtitan.models.common.attention", "--backend", "gloo", "--dtypes",
-                       "float64", "--timeout", "120", search=("--max-examples", "2", "--world-sizes", "2",
-                                                              "--seed", "0"))
+@pytest.mark.parametrize(("target", "name"), LAYERS)
+def test_llama3_attention_and_block_pass_on_gloo(capsys, tmp_path, target, name) -> None:
+    code, doc = _check(capsys, tmp_path, target, "--backend", "gloo", "--dtypes", "float64,float32", "--timeout",
+                       "120", search=("--max-examples", "3", "--world-sizes", "1,2", "--seed", "0"))
     assert code == 0, json.dumps(doc["failures"], indent=1)
     (variant,) = doc["variants"]
-    assert variant["name"] == "GQAttention-spmd_types" and variant["examples"] >= 2
+    assert variant["name"] == name and variant["examples"] >= 3
 
 
 def test_outside_the_spmd_context_the_reduction_is_missing(capsys, tmp_path) -> None:

@@ -61,6 +61,7 @@ _ATTN = "torchtitan.models.common.attention.GQAttention"
 #: model's package so that ``tpsim check torchtitan.models.llama3`` lists them.
 _LLAMA3_FFN = "torchtitan.models.llama3.FeedForward"
 _LLAMA3_ATTN = "torchtitan.models.llama3.GQAttention"
+_LLAMA3_BLOCK = "torchtitan.models.llama3.model.Llama3TransformerBlock"
 #: Llama 3's rotary settings (``torchtitan.models.llama3``: ``ComplexRoPE``, theta 500000, llama
 #: scaling), its table for positions ``0..ROPE_POSITIONS-1`` (the drawn sequences are shorter).
 ROPE_THETA = 500000.0
@@ -113,6 +114,24 @@ def _attention_config(cls: type, hidden: int, heads: int, kv_heads: int) -> Any:
     return config
 
 
+def _block_config(cls: type, hidden: int, ffn: int, heads: int, kv_heads: int) -> Any:
+    from torchtitan.models.common.config_utils import make_ffn_config
+    from torchtitan.models.common.nn_modules import RMSNorm
+    from torchtitan.models.llama3.sharding import _set_llama3_layer_sharding
+
+    # As torchtitan.models.llama3's _build_llama3_layers builds every layer (its param inits aside: the
+    # masters overwrite them), with the attention of _attention_config.
+    attention = _attention_config(cls, hidden, heads, kv_heads)
+    config = cls.Config(attention_norm=RMSNorm.Config(normalized_shape=hidden),
+                        ffn_norm=RMSNorm.Config(normalized_shape=hidden), attention=attention,
+                        feed_forward=make_ffn_config(dim=hidden, hidden_dim=ffn, w1_param_init={},
+                                                     w2w3_param_init={}))
+    # set_llama3_sharding_config's per-layer step (norms, attention, inner attention, feed-forward),
+    # without sequence parallelism.
+    _set_llama3_layer_sharding(config, enable_sp=False)
+    return config
+
+
 def _built(cls: type, config: Any, dtype: torch.dtype) -> nn.Module:
     """``cls(config)`` as ``config.build()`` makes it (its own sharding declared, for a subclass too), in
     ``dtype``. Rotary tables (complex buffers, which ``Module.to(float)`` would make real) are kept as
@@ -125,7 +144,7 @@ def _built(cls: type, config: Any, dtype: torch.dtype) -> nn.Module:
 
 
 class _Dense:
-    """``cls`` (``role`` "ffn" or "attention") built from its config with torchtitan's sharding declared
+    """``cls`` (``role`` "ffn", "attention" or "block") built from its config with torchtitan's sharding declared
     (not yet applied)."""
 
     def __init__(self, cls: type, role: str = "ffn") -> None:
@@ -134,7 +153,8 @@ class _Dense:
     def __call__(self, *sizes: int, dtype: torch.dtype) -> nn.Module:
         if self.role == "ffn":
             return self.cls(_ffn_config(self.cls, *sizes)).to(dtype)
-        return _built(self.cls, _attention_config(self.cls, *sizes), dtype)
+        config = (_attention_config if self.role == "attention" else _block_config)(self.cls, *sizes)
+        return _built(self.cls, config, dtype)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _Dense) and (other.cls, other.role) == (self.cls, self.role)
@@ -203,8 +223,9 @@ def in_spmd_context(module: nn.Module, x: torch.Tensor, *args: Any) -> torch.Ten
 
 
 def attention_in_spmd_context(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The attention's ``forward(x_BLD, attention_masks=None, positions=None)`` (SDPA: causal, no mask;
-    positions ``0..seq-1`` from its own rotary table) in the spmd context (:func:`in_spmd_context`)."""
+    """The attention's (or the block's) ``forward(x, attention_masks=None, positions=None)`` (SDPA:
+    causal, no mask; positions ``0..seq-1`` from its own rotary table) in the spmd context
+    (:func:`in_spmd_context`)."""
     return in_spmd_context(module, x, None, None)  # as Llama3TransformerBlock calls it: positionally
 
 
@@ -233,6 +254,34 @@ def _head_sizes(tp: int, divisible: bool) -> Any:
     return st.builds(sizes, st.integers(1, 2), st.integers(1, 2), st.sampled_from((2, 4)))
 
 
+def _block_sizes(tp: int, divisible: bool) -> Any:
+    """``(hidden, ffn, heads, kv_heads)``: the attention's sizes (:func:`_head_sizes`) and a feed-forward
+    size a multiple of the tp size, at least 2 (torch's DTensor refuses a sharded dim of global size 1)."""
+    from hypothesis import strategies as st
+
+    def sizes(attention: tuple[int, int, int], ffn_per_rank: int) -> tuple[int, int, int, int]:
+        hidden, heads, kv = attention
+        return (hidden, tp * ffn_per_rank, heads, kv)
+
+    return st.builds(sizes, _head_sizes(tp, divisible), st.integers(-(-2 // tp), 3))
+
+
+def block_variant(cls: type, backend: str, context: bool) -> Any:
+    """The variant of torchtitan's Llama 3 transformer block ``cls`` (``Llama3TransformerBlock`` or a
+    subclass) under its tp sharding on ``backend`` (the forward inside the spmd context when
+    ``context``)."""
+    from tpsim.props.module.plans import plan_variant
+
+    suffix = backend if context or backend != "spmd_types" else f"{backend}-no-context"
+    return plan_variant(_Dense(cls, "block"), _Parallelize(backend, context),
+                        sizes=("hidden", "ffn", "heads", "kv_heads"), name=f"{cls.__qualname__}-{suffix}",
+                        plan_name=f"torchtitan set_llama3_sharding_config (one layer), {backend}",
+                        forward=attention_in_spmd_context, size_strategy=_block_sizes, min_batch_dims=2,
+                        max_batch_dims=2, subgroups=False,
+                        description=f"{cls.__module__}.{cls.__qualname__} (RMSNorms, Llama 3 attention with SDPA "
+                                    f"causal, SwiGLU feed-forward) under torchtitan's tp sharding ({backend})")
+
+
 def attention_variant(cls: type, backend: str, context: bool) -> Any:
     """The variant of torchtitan's Llama 3 attention ``cls`` (``GQAttention`` or a subclass) under its tp
     sharding on ``backend`` (the forward inside the spmd context when ``context``)."""
@@ -256,24 +305,28 @@ class TorchtitanPreset:
     requirement = "torchtitan==0.3.0"
     targets = ("torchtitan.models.llama3", "torchtitan.models.common", "torchtitan.models.common.feed_forward",
                "torchtitan.models.common.attention")
-    classes = {_FFN: "module", _LLAMA3_FFN: "module", _ATTN: "module", _LLAMA3_ATTN: "module"}
+    classes = {_FFN: "module", _LLAMA3_FFN: "module", _ATTN: "module", _LLAMA3_ATTN: "module",
+               _LLAMA3_BLOCK: "module"}
     rank_local: tuple[str, ...] = ()
 
     def load(self) -> dict[str, Any]:
         try:
             ffn = quiet_import(self, "torchtitan.models.common.feed_forward").FeedForward
             attention = quiet_import(self, "torchtitan.models.common.attention").GQAttention
+            block = quiet_import(self, "torchtitan.models.llama3.model").Llama3TransformerBlock
         except InvalidArgument as err:
             if "triton" in str(err):
                 raise InvalidArgument(f"{err}; torchtitan 0.3.0 imports triton at import time: pip install -c "
                                       "constraints.txt triton") from None
             raise
-        return {_FFN: ffn, _LLAMA3_FFN: ffn, _ATTN: attention, _LLAMA3_ATTN: attention}
+        return {_FFN: ffn, _LLAMA3_FFN: ffn, _ATTN: attention, _LLAMA3_ATTN: attention, _LLAMA3_BLOCK: block}
 
     def variants(self, cls: Any, kind: str) -> list[Any]:
         from torchtitan.models.common.attention import GQAttention
+        from torchtitan.models.llama3.model import Llama3TransformerBlock
 
-        make = attention_variant if issubclass(cls, GQAttention) else ffn_variant
+        make = (attention_variant if issubclass(cls, GQAttention) else
+                block_variant if issubclass(cls, Llama3TransformerBlock) else ffn_variant)
         return [make(cls, backend, context) for backend, context in BACKENDS]
 
 
