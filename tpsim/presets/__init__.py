@@ -15,7 +15,8 @@ which asks :func:`library_variants` for its own kinds.
 - :mod:`tpsim.presets.fairscale`: fairscale's Column/RowParallelLinear;
 - :mod:`tpsim.presets.transformers`: Hugging Face Llama/Qwen2/Mistral MLPs, attentions and decoder
   layers under their own ``base_model_tp_plan`` (plan targets of the module family);
-- :mod:`tpsim.presets.torchtitan`: torchtitan's Llama 3 feed-forward under its own tp sharding.
+- :mod:`tpsim.presets.torchtitan`: torchtitan's Llama 3 feed-forward, attention and transformer block
+  under its own tp sharding.
 """
 
 from __future__ import annotations

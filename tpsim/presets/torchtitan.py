@@ -1,5 +1,5 @@
-"""The torchtitan preset: ``tpsim check torchtitan.models.llama3`` checks Llama 3's feed-forward and
-attention under torchtitan's own tensor-parallel sharding.
+"""The torchtitan preset: ``tpsim check torchtitan.models.llama3`` checks Llama 3's feed-forward,
+attention and transformer block under torchtitan's own tensor-parallel sharding.
 
 Tested with ``torchtitan==0.3.0``. torchtitan 0.3.0 parallelises a module with its own protocol:
 each sub-config carries a ``sharding_config`` and ``Module.parallelize(parallel_dims)`` distributes
@@ -22,7 +22,12 @@ parallelism, loads the masters and checks it as a plan target (:mod:`tpsim.props
   ``0..seq-1`` from the module's own rotary table, precomputed once by torchtitan in the constructor;
   a complex buffer, kept complex when the module is cast to the case's dtype). The module's own
   ``sharding_config`` is set as ``config.build()`` sets it, so its input grad is all-reduced
-  (``input_grad="complete"``). Its complex rotary product is judged against the dense twin.
+  (``input_grad="complete"``). Its complex rotary product is judged against the dense twin;
+- ``Llama3TransformerBlock`` (and a subclass) from ``(hidden, ffn, heads, kv_heads)``: two ``RMSNorm``,
+  that attention and a ``make_ffn_config`` feed-forward, sharded by ``set_llama3_sharding_config``'s
+  per-layer step (``torchtitan.models.llama3.sharding._set_llama3_layer_sharding``, ``enable_sp=False``:
+  the norms invariant, the attention and the feed-forward as above), called
+  ``forward(x, None, None)``.
 
 The context each gets, as the trainer gives it:
 
@@ -40,7 +45,8 @@ The context each gets, as the trainer gives it:
 - inputs ``[batch, seq, hidden]``: torchtitan's activation layouts name the sequence dim 1.
 
 torchtitan imports ``triton`` at import time: without it, ``tpsim check torchtitan...`` is a usage
-error naming the missing module. Not checked: the whole ``TransformerBlock``, sequence parallelism.
+error naming the missing module. Not checked: sequence parallelism, the flex and varlen attention
+backends.
 """
 
 from __future__ import annotations
@@ -298,8 +304,8 @@ def attention_variant(cls: type, backend: str, context: bool) -> Any:
 
 
 class TorchtitanPreset:
-    """torchtitan 0.3.0's dense feed-forward and Llama 3 attention under their tp sharding (see the
-    module docstring)."""
+    """torchtitan 0.3.0's dense feed-forward, Llama 3 attention and transformer block under their tp
+    sharding (see the module docstring)."""
 
     name = "torchtitan"
     requirement = "torchtitan==0.3.0"
