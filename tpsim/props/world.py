@@ -24,6 +24,7 @@ worker processes can run it; there the variant is resolved again from its target
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +32,17 @@ import torch
 
 from tpsim.conventions import returned_bias
 from tpsim.errors import InvalidArgument
-from tpsim.placement import UNEVEN_STYLES, Replicate, Shard, part_sizes, shard_tensor, uneven_pieces
+from tpsim.placement import (
+    UNEVEN_STYLES,
+    Replicate,
+    Shard,
+    part_sizes,
+    replica_expanded,
+    replicated_parts,
+    shard_shape,
+    shard_tensor,
+    uneven_pieces,
+)
 from tpsim.props.case import Case
 from tpsim.props.layouts import apply_layout, expand_values
 from tpsim.props.observation import OK, RankOutput
@@ -44,6 +55,8 @@ __all__ = [
     "Masters",
     "RankResult",
     "Reference",
+    "expanded_out_features",
+    "expanded_view",
     "is_divisible",
     "make_masters",
     "non_divisible_sizes",
@@ -114,9 +127,11 @@ class Masters:
         return Masters(self.weight, self.bias, inputs, grads)
 
 
-def make_masters(case: Case) -> Masters:
+def make_masters(case: Case, grad_features: int | None = None) -> Masters:
     """Draw the master weight ``[out, in]``, bias ``[out]``, and per-step inputs ``[*batch, in]`` and
-    upstream grads ``[*batch, out]`` from ``case.seed`` (float64 normal draws rounded to the dtype)."""
+    upstream grads ``[*batch, out]`` from ``case.seed`` (float64 normal draws rounded to the dtype).
+    ``grad_features``: the upstream grads' width when it is not ``out`` (replicated key/value heads:
+    :func:`expanded_out_features`)."""
     gen = torch.Generator().manual_seed(case.seed)
     dtype = case.torch_dtype
 
@@ -132,9 +147,53 @@ def make_masters(case: Case) -> Masters:
         for _ in range(TRAIN_STEPS):
             # An expanded layout needs rows that repeat along the first batch dim (tpsim.props.layouts).
             inputs.append(expand_values(draw(*case.batch_shape, case.in_features), case.input_layout))
-            grads.append(expand_values(draw(*case.batch_shape, case.out_features), case.input_layout))
+            grads.append(expand_values(draw(*case.batch_shape, grad_features or case.out_features), case.input_layout))
         data.append((inputs, grads))
     return Masters(weight, bias, data[0][0], data[0][1], groups=data[1:])
+
+
+def expanded_out_features(variant: Variant, case: Case) -> int | None:
+    """The output width of a case whose packed weight holds replicated key/value heads at its tp size
+    (``Variant.head_size`` with fewer key/value heads than ranks): every rank's output features side by
+    side, ``tp * local``, so that each replica of a head has columns of its own (None: no replicas).
+
+    Why a replica is its own column: the ranks holding one key/value head serve different query
+    heads, so each gets its own upstream grad for it (in attention, the grad through its own query
+    heads only). The dense twin of such a layer is therefore ``nn.Linear`` with the replica-expanded
+    weight (:func:`tpsim.placement.replica_expanded`: the master's K/V rows repeated once per
+    replica), run on upstream grads drawn at this width. Each rank's output, weight/bias grad and
+    trained value is then exactly its own piece of that twin's (``Shard(-1)``/``Shard(0)`` of the
+    expanded tensors), and, by the chain rule through the repeat, the master's grad of a key/value
+    row is the *sum* of its replicas' grads: a replica's grad alone is its query heads' share."""
+    if not variant.packed or variant.head_size is None or variant.kind != "column":
+        return None
+    tp = case.tp_size or case.world_size
+    placement = Shard(0, parts=variant.packed, head_size=variant.head_size)
+    try:
+        if not any(replicated_parts(case.out_features, placement, tp)):
+            return None
+        return tp * shard_shape((case.out_features, 1), placement, tp)[0]
+    except InvalidArgument:
+        return None
+
+
+def expanded_view(variant: Variant, case: Case, masters: Masters) -> tuple[Variant, Case, Masters]:
+    """The variant, case and masters the checks compare a replicated-key/value case against (see
+    :func:`expanded_out_features`): the replica-expanded weight and bias, ``out_features`` the
+    expanded width, and the variant's packed placements replaced by plain ``Shard(0)``/``Shard(-1)``
+    (rank ``r``'s rows of the expanded weight are exactly what it holds). Unchanged without replicas."""
+    width = expanded_out_features(variant, case)
+    if width is None:
+        return variant, case, masters
+    tp = case.tp_size or case.world_size
+    placement = Shard(0, parts=variant.packed, head_size=variant.head_size)
+    weight = replica_expanded(masters.weight, placement, tp)
+    bias = None if masters.bias is None else replica_expanded(masters.bias, placement, tp)
+    plain = variant.replace(packed=None, head_size=None, params=tuple(
+        dataclasses.replace(s, placement=Shard(s.placement.dim)) if isinstance(s.placement, Shard) else s
+        for s in variant.params or ()))
+    return plain, dataclasses.replace(case, out_features=width), Masters(weight, bias, masters.inputs, masters.grads,
+                                                                           groups=masters.groups)
 
 
 def is_divisible(variant: Variant, case: Case) -> bool:
@@ -153,7 +212,15 @@ def non_divisible_sizes(variant: Variant, case: Case) -> dict[str, int]:
             parts = part_sizes(case.out_features, Shard(0, parts=variant.packed))
         except InvalidArgument:
             parts = ()
-        bad.update({f"packed part {i}": p for i, p in enumerate(parts) if p % tp})
+        if variant.head_size is not None and parts:
+            try:
+                replicated_parts(case.out_features, Shard(0, parts=variant.packed, head_size=variant.head_size), tp)
+            except InvalidArgument:
+                d = variant.head_size
+                bad.update({f"packed part {i} ({p // d} heads of head_size={d})": p // d
+                            for i, p in enumerate(parts) if p % d or (p // d) % tp and (i == 0 or tp % (p // d))})
+        else:
+            bad.update({f"packed part {i}": p for i, p in enumerate(parts) if p % tp})
     d = variant.sequence_dim_of(len(case.batch_shape) + 1)
     if d is not None and case.batch_shape[d] % tp:
         bad[f"the sequence length (dim {d})"] = case.batch_shape[d]
@@ -311,7 +378,9 @@ def _train(me: Any, variant: Variant, case: Case, m: Masters, module: Any, init:
         finally:  # read, and add again by default
             result.returned_bias = returned_bias(reset=True) or result.returned_bias
         upstream = m.grads[step]
-        if isinstance(variant.output_placement, Shard):  # sharded (packed: per part) or sequence-sharded
+        if expanded_out_features(variant, case) is not None:  # replicated K/V heads: this rank's own columns
+            upstream = shard_tensor(upstream, Shard(-1), rank, ws)
+        elif isinstance(variant.output_placement, Shard):  # sharded (packed: per part) or sequence-sharded
             upstream = shard_tensor(upstream, variant.output_placement, rank, ws)
         upstream = apply_layout(upstream, layout)
         if result.unusable(out, upstream.shape, graph=x):
@@ -345,7 +414,9 @@ def _forward_only(variant: Variant, case: Case, m: Masters, module: Any, result:
     finally:
         result.returned_bias = returned_bias(reset=True)
     expected = m.grads[0]
-    if isinstance(variant.output_placement, Shard):
+    if expanded_out_features(variant, case) is not None:
+        expected = shard_tensor(expected, Shard(-1), rank, ws)
+    elif isinstance(variant.output_placement, Shard):
         expected = shard_tensor(expected, variant.output_placement, rank, ws)
     if result.unusable(out, expected.shape):
         return result
