@@ -11,6 +11,7 @@ layers are tests/wild/vllm_qkv.py, written in vLLM's style.
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 from hypothesis.control import BuildContext
 from hypothesis.internal.conjecture.data import ConjectureData
 
+from tpsim.cli import main
 from tpsim.errors import InvalidArgument
 from tpsim.placement import Shard, assemble, replica_expanded, replicated_parts, shard_shape, shard_tensor
 from tpsim.props import check_case
@@ -208,3 +210,18 @@ def test_correct_layer_replays_on_gloo() -> None:
     assert check_case(variant, case, backend="gloo") == []
     failures = check_case(_variant("round_robin"), case, backend="gloo")
     assert failures and failures[0].diagnosis == "kv-heads-not-replicated"
+
+
+def test_cli_head_size_option(tmp_path, capsys) -> None:
+    # The round-robin layer declared without head_size: --packed/--head-size declare it on the command line.
+    rc = main(["check", f"{WILD}:round_robin_undeclared", "--packed", "2,1,1", "--head-size", "2", "--world-sizes", "4",
+               "--max-examples", "30", "--seed", "0", "--report", "json", "--cases-dir", str(tmp_path)])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 1
+    failure = doc["failures"][0]
+    assert failure["diagnosis"] == "kv-heads-not-replicated"
+    assert failure["case"]["options"] == {"packed": [2, 1, 1], "head_size": 2}
+    assert main(["replay", failure["case_file"]]) == 1  # its options come back from JSON
+    assert "kv-heads-not-replicated" in capsys.readouterr().out
+    assert main(["check", f"{WILD}:round_robin_undeclared", "--head-size", "0"]) == 2
+    assert "invalid value '0' for --head-size; expected an int >= 1" in capsys.readouterr().err

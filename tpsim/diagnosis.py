@@ -501,7 +501,7 @@ KV_HEADS_NOT_REPLICATED = register(DiagnosisSpec(
     "(Variant.head_size), every rank's query columns are its own and its K and V columns both equal those "
     "of one master key/value head, not head r // (tp / num_kv_heads) on some rank",
     "attention-kv-not-replicated",
-    consequences=(_INPUT_GRAD, _WEIGHT_GRAD, _BIAS_GRAD),
+    consequences=(_INPUT_GRAD, _WEIGHT_GRAD, _BIAS_GRAD, _TRAINING),
 ))
 ATTENTION_SCALE = register(DiagnosisSpec(
     "attention-scale", (_FORWARD,),

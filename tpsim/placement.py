@@ -7,6 +7,15 @@ The same three ideas as DTensor:
   Q/K/V) that are each sharded on their own: rank ``r`` holds the ``r``-th slice of *every* part,
   concatenated (Megatron's partition stride). The parts are sizes, or proportions scaled to the
   dim (``parts=(1, 1)``: gate/up halves; ``parts=(8, 2, 2)``: grouped-query Q/K/V at any head size).
+  ``Shard(d, parts=(q, k, v), head_size=h)`` splits each part into heads of ``h`` rows, the layout of
+  vLLM's ``QKVParallelLinear``: the first part (query heads) is sharded by whole heads, its heads
+  divisible by ``world_size``; a later part (key/value heads) likewise when it has a multiple of
+  ``world_size`` heads, and when it has fewer heads ``g`` than ranks (``world_size % g == 0``) each
+  head is *replicated* on ``world_size // g`` ranks: rank ``r`` holds head ``r * g // world_size``
+  (the attention family's key/value rule, :mod:`tpsim.props.attention.checks`). :func:`assemble`
+  reads a replicated head from the first rank holding it; :func:`replica_expanded` lays every rank's
+  piece side by side (each replica its own copy: how tpsim checks such a layer, see
+  :func:`tpsim.props.world.expanded_out_features`); :func:`replicated_parts` says which parts replicate.
 - :class:`Replicate` ``R``: every rank holds the whole tensor.
 - :class:`Partial` ``P``: every rank holds a summand; the logical tensor is the sum over ranks.
 

@@ -155,8 +155,11 @@ def _output(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return output
 
 
-def _variant(cls, name: str) -> Variant:
-    placement = Shard(0, parts=(Q_PER_KV, 1, 1), head_size=HEAD_SIZE)
+#: How the variants below declare their weight and bias: Q/K/V in proportions Q_PER_KV:1:1, by heads.
+QKV_PLACEMENT = Shard(0, parts=(Q_PER_KV, 1, 1), head_size=HEAD_SIZE)
+
+
+def _variant(cls, name: str, placement: Shard = QKV_PLACEMENT) -> Variant:
     return Variant(name=name, kind="column", input="replicated", output="sharded",
                    params=(ParamSpec("weight", "weight", placement, load=False),
                            ParamSpec("bias", "bias", placement, load=False)),
@@ -165,6 +168,8 @@ def _variant(cls, name: str) -> Variant:
 
 correct = _variant(QKVParallelLinear, "vllm_qkv")
 round_robin = _variant(RoundRobinKVQKVLinear, "vllm_qkv_round_robin")
+#: The same layer declared as a plain column (``tpsim check ... --packed 2,1,1 --head-size 2`` declares the rest).
+round_robin_undeclared = _variant(RoundRobinKVQKVLinear, "vllm_qkv_round_robin", Shard(0))
 always_replicated = _variant(AlwaysReplicatedKVQKVLinear, "vllm_qkv_always_replicated")
 
 

@@ -73,7 +73,15 @@ from tpsim.diagnosis import (
 )
 from tpsim.errors import InvalidArgument, RankDied
 from tpsim.patterns import bias_multiple, block_mapping, close, rank_summands, regathered_dim, scale_factor
-from tpsim.placement import Replicate, Shard, assemble, part_sizes, replicated_parts, shard_tensor, uneven_pieces
+from tpsim.placement import (
+    Replicate,
+    Shard,
+    assemble,
+    part_sizes,
+    replicated_parts,
+    shard_tensor,
+    uneven_pieces,
+)
 from tpsim.props.blame import death_failure, failed_after_acceptance, refusal_failure, run_failure
 from tpsim.props.case import Case
 from tpsim.props.groups import column_grad_summands, column_output_shards, tp_groups, wrong_group

@@ -60,7 +60,7 @@ __all__ = [
 #: The options that override a declared variant's placements.
 _OVERRIDES = ("input", "output", "input_grad")
 #: The options that override a variant's layout after it is built (plain classes and declared variants).
-_LAYOUT_OPTIONS = ("packed", "sequence_dim", "forward_only")
+_LAYOUT_OPTIONS = ("packed", "head_size", "sequence_dim", "forward_only")
 
 
 class LinearFamily(Family, name="linear", kinds=KINDS, variant_type=Variant, case_type=Case, properties=PROPERTIES,
