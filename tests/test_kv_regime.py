@@ -5,7 +5,8 @@ and replicates a key/value part in groups when it has fewer heads than ranks: ra
 ``r * num_kv_heads // tp``. The search draws fewer, as many and more key/value heads than ranks (a
 cover bucket each, the attention family's ``kv-heads`` words), and checks every rank against the
 replica-expanded dense twin (tpsim.props.world.expanded_out_features): a replica's grad is its own
-query heads' share, and the master's grad of a key/value row is the sum over its replicas. The
+query heads' share, and the master's grad of a key/value row is the sum over its replicas, which the
+trainer takes before each SGD step (every replica then trains like the master's head). The
 layers are tests/wild/vllm_qkv.py, written in vLLM's style.
 """
 
@@ -98,19 +99,28 @@ def test_variant_head_size_sets_the_placements_and_builder_keywords() -> None:
 
 
 def test_the_rule_a_replicas_grad_is_its_own_share_and_the_master_grad_their_sum() -> None:
-    # 4 query heads, 1 key/value head on 4 ranks: every rank holds the one head.
+    # 4 query heads, 2 key/value heads of 2 rows on 4 ranks: ranks 0, 1 hold head 0 and ranks 2, 3 head 1.
     variant = _variant("correct")
     case = Case(world_size=4, in_features=3, out_features=16, batch_shape=(2,), bias=True, seed=5)
-    assert expanded_out_features(variant, case) == 4 * (2 + 2 + 2)
+    width = 2 + 2 + 2  # per rank: 1 query head, its K head, its V head
+    assert expanded_out_features(variant, case) == 4 * width
     obs = LINEAR.observe(variant, case, backend="inproc", timeout=60)
     m = make_masters(case, expanded_out_features(variant, case))
     x, g = m.inputs[0].double(), m.grads[0].double()  # g: every rank's own columns, side by side
-    kv_grads = [v.grads["weight"][2:].double() for v in obs.values]  # rows of the replicated head (K, V)
-    # Each rank got its own upstream grad for the head, so the shares differ ...
-    assert not torch.allclose(kv_grads[0], kv_grads[1])
-    # ... and the dense twin's grad of the master K/V rows (upstream: the replicas' grads summed) is their sum.
-    dense_upstream = sum(g[:, r * 6 + 2: r * 6 + 6] for r in range(4))
-    torch.testing.assert_close(sum(kv_grads), dense_upstream.t() @ x, rtol=0, atol=1e-12)
+    shares = [v.grads["weight"][2:].double() for v in obs.values]  # each rank's K/V rows' grad
+    for head, replicas in ((0, (0, 1)), (1, (2, 3))):
+        # Each replica got its own upstream grad for the head, so the shares differ ...
+        assert not torch.allclose(shares[replicas[0]], shares[replicas[1]])
+        # ... and the dense grad of the master's K/V rows of the head (upstream: the replicas' summed) is their sum.
+        upstream = sum(g[:, r * width + 2: (r + 1) * width] for r in replicas)
+        dense = torch.cat([upstream[:, :2].t() @ x, upstream[:, 2:].t() @ x])
+        torch.testing.assert_close(sum(shares[r] for r in replicas), dense, rtol=0, atol=1e-12)
+        # The trainer sums the shares before each step, so both replicas train alike, like the master's head.
+        finals = [obs.values[r].final["weight"][2:] for r in replicas]
+        assert torch.equal(finals[0], finals[1])
+        w0 = torch.cat([m.weight[8 + 2 * head: 10 + 2 * head], m.weight[12 + 2 * head: 14 + 2 * head]])
+        assert not torch.allclose(finals[0], w0)  # it did train
+    assert not torch.allclose(obs.values[0].final["weight"][2:], obs.values[2].final["weight"][2:])
     assert check_case(variant, case) == []
 
 
@@ -194,10 +204,13 @@ def test_replicating_kv_heads_when_there_are_enough_is_caught() -> None:
 
 
 def test_summing_a_replicated_heads_grad_over_its_replicas_is_caught() -> None:
+    # The layer completes the grad itself (the trainer's job here): each replica's grad is then the sum of
+    # the shares, not its own, and after the trainer's sum it trains tp / num_kv_heads times too far.
     variant = _variant("summed_replica_grad")
     case = Case(world_size=4, in_features=3, out_features=16, batch_shape=(2,), bias=False, seed=5)
     failures = check_case(variant, case)
-    assert [f.property for f in failures][:1] == ["weight-grad-equivalence"], [f.describe() for f in failures]
+    assert {f.property for f in failures} == {"weight-grad-equivalence", "training-equivalence"}, \
+        [f.describe() for f in failures]
     assert check_case(_variant("correct"), case) == []
 
 

@@ -109,6 +109,7 @@ from tpsim.props.world import (
     expanded_view,
     non_divisible_sizes,
     reference,
+    replica_trained,
 )
 from tpsim.variant import LayoutError, Variant
 
@@ -1151,10 +1152,15 @@ def _evaluate_values(variant: Variant, case: Case, values: list[RankResult], mas
     consequence of theirs), except after an output that could not be back-propagated."""
     # Replicated key/value heads: compared with the replica-expanded dense twin (expanded_view).
     declared = (variant, case)
+    drawn = masters
     variant, case, masters = expanded_view(variant, case, masters)
     ctx = _Ctx(variant, case, values, reference(case, masters))
     if variant is not declared[0]:
         ctx.heads = declared
+        # Training: the trainer sums each replicated head's shares before the step (sum_kv_replicas).
+        final, mag = replica_trained(declared[0], declared[1], drawn, masters)
+        ctx.ref.final.update(final)
+        ctx.ref.mag.update(mag)
     if any(v.status in (OUTPUT_SHAPE, DETACHED) for v in values):
         # No backward ran: only the forward can be judged.
         f = _forward(ctx)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from tpsim.conventions import returned_bias
 from tpsim.errors import InvalidArgument
@@ -62,6 +63,8 @@ __all__ = [
     "non_divisible_sizes",
     "rank_main",
     "reference",
+    "replica_trained",
+    "sum_kv_replicas",
 ]
 
 #: :attr:`RankResult.status` of a non-divisible case that the layer built and ran without refusing it.
@@ -164,7 +167,10 @@ def expanded_out_features(variant: Variant, case: Case) -> int | None:
     replica), run on upstream grads drawn at this width. Each rank's output, weight/bias grad and
     trained value is then exactly its own piece of that twin's (``Shard(-1)``/``Shard(0)`` of the
     expanded tensors), and, by the chain rule through the repeat, the master's grad of a key/value
-    row is the *sum* of its replicas' grads: a replica's grad alone is its query heads' share."""
+    row is the *sum* of its replicas' grads: a replica's grad alone is its query heads' share. The
+    trainer completes it, as it does a ``grad="partial"`` parameter's: it sums each head's grad over
+    its replicas before every SGD step (:func:`sum_kv_replicas`), so every replica trains like the
+    master's head (:func:`replica_trained`). A layer that sums them itself fails the weight grad."""
     if not variant.packed or variant.head_size is None or variant.kind != "column":
         return None
     tp = case.tp_size or case.world_size
@@ -194,6 +200,64 @@ def expanded_view(variant: Variant, case: Case, masters: Masters) -> tuple[Varia
         for s in variant.params or ()))
     return plain, dataclasses.replace(case, out_features=width), Masters(weight, bias, masters.inputs, masters.grads,
                                                                            groups=masters.groups)
+
+
+def _kv_layout(variant: Variant, case: Case) -> tuple[Shard, tuple[int, ...], tuple[bool, ...], int]:
+    tp = case.tp_size or case.world_size
+    placement = Shard(0, parts=variant.packed, head_size=variant.head_size)
+    return placement, part_sizes(case.out_features, placement), replicated_parts(case.out_features, placement, tp), tp
+
+
+def sum_kv_replicas(variant: Variant, case: Case, module: Any, specs: list[Any], group: Any, rank: int) -> None:
+    """The trainer's sum, before each SGD step, of every replicated key/value head's weight and bias grad
+    over the ranks holding it (see :func:`expanded_out_features`: each holds its own query heads' share;
+    as ``grad="partial"`` is for a replicated parameter): one all-reduce per replicated part and
+    parameter, of a ``[heads, head_size, ...]`` buffer holding this rank's share at its head's index
+    (rank ``r``'s head by the declared layout, whatever the layer holds). Every rank joins every sum."""
+    placement, parts, replicated, tp = _kv_layout(variant, case)
+    d = variant.head_size or 1
+    local = [d if rep else p // tp for p, rep in zip(parts, replicated, strict=True)]
+    for spec in specs:
+        if not isinstance(spec.placement, Shard):
+            continue
+        p = get_param(module, spec.name)
+        grad = None if p is None or p.grad is None else (p.grad.t() if spec.transposed and p.grad.dim() == 2 else p.grad)
+        rest = () if spec.master == "bias" else (case.in_features,)
+        usable = grad is not None and tuple(grad.shape) == (sum(local), *rest)
+        for i, (size, rep) in enumerate(zip(parts, replicated, strict=True)):
+            if not rep:
+                continue
+            heads, offset = size // d, sum(local[:i])
+            head = rank * heads // tp
+            dtype = grad.dtype if grad is not None else case.torch_dtype
+            buf = torch.zeros(heads, d, *rest, dtype=dtype)
+            if usable:
+                buf[head] = grad[offset: offset + d]  # type: ignore[index]
+            dist.all_reduce(buf, group=group)
+            if usable:
+                with torch.no_grad():
+                    grad[offset: offset + d] = buf[head]  # type: ignore[index]
+
+
+def replica_trained(variant: Variant, case: Case, masters: Masters, expanded: Masters) -> tuple[dict[str, torch.Tensor],
+                                                                                                dict[str, torch.Tensor]]:
+    """The trained parameters every rank must end with when the trainer sums the replicas' shares
+    (:func:`sum_kv_replicas`), replica-expanded, and their magnitudes: dense SGD of the master
+    parameters whose upstream grad of a key/value column is the sum of its replicas' upstream grads
+    (the magnitudes from the sum of their absolute values)."""
+    placement, _, _, tp = _kv_layout(variant, case)
+    index = torch.cat([shard_tensor(torch.arange(case.out_features), placement, r, tp) for r in range(tp)])
+
+    def collapse(g: torch.Tensor) -> torch.Tensor:
+        g = g.to(torch.float64)
+        return torch.zeros(*g.shape[:-1], case.out_features, dtype=torch.float64).index_add_(-1, index, g)
+
+    dense = reference(case, Masters(masters.weight, masters.bias, expanded.inputs, [collapse(g) for g in expanded.grads]))
+    mags = reference(case, Masters(masters.weight, masters.bias, expanded.inputs,
+                                   [collapse(g.abs()) for g in expanded.grads]))
+    final = {k: replica_expanded(v, placement, tp) for k, v in dense.final.items()}
+    mag = {f"final_{k}": replica_expanded(mags.mag[f"final_{k}"], placement, tp) for k in dense.final}
+    return final, mag
 
 
 def is_divisible(variant: Variant, case: Case) -> bool:
@@ -366,6 +430,7 @@ def _train(me: Any, variant: Variant, case: Case, m: Masters, module: Any, init:
     result = RankResult(OK, init=init, group=me.g, tp_rank=rank, partial=_partial_params(variant, module, specs),
                         absent=absent)
     by_master = {spec.master: spec for spec in specs}
+    kv_replicas = expanded_out_features(variant, case) is not None
     if variant.forward_only:
         return _forward_only(variant, case, m, module, result, rank, ws, layout)
     for step in range(TRAIN_STEPS):
@@ -394,6 +459,8 @@ def _train(me: Any, variant: Variant, case: Case, m: Masters, module: Any, init:
             for spec in specs:
                 p = get_param(module, spec.name)
                 result.grads[spec.master] = _master_layout(None if p is None else p.grad, spec.transposed)
+        if kv_replicas:
+            sum_kv_replicas(variant, case, module, specs, group, rank)
         partial = {master: get_param(module, by_master[master].name) for master in result.partial}
         summed: dict[str, torch.Tensor] = {}
         trainer_step(module, partial, group, step, summed)
