@@ -5,8 +5,10 @@ and replicates a key/value part in groups when it has fewer heads than ranks: ra
 ``r * num_kv_heads // tp``. The search draws fewer, as many and more key/value heads than ranks (a
 cover bucket each, the attention family's ``kv-heads`` words), and checks every rank against the
 replica-expanded dense twin (tpsim.props.world.expanded_out_features): a replica's grad is its own
-query heads' share, and the master's grad of a key/value row is the sum over its replicas, which the
-trainer takes before each SGD step (every replica then trains like the master's head). The
+query heads' share, and the master's grad of a key/value row is the sum over its replicas. The
+weight's ParamSpec.grad says who takes that sum: "partial" (vLLM), the trainer, before each SGD step;
+"complete" (tpsim's own QKVParallelLinear), the layer. Either way every replica trains like the
+master's head. The
 layers are tests/wild/vllm_qkv.py, written in vLLM's style.
 """
 
@@ -211,6 +213,16 @@ def test_summing_a_replicated_heads_grad_over_its_replicas_is_caught() -> None:
     failures = check_case(variant, case)
     assert {f.property for f in failures} == {"weight-grad-equivalence", "training-equivalence"}, \
         [f.describe() for f in failures]
+
+
+def test_the_grad_rule_follows_the_declaration_complete_or_partial() -> None:
+    # ParamSpec(grad="complete"): every replica must hold the head's whole grad (the layer sums the shares).
+    case = Case(world_size=4, in_features=3, out_features=16, batch_shape=(2,), bias=True, seed=5)
+    failures = check_case(_variant("correct_declared_complete"), case)  # leaves its shares partial
+    assert {f.property for f in failures} >= {"weight-grad-equivalence", "bias-grad-equivalence"}, \
+        [f.describe() for f in failures]
+    report = search(_variant("summed_replica_grad_complete"), world_sizes=(1, 2, 4, 8), max_examples=40, seed=1)
+    assert report.passed, [f.describe() for f in report.failures]
     assert check_case(_variant("correct"), case) == []
 
 

@@ -161,7 +161,13 @@ class ParamSpec:
     the harness checks that the rank-order sum of the summands equals the dense grad, applies that
     sum before each SGD step (so training equivalence sees what the trainer does) and checks that
     the replicas agree after it. A parameter the built module marks ``param.sequence_parallel =
-    True`` (Megatron's marker) is partial without a declaration.
+    True`` (Megatron's marker) is partial without a declaration. The replicated key/value heads of a
+    head-packed Q/K/V weight (``Shard(0, parts=..., head_size=...)`` with fewer key/value heads than
+    ranks) follow the same rule among the ranks sharing a head: ``"complete"``, every replica holds
+    the head's whole grad (the layer sums its replicas' shares, as tpsim's own ``QKVParallelLinear``
+    does); ``"partial"``, each holds its own query heads' share and the trainer sums them over the
+    head's replicas before each step (vLLM's ``QKVParallelLinear``; see
+    :func:`tpsim.props.world.expanded_out_features`).
 
     ``held_by`` says which tp ranks hold the parameter: ``"all"`` (the default), ``"rank0"`` (tp rank
     0 only: nanotron's row bias, which rank 0 adds before the all-reduce so the sum holds it once; the
@@ -193,10 +199,12 @@ class ParamSpec:
             raise InvalidArgument(
                 f"ParamSpec(name={self.name!r}, grad={self.grad!r}): expected one of {', '.join(PARAM_GRADS)}"
             )
-        if self.grad == "partial" and not isinstance(self.placement, Replicate):
+        heads = isinstance(self.placement, Shard) and self.placement.head_size is not None
+        if self.grad == "partial" and not isinstance(self.placement, Replicate) and not heads:
             raise InvalidArgument(
                 f"ParamSpec(name={self.name!r}, grad='partial') with placement {self.placement}: only a replicated "
-                "parameter's grad can be left partial for the trainer to sum (a sharded one is complete on its rank)"
+                "parameter's grad (or a head-packed one's replicated key/value heads, Shard(..., head_size=...)) can "
+                "be left partial for the trainer to sum (a sharded one is complete on its rank)"
             )
         if self.held_by not in HELD_BY:
             raise InvalidArgument(

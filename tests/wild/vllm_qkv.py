@@ -159,35 +159,43 @@ def _output(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 QKV_PLACEMENT = Shard(0, parts=(Q_PER_KV, 1, 1), head_size=HEAD_SIZE)
 
 
-def _variant(cls, name: str, placement: Shard = QKV_PLACEMENT) -> Variant:
+def _variant(cls, name: str, placement: Shard = QKV_PLACEMENT, grad: str = "partial") -> Variant:
+    # grad="partial": a replicated key/value head's grad is each replica's own share (the trainer sums them).
     return Variant(name=name, kind="column", input="replicated", output="sharded",
-                   params=(ParamSpec("weight", "weight", placement, load=False),
-                           ParamSpec("bias", "bias", placement, load=False)),
+                   params=(ParamSpec("weight", "weight", placement, load=False, grad=grad),
+                           ParamSpec("bias", "bias", placement, load=False, grad=grad)),
                    build=_builder(cls), forward=_output)
 
 
 correct = _variant(QKVParallelLinear, "vllm_qkv")
 round_robin = _variant(RoundRobinKVQKVLinear, "vllm_qkv_round_robin")
 #: The same layer declared as a plain column (``tpsim check ... --packed 2,1,1 --head-size 2`` declares the rest).
-round_robin_undeclared = _variant(RoundRobinKVQKVLinear, "vllm_qkv_round_robin", Shard(0))
+round_robin_undeclared = _variant(RoundRobinKVQKVLinear, "vllm_qkv_round_robin", Shard(0), "complete")
+#: The correct layer declared with complete key/value grads (it leaves them partial: must fail).
+correct_declared_complete = _variant(QKVParallelLinear, "vllm_qkv_declared_complete", grad="complete")
 always_replicated = _variant(AlwaysReplicatedKVQKVLinear, "vllm_qkv_always_replicated")
 
 
 class SummedReplicaGradQKVLinear(QKVParallelLinear):
-    """BUG: all-reduces a replicated key/value head's weight grad over the ranks that hold it, so every
-    replica holds the head's whole grad (its replicas' sum) instead of its own query heads' share."""
+    """Sums a replicated key/value head's weight and bias grads over the ranks that hold it, so every
+    replica holds the head's whole grad (tpsim.layers.attention.QKVParallelLinear's rule): wrong where the
+    grads are declared partial (vLLM's rule, the trainer sums them), right where declared complete."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if self.num_kv_head_replicas > 1:
-            self.weight.register_hook(self._sum_replicas)
+            for param in (self.weight, self.bias):
+                if param is not None:
+                    param.register_hook(self._sum_replicas)
 
     def _sum_replicas(self, grad: torch.Tensor) -> torch.Tensor:
         q_rows, d = self.num_heads * self.head_size, self.head_size
-        buf = grad.new_zeros(self.total_num_kv_heads, 2 * d, grad.shape[1])
+        buf = grad.new_zeros(self.total_num_kv_heads, 2 * d, *grad.shape[1:])
         buf[self._kv_shard_id()] = grad[q_rows:]
         dist.all_reduce(buf, group=self.group)
         return torch.cat([grad[:q_rows], buf[self._kv_shard_id()]])
 
 
 summed_replica_grad = _variant(SummedReplicaGradQKVLinear, "vllm_qkv_summed_replica_grad")
+#: The same layer declared as completing the grads itself (tpsim.layers.attention.QKVParallelLinear's rule): correct.
+summed_replica_grad_complete = _variant(SummedReplicaGradQKVLinear, "vllm_qkv_summed_complete", grad="complete")

@@ -1157,10 +1157,17 @@ def _evaluate_values(variant: Variant, case: Case, values: list[RankResult], mas
     ctx = _Ctx(variant, case, values, reference(case, masters))
     if variant is not declared[0]:
         ctx.heads = declared
-        # Training: the trainer sums each replicated head's shares before the step (sum_kv_replicas).
-        final, mag = replica_trained(declared[0], declared[1], drawn, masters)
-        ctx.ref.final.update(final)
-        ctx.ref.mag.update(mag)
+        # The grad rule of the replicated heads (ParamSpec.grad): "partial", each replica's own share (the
+        # expanded twin's); "complete", the head's whole grad on every replica. Either way every replica
+        # trains like the master's head (the trainer sums partial shares: sum_kv_replicas).
+        complete, mag = replica_trained(declared[0], declared[1], drawn, masters)
+        for spec in declared[0].params or ():
+            name = "d" + spec.master
+            if spec.grad == "complete" and name in complete:
+                setattr(ctx.ref, name, complete[name])
+                ctx.ref.mag[name] = mag[name]
+        ctx.ref.final.update({k: complete[f"final_{k}"] for k in ctx.ref.final})
+        ctx.ref.mag.update({k: v for k, v in mag.items() if k.startswith("final_")})
     if any(v.status in (OUTPUT_SHAPE, DETACHED) for v in values):
         # No backward ran: only the forward can be judged.
         f = _forward(ctx)

@@ -167,10 +167,11 @@ def expanded_out_features(variant: Variant, case: Case) -> int | None:
     replica), run on upstream grads drawn at this width. Each rank's output, weight/bias grad and
     trained value is then exactly its own piece of that twin's (``Shard(-1)``/``Shard(0)`` of the
     expanded tensors), and, by the chain rule through the repeat, the master's grad of a key/value
-    row is the *sum* of its replicas' grads: a replica's grad alone is its query heads' share. The
-    trainer completes it, as it does a ``grad="partial"`` parameter's: it sums each head's grad over
-    its replicas before every SGD step (:func:`sum_kv_replicas`), so every replica trains like the
-    master's head (:func:`replica_trained`). A layer that sums them itself fails the weight grad."""
+    row is the *sum* of its replicas' grads: a replica's grad alone is its query heads' share. Who
+    takes the sum is the parameter's ``ParamSpec.grad``: ``"partial"`` (vLLM), the trainer, before
+    every SGD step (:func:`sum_kv_replicas`), each replica's grad being checked as its own share;
+    ``"complete"`` (tpsim's own layer), the layer, each replica's grad being checked as the head's
+    whole grad. Either way every replica trains like the master's head (:func:`replica_trained`)."""
     if not variant.packed or variant.head_size is None or variant.kind != "column":
         return None
     tp = case.tp_size or case.world_size
@@ -195,9 +196,10 @@ def expanded_view(variant: Variant, case: Case, masters: Masters) -> tuple[Varia
     placement = Shard(0, parts=variant.packed, head_size=variant.head_size)
     weight = replica_expanded(masters.weight, placement, tp)
     bias = None if masters.bias is None else replica_expanded(masters.bias, placement, tp)
+    # Plain shards of the expanded tensors; each rank's expected grad is set by the checks (grad rule).
     plain = variant.replace(packed=None, head_size=None, params=tuple(
-        dataclasses.replace(s, placement=Shard(s.placement.dim)) if isinstance(s.placement, Shard) else s
-        for s in variant.params or ()))
+        dataclasses.replace(s, placement=Shard(s.placement.dim), grad="complete") if isinstance(s.placement, Shard)
+        else s for s in variant.params or ()))
     return plain, dataclasses.replace(case, out_features=width), Masters(weight, bias, masters.inputs, masters.grads,
                                                                            groups=masters.groups)
 
@@ -218,8 +220,8 @@ def sum_kv_replicas(variant: Variant, case: Case, module: Any, specs: list[Any],
     d = variant.head_size or 1
     local = [d if rep else p // tp for p, rep in zip(parts, replicated, strict=True)]
     for spec in specs:
-        if not isinstance(spec.placement, Shard):
-            continue
+        if not isinstance(spec.placement, Shard) or spec.grad != "partial":
+            continue  # a complete grad: the layer summed the shares itself
         p = get_param(module, spec.name)
         grad = None if p is None or p.grad is None else (p.grad.t() if spec.transposed and p.grad.dim() == 2 else p.grad)
         rest = () if spec.master == "bias" else (case.in_features,)
@@ -241,10 +243,11 @@ def sum_kv_replicas(variant: Variant, case: Case, module: Any, specs: list[Any],
 
 def replica_trained(variant: Variant, case: Case, masters: Masters, expanded: Masters) -> tuple[dict[str, torch.Tensor],
                                                                                                 dict[str, torch.Tensor]]:
-    """The trained parameters every rank must end with when the trainer sums the replicas' shares
-    (:func:`sum_kv_replicas`), replica-expanded, and their magnitudes: dense SGD of the master
-    parameters whose upstream grad of a key/value column is the sum of its replicas' upstream grads
-    (the magnitudes from the sum of their absolute values)."""
+    """What every rank must hold, replica-expanded, once each replicated head's grad is complete (the
+    replicas' shares summed, by the layer or by the trainer, :func:`sum_kv_replicas`), with their
+    magnitudes: the grads (``dweight``, ``dbias``) and the trained parameters (``final_weight``,
+    ``final_bias``) of dense SGD on the master parameters whose upstream grad of a key/value column is
+    the sum of its replicas' upstream grads (the magnitudes from the sum of their absolute values)."""
     placement, _, _, tp = _kv_layout(variant, case)
     index = torch.cat([shard_tensor(torch.arange(case.out_features), placement, r, tp) for r in range(tp)])
 
@@ -255,9 +258,12 @@ def replica_trained(variant: Variant, case: Case, masters: Masters, expanded: Ma
     dense = reference(case, Masters(masters.weight, masters.bias, expanded.inputs, [collapse(g) for g in expanded.grads]))
     mags = reference(case, Masters(masters.weight, masters.bias, expanded.inputs,
                                    [collapse(g.abs()) for g in expanded.grads]))
-    final = {k: replica_expanded(v, placement, tp) for k, v in dense.final.items()}
+    out = {f"final_{k}": replica_expanded(v, placement, tp) for k, v in dense.final.items()}
     mag = {f"final_{k}": replica_expanded(mags.mag[f"final_{k}"], placement, tp) for k in dense.final}
-    return final, mag
+    for name, t in (("dweight", dense.dweight), ("dbias", dense.dbias)):
+        if t is not None:
+            out[name], mag[name] = replica_expanded(t, placement, tp), replica_expanded(mags.mag[name], placement, tp)
+    return out, mag
 
 
 def is_divisible(variant: Variant, case: Case) -> bool:
