@@ -203,8 +203,8 @@ class ParamSpec:
         if self.grad == "partial" and not isinstance(self.placement, Replicate) and not heads:
             raise InvalidArgument(
                 f"ParamSpec(name={self.name!r}, grad='partial') with placement {self.placement}: only a replicated "
-                "parameter's grad (or a head-packed one's replicated key/value heads, Shard(..., head_size=...)) can "
-                "be left partial for the trainer to sum (a sharded one is complete on its rank)"
+                "parameter's grad can be left partial for the trainer to sum, or the replicated key/value heads of a "
+                "head-packed one (Shard(..., head_size=...)); a sharded one is complete on its rank"
             )
         if self.held_by not in HELD_BY:
             raise InvalidArgument(
