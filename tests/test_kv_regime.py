@@ -100,6 +100,14 @@ def test_variant_head_size_sets_the_placements_and_builder_keywords() -> None:
         v.replace(packed=(4,), head_size=2)
 
 
+def test_reports_note_the_head_layout_and_its_grad_rule() -> None:
+    (note,) = [n for n in LINEAR.notes(_variant("correct")) if "by heads" in n]
+    assert note == ("vllm_qkv packs Q/K/V [2, 1, 1] by heads of 2 rows: key/value heads fewer than ranks are replicated "
+                    "(rank r holds head r*heads//tp); each replica's grad of weight, bias is its own share, summed by "
+                    "the trainer")
+    assert "the layer sums the shares" in " ".join(LINEAR.notes(_variant("summed_replica_grad_complete")))
+
+
 def test_the_rule_a_replicas_grad_is_its_own_share_and_the_master_grad_their_sum() -> None:
     # 4 query heads, 2 key/value heads of 2 rows on 4 ranks: ranks 0, 1 hold head 0 and ranks 2, 3 head 1.
     variant = _variant("correct")

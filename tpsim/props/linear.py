@@ -154,6 +154,12 @@ class LinearFamily(Family, name="linear", kinds=KINDS, variant_type=Variant, cas
         if variant.forward_only and not variant.divisible_only:
             notes.append(f"{variant.name} is forward-only: a non-divisible case refused by an assert on every rank "
                          "counts as refused, but python -O strips asserts (raise a ValueError to refuse under -O too)")
+        if variant.packed and variant.head_size is not None:
+            partial = [s.name for s in variant.params or () if s.grad == "partial" and isinstance(s.placement, Shard)]
+            who = (f"each replica's grad of {', '.join(partial)} is its own share, summed by the trainer" if partial
+                   else "every replica's grad is the head's whole grad (the layer sums the shares)")
+            notes.append(f"{variant.name} packs Q/K/V {list(variant.packed)} by heads of {variant.head_size} rows: "
+                         f"key/value heads fewer than ranks are replicated (rank r holds head r*heads//tp); {who}")
         return notes
 
     def cases(self, variant: Variant, *, world_sizes: tuple[int, ...], dtypes: tuple[str, ...], non_divisible: bool,
