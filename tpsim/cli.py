@@ -229,6 +229,10 @@ def build_parser() -> _Parser:
     adapt.add_argument("--packed", type=_packed, default=None, metavar="K|P,P,...",
                        help="a column weight packing K equal parts (gate/up: 2) or parts in these proportions "
                        "(grouped-query QKV: 8,2,2), each sharded on its own: rank r holds shard r of every part")
+    adapt.add_argument("--head-size", dest="head_size", type=_positive_int("--head-size"), default=None, metavar="D",
+                       help="with --packed Q,K,V proportions (query heads first): rows per attention head; a key/value "
+                       "part with fewer heads than ranks is replicated, rank r holding head r*heads//tp (vLLM's "
+                       "QKVParallelLinear), and the search draws fewer, as many and more key/value heads than ranks")
     adapt.add_argument("--sequence-dim", dest="sequence_dim", type=_sequence_dim, default=None, metavar="D",
                        help="the sequence dim of a sequence-sharded input/output (default -2, the dim before the "
                        "features; dim 0 of a 2-D input)")
@@ -517,6 +521,19 @@ def _nccl_check(world_size: int, prog: str) -> None:
         raise UsageError(f"backend nccl cannot run here: {reason}; use --backend gloo or inproc", prog=prog)
 
 
+def _positive_int(flag: str) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"invalid value {text!r} for {flag}; expected an int >= 1")
+        return value
+
+    return parse
+
+
 def _packed(text: str) -> tuple[int, ...]:
     items = [s.strip() for s in text.split(",")]
     try:
@@ -730,7 +747,7 @@ def _run_check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: 
     from tpsim.target import resolve_target
 
     options = {k: getattr(args, k) for k in ("convention", "kind", "input", "output", "input_grad", "packed",
-                                             "sequence_dim", "plan", "forward_only")}
+                                             "head_size", "sequence_dim", "plan", "forward_only")}
     options["ctor_arg"] = tuple(args.ctor_arg) if args.ctor_arg else None
     # Repeatable flags as tuples (options must be hashable: they key the resolver's cache).
     options["rank_local"] = tuple(args.rank_local) if args.rank_local else None

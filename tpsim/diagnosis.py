@@ -497,9 +497,11 @@ KV_HEADS_NOT_REPLICATED = register(DiagnosisSpec(
     "query heads do not use instead of the replica of their own",
     "fewer key/value heads than ranks; every rank holds its own query heads, but some rank's K/V rows are "
     "another head than the one its query heads use (read from the rows it stores), and the output equals "
-    "the attention recomputed with that pairing, within tolerance",
+    "the attention recomputed with that pairing, within tolerance; for a head-packed Q/K/V column layer "
+    "(Variant.head_size), every rank's query columns are its own and its K and V columns both equal those "
+    "of one master key/value head, not head r // (tp / num_kv_heads) on some rank",
     "attention-kv-not-replicated",
-    consequences=(_INPUT_GRAD, _WEIGHT_GRAD, _BIAS_GRAD),
+    consequences=(_INPUT_GRAD, _WEIGHT_GRAD, _BIAS_GRAD, _TRAINING),
 ))
 ATTENTION_SCALE = register(DiagnosisSpec(
     "attention-scale", (_FORWARD,),

@@ -7,6 +7,15 @@ The same three ideas as DTensor:
   Q/K/V) that are each sharded on their own: rank ``r`` holds the ``r``-th slice of *every* part,
   concatenated (Megatron's partition stride). The parts are sizes, or proportions scaled to the
   dim (``parts=(1, 1)``: gate/up halves; ``parts=(8, 2, 2)``: grouped-query Q/K/V at any head size).
+  ``Shard(d, parts=(q, k, v), head_size=h)`` splits each part into heads of ``h`` rows, the layout of
+  vLLM's ``QKVParallelLinear``: the first part (query heads) is sharded by whole heads, its heads
+  divisible by ``world_size``; a later part (key/value heads) likewise when it has a multiple of
+  ``world_size`` heads, and when it has fewer heads ``g`` than ranks (``world_size % g == 0``) each
+  head is *replicated* on ``world_size // g`` ranks: rank ``r`` holds head ``r * g // world_size``
+  (the attention family's key/value rule, :mod:`tpsim.props.attention.checks`). :func:`assemble`
+  reads a replicated head from the first rank holding it; :func:`replica_expanded` lays every rank's
+  piece side by side (each replica its own copy: how tpsim checks such a layer, see
+  :func:`tpsim.props.world.expanded_out_features`); :func:`replicated_parts` says which parts replicate.
 - :class:`Replicate` ``R``: every rank holds the whole tensor.
 - :class:`Partial` ``P``: every rank holds a summand; the logical tensor is the sum over ranks.
 
@@ -42,6 +51,8 @@ __all__ = [
     "Shard",
     "assemble",
     "part_sizes",
+    "replica_expanded",
+    "replicated_parts",
     "shard_shape",
     "shard_tensor",
     "split_sizes",
@@ -109,10 +120,21 @@ class Shard(Placement):
 
     dim: int
     parts: tuple[int, ...] | None = None
+    #: Rows (elements along ``dim``) per attention head of every packed part: a packed Q/K/V whose
+    #: key/value parts are replicated in groups when they have fewer heads than ranks (module docstring).
+    head_size: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.dim, bool) or not isinstance(self.dim, int):
             raise InvalidArgument(f"Shard(dim={self.dim!r}): dim must be an int")
+        if self.head_size is not None:
+            if isinstance(self.head_size, bool) or not isinstance(self.head_size, int) or self.head_size < 1:
+                raise InvalidArgument(f"Shard(head_size={self.head_size!r}): head_size must be an int >= 1")
+            if self.parts is None or len(tuple(self.parts)) < 2:
+                raise InvalidArgument(
+                    f"Shard(head_size={self.head_size!r}, parts={self.parts!r}): head_size needs packed parts "
+                    "(query heads first, then key and value heads), e.g. parts=(8, 2, 2)"
+                )
         if self.parts is not None:
             parts = tuple(self.parts)
             if not parts or any(isinstance(p, bool) or not isinstance(p, int) or p < 1 for p in parts):
@@ -128,6 +150,8 @@ class Shard(Placement):
     def __str__(self) -> str:
         if self.parts is None:
             return f"S({self.dim})"
+        if self.head_size is not None:
+            return f"S({self.dim},parts={list(self.parts)},head_size={self.head_size})"
         return f"S({self.dim},parts={list(self.parts)})"
 
 
@@ -187,6 +211,9 @@ def part_sizes(size: int, placement: Placement) -> tuple[int, ...]:
 
 def _check_divisible(placement: Shard, dim_size: int, world_size: int, what: str) -> tuple[int, ...]:
     parts = _part_sizes(dim_size, placement)
+    if placement.head_size is not None:
+        _head_layout(placement, parts, world_size, what)
+        return parts
     for i, p in enumerate(parts):
         if p % world_size:
             part = f"part {i} (size {p})" if placement.parts else f"size {p}"
@@ -195,6 +222,70 @@ def _check_divisible(placement: Shard, dim_size: int, world_size: int, what: str
                 f"world_size={world_size}"
             )
     return parts
+
+
+def _head_layout(placement: Shard, parts: Sequence[int], world_size: int, what: str) -> list[bool]:
+    """Per part of a head-packed ``placement``: whether its heads are replicated (fewer than ranks).
+    Raises naming the part when its heads do not fit the rules of the module docstring."""
+    d = placement.head_size or 1
+    out = []
+    for i, p in enumerate(parts):
+        heads, rest = divmod(p, d)
+        where = f"cannot shard {what} along dim {placement.dim}: part {i} (size {p})"
+        if rest:
+            raise InvalidArgument(f"{where} is not a whole number of heads of head_size={d}")
+        if heads % world_size == 0:
+            out.append(False)
+        elif i > 0 and world_size % heads == 0:
+            out.append(True)  # fewer key/value heads than ranks: each on world_size // heads ranks
+        elif i == 0:
+            raise InvalidArgument(
+                f"{where}: its {heads} query heads are not divisible by world_size={world_size}"
+            )
+        else:
+            raise InvalidArgument(
+                f"{where}: its {heads} key/value heads and world_size={world_size} do not divide one another "
+                "(a key/value part needs a multiple of world_size heads, or a divisor of it: each head then "
+                "replicated on world_size // heads ranks)"
+            )
+    return out
+
+
+def _local_rows(placement: Shard, parts: Sequence[int], world_size: int, rank: int,
+                replicated: Sequence[bool]) -> list[tuple[int, int]]:
+    """(start, length) along the dim of each part's rows that ``rank`` holds, in part order."""
+    out = []
+    start = 0
+    for p, rep in zip(parts, replicated, strict=True):
+        if rep:
+            d = placement.head_size or 1
+            head = rank * (p // d) // world_size  # rank r holds head r // (world_size // heads)
+            out.append((start + head * d, d))
+        else:
+            step = p // world_size
+            out.append((start + rank * step, step))
+        start += p
+    return out
+
+
+def replicated_parts(size: int, placement: Placement, world_size: int) -> tuple[bool, ...]:
+    """Per packed part of a dim of ``size`` under ``placement`` over ``world_size`` ranks: whether it
+    is replicated in groups (a head-packed key/value part with fewer heads than ranks; see the module
+    docstring). All False for any other placement. Raises where the heads do not fit."""
+    if not isinstance(placement, Shard) or placement.head_size is None:
+        return tuple(False for _ in part_sizes(size, placement))
+    parts = _part_sizes(size, placement)
+    return tuple(_head_layout(placement, parts, world_size, f"a dim of size {size}"))
+
+
+def replica_expanded(tensor: torch.Tensor, placement: Placement, world_size: int) -> torch.Tensor:
+    """Every rank's piece of ``tensor`` under ``placement``, concatenated in rank order along the
+    sharded dim: the logical tensor in which each replica of a replicated key/value head is its own
+    copy (see the module docstring), so that ``Shard(dim)`` of it is rank ``r``'s piece."""
+    if not isinstance(placement, Shard):
+        raise InvalidArgument(f"placement={placement!r}: replica_expanded takes a Shard")
+    pieces = [shard_tensor(tensor, placement, r, world_size) for r in range(world_size)]
+    return torch.cat(pieces, dim=placement.dim % tensor.dim())
 
 
 def shard_shape(shape: Sequence[int], placement: Placement, world_size: int, rank: int | None = None) -> tuple[int, ...]:
@@ -214,7 +305,12 @@ def shard_shape(shape: Sequence[int], placement: Placement, world_size: int, ran
             f"the pieces of a tensor of shape {list(shape)} along dim {placement.dim} over world_size={world_size} "
             f"differ by rank ({list(split_sizes(shape[dim], world_size, style))}); ask shard_tensor for one rank's piece"
         )
-    _check_divisible(placement, shape[dim], world_size, f"a tensor of shape {list(shape)}")
+    what = f"a tensor of shape {list(shape)}"
+    parts = _check_divisible(placement, shape[dim], world_size, what)
+    if placement.head_size is not None:
+        replicated = _head_layout(placement, parts, world_size, what)
+        out[dim] = sum(length for _, length in _local_rows(placement, parts, world_size, 0, replicated))
+        return tuple(out)
     out[dim] = shape[dim] // world_size
     return tuple(out)
 
@@ -238,13 +334,11 @@ def shard_tensor(tensor: torch.Tensor, placement: Placement, rank: int, world_si
     style = _UNEVEN.get()
     if style is not None and placement.parts is None and tensor.shape[dim] % world_size:
         return _uneven_piece(tensor, dim, rank, world_size, style)
-    parts = _check_divisible(placement, tensor.shape[dim], world_size, f"a tensor of shape {list(tensor.shape)}")
-    pieces = []
-    start = 0
-    for p in parts:
-        step = p // world_size
-        pieces.append(tensor.narrow(dim, start + rank * step, step))
-        start += p
+    what = f"a tensor of shape {list(tensor.shape)}"
+    parts = _check_divisible(placement, tensor.shape[dim], world_size, what)
+    replicated = _head_layout(placement, parts, world_size, what) if placement.head_size else [False] * len(parts)
+    pieces = [tensor.narrow(dim, start, length)
+              for start, length in _local_rows(placement, parts, world_size, rank, replicated)]
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 
@@ -269,6 +363,8 @@ def assemble(pieces: Sequence[torch.Tensor], placement: Placement) -> torch.Tens
     dim = placement.dim % pieces[0].dim()
     if placement.parts is None:
         return torch.cat(list(pieces), dim=dim)
+    if placement.head_size is not None:
+        return _assemble_heads(pieces, placement, dim)
     total = sum(pieces[0].shape[dim] for _ in pieces)
     local = [p // world_size for p in _part_sizes(total, placement)]
     for rank, piece in enumerate(pieces):
@@ -282,3 +378,38 @@ def assemble(pieces: Sequence[torch.Tensor], placement: Placement) -> torch.Tens
         offset = sum(local[:i])
         out.extend(piece.narrow(dim, offset, size) for piece in pieces)
     return torch.cat(out, dim=dim)
+
+
+def _assemble_heads(pieces: Sequence[torch.Tensor], placement: Shard, dim: int) -> torch.Tensor:
+    """:func:`assemble` for a head-packed placement: a replicated head is read from the first rank
+    holding it (whether its replicas agree is a separate check). The logical size is found from the
+    pieces: the one whose layout gives pieces of their size."""
+    world_size, local = len(pieces), pieces[0].shape[dim]
+    d, total_p = placement.head_size or 1, sum(placement.parts or ())
+    for size in range(total_p, total_p * world_size * local + 1, total_p):
+        try:
+            parts = _part_sizes(size, placement)
+            replicated = _head_layout(placement, parts, world_size, "")
+        except InvalidArgument:
+            continue
+        if sum(d if rep else p // world_size for p, rep in zip(parts, replicated, strict=True)) != local:
+            continue
+        out = [torch.empty(0)] * len(parts)
+        for i, (p, rep) in enumerate(zip(parts, replicated, strict=True)):
+            offset = sum(d if rp else pp // world_size for pp, rp in zip(parts[:i], replicated[:i], strict=True))
+            n = d if rep else p // world_size
+            if rep:
+                heads = p // d
+                out[i] = torch.cat([pieces[j * world_size // heads].narrow(dim, offset, n) for j in range(heads)], dim=dim)
+            else:
+                out[i] = torch.cat([piece.narrow(dim, offset, n) for piece in pieces], dim=dim)
+        for rank, piece in enumerate(pieces):
+            if piece.shape[dim] != local:
+                raise InvalidArgument(
+                    f"piece of rank {rank} has size {piece.shape[dim]} along dim {placement.dim}; "
+                    f"expected {local} for {placement} over {world_size} ranks"
+                )
+        return torch.cat(out, dim=dim)
+    raise InvalidArgument(
+        f"pieces of size {local} along dim {placement.dim} over {world_size} ranks fit no layout of {placement}"
+    )

@@ -60,7 +60,8 @@ __all__ = [
     "resolve_variant",
 ]
 
-_OPTION_NAMES = ("convention", "kind", "input", "output", "input_grad", "packed", "sequence_dim", "rank_local",
+_OPTION_NAMES = ("convention", "kind", "input", "output", "input_grad", "packed", "head_size", "sequence_dim",
+                 "rank_local",
                  "param_grad", "plan", "plan_twin", "forward_only", "ctor_arg")
 #: Modules whose variants are declared elsewhere (the layer core never imports the harness).
 DECLARED_IN = {"tpsim.layers": "tpsim.builtin_variants"}

@@ -16,6 +16,11 @@ A :class:`Variant` is data about a layer implementation, written once per implem
   Q/K/V: e.g. ``(8, 2, 2)``), sizes or proportions of ``out_features``: each part is sharded on its
   own, rank ``r`` holding shard ``r`` of every part (sets the weight and bias placements to
   ``Shard(0, parts=packed)`` and the sharded output's layout likewise);
+- ``head_size``: with ``packed`` Q/K/V proportions (query heads first), the rows per attention head:
+  the placements become ``Shard(0, parts=packed, head_size=head_size)``, whose key/value parts are
+  replicated in groups when they have fewer heads than ranks, as vLLM's ``QKVParallelLinear`` holds
+  them (see :mod:`tpsim.placement`; the search then draws fewer, as many and more key/value heads
+  than ranks);
 - ``input_grad``: for a replicated input, ``"complete"`` (Megatron's rule, the default: every rank
   holds the full input gradient after backward) or ``"partial"`` (each rank holds a summand and
   the caller reduces it);
@@ -156,7 +161,13 @@ class ParamSpec:
     the harness checks that the rank-order sum of the summands equals the dense grad, applies that
     sum before each SGD step (so training equivalence sees what the trainer does) and checks that
     the replicas agree after it. A parameter the built module marks ``param.sequence_parallel =
-    True`` (Megatron's marker) is partial without a declaration.
+    True`` (Megatron's marker) is partial without a declaration. The replicated key/value heads of a
+    head-packed Q/K/V weight (``Shard(0, parts=..., head_size=...)`` with fewer key/value heads than
+    ranks) follow the same rule among the ranks sharing a head: ``"complete"``, every replica holds
+    the head's whole grad (the layer sums its replicas' shares, as tpsim's own ``QKVParallelLinear``
+    does); ``"partial"``, each holds its own query heads' share and the trainer sums them over the
+    head's replicas before each step (vLLM's ``QKVParallelLinear``; see
+    :func:`tpsim.props.world.expanded_out_features`).
 
     ``held_by`` says which tp ranks hold the parameter: ``"all"`` (the default), ``"rank0"`` (tp rank
     0 only: nanotron's row bias, which rank 0 adds before the all-reduce so the sum holds it once; the
@@ -188,10 +199,12 @@ class ParamSpec:
             raise InvalidArgument(
                 f"ParamSpec(name={self.name!r}, grad={self.grad!r}): expected one of {', '.join(PARAM_GRADS)}"
             )
-        if self.grad == "partial" and not isinstance(self.placement, Replicate):
+        heads = isinstance(self.placement, Shard) and self.placement.head_size is not None
+        if self.grad == "partial" and not isinstance(self.placement, Replicate) and not heads:
             raise InvalidArgument(
                 f"ParamSpec(name={self.name!r}, grad='partial') with placement {self.placement}: only a replicated "
-                "parameter's grad can be left partial for the trainer to sum (a sharded one is complete on its rank)"
+                "parameter's grad can be left partial for the trainer to sum, or the replicated key/value heads of a "
+                "head-packed one (Shard(..., head_size=...)); a sharded one is complete on its rank"
             )
         if self.held_by not in HELD_BY:
             raise InvalidArgument(
@@ -260,6 +273,8 @@ class Variant:
     sequence_dim: int = -2
     #: Packed parts of a column weight's output features (sizes or proportions), see above.
     packed: tuple[int, ...] | None = None
+    #: Rows per attention head of a packed Q/K/V weight (see above; None: parts sharded evenly).
+    head_size: int | None = None
     #: Whether the layer can shard over a tp group smaller than the world (it uses the ``group``
     #: its builder is given). False for layers that read their rank from the default group (the
     #: master-weight convention): only ``tp_size == world_size`` cases are generated, and reports say so.
@@ -385,6 +400,14 @@ class Variant:
             parts = getattr(weight.placement, "parts", None) if weight is not None else None
             if self.kind == "column" and parts is not None and weight.placement.dim % 2 == 0:  # type: ignore[union-attr]
                 object.__setattr__(self, "packed", tuple(parts))
+                if self.head_size is None and getattr(weight.placement, "head_size", None) is not None:
+                    object.__setattr__(self, "head_size", weight.placement.head_size)  # type: ignore[union-attr]
+                    self._pack_params(tuple(parts))
+            elif self.head_size is not None:
+                raise InvalidArgument(
+                    f"Variant {self.name!r}: head_size={self.head_size!r} needs packed Q/K/V proportions, e.g. "
+                    "packed=(4, 1, 1)"
+                )
             return
         packed = self.packed
         if isinstance(packed, int) and not isinstance(packed, bool):
@@ -399,11 +422,20 @@ class Variant:
             ) from None
         if self.kind != "column":
             raise InvalidArgument(f"Variant {self.name!r}: packed={packed} applies to column layers only")
+        if self.head_size is not None:
+            try:
+                Shard(0, parts=packed, head_size=self.head_size)
+            except InvalidArgument as err:
+                raise InvalidArgument(f"Variant {self.name!r}: {err}") from None
         object.__setattr__(self, "packed", packed)
+        self._pack_params(packed)
+
+    def _pack_params(self, packed: tuple[int, ...]) -> None:
         specs = []
         for spec in self.params or ():
             if isinstance(spec.placement, Shard) and spec.placement.dim % 2 == 0:
-                spec = dataclasses.replace(spec, placement=Shard(spec.placement.dim, parts=packed))
+                spec = dataclasses.replace(spec, placement=Shard(spec.placement.dim, parts=packed,
+                                                                 head_size=self.head_size))
             specs.append(spec)
         object.__setattr__(self, "params", tuple(specs))
 
@@ -421,7 +453,7 @@ class Variant:
         if self.output == "sequence-sharded":
             return Shard(self.sequence_dim)
         if self.output == "sharded":
-            return Shard(-1, parts=self.packed) if self.packed else Shard(-1)
+            return Shard(-1, parts=self.packed, head_size=self.head_size) if self.packed else Shard(-1)
         return {"partial": Partial()}.get(self.output or "", Replicate())
 
     def sequence_dim_of(self, ndim: int) -> int | None:
@@ -451,6 +483,8 @@ class Variant:
                 extra["parts"] = part_sizes(out_features, Shard(0, parts=self.packed))
             except InvalidArgument:
                 pass  # out_features is no multiple of the proportions: the builder decides alone
+            if self.head_size is not None:
+                extra["head_size"] = self.head_size
         if "sequence-sharded" in (self.input, self.output):
             extra["sequence_dim"] = self.sequence_dim
         if not extra:

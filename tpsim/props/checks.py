@@ -55,6 +55,7 @@ from tpsim.diagnosis import (
     GRAD_MISSING,
     GRAD_NOT_REDUCED,
     GRAD_SCALED,
+    KV_HEADS_NOT_REPLICATED,
     MISSING_REDUCTION,
     OUTPUT_DETACHED,
     PACKED_SHARD_LAYOUT,
@@ -72,7 +73,15 @@ from tpsim.diagnosis import (
 )
 from tpsim.errors import InvalidArgument, RankDied
 from tpsim.patterns import bias_multiple, block_mapping, close, rank_summands, regathered_dim, scale_factor
-from tpsim.placement import Replicate, Shard, assemble, shard_tensor, uneven_pieces
+from tpsim.placement import (
+    Replicate,
+    Shard,
+    assemble,
+    part_sizes,
+    replicated_parts,
+    shard_tensor,
+    uneven_pieces,
+)
 from tpsim.props.blame import death_failure, failed_after_acceptance, refusal_failure, run_failure
 from tpsim.props.case import Case
 from tpsim.props.groups import column_grad_summands, column_output_shards, tp_groups, wrong_group
@@ -96,8 +105,11 @@ from tpsim.props.world import (
     TRAIN_STEPS,
     RankResult,
     Reference,
+    expanded_out_features,
+    expanded_view,
     non_divisible_sizes,
     reference,
+    replica_trained,
 )
 from tpsim.variant import LayoutError, Variant
 
@@ -137,6 +149,9 @@ class _Ctx:
         self.ref = ref
         self.ws = case.tp_size or case.world_size  # the tp group's size (the world's when tp_size == world_size)
         self.dtype = case.torch_dtype
+        #: With replicated key/value heads: the declared (head-packed) variant and the case as drawn,
+        #: while ``variant``/``case`` are the replica-expanded view the checks compare with (expanded_view).
+        self.heads: tuple[Variant, Case] | None = None
 
     def tol(self, magnitude: torch.Tensor, k: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         return tolerance(dtype or self.dtype, magnitude, reduction_length=k, world_size=self.ws)
@@ -161,7 +176,8 @@ class _Ctx:
 
     def fail(self, prop: str, diag: Diagnosis, rank: int | None = None, prefix: str = "") -> Failure:
         message = f"{prefix}{diag.message}" if prefix else diag.message
-        return Failure(prop, diag.name, message, case=self.case, rank=rank, details=dict(diag.details), variant=self.variant.name)
+        case = self.heads[1] if self.heads is not None else self.case  # the case as drawn, never its expanded view
+        return Failure(prop, diag.name, message, case=case, rank=rank, details=dict(diag.details), variant=self.variant.name)
 
 
 @dataclass
@@ -439,9 +455,54 @@ def _output_blocks(ctx: _Ctx, c: _Compared) -> Diagnosis | None:
     )
 
 
+@recogniser(KV_HEADS_NOT_REPLICATED)
+def _kv_heads_held(ctx: _Ctx, c: _Compared, outs: list[torch.Tensor]) -> Diagnosis | None:
+    """``kv-heads-not-replicated`` of a head-packed Q/K/V column with fewer key/value heads than ranks:
+    every rank's query columns are its own, its key and value columns are both those of one master
+    key/value head (read off its output), and some rank's head is not ``r // replicas``."""
+    if ctx.heads is None or ctx.ws < 2:
+        return None
+    declared, case = ctx.heads
+    d, ws = declared.head_size or 1, ctx.ws
+    placement = Shard(0, parts=declared.packed, head_size=d)
+    parts = part_sizes(case.out_features, placement)
+    if len(parts) != 3 or not replicated_parts(case.out_features, placement, ws)[1]:
+        return None
+    nkv, qn = parts[1] // d, parts[0] // ws
+    replicas, width = ws // nkv, qn + 2 * d
+
+    def cols(t: torch.Tensor, rank: int, lo: int, n: int) -> torch.Tensor:
+        return t[..., rank * width + lo: rank * width + lo + n]
+
+    held = []
+    for r, o in enumerate(outs):
+        if o is None or o.shape[-1] != width or o.shape[:-1] != c.expected.shape[:-1]:
+            return None
+        if not close(o[..., :qn], cols(c.expected, r, 0, qn), cols(c.tol, r, 0, qn)):
+            return None  # its query heads are not its own: another mechanism
+        match = [j for j in range(nkv) if close(o[..., qn:], cols(c.expected, j * replicas, qn, 2 * d),
+                                                cols(c.tol, j * replicas, qn, 2 * d))]
+        if not match:
+            return None
+        held.append(match[0])
+    own = [r // replicas for r in range(ws)]
+    wrong = [r for r in range(ws) if held[r] != own[r]]
+    if not wrong:
+        return None
+    how = " (round robin: rank % num_kv_heads)" if held == [r % nkv for r in range(ws)] else ""
+    pairs = ", ".join(f"rank {r} holds kv{held[r]} (not kv{own[r]})" for r in wrong)
+    return Diagnosis(
+        KV_HEADS_NOT_REPLICATED,
+        f"{c.what}: with {nkv} key/value heads on {ws} ranks, {pairs}{how}: each head must be replicated on the "
+        f"{replicas} ranks whose query heads use it (rank r holds head r // {replicas}, i.e. r * {nkv} // {ws}); "
+        "every rank's query columns are its own, its K and V columns those of another head",
+        {"held": held, "expected": own},
+    )
+
+
 def _diagnose_output(ctx: _Ctx, c: _Compared, outs: list[torch.Tensor]) -> Diagnosis:
     """The forward's recognisers in order (each on its own evidence), else the fallback."""
-    found = (_bias_multiple(ctx, c) or _missing_reduction(ctx, c, outs)
+    found = (_bias_multiple(ctx, c) or _missing_reduction(ctx, c, outs) or _kv_heads_held(ctx, c, outs)
              or _packed_or_sequence_layout(ctx, outs, c.expected, c.tol, ctx.ref.bias, c.what)
              or _double_reduction(ctx, c) or _output_blocks(ctx, c))
     return found or _unexplained(ctx, c, hint=_other_bias_multiple(ctx, c))
@@ -1089,12 +1150,29 @@ def _evaluate_values(variant: Variant, case: Case, values: list[RankResult], mas
     """The per-case properties on the values of one tp group (its ranks in tp-rank order). Every
     wanted property is evaluated (training too, when others fail: its failure is then listed as a
     consequence of theirs), except after an output that could not be back-propagated."""
+    # Replicated key/value heads: compared with the replica-expanded dense twin (expanded_view).
+    declared = (variant, case)
+    drawn = masters
+    variant, case, masters = expanded_view(variant, case, masters)
     ctx = _Ctx(variant, case, values, reference(case, masters))
+    if variant is not declared[0]:
+        ctx.heads = declared
+        # The grad rule of the replicated heads (ParamSpec.grad): "partial", each replica's own share (the
+        # expanded twin's); "complete", the head's whole grad on every replica. Either way every replica
+        # trains like the master's head (the trainer sums partial shares: sum_kv_replicas).
+        complete, mag = replica_trained(declared[0], declared[1], drawn, masters)
+        for spec in declared[0].params or ():
+            name = "d" + spec.master
+            if spec.grad == "complete" and name in complete:
+                setattr(ctx.ref, name, complete[name])
+                ctx.ref.mag[name] = mag[name]
+        ctx.ref.final.update({k: complete[f"final_{k}"] for k in ctx.ref.final})
+        ctx.ref.mag.update({k: v for k, v in mag.items() if k.startswith("final_")})
     if any(v.status in (OUTPUT_SHAPE, DETACHED) for v in values):
         # No backward ran: only the forward can be judged.
         f = _forward(ctx)
         return [f] if f else [Failure(FORWARD, SHAPE_ERROR, "the output shape does not match the upstream grad",
-                                      case=case, variant=variant.name)]
+                                      case=declared[1], variant=variant.name)]
     evaluators: list[tuple[str, Callable[[], Failure | None]]] = [
         (FORWARD, lambda: _forward(ctx)),
         (INPUT_GRAD, lambda: _input_grad(ctx)),
@@ -1141,6 +1219,8 @@ def _evaluate_groups(variant: Variant, obs: Observation, wanted: Sequence[str]) 
 def _wrong_group(variant: Variant, obs: Observation, groups: list[list[int]]) -> dict[str, dict[str, Any]]:
     """Per property, a recognised collective over the wrong set of ranks (see :mod:`tpsim.props.groups`)."""
     case, values, m = obs.case, obs.values or [], obs.data
+    if expanded_out_features(variant, case) is not None:
+        return {}  # replicated key/value heads: the group recognisers take unexpanded tensors
     ws, tp = case.world_size, case.tp_size
     f64 = torch.float64
     w = m.weight.to(f64)

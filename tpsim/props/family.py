@@ -54,7 +54,7 @@ __all__ = [
 
 #: The CLI's adapter flags (``--convention``, ``--packed``, ...): each family takes some of them
 #: (:attr:`Family.adapter_options`) and refuses the others.
-ADAPTER_OPTIONS = ("convention", "packed", "input", "output", "input_grad", "sequence_dim", "param_grad", "plan",
+ADAPTER_OPTIONS = ("convention", "packed", "head_size", "input", "output", "input_grad", "sequence_dim", "param_grad", "plan",
                    "plan_twin", "forward_only", "ctor_arg")
 
 

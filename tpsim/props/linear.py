@@ -21,6 +21,7 @@ from torch import nn
 from tpsim.conventions import variant_from_class
 from tpsim.diagnosis import Failure
 from tpsim.errors import InvalidArgument
+from tpsim.placement import Shard, part_sizes
 from tpsim.presets import preset_for_class, preset_for_target
 from tpsim.props.case import Case
 from tpsim.props.checks import PropertyFailed, evaluate
@@ -39,7 +40,7 @@ from tpsim.props.property_names import (
 )
 from tpsim.props.rank import TRAIN_STEPS
 from tpsim.props.strategies import DEFAULT_MAX_SIZE, cases
-from tpsim.props.world import is_divisible, make_masters, rank_main
+from tpsim.props.world import expanded_out_features, is_divisible, make_masters, rank_main
 from tpsim.runner import DEFAULT_TIMEOUT
 from tpsim.variant import KINDS, Variant
 
@@ -59,7 +60,7 @@ __all__ = [
 #: The options that override a declared variant's placements.
 _OVERRIDES = ("input", "output", "input_grad")
 #: The options that override a variant's layout after it is built (plain classes and declared variants).
-_LAYOUT_OPTIONS = ("packed", "sequence_dim", "forward_only")
+_LAYOUT_OPTIONS = ("packed", "head_size", "sequence_dim", "forward_only")
 
 
 class LinearFamily(Family, name="linear", kinds=KINDS, variant_type=Variant, case_type=Case, properties=PROPERTIES,
@@ -153,6 +154,12 @@ class LinearFamily(Family, name="linear", kinds=KINDS, variant_type=Variant, cas
         if variant.forward_only and not variant.divisible_only:
             notes.append(f"{variant.name} is forward-only: a non-divisible case refused by an assert on every rank "
                          "counts as refused, but python -O strips asserts (raise a ValueError to refuse under -O too)")
+        if variant.packed and variant.head_size is not None:
+            partial = [s.name for s in variant.params or () if s.grad == "partial" and isinstance(s.placement, Shard)]
+            who = (f"each replica's grad of {', '.join(partial)} is its own share, summed by the trainer" if partial
+                   else "every replica's grad is the head's whole grad (the layer sums the shares)")
+            notes.append(f"{variant.name} packs Q/K/V {list(variant.packed)} by heads of {variant.head_size} rows: "
+                         f"key/value heads fewer than ranks are replicated (rank r holds head r*heads//tp); {who}")
         return notes
 
     def cases(self, variant: Variant, *, world_sizes: tuple[int, ...], dtypes: tuple[str, ...], non_divisible: bool,
@@ -163,9 +170,23 @@ class LinearFamily(Family, name="linear", kinds=KINDS, variant_type=Variant, cas
         return cases(variant, world_sizes=world_sizes, dtypes=dtypes, non_divisible=non_divisible,
                      tp_sizes=tp_sizes, subgroups=subgroups, layouts=layouts, max_per_rank=max_size)
 
+    def cover_keys(self, variant: Variant, case: Case, world_sizes: tuple[int, ...]) -> list[Any]:
+        """The shared buckets, and for a head-packed Q/K/V variant (``head_size``) how its key/value heads
+        sit on the ranks, in the attention family's words: ``("kv-heads", "replicated, one" | "replicated,
+        several" | "N per rank")``; so fewer key/value heads than ranks are checked early at every seed."""
+        keys = super().cover_keys(variant, case, world_sizes)
+        tp = case.tp_size or case.world_size
+        if keys and tp > 1 and variant.packed and variant.head_size is not None:
+            kv = part_sizes(case.out_features, Shard(0, parts=variant.packed))[1] // variant.head_size
+            keys.append(("kv-heads", f"{kv // tp} per rank" if kv >= tp else
+                         "replicated, one" if kv == 1 else "replicated, several"))
+        return keys
+
     def fault_case(self, variant: Variant, world_size: int, seed: int) -> Case:
         features = 2 * world_size * (sum(variant.packed) if variant.packed else 1)
-        return Case(world_size=world_size, in_features=features, out_features=features, batch_shape=(2,), bias=True,
+        # Head-packed: world_size heads per unit of the proportions (every part divides).
+        out = features if variant.head_size is None else features * variant.head_size // 2
+        return Case(world_size=world_size, in_features=features, out_features=out, batch_shape=(2,), bias=True,
                     seed=seed)
 
     # --- one case ----------------------------------------------------------------------------------
@@ -197,7 +218,7 @@ class LinearFamily(Family, name="linear", kinds=KINDS, variant_type=Variant, cas
                 f"proportions {list(variant.packed)} (sum {sum(variant.packed)}); use out_features = k * "
                 f"{sum(variant.packed)}"
             )
-        masters = make_masters(case)
+        masters = make_masters(case, expanded_out_features(variant, case))
         payload = {"case": case, "data": masters, "divisible": is_divisible(variant, case), "layout": layout,
                    "pieces": pieces}
         return World(rank_main, payload, masters)

@@ -21,6 +21,11 @@ their ``sequence_dim`` needs (one for the default -2: 2-D inputs, where the sequ
 and 3-D ones, where it is not), and a sequence length of a few tokens per rank; a row layer's
 sequence-sharded output also gets sequence lengths that do not divide (it must refuse them).
 Packed variants (``packed``: part proportions) get ``out_features = sum(packed) * unit``.
+Head-packed ones (``head_size``: a Q/K/V weight whose key/value parts are replicated below the tp
+size, see :mod:`tpsim.placement`) get ``unit = head_size * m``, part ``i`` holding ``packed[i] * m``
+heads: half the time (when the proportions allow it at this tp size) ``m`` gives fewer key/value
+heads than ranks, each replicated, otherwise as many or more, the smallest first; a non-divisible case
+has heads the tp size cannot split.
 A variant's declared restrictions (``min_batch_dims``, ``max_batch_dims``, ``min_features``,
 ``min_tp_size``, ``divisible_only``; see
 :meth:`tpsim.variant.Variant.restrictions`) narrow these draws.
@@ -161,6 +166,36 @@ def _packed_features(draw: st.DrawFn, packed: tuple[int, ...], ws: int, divisibl
     return sum(packed) * unit
 
 
+def head_units(packed: tuple[int, ...], ws: int) -> tuple[list[int], list[int], list[int]]:
+    """Head multipliers ``m`` (part ``i`` has ``packed[i] * m`` heads) up to ``2 * ws`` for a head-packed
+    variant over ``ws`` ranks: (replicated: some key/value part has fewer heads than ranks; sharded:
+    every part divides; neither: heads the tp size cannot split)."""
+    fewer: list[int] = []
+    even: list[int] = []
+    bad: list[int] = []
+    for m in range(1, 2 * ws + 2):
+        heads = [p * m for p in packed]
+        ok = heads[0] % ws == 0 and all(n % ws == 0 or ws % n == 0 for n in heads[1:])
+        if not ok:
+            bad.append(m)
+        elif any(n < ws for n in heads[1:]):
+            fewer.append(m)
+        elif m <= 2 * ws:
+            even.append(m)
+    return fewer, even, bad
+
+
+def _head_features(draw: st.DrawFn, packed: tuple[int, ...], head_size: int, ws: int, divisible: bool) -> int:
+    fewer, even, bad = head_units(packed, ws)
+    if not divisible and bad:
+        m = draw(st.sampled_from(bad))
+    elif fewer and (not even or draw(st.booleans())):
+        m = draw(st.sampled_from(fewer[::-1]))  # the most heads first: several replicated ones
+    else:
+        m = draw(st.sampled_from(even or [ws]))
+    return sum(packed) * head_size * m
+
+
 @st.composite
 def _cases(
     draw: st.DrawFn,
@@ -192,7 +227,9 @@ def _cases(
     )
     feature_divisible = divisible or bad_sequence
     in_features = _feature(draw, ws, "in_features" in sharded, feature_divisible, max_per_rank, least)
-    if variant is not None and variant.packed:
+    if variant is not None and variant.packed and variant.head_size is not None:
+        out_features = _head_features(draw, variant.packed, variant.head_size, ws, feature_divisible)
+    elif variant is not None and variant.packed:
         out_features = _packed_features(draw, variant.packed, ws, feature_divisible, max_per_rank)
     else:
         out_features = _feature(draw, ws, "out_features" in sharded, feature_divisible, max_per_rank, least)

@@ -24,14 +24,26 @@ worker processes can run it; there the variant is resolved again from its target
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from tpsim.conventions import returned_bias
 from tpsim.errors import InvalidArgument
-from tpsim.placement import UNEVEN_STYLES, Replicate, Shard, part_sizes, shard_tensor, uneven_pieces
+from tpsim.placement import (
+    UNEVEN_STYLES,
+    Replicate,
+    Shard,
+    part_sizes,
+    replica_expanded,
+    replicated_parts,
+    shard_shape,
+    shard_tensor,
+    uneven_pieces,
+)
 from tpsim.props.case import Case
 from tpsim.props.layouts import apply_layout, expand_values
 from tpsim.props.observation import OK, RankOutput
@@ -44,11 +56,15 @@ __all__ = [
     "Masters",
     "RankResult",
     "Reference",
+    "expanded_out_features",
+    "expanded_view",
     "is_divisible",
     "make_masters",
     "non_divisible_sizes",
     "rank_main",
     "reference",
+    "replica_trained",
+    "sum_kv_replicas",
 ]
 
 #: :attr:`RankResult.status` of a non-divisible case that the layer built and ran without refusing it.
@@ -114,9 +130,11 @@ class Masters:
         return Masters(self.weight, self.bias, inputs, grads)
 
 
-def make_masters(case: Case) -> Masters:
+def make_masters(case: Case, grad_features: int | None = None) -> Masters:
     """Draw the master weight ``[out, in]``, bias ``[out]``, and per-step inputs ``[*batch, in]`` and
-    upstream grads ``[*batch, out]`` from ``case.seed`` (float64 normal draws rounded to the dtype)."""
+    upstream grads ``[*batch, out]`` from ``case.seed`` (float64 normal draws rounded to the dtype).
+    ``grad_features``: the upstream grads' width when it is not ``out`` (replicated key/value heads:
+    :func:`expanded_out_features`)."""
     gen = torch.Generator().manual_seed(case.seed)
     dtype = case.torch_dtype
 
@@ -132,9 +150,120 @@ def make_masters(case: Case) -> Masters:
         for _ in range(TRAIN_STEPS):
             # An expanded layout needs rows that repeat along the first batch dim (tpsim.props.layouts).
             inputs.append(expand_values(draw(*case.batch_shape, case.in_features), case.input_layout))
-            grads.append(expand_values(draw(*case.batch_shape, case.out_features), case.input_layout))
+            grads.append(expand_values(draw(*case.batch_shape, grad_features or case.out_features), case.input_layout))
         data.append((inputs, grads))
     return Masters(weight, bias, data[0][0], data[0][1], groups=data[1:])
+
+
+def expanded_out_features(variant: Variant, case: Case) -> int | None:
+    """The output width of a case whose packed weight holds replicated key/value heads at its tp size
+    (``Variant.head_size`` with fewer key/value heads than ranks): every rank's output features side by
+    side, ``tp * local``, so that each replica of a head has columns of its own (None: no replicas).
+
+    Why a replica is its own column: the ranks holding one key/value head serve different query
+    heads, so each gets its own upstream grad for it (in attention, the grad through its own query
+    heads only). The dense twin of such a layer is therefore ``nn.Linear`` with the replica-expanded
+    weight (:func:`tpsim.placement.replica_expanded`: the master's K/V rows repeated once per
+    replica), run on upstream grads drawn at this width. Each rank's output, weight/bias grad and
+    trained value is then exactly its own piece of that twin's (``Shard(-1)``/``Shard(0)`` of the
+    expanded tensors), and, by the chain rule through the repeat, the master's grad of a key/value
+    row is the *sum* of its replicas' grads: a replica's grad alone is its query heads' share. Who
+    takes the sum is the parameter's ``ParamSpec.grad``: ``"partial"`` (vLLM), the trainer, before
+    every SGD step (:func:`sum_kv_replicas`), each replica's grad being checked as its own share;
+    ``"complete"`` (tpsim's own layer), the layer, each replica's grad being checked as the head's
+    whole grad. Either way every replica trains like the master's head (:func:`replica_trained`)."""
+    if not variant.packed or variant.head_size is None or variant.kind != "column":
+        return None
+    tp = case.tp_size or case.world_size
+    placement = Shard(0, parts=variant.packed, head_size=variant.head_size)
+    try:
+        if not any(replicated_parts(case.out_features, placement, tp)):
+            return None
+        return tp * shard_shape((case.out_features, 1), placement, tp)[0]
+    except InvalidArgument:
+        return None
+
+
+def expanded_view(variant: Variant, case: Case, masters: Masters) -> tuple[Variant, Case, Masters]:
+    """The variant, case and masters the checks compare a replicated-key/value case against (see
+    :func:`expanded_out_features`): the replica-expanded weight and bias, ``out_features`` the
+    expanded width, and the variant's packed placements replaced by plain ``Shard(0)``/``Shard(-1)``
+    (rank ``r``'s rows of the expanded weight are exactly what it holds). Unchanged without replicas."""
+    width = expanded_out_features(variant, case)
+    if width is None:
+        return variant, case, masters
+    tp = case.tp_size or case.world_size
+    placement = Shard(0, parts=variant.packed, head_size=variant.head_size)
+    weight = replica_expanded(masters.weight, placement, tp)
+    bias = None if masters.bias is None else replica_expanded(masters.bias, placement, tp)
+    # Plain shards of the expanded tensors; each rank's expected grad is set by the checks (grad rule).
+    plain = variant.replace(packed=None, head_size=None, params=tuple(
+        dataclasses.replace(s, placement=Shard(s.placement.dim), grad="complete") if isinstance(s.placement, Shard)
+        else s for s in variant.params or ()))
+    return plain, dataclasses.replace(case, out_features=width), Masters(weight, bias, masters.inputs, masters.grads,
+                                                                           groups=masters.groups)
+
+
+def _kv_layout(variant: Variant, case: Case) -> tuple[Shard, tuple[int, ...], tuple[bool, ...], int]:
+    tp = case.tp_size or case.world_size
+    placement = Shard(0, parts=variant.packed, head_size=variant.head_size)
+    return placement, part_sizes(case.out_features, placement), replicated_parts(case.out_features, placement, tp), tp
+
+
+def sum_kv_replicas(variant: Variant, case: Case, module: Any, specs: list[Any], group: Any, rank: int) -> None:
+    """The trainer's sum, before each SGD step, of every replicated key/value head's weight and bias grad
+    over the ranks holding it (see :func:`expanded_out_features`: each holds its own query heads' share;
+    as ``grad="partial"`` is for a replicated parameter): one all-reduce per replicated part and
+    parameter, of a ``[heads, head_size, ...]`` buffer holding this rank's share at its head's index
+    (rank ``r``'s head by the declared layout, whatever the layer holds). Every rank joins every sum."""
+    placement, parts, replicated, tp = _kv_layout(variant, case)
+    d = variant.head_size or 1
+    local = [d if rep else p // tp for p, rep in zip(parts, replicated, strict=True)]
+    for spec in specs:
+        if not isinstance(spec.placement, Shard) or spec.grad != "partial":
+            continue  # a complete grad: the layer summed the shares itself
+        p = get_param(module, spec.name)
+        grad = None if p is None or p.grad is None else (p.grad.t() if spec.transposed and p.grad.dim() == 2 else p.grad)
+        rest = () if spec.master == "bias" else (case.in_features,)
+        usable = grad is not None and tuple(grad.shape) == (sum(local), *rest)
+        for i, (size, rep) in enumerate(zip(parts, replicated, strict=True)):
+            if not rep:
+                continue
+            heads, offset = size // d, sum(local[:i])
+            head = rank * heads // tp
+            dtype = grad.dtype if grad is not None else case.torch_dtype
+            buf = torch.zeros(heads, d, *rest, dtype=dtype)
+            if usable:
+                buf[head] = grad[offset: offset + d]  # type: ignore[index]
+            dist.all_reduce(buf, group=group)
+            if usable:
+                with torch.no_grad():
+                    grad[offset: offset + d] = buf[head]  # type: ignore[index]
+
+
+def replica_trained(variant: Variant, case: Case, masters: Masters, expanded: Masters) -> tuple[dict[str, torch.Tensor],
+                                                                                                dict[str, torch.Tensor]]:
+    """What every rank must hold, replica-expanded, once each replicated head's grad is complete (the
+    replicas' shares summed, by the layer or by the trainer, :func:`sum_kv_replicas`), with their
+    magnitudes: the grads (``dweight``, ``dbias``) and the trained parameters (``final_weight``,
+    ``final_bias``) of dense SGD on the master parameters whose upstream grad of a key/value column is
+    the sum of its replicas' upstream grads (the magnitudes from the sum of their absolute values)."""
+    placement, _, _, tp = _kv_layout(variant, case)
+    index = torch.cat([shard_tensor(torch.arange(case.out_features), placement, r, tp) for r in range(tp)])
+
+    def collapse(g: torch.Tensor) -> torch.Tensor:
+        g = g.to(torch.float64)
+        return torch.zeros(*g.shape[:-1], case.out_features, dtype=torch.float64).index_add_(-1, index, g)
+
+    dense = reference(case, Masters(masters.weight, masters.bias, expanded.inputs, [collapse(g) for g in expanded.grads]))
+    mags = reference(case, Masters(masters.weight, masters.bias, expanded.inputs,
+                                   [collapse(g.abs()) for g in expanded.grads]))
+    out = {f"final_{k}": replica_expanded(v, placement, tp) for k, v in dense.final.items()}
+    mag = {f"final_{k}": replica_expanded(mags.mag[f"final_{k}"], placement, tp) for k in dense.final}
+    for name, t in (("dweight", dense.dweight), ("dbias", dense.dbias)):
+        if t is not None:
+            out[name], mag[name] = replica_expanded(t, placement, tp), replica_expanded(mags.mag[name], placement, tp)
+    return out, mag
 
 
 def is_divisible(variant: Variant, case: Case) -> bool:
@@ -153,7 +282,15 @@ def non_divisible_sizes(variant: Variant, case: Case) -> dict[str, int]:
             parts = part_sizes(case.out_features, Shard(0, parts=variant.packed))
         except InvalidArgument:
             parts = ()
-        bad.update({f"packed part {i}": p for i, p in enumerate(parts) if p % tp})
+        if variant.head_size is not None and parts:
+            try:
+                replicated_parts(case.out_features, Shard(0, parts=variant.packed, head_size=variant.head_size), tp)
+            except InvalidArgument:
+                d = variant.head_size
+                bad.update({f"packed part {i} ({p // d} heads of head_size={d})": p // d
+                            for i, p in enumerate(parts) if p % d or (p // d) % tp and (i == 0 or tp % (p // d))})
+        else:
+            bad.update({f"packed part {i}": p for i, p in enumerate(parts) if p % tp})
     d = variant.sequence_dim_of(len(case.batch_shape) + 1)
     if d is not None and case.batch_shape[d] % tp:
         bad[f"the sequence length (dim {d})"] = case.batch_shape[d]
@@ -299,6 +436,7 @@ def _train(me: Any, variant: Variant, case: Case, m: Masters, module: Any, init:
     result = RankResult(OK, init=init, group=me.g, tp_rank=rank, partial=_partial_params(variant, module, specs),
                         absent=absent)
     by_master = {spec.master: spec for spec in specs}
+    kv_replicas = expanded_out_features(variant, case) is not None
     if variant.forward_only:
         return _forward_only(variant, case, m, module, result, rank, ws, layout)
     for step in range(TRAIN_STEPS):
@@ -311,7 +449,9 @@ def _train(me: Any, variant: Variant, case: Case, m: Masters, module: Any, init:
         finally:  # read, and add again by default
             result.returned_bias = returned_bias(reset=True) or result.returned_bias
         upstream = m.grads[step]
-        if isinstance(variant.output_placement, Shard):  # sharded (packed: per part) or sequence-sharded
+        if expanded_out_features(variant, case) is not None:  # replicated K/V heads: this rank's own columns
+            upstream = shard_tensor(upstream, Shard(-1), rank, ws)
+        elif isinstance(variant.output_placement, Shard):  # sharded (packed: per part) or sequence-sharded
             upstream = shard_tensor(upstream, variant.output_placement, rank, ws)
         upstream = apply_layout(upstream, layout)
         if result.unusable(out, upstream.shape, graph=x):
@@ -325,6 +465,8 @@ def _train(me: Any, variant: Variant, case: Case, m: Masters, module: Any, init:
             for spec in specs:
                 p = get_param(module, spec.name)
                 result.grads[spec.master] = _master_layout(None if p is None else p.grad, spec.transposed)
+        if kv_replicas:
+            sum_kv_replicas(variant, case, module, specs, group, rank)
         partial = {master: get_param(module, by_master[master].name) for master in result.partial}
         summed: dict[str, torch.Tensor] = {}
         trainer_step(module, partial, group, step, summed)
@@ -345,7 +487,9 @@ def _forward_only(variant: Variant, case: Case, m: Masters, module: Any, result:
     finally:
         result.returned_bias = returned_bias(reset=True)
     expected = m.grads[0]
-    if isinstance(variant.output_placement, Shard):
+    if expanded_out_features(variant, case) is not None:
+        expected = shard_tensor(expected, Shard(-1), rank, ws)
+    elif isinstance(variant.output_placement, Shard):
         expected = shard_tensor(expected, variant.output_placement, rank, ws)
     if result.unusable(out, expected.shape):
         return result
