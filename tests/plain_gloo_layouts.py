@@ -185,7 +185,8 @@ def probe(rank: int, world_size: int, folder: str) -> None:
             count += 1
             dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                     init_method=f"file://{os.path.join(folder, f'store{count}')}",
-                                    timeout=datetime.timedelta(seconds=5))
+                                    # Generous: on a loaded machine a 5 s connect timed out (no case waits it out).
+                                    timeout=datetime.timedelta(seconds=60))
             try:
                 outcome = "ok" if case() else "storage"
             except Exception:  # noqa: BLE001 - any refusal counts (gloo's words vary by op)
