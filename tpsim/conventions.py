@@ -431,7 +431,7 @@ def _convention_variant(
     )
 
 
-# --- the three conventions ----------------------------------------------------------------------
+# --- the four conventions -----------------------------------------------------------------------
 
 
 def from_master_weight_class(
