@@ -32,6 +32,7 @@ def _tiny_llama_mlp() -> type:
                                          num_key_value_heads=1, head_dim=2, hidden_act="silu"))
 
     LlamaMLPTiny.__module__ = __name__
+    LlamaMLPTiny.__qualname__ = "LlamaMLPTiny"  # found at module level: reports name it so
     return LlamaMLPTiny
 
 
