@@ -27,12 +27,15 @@ Sections (see ``docs/bench.md`` for the tables they produce):
 - ``checks``: what a user waits for: ``tpsim check`` end to end in fresh processes (tpsim's column
   layer at world sizes 1-4 and at the default ones, the Megatron-core preset), on inproc (isolated, as
   by default, and not), and gloo, interleaved, with the gloo worker pools each run replaced; inproc's
-  per-collective overhead per rank at world size 32 with tiny tensors; every goal with its measure.
-  It writes the "What you wait for" paragraph the README quotes;
+  per-collective overhead per rank at world size 32 with tiny tensors, beside its floor (a thread
+  hand-off per rank, measured by a ring of plain locks, plus torch's own ``dist.all_reduce``
+  wrapper); every goal with its measure. It writes the "What you wait for" paragraph the README quotes;
 - ``scale``: a whole check (``check_case``: float64 reference, tp world, every property) of tpsim's
   SwiGLU MLP (hidden 512..4096, ffn in the lab note's proportion), vocab-parallel embedding and
-  cross-entropy (vocab 4096..32000) against the same layer's dense forward+backward, side by side
-  in one fresh process per size; the ratios, and a plot of check time against size.
+  cross-entropy (vocab 4096..32000) against the same layer's dense forward+backward and against the
+  floor of any such check (drawing the case's values and one float64 dense forward+backward, in
+  plain torch), side by side in one fresh process per size; the ratios, and a plot of check time
+  against size.
 
 A change's cost in examples/s, against the commit it started from (``git archive BASE | tar -x -C
 DIR``), side by side: ``python -m bench.compare DIR`` (:mod:`bench.compare`; not part of the report).

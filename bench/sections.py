@@ -654,17 +654,68 @@ def rank_all_reduces(calls: int) -> None:
         dist.all_reduce(t)
 
 
+def handoff_ring(ws: int, rounds: int) -> float:
+    """The floor of any design that runs each rank in a thread of its own, one at a time: ``ws``
+    Python threads passing a token round a ring ``rounds`` times with plain locks (one lock
+    release and one acquire per hand-off, nothing else); microseconds per hand-off. Every rank of
+    a blocking collective hands on its turn once, so no such backend's collective costs less per rank."""
+    import threading
+
+    locks = [threading.Lock() for _ in range(ws)]
+    for lock in locks:
+        lock.acquire()
+
+    def turn(i: int) -> None:
+        mine, nxt = locks[i], locks[(i + 1) % ws]
+        for _ in range(rounds):
+            mine.acquire()
+            nxt.release()
+
+    threads = [threading.Thread(target=turn, args=(i,), daemon=True) for i in range(ws)]
+    for t in threads:
+        t.start()
+    t0 = time.perf_counter()
+    locks[0].release()
+    for t in threads:
+        t.join()
+    return (time.perf_counter() - t0) / (ws * rounds) * 1e6
+
+
+def rank_wrapper_cost(calls: int) -> float:
+    """On a world of one rank: microseconds per call that torch's ``dist.all_reduce`` adds to the
+    process group's own ``allreduce`` (its argument checks, group lookup and logging wrapper), the
+    fastest of three interleaved rounds. Every backend behind ``torch.distributed`` pays it."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(1)
+    pg = dist.distributed_c10d._get_default_group()
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            dist.all_reduce(t)
+        t1 = time.perf_counter()
+        for _ in range(calls):
+            pg.allreduce([t]).wait()
+        t2 = time.perf_counter()
+        best = min(best, ((t1 - t0) - (t2 - t1)) / calls * 1e6)
+    return best
+
+
 def overhead_worker(ws: int, calls: int, repeats: int) -> dict[str, Any]:
     """inproc's cost of one collective per rank, with a one-element tensor: a world doing ``calls``
     all_reduces per rank minus the same world doing none, per call and rank; the fastest of
-    ``repeats`` rounds, in wall time and in this process's CPU time (less disturbed by other load)."""
+    ``repeats`` rounds, in wall time and in this process's CPU time (less disturbed by other load).
+    Beside it, in the same rounds: the thread hand-off floor (:func:`handoff_ring`) at the same
+    world size."""
     import torch
 
     import tpsim
 
     torch.set_num_threads(1)
     tpsim.run(rank_all_reduces, ws, args=(1,))  # warm
-    wall, cpu = [], []
+    wall, cpu, ring = [], [], []
     for _ in range(repeats):
         w0, c0 = time.perf_counter(), time.process_time()
         tpsim.run(rank_all_reduces, ws, args=(calls,))
@@ -673,8 +724,11 @@ def overhead_worker(ws: int, calls: int, repeats: int) -> dict[str, Any]:
         w2, c2 = time.perf_counter(), time.process_time()
         wall.append(((w1 - w0) - (w2 - w1)) / (calls * ws) * 1e6)
         cpu.append(((c1 - c0) - (c2 - c1)) / (calls * ws) * 1e6)
+        ring.append(handoff_ring(ws, calls))
+    (wrapper,) = tpsim.run(rank_wrapper_cost, 1, args=(max(calls, 1000),))
     return {"world_size": ws, "calls": calls, "repeats": repeats, "wall_us": min(wall), "cpu_us": min(cpu),
-            "wall_us_samples": wall, "cpu_us_samples": cpu}
+            "handoff_floor_us": min(ring), "torch_wrapper_us": wrapper, "wall_us_samples": wall,
+            "cpu_us_samples": cpu, "handoff_floor_us_samples": ring}
 
 
 # --- 9. scale: a whole check vs the dense twin's forward+backward, by size ----------------------------
@@ -690,15 +744,20 @@ SCALE_EMBEDDING_DIM = 4096
 SCALE_FAMILIES = {"mlp": "hidden", "embedding": "vocab", "cross-entropy": "vocab"}
 
 
-def _scale_case(family: str, size: int, quick: bool) -> tuple[Any, Any, Any, Callable[[], None]]:
-    """``(family object, variant, case, dense)`` for one scale measurement; ``dense()`` runs the dense
-    twin's forward+backward once (float32, the case's shapes, warm parameters)."""
+def _scale_case(family: str, size: int, quick: bool) -> tuple[Any, Any, Any, Callable[[], None], Callable[[], None]]:
+    """``(family object, variant, case, dense, floor)`` for one scale measurement; ``dense()`` runs the
+    dense twin's forward+backward once (float32, the case's shapes, warm parameters); ``floor()`` does,
+    in plain torch, the least any check of the case does besides running the layer itself: draw the
+    case's random values (float32 normal draws, as the harness does) and run the dense layer once in
+    float64 on them (the oracle: the values converted, a forward and a backward)."""
     import torch
     import torch.nn.functional as F
 
     from tpsim import builtin_variants as bv
 
+    f64 = torch.float64
     torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
     if family == "mlp":
         from tpsim.layers import DenseMLP
         from tpsim.props.module.case import ModuleCase
@@ -707,14 +766,21 @@ def _scale_case(family: str, size: int, quick: bool) -> tuple[Any, Any, Any, Cal
         ffn = 2 * round(size * LAB_FFN_PER_HIDDEN / 2)
         case = ModuleCase(world_size=2, sizes=(size, ffn), batch_shape=SCALE_TOKENS, dtype="float32", seed=0)
         mlp = DenseMLP(size, ffn, activation="swiglu", bias=True, dtype=torch.float32)
+        mlp64 = DenseMLP(size, ffn, activation="swiglu", bias=True, dtype=f64)
         x, g = torch.randn(*SCALE_TOKENS, size), torch.randn(*SCALE_TOKENS, size)
 
         def dense() -> None:
             mlp.zero_grad(set_to_none=True)
             mlp(x.clone().requires_grad_(True)).backward(g)
 
+        def floor() -> None:
+            for p in mlp64.parameters():
+                p.data = torch.randn(*p.shape, generator=gen, dtype=torch.float32).to(f64)
+                p.grad = None
+            mlp64(x.to(f64).requires_grad_(True)).backward(g.to(f64))
+
         # initialise=False: the harness loads every parameter (as tests/test_modules_labscale.py does)
-        return MODULE, bv.mlp_variant("swiglu", initialise=False), case, dense
+        return MODULE, bv.mlp_variant("swiglu", initialise=False), case, dense, floor
     from tpsim.props.vocab.case import CrossEntropyCase, EmbeddingCase
     from tpsim.props.vocab.family import CROSS_ENTROPY, EMBEDDING
 
@@ -727,9 +793,13 @@ def _scale_case(family: str, size: int, quick: bool) -> tuple[Any, Any, Any, Cal
             emb.zero_grad(set_to_none=True)
             emb(ids).backward(g)
 
+        def floor() -> None:
+            w = torch.randn(size, dim, generator=gen, dtype=torch.float32).to(f64).requires_grad_(True)
+            F.embedding(ids, w).backward(g.to(f64))
+
         case = EmbeddingCase(world_size=2, vocab_size=size, embedding_dim=dim, batch_shape=SCALE_TOKENS,
                              dtype="float32", seed=0)
-        return EMBEDDING, bv.vocab_embedding, case, dense
+        return EMBEDDING, bv.vocab_embedding, case, dense, floor
     tokens = SCALE_TOKENS if quick else SCALE_CE_TOKENS
     logits, target, g = torch.randn(*tokens, size), torch.randint(0, size, tokens), torch.rand(tokens)
 
@@ -737,8 +807,13 @@ def _scale_case(family: str, size: int, quick: bool) -> tuple[Any, Any, Any, Cal
         leaf = logits.clone().requires_grad_(True)
         F.cross_entropy(leaf.reshape(-1, size), target.reshape(-1), reduction="none").reshape(tokens).backward(g)
 
+    def floor() -> None:
+        leaf = torch.randn(*tokens, size, generator=gen, dtype=torch.float32).to(f64).requires_grad_(True)
+        F.cross_entropy(leaf.reshape(-1, size), target.reshape(-1), reduction="none").reshape(tokens).backward(
+            g.to(f64))
+
     case = CrossEntropyCase(world_size=2, vocab_size=size, batch_shape=tokens, dtype="float32", seed=0)
-    return CROSS_ENTROPY, bv.vocab_cross_entropy, case, dense
+    return CROSS_ENTROPY, bv.vocab_cross_entropy, case, dense, floor
 
 
 def scale_worker(family: str, size: int, rounds: int, quick: bool = False) -> dict[str, Any]:
@@ -748,26 +823,36 @@ def scale_worker(family: str, size: int, rounds: int, quick: bool = False) -> di
     use of the rules). Wall time and this process's CPU time (every thread); the fastest of each kept."""
     import torch
 
-    fam, variant, case, dense = _scale_case(family, size, quick)
+    fam, variant, case, dense, floor = _scale_case(family, size, quick)
     small = {"mlp": (16, 44), "embedding": 32, "cross-entropy": 32}[family]
     warm = _scale_case(family, small[0] if isinstance(small, tuple) else small, True)
     warm[0].check_case(warm[1], warm[2], timeout=600)
+
+    def timed(fn: Callable[[], Any], times: int) -> tuple[float, float, Any]:
+        walls, cpus, out = [], [], None
+        for _ in range(times):
+            w0, c0 = time.perf_counter(), time.process_time()
+            out = fn()
+            walls.append(time.perf_counter() - w0)
+            cpus.append(time.process_time() - c0)
+        return min(walls), min(cpus), out
+
     rows = []
     for _ in range(rounds):
-        d_wall, d_cpu = [], []
-        for _ in range(2):  # the first call of a round pays for fresh grad buffers, as a training step does
-            w0, c0 = time.perf_counter(), time.process_time()
-            dense()
-            d_wall.append(time.perf_counter() - w0)
-            d_cpu.append(time.process_time() - c0)
-        w0, c0 = time.perf_counter(), time.process_time()
-        failures = fam.check_case(variant, case, timeout=900)
-        rows.append({"dense_s": min(d_wall), "dense_cpu_s": min(d_cpu), "check_s": time.perf_counter() - w0,
-                     "check_cpu_s": time.process_time() - c0, "failures": len(failures)})
-    best = {k: min(r[k] for r in rows) for k in ("dense_s", "dense_cpu_s", "check_s", "check_cpu_s")}
+        # dense twice: the first call of a round pays for fresh grad buffers, as a training step does
+        d_wall, d_cpu, _ = timed(dense, 2)
+        f_wall, f_cpu, _ = timed(floor, 2)
+        c_wall, c_cpu, failures = timed(lambda: fam.check_case(variant, case, timeout=900), 1)
+        rows.append({"dense_s": d_wall, "dense_cpu_s": d_cpu, "floor_s": f_wall, "floor_cpu_s": f_cpu,
+                     "check_s": c_wall, "check_cpu_s": c_cpu, "failures": len(failures)})
+    best = {k: min(r[k] for r in rows) for k in ("dense_s", "dense_cpu_s", "floor_s", "floor_cpu_s", "check_s",
+                                                   "check_cpu_s")}
     return {"family": family, "size": size, "case": case.describe(), "variant": variant.name,
             "threads": torch.get_num_threads(), "rounds": rows, **best,
             "ratio": best["check_s"] / best["dense_s"], "cpu_ratio": best["check_cpu_s"] / best["dense_cpu_s"],
+            # the least a check can cost, against the dense layer: drawing the case and the float64
+            # oracle (floor) plus running the layer once (about one dense forward+backward)
+            "floor_ratio": (best["floor_s"] + best["dense_s"]) / best["dense_s"],
             "round_ratios": [r["check_s"] / r["dense_s"] for r in rows],
             "passed": all(r["failures"] == 0 for r in rows)}
 

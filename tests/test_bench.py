@@ -114,6 +114,9 @@ def test_quick_json_is_well_formed(quick_run):
     overhead = checks["overhead"]
     assert overhead["world_size"] == 4 and len(overhead["wall_us_samples"]) == overhead["repeats"]
     assert overhead["wall_us"] == min(overhead["wall_us_samples"])
+    # the floors beside it: a thread hand-off per rank, and torch's own all_reduce wrapper
+    assert overhead["handoff_floor_us"] == min(overhead["handoff_floor_us_samples"]) > 0
+    assert overhead["torch_wrapper_us"] > 0
     scale = result["scale"]["families"]
     assert set(scale) == {"mlp", "embedding", "cross-entropy"}
     for rows in scale.values():
@@ -166,6 +169,11 @@ def test_report_judges_every_goal():
     assert met["gloo, Megatron-core preset, 10 examples, world sizes 1,2,4"] == ("—", None)
     assert met["isolated inproc vs plain, per example (props section)"] == ("5.0% slower", True)
     assert met["inproc per-collective overhead per rank, world size 32, tiny tensors"] == ("12.5 us (CPU: 9 us)", False)
+    result["checks"]["overhead"].update(handoff_floor_us=7.0, torch_wrapper_us=3.0)
+    met = {t["target"]: (t["measured_text"], t["met"]) for t in report.targets(result)}
+    assert met["inproc per-collective overhead per rank, world size 32, tiny tensors"] == (
+        "12.5 us (CPU: 9 us; floor: thread hand-off 7 us + torch's all_reduce wrapper 3 us)", False)
+    del result["checks"]["overhead"]["handoff_floor_us"], result["checks"]["overhead"]["torch_wrapper_us"]
     text = report.markdown({k: v for k, v in result.items() if k != "props"}, {})
     # the paragraph the README quotes reports the default command's measured times on both backends
     assert ("`tpsim check tpsim.layers:ColumnParallelLinear --seed 0` (the default: 100 generated examples at "
@@ -288,6 +296,9 @@ def test_scale_worker_measures_a_passing_check_beside_its_dense_twin(family):
     [only] = row["rounds"]
     assert only["failures"] == 0 and row["check_s"] == only["check_s"] and row["dense_s"] == only["dense_s"]
     assert row["ratio"] == row["check_s"] / row["dense_s"] and row["cpu_ratio"] > 0
+    # the floor is measured beside them: drawing the case and the float64 oracle, plus the layer once
+    assert row["floor_s"] == only["floor_s"] > 0
+    assert row["floor_ratio"] == (row["floor_s"] + row["dense_s"]) / row["dense_s"] > 1
     if family == "mlp":
         assert "sizes=[64, 172]" in row["case"]  # ffn in the lab note's proportion (11008 / 4096)
 
@@ -298,8 +309,15 @@ def test_scale_table_has_a_row_per_size_and_a_goal_per_family():
     result = {"scale": {"families": rows, "skipped": {}, "rounds": 2, "tokens": [2, 8], "ce_tokens": [2, 256],
                         "embedding_dim": 4096, "load": 3.0}}
     text = "\n".join(report.scale_markdown(result, {"scale": "bench_scale.png"}))
-    assert "| SwiGLU MLP (tp 2) | hidden 1024 | 0.5 | 3 | 6.0x | 2.0x | yes |" in text
+    assert "| SwiGLU MLP (tp 2) | hidden 1024 | 0.5 | — | 3 | 6.0x | 2.0x | — | — | yes |" in text
     assert text.count("| vocab-parallel") == 4 and "![check time against size](bench_scale.png)" in text
     goals = {t["target"]: t for t in report.targets(result)}
     mlp = goals["lab-note MLP check / dense forward+backward (hidden 1024)"]
     assert mlp["measured"] == 6.0 and mlp["met"] is False and mlp["goal"] == "<= 4x"
+    # with a floor measured, the table and the goal show it and the check against it
+    rows["mlp"][1].update(floor_s=1.0, floor_ratio=3.0)
+    text = "\n".join(report.scale_markdown(result, {}))
+    assert "| SwiGLU MLP (tp 2) | hidden 1024 | 0.5 | 1 | 3 | 6.0x | 2.0x | 3.0x | 2.0x | yes |" in text
+    goals = {t["target"]: t for t in report.targets(result)}
+    assert goals["lab-note MLP check / dense forward+backward (hidden 1024)"]["measured_text"] == (
+        "6.0x (CPU time: 2.0x; floor 3.0x)")

@@ -230,8 +230,13 @@ TWIN = "twin"
 
 
 def _finite(mag: StepTensors) -> bool:
+    """Every magnitude finite. Magnitudes are non-negative, so one sum per tensor tells: an inf or a
+    NaN anywhere makes it inf or NaN (no cancellation). A sum that overflows with every element
+    finite says "not finite" too, which only sends the case to the dense twin (never a looser
+    bound). In the tensor's own dtype: at the lab note's size an ``isfinite`` mask per tensor was
+    2.5 s of a 15 s check, a float64 sum 1.4 s, this one about 0.1 s."""
     tensors = [mag.y, mag.dx, *mag.grads.values(), *mag.final.values()]
-    return all(t is None or bool(torch.isfinite(t).all()) for t in tensors)
+    return all(t is None or bool(torch.isfinite(t.sum())) for t in tensors)
 
 
 def _oracle(variant: ModuleVariant, case: ModuleCase, dense: nn.Module, masters: dict[str, torch.Tensor],
@@ -274,7 +279,12 @@ def _check_deterministic(variant: ModuleVariant, dense: nn.Module, masters: dict
     before anything is compared (a tp run of such a module differs from any reference). The input
     is drawn from its own generator: the case's draws are untouched; buffers are restored."""
     assign(dense, {n: t.to(_F64, copy=True) for n, t in masters.items()})
-    saved = {k: v.detach().clone() for k, v in dense.state_dict().items()}
+    # Only the state that is not a parameter is saved and restored: every tp group's steps assign
+    # fresh parameters from the masters afterwards (a clone of every weight was 1 GB at the lab
+    # note's size).
+    params = {n for n, _ in dense.named_parameters(remove_duplicate=False)}
+    saved = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+             for k, v in dense.state_dict().items() if k not in params}
     gen = torch.Generator().manual_seed(case.seed ^ 0x5EED)
     x = torch.randn(*case.batch_shape, case.sizes[0], generator=gen, dtype=torch.float32).to(_F64)
     outs = []
@@ -282,7 +292,7 @@ def _check_deterministic(variant: ModuleVariant, dense: nn.Module, masters: dict
         for _ in range(2):
             y = variant.call(dense, x)
             outs.append(y.detach().clone() if isinstance(y, torch.Tensor) else y)
-    dense.load_state_dict(saved)
+    dense.load_state_dict(saved, strict=False)  # the parameters are missing on purpose (above)
     a, b = outs
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and not torch.equal(a, b):
         diff = (a.to(_F64) - b.to(_F64)).abs()
