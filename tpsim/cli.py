@@ -171,11 +171,10 @@ def _choice(choices: Sequence[str]) -> Callable[[str], str]:
 
 
 _NO_ISOLATE_HELP = (
-    "run inproc worlds in tpsim's session worker process (which imports the target) instead of a supervised "
-    "worker process per world. By default they are isolated: a rank that exits, segfaults, aborts, runs out of "
-    "memory or hangs in native code is reported (rank-exited, rank-crashed) with its case, at a small cost in "
-    "speed; with --no-isolate it ends the check (exit 1, no case file). Either way the target never runs in "
-    "the process that reports and sets the exit code (see docs/design.md)"
+    "accepted for compatibility, changes nothing: the checked code always runs in supervised worker processes "
+    "(a rank that exits, segfaults, aborts, runs out of memory or hangs in native code is reported as "
+    "rank-exited or rank-crashed, with its case), never in the process that judges it and sets the exit code "
+    "(see docs/design.md)"
 )
 
 
@@ -618,7 +617,7 @@ def _fault_failures(variant: Any, args: argparse.Namespace) -> tuple[list[Any], 
         seed=args.seed or 0,
         backend=args.backend,
         timeout=min(args.timeout, FAULT_TIMEOUT),
-        isolate=args.isolate and args.backend == "inproc" and variant.target is not None,
+        isolate=args.backend == "inproc",
     )
     failures = []
     for report in reports:
@@ -741,10 +740,9 @@ def _run_check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: 
     reported and saved, and the exit code is :data:`EXIT_INTERRUPTED`.
     """
     from tpsim.errors import InvalidArgument
+    from tpsim.props.described import describe_target
     from tpsim.props.family import family_of
     from tpsim.props.search import SearchInterrupted, search
-    from tpsim.session import importing
-    from tpsim.target import resolve_target
 
     options = {k: getattr(args, k) for k in ("convention", "kind", "input", "output", "input_grad", "packed",
                                              "head_size", "sequence_dim", "plan", "forward_only")}
@@ -753,8 +751,9 @@ def _run_check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: 
     options["rank_local"] = tuple(args.rank_local) if args.rank_local else None
     options["param_grad"] = tuple(args.param_grad) if args.param_grad else None
     try:
-        with importing():  # the target's own code runs here: what it does is its own (tpsim.session)
-            variants = resolve_target(args.target, **options)
+        # Imported and resolved in a worker process: this one judges, and never runs the checked code.
+        variants, _ = describe_target(args.target, options, world_sizes=args.world_sizes, tp_sizes=args.tp_sizes,
+                                      timeout=max(args.timeout, 300.0))
     except InvalidArgument as e:
         raise UsageError(f"cannot check {args.target!r}: {e}", prog="tpsim check") from None
 
@@ -804,7 +803,7 @@ def _run_check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: 
                 report = search(variant, world_sizes=args.world_sizes, tp_sizes=args.tp_sizes, dtypes=args.dtypes,
                                 max_examples=args.max_examples, seed=args.seed, backend=args.backend,
                                 timeout=args.timeout, on_example=on_example, max_size=args.max_size,
-                                isolate=args.isolate and variant.target is not None)
+                                isolate=True)
             except SearchInterrupted as stop:
                 report, interrupted = stop.report, True
             except InvalidArgument as e:
@@ -978,20 +977,7 @@ def _replay_target(case: Any, case_file: str, found: dict[str, Any], allow_outsi
         module_part = encoded
     is_path = module_part.endswith(".py") or "/" in module_part or os.sep in module_part
     if not is_path:
-        import contextlib
-        import importlib.util
-        import io
-        import warnings
-
-        try:
-            # find_spec imports the parent packages: what they print and warn (a library's notes
-            # about accelerators it did not find) is noise here, as in a check.
-            with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-                warnings.simplefilter("ignore")
-                spec = importlib.util.find_spec(module_part)
-        except (ImportError, ValueError):  # resolving it says why, as for a check
-            spec = None
-        return target, getattr(spec, "origin", None)
+        return target, None  # a dotted module: the worker that imports it says which file it is
     cwd, case_dir = os.getcwd(), os.path.dirname(os.path.abspath(case_file))
     places = [cwd, case_dir]
     candidates = [module_part] if os.path.isabs(module_part) else [os.path.join(p, module_part) for p in places]
@@ -1055,7 +1041,8 @@ def _replay_faults(variant: Any, case: Any, backend: str, timeout: float) -> lis
     from tpsim.props.faults import FaultNotSurfaced, fault_detection
 
     try:
-        fault_detection(variant, case, backend=backend, timeout=min(timeout, FAULT_TIMEOUT))
+        fault_detection(variant, case, backend=backend, timeout=min(timeout, FAULT_TIMEOUT),
+                        isolate=backend == "inproc")
     except FaultNotSurfaced as e:
         plan = ", ".join(str(f) for f in e.report.plan)
         return [Failure(FAULT_PROPERTY, FAULT_DIAGNOSIS, f"under the fault plan [{plan}]: {e.report.message}",
@@ -1066,9 +1053,8 @@ def _replay_faults(variant: Any, case: Any, backend: str, timeout: float) -> lis
 def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from tpsim.errors import InvalidArgument
     from tpsim.props.case import load_case
+    from tpsim.props.described import describe_target
     from tpsim.props.family import family_of_case
-    from tpsim.session import importing
-    from tpsim.target import resolve_variant
 
     try:
         case, found = load_case(args.case_file)
@@ -1085,9 +1071,15 @@ def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if backend == "nccl":
         _nccl_check(case.world_size, "tpsim replay")
     try:
-        with importing():  # the target's own code runs here (finding a module imports its parents)
-            target, imports = _replay_target(case, args.case_file, found, args.allow_outside_target)
-            variant = resolve_variant(target, case.variant, _replay_options(case, args, found))
+        target, imports = _replay_target(case, args.case_file, found, args.allow_outside_target)
+        # Imported and resolved in a worker process: this one judges, and never runs the checked code.
+        variants, origin = describe_target(target, _replay_options(case, args, found), world_sizes=(case.world_size,),
+                                           tp_sizes=(case.tp_size or case.world_size,),
+                                           timeout=max(args.timeout, 300.0))
+        imports = imports or origin
+        variant = next((v for v in variants if v.name == case.variant), None)
+        if variant is None:
+            raise InvalidArgument(f"{target!r} declares no variant named {case.variant!r}")
     except UsageError:
         raise
     except InvalidArgument as e:
@@ -1104,7 +1096,7 @@ def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         else:
             # The case's family (linear layer, whole module, ...) checks it.
             failures = family_of_case(case).check_case(variant, case, backend=backend, timeout=args.timeout,
-                                                       isolate=args.isolate and variant.target is not None)
+                                                       isolate=True)
     printed = capture.outside() if capture is not None else {}
     seconds = time.monotonic() - start
     for failure in failures:
@@ -1170,10 +1162,12 @@ def _version() -> str:
 def _shared_state_message(err: Exception) -> str:
     """The error's message, naming a target file by its path where it says ``--rank-local``
     (a file is imported under a generated module name the user never typed)."""
+    from tpsim._target_files import path_of_module_name
+
     text = str(err)
     module = getattr(err, "module", "") or ""
     if module.startswith("tpsim_target_"):
-        path = getattr(sys.modules.get(module), "__file__", None)
+        path = path_of_module_name(module)
         if path:
             rel = os.path.relpath(path)
             text = text.replace(f"--rank-local {module}", f"--rank-local {shlex.quote(rel)}")

@@ -89,6 +89,7 @@ __all__ = [
     "MODULE_KIND",
     "MODULE_OUTPUTS",
     "ModuleVariant",
+    "SizeCatalog",
     "constructor_sizes",
     "module_from_class",
 ]
@@ -279,6 +280,56 @@ class ModuleVariant:
     def call(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """Run the module forward on ``x``."""
         return self.forward(module, x) if self.forward is not None else module(x)
+
+
+@dataclass(frozen=True)
+class SizeCatalog:
+    """A variant's ``size_strategy`` as data: the size tuples it drew for each ``(tp size, divisible)``,
+    smallest first. The judge of ``tpsim check`` never runs the checked code's own functions (its
+    strategies included: :mod:`tpsim.props.described`), so the worker that resolves the target draws
+    them once; cases then sample from these tuples and shrink toward the first. Called like the
+    strategy it stands for: ``catalog(tp, divisible)``."""
+
+    #: ``((tp, divisible), (sizes, ...))`` pairs.
+    drawn_by: tuple[tuple[tuple[int, bool], tuple[tuple[int, ...], ...]], ...]
+
+    #: Examples drawn from the strategy per ``(tp, divisible)``.
+    EXAMPLES: ClassVar[int] = 60
+
+    def __call__(self, tp: int, divisible: bool) -> Any:
+        from hypothesis import strategies as st
+
+        found = dict(self.drawn_by).get((tp, bool(divisible)), ())
+        return st.sampled_from(found) if found else st.nothing()
+
+    @classmethod
+    def drawn(cls, variant: ModuleVariant, tp_sizes: tuple[int, ...]) -> SizeCatalog:
+        """Draw ``variant.size_strategy`` for every tp size of ``tp_sizes``, divisible or not
+        (derandomised: the same tuples every time)."""
+        from hypothesis import HealthCheck, Phase, given, settings
+
+        strategy = variant.size_strategy
+        if strategy is None:
+            raise InvalidArgument(f"ModuleVariant {variant.name!r} has no size_strategy to draw")
+        out = []
+        for tp in tp_sizes:
+            for divisible in (True, False):
+                if not divisible and tp == 1:
+                    continue
+                found: list[tuple[int, ...]] = []
+
+                @settings(max_examples=cls.EXAMPLES, database=None, derandomize=True, phases=[Phase.generate],
+                          deadline=None, suppress_health_check=list(HealthCheck))
+                @given(strategy(tp, divisible))
+                def collect(sizes: Any) -> None:
+                    found.append(tuple(int(s) for s in sizes))
+
+                try:
+                    collect()
+                except Exception:  # noqa: BLE001 - no valid tuple at this tp size: none drawn there
+                    found = []
+                out.append(((tp, divisible), tuple(sorted(set(found), key=lambda t: (sum(t), t)))))
+        return cls(tuple(out))
 
 
 def _signature(cls: type) -> inspect.Signature:

@@ -54,6 +54,8 @@ def run_world(
     isolate: bool = False,
     rank_local: Sequence[str | ModuleType] = (),
     watch: Sequence[str | ModuleType] = (),
+    plain: bool = False,
+    slot: str = "ranks",
 ) -> WorldResult:
     """Run ``fn(*args, **kwargs)`` on every rank; return values and the collective trace.
 
@@ -89,7 +91,14 @@ def run_world(
     death raises :class:`tpsim.RankExited` / :class:`tpsim.RankCrashed` naming the rank and its
     phase instead of ending this process, and a rank stuck in native code is abandoned with the
     worker. ``fn`` must then be a top-level function and its arguments and results picklable.
-    (gloo and nccl ranks are processes already: there it changes nothing.)
+    (gloo and nccl ranks are processes already: there it changes nothing.) ``slot`` picks which of
+    this process's isolated workers runs it (``"ranks"``, ``"reference"``: :data:`tpsim.comm.isolate.SLOTS`).
+
+    ``plain=True`` (worker processes only: isolated, gloo, nccl) ships every value and error back as
+    plain data for a process that must never import the checked code (:mod:`tpsim.comm.plain`):
+    tensors as plain ``torch.Tensor`` read without their subclass's ``__torch_function__``, and every
+    object of a module other than the standard library, torch, numpy and tpsim as a
+    :class:`tpsim.comm.plain.Foreign` that names it. The property engine runs its worlds so.
 
     World sizes above the backend's limit on this machine are refused before anything starts
     (:func:`tpsim.comm.limits.check_world_size`; override: ``TPSIM_MAX_WORLD_SIZE``).
@@ -99,6 +108,8 @@ def run_world(
     _check_args(world_size, backend, timeout)
     if not isinstance(isolate, bool):
         raise InvalidArgument(f"isolate={isolate!r} must be True or False")
+    if not isinstance(plain, bool):
+        raise InvalidArgument(f"plain={plain!r} must be True or False")
     from tpsim.comm import _torchrun, deaths
     from tpsim.comm.limits import check_world_size
 
@@ -113,19 +124,30 @@ def run_world(
     elif not isinstance(checksum, bool):
         raise InvalidArgument(f"checksum={checksum!r} must be True, False or None (None: TPSIM_CHECKSUM decides)")
     kwargs = dict(kwargs or {})
-    from tpsim.comm.modstate import resolve_modules
+    from tpsim.comm.modstate import expand_watch, resolve_modules
 
-    local = resolve_modules(rank_local, "rank_local")  # checked on every backend: a typo is an error anywhere
-    watched = resolve_modules(watch, "watch")
+    if plain:
+        # A judge's world: the names are the checked code's modules, which this process never imports
+        # (the worker resolves them; the target's resolver checked them already).
+        local_names = [m if isinstance(m, str) else m.__name__ for m in rank_local]
+        watch_names = [m if isinstance(m, str) or not isinstance(m, ModuleType) else m.__name__ for m in watch]
+    else:
+        local = resolve_modules(rank_local, "rank_local")  # checked on every backend: a typo is an error anywhere
+        watched = resolve_modules(expand_watch(watch, [m.__name__ for m in local]), "watch")
+        local_names, watch_names = [m.__name__ for m in local], [m.__name__ for m in watched]
     try:
         if backend == "inproc" and isolate:
             from tpsim.comm.isolate import run_isolated
 
             return run_isolated(fn, world_size, args=tuple(args), kwargs=kwargs, timeout=float(timeout),
-                                faults=plan, checksum=checksum, rank_local=[m.__name__ for m in local],
-                                watch=[m.__name__ for m in watched])
+                                faults=plan, checksum=checksum, rank_local=local_names, watch=watch_names,
+                                plain_data=plain, slot=slot)
         if backend == "inproc":
             from tpsim.comm.inproc import run_inproc
+
+            if plain:
+                raise InvalidArgument("plain=True ships values from worker processes: use it with isolate=True or a "
+                                      "process backend")
 
             return run_inproc(fn, world_size, args=tuple(args), kwargs=kwargs, timeout=float(timeout), faults=plan,
                               checksum=checksum, rank_local=local, watch=watched)
@@ -133,7 +155,7 @@ def run_world(
 
         return run_processes(
             fn, world_size, backend=backend, args=tuple(args), kwargs=kwargs, timeout=float(timeout), faults=plan,
-            checksum=checksum,
+            checksum=checksum, plain_data=plain,
         )
     except RankError as err:
         death = deaths.classify(err)  # a rank's sys.exit / MemoryError: a death, as on an isolated world
@@ -155,6 +177,8 @@ def run(
     isolate: bool = False,
     rank_local: Sequence[str | ModuleType] = (),
     watch: Sequence[str | ModuleType] = (),
+    plain: bool = False,
+    slot: str = "ranks",
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks and return the per-rank values.
 
@@ -168,5 +192,5 @@ def run(
     """
     return run_world(
         fn, world_size, backend=backend, args=args, kwargs=kwargs, timeout=timeout, faults=faults,
-        checksum=checksum, isolate=isolate, rank_local=rank_local, watch=watch,
+        checksum=checksum, isolate=isolate, rank_local=rank_local, watch=watch, plain=plain, slot=slot,
     ).values

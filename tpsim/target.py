@@ -184,10 +184,13 @@ def _finish(target: str, variants: list[Any], options: Mapping[str, Any]) -> lis
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise TargetError(f"{target!r} declares several variants named {dupes[0]!r}; names must be unique")
+    from tpsim.props.launch import remember
+
     frozen = tuple(sorted((k, v) for k, v in options.items() if v is not None))
     # Every variant remembers its target and options, so that worker processes and replays resolve it again.
-    return [v if (v.target, tuple(v.options)) == (target, frozen) else v.replace(target=target, options=frozen)
-            for v in variants]
+    return remember([v if (v.target, tuple(v.options)) == (target, frozen) else v.replace(target=target,
+                                                                                           options=frozen)
+                     for v in variants])
 
 
 def resolve_target(target: str, **options: Any) -> list[Any]:

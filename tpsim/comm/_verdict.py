@@ -12,7 +12,7 @@ import pickle
 from dataclasses import dataclass
 from typing import Any
 
-from tpsim.comm import ops
+from tpsim.comm import ops, plain
 from tpsim.comm._worker import Outcome
 from tpsim.comm.ops import describe_exit
 from tpsim.comm.trace import CollectiveCall, Trace
@@ -59,7 +59,7 @@ def _load_error(outcome: Outcome) -> BaseException | None:
     if outcome.error is None:
         return None
     try:
-        exc = pickle.loads(outcome.error)
+        exc = (plain.loads if outcome.plain else pickle.loads)(outcome.error)
     except Exception:  # a class this process cannot rebuild: the text traceback still reports it
         return None
     return exc if isinstance(exc, BaseException) else None
@@ -94,7 +94,8 @@ def settle(
         values: list[Any] = []
         for rank in range(world_size):
             try:
-                values.append(pickle.loads(outcomes[rank].value or b""))
+                outcome = outcomes[rank]
+                values.append((plain.loads if outcome.plain else pickle.loads)(outcome.value or b""))
             except Exception as exc:
                 raise RankError(
                     f"rank {rank} returned a value that cannot be unpickled in this process "

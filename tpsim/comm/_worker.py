@@ -30,7 +30,7 @@ import torch
 import torch._C._distributed_c10d as _c10d
 import torch.distributed as dist
 
-from tpsim.comm import _wire, lifeline
+from tpsim.comm import _wire, lifeline, plain
 from tpsim.comm._payload import dumps, load_call
 from tpsim.comm._tracing import BACKEND_NAMES, RankSession, StatusSlot, activate, register_backends
 from tpsim.comm.board import Board, install
@@ -71,18 +71,21 @@ class Outcome:
     intact: bool = False
     #: The run destroyed the default group (or left this process without one): the world is gone.
     world_lost: bool = False
+    #: ``value`` and ``error`` are plain data for a judge that never imports user code (:mod:`tpsim.comm.plain`).
+    plain: bool = False
 
 
 def failure_outcome(
-    rank: int, exc: BaseException, session: RankSession | None, *, tb: str | None = None, prefix: str = ""
+    rank: int, exc: BaseException, session: RankSession | None, *, tb: str | None = None, prefix: str = "",
+    plain_data: bool = False,
 ) -> Outcome:
     text = tb if tb is not None else "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     from tpsim.comm.scheduler import printable
 
     exc = printable(exc)  # a hostile __str__ must not break the report
     try:
-        pickled: bytes | None = dumps(exc)
-        pickle.loads(pickled)  # some exceptions pickle but cannot be rebuilt; find out here
+        pickled: bytes | None = plain.dumps(exc) if plain_data else dumps(exc)
+        (plain.loads if plain_data else pickle.loads)(pickled)  # some pickle but cannot be rebuilt; find out here
     except Exception:
         pickled = None
     collective = isinstance(exc, CollectiveError) or (session is not None and session.failed_call is not None)
@@ -98,6 +101,7 @@ def failure_outcome(
         calls=list(session.calls) if session is not None else [],
         fired=list(session.rank_faults.fired) if session is not None else [],
         intact=isinstance(exc, CollectiveError) and exc.world_intact,
+        plain=plain_data,
     )
 
 
@@ -135,11 +139,13 @@ def execute(
     faults: tuple[Any, ...] = (),
     status: StatusSlot | None = None,
     checksum: bool = False,
+    plain_data: bool = False,
 ) -> Outcome:
     """Run ``fn(*args, **kwargs)`` on this rank in the already-initialised world; never raises.
 
     The run gets a fresh :class:`RankSession` (call indices from 1, the run's timeout on every
     group) and the process state of a fresh process (RNG seed, default dtype, grad mode).
+    ``plain_data``: the value or error is sent as plain data (:mod:`tpsim.comm.plain`).
     """
     session = RankSession(rank, timeout=timeout, faults=faults, status=status, checksum=checksum)
     _reset_process_state()
@@ -148,18 +154,19 @@ def execute(
             value = fn(*args, **kwargs)
         except BaseException as exc:  # SystemExit from fn is a failure of that rank too
             session.status.set("idle", session.last_call)
-            return failure_outcome(rank, exc, session)
+            return failure_outcome(rank, exc, session, plain_data=plain_data)
     session.status.set("idle", session.last_call)
     try:
-        value_bytes = _wire.dumps(_waited(value))  # tensors as raw bytes (plain pickle.loads reads it)
+        # Tensors as raw bytes (plain pickle.loads reads it); plain data: nothing of the user's either.
+        value_bytes = (plain.dumps if plain_data else _wire.dumps)(_waited(value))
     except Exception as exc:
         return failure_outcome(
             rank, exc, session,
             prefix=f"fn returned a value of type {type(value).__name__} that cannot be pickled "
-            "back to the parent process: ",
+            "back to the parent process: ", plain_data=plain_data,
         )
     return Outcome(rank=rank, ok=True, value=value_bytes, calls=list(session.calls),
-                   fired=list(session.rank_faults.fired))
+                   fired=list(session.rank_faults.fired), plain=plain_data)
 
 
 # -- the pool process ------------------------------------------------------------------------
@@ -297,7 +304,7 @@ def worker_main(
             except (EOFError, OSError):
                 _exit(0)
             continue
-        _, payload, hints, timeout, faults, checksum = message
+        _, payload, hints, timeout, faults, checksum, plain_data = message
         board.begin(0, 1)  # this process runs one rank: slot 0 of its board
         board.handoff(0)
         before = set(dist.distributed_c10d._world.pg_map)
@@ -307,16 +314,18 @@ def worker_main(
             outcome = failure_outcome(
                 rank, exc, None,
                 prefix="could not load fn in the worker process (is its module importable there?): ",
+                plain_data=plain_data,
             )
         else:
             outcome = execute(rank, fn, args, kwargs, timeout=timeout, faults=faults, status=status,
-                              checksum=checksum)
+                              checksum=checksum, plain_data=plain_data)
         outcome.world_lost = not dist.is_initialized() or dist.GroupMember.WORLD is not world
         if (outcome.ok or outcome.intact) and not outcome.world_lost:  # the world lives on: drop this run's subgroups
             try:
                 _destroy_groups_created_since(before)
             except BaseException as exc:
-                outcome = failure_outcome(rank, exc, None, prefix="could not clean up the groups fn created: ")
+                outcome = failure_outcome(rank, exc, None, prefix="could not clean up the groups fn created: ",
+                                          plain_data=plain_data)
         torch.set_num_threads(threads)
         try:
             conn.send_bytes(_wire.dumps(("done", outcome)))  # read by conn.recv(): plain pickle

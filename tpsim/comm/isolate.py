@@ -58,7 +58,7 @@ from typing import Any
 
 import torch
 
-from tpsim.comm import _wire, deaths, lifeline, limits, zygote
+from tpsim.comm import _wire, deaths, lifeline, limits, plain, zygote
 from tpsim.comm._payload import dump_call, load_call
 from tpsim.comm.board import Board, BoardView, install
 from tpsim.comm.result import WorldResult
@@ -66,8 +66,8 @@ from tpsim.comm.runclock import RunClock, backstop, process_paths
 from tpsim.comm.scheduler import text_of
 from tpsim.errors import BackendUnavailable, CollectiveError, InvalidArgument, RankError
 
-__all__ = ["OOM_SCORE_ADJ", "START_BOUND", "helper_pids", "live_worker_pid", "run_isolated", "shutdown",
-           "stall_bound"]
+__all__ = ["OOM_SCORE_ADJ", "SLOTS", "START_BOUND", "WorkerEnded", "call", "helper_pids", "last_words",
+           "live_worker_pid", "run_isolated", "shutdown", "stall_bound"]
 
 #: Seconds a worker may take to start (a cold fork server imports torch first).
 START_BOUND = 120.0
@@ -198,24 +198,18 @@ def _note_abandoned(err: RankError, view: BoardView) -> None:
 def _run_one(board: Board, memory_note: str, message: tuple[Any, ...]) -> tuple[bytes, bool]:
     """Run one world; return the pickled answer and whether the worker must be replaced."""
     from tpsim.comm.inproc import run_inproc
-    from tpsim.comm.modstate import resolve_modules
+    from tpsim.comm.modstate import expand_watch, resolve_modules
 
-    _, run_id, payload, hints, world_size, timeout, faults, checksum, modules, context = message
+    _, run_id, payload, hints, world_size, timeout, faults, checksum, modules, context, plain_data = message
+    dumps = plain.dumps if plain_data else _wire.dumps
     board.begin(run_id, world_size)
-    if context is not None:
-        cwd, env, path = context
-        try:
-            os.chdir(cwd)
-        except OSError:  # gone meanwhile: relative paths then fail in fn, as they would in the caller
-            pass
-        os.environ.clear()
-        os.environ.update(env)
-        sys.path[:] = path
+    _take_context(context)
     before = set(threading.enumerate())
     answer: tuple[Any, ...]
     try:
         fn, args, kwargs = load_call(payload, hints)
-        rank_local, watch = resolve_modules(modules[0], "rank_local"), resolve_modules(modules[1], "watch")
+        rank_local = resolve_modules(modules[0], "rank_local")
+        watch = resolve_modules(expand_watch(modules[1], [m.__name__ for m in rank_local]), "watch")
     except BaseException as exc:
         answer = ("raise", _portable(InvalidArgument(
             f"could not load fn and its arguments in the isolated worker process (is its module importable "
@@ -234,7 +228,7 @@ def _run_one(board: Board, memory_note: str, message: tuple[Any, ...]) -> tuple[
         else:
             board.reporting()
             try:  # each rank's value on its own: one the caller cannot load is named by its rank
-                values = [_wire.dumps(v) for v in result.values]
+                values = [dumps(v) for v in result.values]
             except Exception:
                 answer = ("error", _portable(_unpicklable_value(result.values)))
             else:
@@ -244,11 +238,61 @@ def _run_one(board: Board, memory_note: str, message: tuple[Any, ...]) -> tuple[
     if tainted and answer[0] == "error" and isinstance(answer[1], RankError):
         _note_abandoned(answer[1], board.view(world_size))
     try:
-        data = _wire.dumps((run_id, tainted) + answer)
+        data = dumps((run_id, tainted) + answer)
     except Exception as exc:
         data = _wire.dumps((run_id, True, "raise", RuntimeError(f"the isolated worker could not send its answer: {exc}")))
     board.idle()
     return data, tainted
+
+
+def _take_context(context: tuple[str, dict[str, str], list[str]] | None) -> None:
+    """Take the caller's working directory, environment and ``sys.path`` (None: unchanged since last time)."""
+    if context is None:
+        return
+    cwd, env, path = context
+    try:
+        os.chdir(cwd)
+    except OSError:  # gone meanwhile: relative paths then fail in fn, as they would in the caller
+        pass
+    os.environ.clear()
+    os.environ.update(env)
+    sys.path[:] = path
+
+
+#: While :func:`_call_one` runs: the connection and run id its last words go to (:func:`last_words`).
+_CALLING: dict[str, Any] = {}
+
+
+def last_words(text: str) -> None:
+    """In the worker, during a :func:`call`: tell the caller, before this process ends itself, what
+    ended it (``os._exit(3)`` called by an imported module), so the caller names it. No-op elsewhere."""
+    conn, run_id = _CALLING.get("conn"), _CALLING.get("run")
+    if conn is not None:
+        try:
+            conn.send_bytes(_wire.dumps((run_id, True, "ended", text)))
+        except (OSError, ValueError):
+            pass
+
+
+def _call_one(conn: Any, message: tuple[Any, ...]) -> tuple[bytes, bool]:
+    """Run one function call in this worker's main thread (importing a target is not a rank's job:
+    a module may install signal handlers or start threads at import); return the pickled answer."""
+    _, run_id, payload, hints, context, plain_data = message
+    dumps = plain.dumps if plain_data else _wire.dumps
+    _take_context(context)
+    _CALLING.update(conn=conn, run=run_id)
+    try:
+        fn, args, kwargs = load_call(payload, hints)
+        answer: tuple[Any, ...] = ("ok", fn(*args, **kwargs))
+    except BaseException as exc:  # noqa: BLE001 - the caller raises it, as a call in its own process would
+        answer = ("raise", _portable(exc) if not plain_data else exc)
+    finally:
+        _CALLING.clear()
+    try:
+        return dumps((run_id, False) + answer), False
+    except Exception as exc:  # noqa: BLE001
+        return _wire.dumps((run_id, True, "raise", RuntimeError(f"the isolated worker could not send its answer: "
+                                                                f"{type(exc).__name__}: {exc}"))), True
 
 
 _LIBC: list[Any] = []
@@ -388,7 +432,7 @@ def _serve(conn: Any, lifeline_end: Any, board_buf: Any, memory_limit: int | Non
             _exit(0)
         if message[0] == "stop":
             _exit(0)
-        data, tainted = _run_one(board, note, message)
+        data, tainted = _call_one(conn, message) if message[0] == "call" else _run_one(board, note, message)
         _flush_stdout()  # before the answer: the caller forwards the output when it gets it
         try:
             conn.send_bytes(data)
@@ -451,6 +495,7 @@ class _Worker:
     def __init__(self, capacity: int, preload: Sequence[str] = ()) -> None:
         self.owner = os.getpid()
         self.capacity = capacity
+        self.slot = "ranks"
         fd, self.out_path = tempfile.mkstemp(prefix="tpsim-isolated-", suffix=".stdout")
         os.close(fd)
         self.out_offset = 0
@@ -594,7 +639,12 @@ def _describe_exit(code: int | None) -> str:
 
 
 _LOCK = threading.RLock()
-_STATE: dict[str, Any] = {"worker": None, "run": 0, "lifeline": None, "atexit": False}
+#: ``workers``: this process's isolated workers by slot (:data:`SLOTS`).
+_STATE: dict[str, Any] = {"workers": {}, "run": 0, "lifeline": None, "atexit": False}
+#: The slots a caller's worlds run in, each its own worker process: ``ranks`` (the worlds under test)
+#: and ``reference`` (a module's dense reference and its twin: nothing the ranks did to their process
+#: can reach the oracle).
+SLOTS = ("ranks", "reference")
 
 
 def _lifeline(ctx: Any) -> tuple[Any, Any]:
@@ -607,11 +657,11 @@ def _lifeline(ctx: Any) -> tuple[Any, Any]:
 
 
 def shutdown() -> None:
-    """Kill this process's isolated worker, if any (also run at interpreter exit)."""
+    """Kill this process's isolated workers, if any (also run at interpreter exit)."""
     with _LOCK:
-        worker = _STATE["worker"]
-        _STATE["worker"] = None
-        if worker is not None:
+        workers = list(_STATE["workers"].values())
+        _STATE["workers"] = {}
+        for worker in workers:
             worker.kill()
 
 
@@ -619,10 +669,7 @@ def helper_pids() -> set[int]:
     """PIDs of the processes tpsim keeps alive between runs besides pooled gloo/nccl ranks: the isolated
     worker, the fork server it was forked from, and the zygote (:mod:`tpsim.comm.zygote`). They
     outlive a run on purpose; checks for processes a run left behind skip them."""
-    pids = set()
-    worker = live_worker_pid()
-    if worker is not None:
-        pids.add(worker)
+    pids = {pid for slot in SLOTS if (pid := live_worker_pid(slot)) is not None}
     pids |= zygote.pids()
     if _SERVER and _SERVER[0][0].get_start_method() == "forkserver":
         from multiprocessing import forkserver
@@ -633,39 +680,43 @@ def helper_pids() -> set[int]:
     return pids
 
 
-def live_worker_pid() -> int | None:
-    """PID of this process's isolated worker while it lives (tests check it goes away)."""
+def live_worker_pid(slot: str = "ranks") -> int | None:
+    """PID of this process's isolated worker of ``slot`` while it lives (tests check it goes away)."""
     with _LOCK:
-        worker = _STATE["worker"]
+        worker = _STATE["workers"].get(slot)
         return worker.proc.pid if worker is not None and worker.alive() else None
 
 
-def _start(capacity: int, preload: Sequence[str] = ()) -> _Worker:
+def _start(capacity: int, slot: str, preload: Sequence[str] = ()) -> _Worker:
     if not _STATE["atexit"]:
         atexit.register(shutdown)
         _STATE["atexit"] = True
     worker = _Worker(capacity, preload)
-    _STATE["worker"] = worker
+    worker.slot = slot
+    _STATE["workers"][slot] = worker
     return worker
 
 
 def _replace(worker: _Worker) -> None:
     """Kill ``worker`` and start its successor now (it gets ready while the caller reports)."""
     worker.kill()
-    _STATE["worker"] = None
+    _STATE["workers"].pop(worker.slot, None)
     try:
-        _start(worker.capacity)
+        _start(worker.capacity, worker.slot)
     except Exception:  # the next run starts one (and reports why it cannot)
-        _STATE["worker"] = None
+        _STATE["workers"].pop(worker.slot, None)
 
 
-def _worker_for(world_size: int, preload: Sequence[str] = ()) -> _Worker:
-    worker: _Worker | None = _STATE["worker"]
+def _worker_for(world_size: int, slot: str, preload: Sequence[str] = ()) -> _Worker:
+    if slot not in SLOTS:
+        raise InvalidArgument(f"slot={slot!r}; expected one of {', '.join(SLOTS)}")
+    worker: _Worker | None = _STATE["workers"].get(slot)
     if worker is not None and (not worker.alive() or worker.capacity < world_size):
         worker.kill()
-        worker = _STATE["worker"] = None
+        worker = None
+        _STATE["workers"].pop(slot, None)
     if worker is None:
-        worker = _start(max(_MIN_CAPACITY, world_size), preload)
+        worker = _start(max(_MIN_CAPACITY, world_size), slot, preload)
     worker.await_ready()
     return worker
 
@@ -716,7 +767,7 @@ def _pin_thread(cpu: int | None) -> set[int] | None:
     return before
 
 
-def _await(worker: _Worker, run_id: int, world_size: int, timeout: float) -> tuple[Any, ...]:
+def _await(worker: _Worker, run_id: int, world_size: int, timeout: float, plain_data: bool = False) -> tuple[Any, ...]:
     """The worker's answer to run ``run_id``; raises the error of a death or a hang (never waits unboundedly).
 
     After a death or a hang the worker is replaced before the error is raised."""
@@ -734,7 +785,7 @@ def _await(worker: _Worker, run_id: int, world_size: int, timeout: float) -> tup
         ready = mpc.wait([worker.conn, worker.proc.sentinel], _POLL_S)
         if worker.conn in ready:
             try:
-                answer = pickle.loads(worker.conn.recv_bytes())
+                answer = (plain.loads if plain_data else pickle.loads)(worker.conn.recv_bytes())
             except (EOFError, OSError):
                 answer = None
             if answer is not None:
@@ -792,11 +843,14 @@ def run_isolated(
     checksum: bool = False,
     rank_local: Sequence[str] = (),
     watch: Sequence[str] = (),
+    plain_data: bool = False,
+    slot: str = "ranks",
 ) -> WorldResult:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` inproc ranks in the isolated worker; see the module docstring.
 
     ``rank_local``/``watch``: names of modules, as ``tpsim.run_world`` takes them (the worker imports
-    them).
+    them). ``plain_data``: the values and errors come back as plain data (:mod:`tpsim.comm.plain`).
+    ``slot``: which of this process's workers runs it (:data:`SLOTS`).
 
     Returns the :class:`tpsim.WorldResult` the same world returns in-process. Raises what it raises
     in-process, plus :class:`tpsim.RankExited`/:class:`tpsim.RankCrashed` for a rank that ended the
@@ -813,7 +867,7 @@ def run_isolated(
     kwargs = dict(kwargs or {})
     payload, hints = _check_picklable(fn, args, kwargs)
     with _LOCK:
-        worker = _worker_for(world_size, preload=(getattr(fn, "__module__", None) or "",))
+        worker = _worker_for(world_size, slot, preload=(getattr(fn, "__module__", None) or "",))
         _STATE["run"] += 1
         run_id = _STATE["run"]
         try:
@@ -821,8 +875,8 @@ def run_isolated(
             try:
                 worker.conn.send_bytes(_wire.dumps(("run", run_id, payload, hints, world_size, float(timeout),
                                                     tuple(faults), bool(checksum), (tuple(rank_local), tuple(watch)),
-                                                    worker.context_update())))
-                answer = _await(worker, run_id, world_size, float(timeout))
+                                                    worker.context_update(), bool(plain_data))))
+                answer = _await(worker, run_id, world_size, float(timeout), plain_data)
             finally:
                 if saved is not None:
                     os.sched_setaffinity(0, saved)
@@ -831,21 +885,88 @@ def run_isolated(
             raise  # a death or a hang: the worker was replaced already (its output forwarded)
         except BaseException:  # Ctrl-C or a broken pipe mid-run: the world is in an unknown state
             worker.kill()
-            _STATE["worker"] = None
+            _STATE["workers"].pop(slot, None)
             raise
         _, tainted, kind, *rest = answer
         if tainted:
             _replace(worker)
     if kind == "ok":
         pickled, trace, fired = rest
-        return WorldResult(values=[_load_value(r, v) for r, v in enumerate(pickled)], trace=trace,
+        return WorldResult(values=[_load_value(r, v, plain_data) for r, v in enumerate(pickled)], trace=trace,
                            backend=_BACKEND_LABEL, faults_fired=list(fired))
     raise rest[0]
 
 
-def _load_value(rank: int, data: bytes) -> Any:
+class WorkerEnded(RuntimeError):
+    """A :func:`call` whose worker ended itself: ``what`` says how, as the worker said before it ended
+    (``os._exit(3)``), or as its exit status shows."""
+
+    def __init__(self, what: str, said: bool) -> None:
+        super().__init__(what)
+        self.what = what
+        self.said = said
+
+
+def call(fn: Callable[..., Any], *args: Any, timeout: float, slot: str = "ranks", plain_data: bool = True) -> Any:
+    """``fn(*args)`` in the main thread of this process's isolated worker of ``slot``; its value (as
+    plain data, unless ``plain_data=False``), or the exception it raised. A worker that ends while it
+    runs (``os._exit``, a crash) raises :class:`WorkerEnded`; one that takes longer than ``timeout``
+    seconds of wall time is killed and replaced, and :class:`TimeoutError` is raised. The worker is
+    replaced after either."""
+    payload, hints = _check_picklable(fn, tuple(args), {})
+    with _LOCK:
+        worker = _worker_for(1, slot, preload=(getattr(fn, "__module__", None) or "",))
+        _STATE["run"] += 1
+        run_id = _STATE["run"]
+        try:
+            worker.conn.send_bytes(_wire.dumps(("call", run_id, payload, hints, worker.context_update(),
+                                                bool(plain_data))))
+            deadline = time.monotonic() + timeout
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    _replace(worker)
+                    raise TimeoutError(f"the isolated worker did not finish within {timeout:g} s; it was killed "
+                                       "and replaced")
+                ready = mpc.wait([worker.conn, worker.proc.sentinel], min(left, _POLL_S))
+                got = None
+                if worker.conn in ready:
+                    try:
+                        got = (plain.loads if plain_data else pickle.loads)(worker.conn.recv_bytes())
+                    except (EOFError, OSError):
+                        got = None
+                if got is not None:
+                    if got[0] == run_id:
+                        answer = got
+                        break
+                    continue  # an answer to an earlier run (cannot happen: one run at a time)
+                if ready:  # end of file, or the process ended: the worker is dead
+                    worker.proc.join(5.0)
+                    code = worker.proc.exitcode
+                    _replace(worker)
+                    raise WorkerEnded(f"the worker process ended with {_describe_exit(code)}", False)
+            worker.forward_output()
+        except (WorkerEnded, TimeoutError):
+            raise
+        except BaseException:
+            worker.kill()
+            _STATE["workers"].pop(slot, None)
+            raise
+    _, tainted, kind, value = answer
+    if kind == "ended":
+        worker.proc.join(5.0)
+        _replace(worker)
+        raise WorkerEnded(value, True)
+    if tainted:
+        _replace(worker)
+    if kind == "ok":
+        return value
+    raise value
+
+
+def _load_value(rank: int, data: bytes, plain_data: bool = False) -> Any:
     try:
-        return pickle.loads(data)
+        return (plain.loads if plain_data else pickle.loads)(data)
     except Exception as exc:
         raise RankError(
             f"rank {rank} returned a value that cannot be unpickled in this process ({type(exc).__name__}: {exc}); "

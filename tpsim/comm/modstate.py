@@ -41,14 +41,17 @@ import dataclasses
 import dis
 import importlib
 import operator
+import os
 import sys
 import types
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tpsim.errors import InvalidArgument, SharedModuleState
 
-__all__ = ["ModuleGlobals", "Writes", "module_writes", "rebound_names", "resolve_modules", "watched_modules"]
+__all__ = ["ModuleGlobals", "Related", "Writes", "expand_watch", "module_writes", "rebound_names", "resolve_modules",
+           "watched_modules"]
 
 #: Values whose equality is their identity for our purposes: rebinding to an equal one is no change.
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
@@ -89,6 +92,49 @@ def resolve_modules(items: Any, argument: str) -> tuple[types.ModuleType, ...]:
         if module not in out:
             out.append(module)
     return tuple(out)
+
+
+@dataclass(frozen=True)
+class Related:
+    """In a ``watch`` list: the loaded modules related to the world's rank-local modules — the other
+    modules of their packages (a layer class in ``pkg.layers`` may keep its tp group in ``pkg.state``)
+    and the modules beside a rank-local module that it imports (a script's ``import parallel_state as
+    pgm``, where picotron- and vLLM-style code keep the tp group) — except the packages in ``skip``
+    (a library preset declares its state itself). It is expanded where the world runs, where the
+    rank-local modules are imported: a judge's worker, never the judge (:func:`expand_watch`)."""
+
+    skip: tuple[str, ...] = ()
+
+    def modules(self, rank_local: Sequence[str]) -> tuple[str, ...]:
+        tops = {name.split(".")[0] for name in rank_local} - set(self.skip)
+        found = [name for name in list(sys.modules) if "." in name and name.split(".")[0] in tops]
+        found += [name for name in _siblings_used(rank_local) if name not in found and name not in rank_local]
+        return tuple(found)
+
+
+def _siblings_used(rank_local: Sequence[str]) -> list[str]:
+    out = []
+    for name in rank_local:
+        module = sys.modules.get(name)
+        where = os.path.dirname(getattr(module, "__file__", None) or "")
+        if not where:
+            continue
+        for value in list(vars(module).values()):
+            path = getattr(value, "__file__", None) if isinstance(value, types.ModuleType) else None
+            if path and os.path.dirname(path).startswith(where) and value.__name__ not in out:
+                out.append(value.__name__)
+    return out
+
+
+def expand_watch(watch: Any, rank_local: Sequence[str]) -> list[Any]:
+    """``watch`` (names, modules and :class:`Related` entries) with each :class:`Related` entry replaced
+    by the modules it stands for, given the rank-local module names."""
+    if watch is None or isinstance(watch, (str, types.ModuleType)):
+        return [] if watch is None else [watch]
+    out: list[Any] = []
+    for item in watch:
+        out.extend(item.modules(tuple(rank_local)) if isinstance(item, Related) else (item,))
+    return out
 
 
 # -- which modules to watch --------------------------------------------------------------------------

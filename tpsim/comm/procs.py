@@ -317,7 +317,7 @@ class _Pool:
     # -- one run ---------------------------------------------------------------------------
     def run(
         self, payload: bytes, hints: dict[str, str], timeout: float, faults: tuple[Any, ...],
-        checksum: bool = False,
+        checksum: bool = False, plain_data: bool = False,
     ) -> tuple[dict[int, Outcome], dict[int, int | None], dict[int, Unfinished], float, bool]:
         """Run one call on every rank; return what settle() needs. Never waits unboundedly.
 
@@ -325,7 +325,7 @@ class _Pool:
         last (e.g. ``dropped`` by the fault plan, and in which call).
         """
         limit = timeout + margin(timeout) + sum(getattr(f, "seconds", 0.0) for f in faults)
-        message = bytes(ForkingPickler.dumps(("run", payload, hints, timeout, faults, checksum)))
+        message = bytes(ForkingPickler.dumps(("run", payload, hints, timeout, faults, checksum, plain_data)))
         outcomes: dict[int, Outcome] = {}
         exits: dict[int, int | None] = {}
         start = time.monotonic()
@@ -501,6 +501,7 @@ def run_processes(
     timeout: float,
     faults: Sequence[Any] = (),
     checksum: bool = False,
+    plain_data: bool = False,
 ) -> WorldResult:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks of a ``backend`` world of processes.
 
@@ -546,7 +547,8 @@ def run_processes(
         key = (backend, world_size)
         pool = _pool_for(backend, world_size, hints)
         try:
-            outcomes, exits, unfinished, limit, timed_out = pool.run(payload, hints, timeout, faults, checksum)
+            outcomes, exits, unfinished, limit, timed_out = pool.run(payload, hints, timeout, faults, checksum,
+                                                                     plain_data)
         except BaseException:  # Ctrl-C or a broken pipe mid-run: the world is in an unknown state
             _discard(key, INTERRUPTED)
             raise

@@ -200,7 +200,7 @@ def _ensure_isolated_worker(ref: tuple[Any, ...], world_size: int) -> None:
 
     pid = live_worker_pid()
     if pid is None or pid != _warm_worker[0]:
-        tpsim.run_world(resolve_only, world_size, args=(ref,), timeout=WARM_TIMEOUT, isolate=True)
+        tpsim.run_world(resolve_only, world_size, args=(ref,), timeout=WARM_TIMEOUT, isolate=True, plain=True)
         _warm_worker[0] = live_worker_pid()
 
 
@@ -275,7 +275,7 @@ def _detect(variant: Any, case: Any, plan: tuple[Fault, ...], *, backend: str, t
             checksum: bool, clean: tpsim.WorldResult | None, isolate: bool = False) -> FaultReport:
     ws = case.world_size
     world = _world(variant, case, backend, isolate, timeout)
-    options = run_options(variant)
+    options = dict(run_options(variant), plain="ref" in world.payload)
     if clean is None:
         clean = tpsim.run_world(world.fn, ws, backend=backend, args=(world.payload,), timeout=max(timeout, 30.0),
                                 isolate=isolate, **options)
@@ -393,7 +393,8 @@ def check_faults(
                                                             options=variant.options, property=FAULT_DETECTION)
         world = _world(variant, case, backend, isolate, timeout)
         clean[ws] = (case, tpsim.run_world(world.fn, ws, backend=backend, args=(world.payload,),
-                                           timeout=max(timeout, 30), isolate=isolate, **run_options(variant)))
+                                           timeout=max(timeout, 30), isolate=isolate, plain="ref" in world.payload,
+                                           **run_options(variant)))
     # A world where no rank issues a collective (e.g. one rank: layers skip their collectives)
     # gives a fault nothing to act on.
     sizes = [ws for ws in sizes if any(clean[ws][1].trace.of(r) for r in range(ws))]

@@ -19,6 +19,7 @@ their packages watched for sharing between ranks (:func:`watched`).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import sys
 from collections.abc import Callable
@@ -45,31 +46,82 @@ _warmed: set[tuple[Any, ...]] = set()
 #: Targets (and options) the zygote was asked to import, with the zygote's pid at the time.
 _preloaded: set[tuple[Any, ...]] = set()
 
-Ref = tuple[str, str, tuple[tuple[str, Any], ...]]
+#: ``(target, name, options, changes)``: a variant as worker processes resolve it (``changes``: the
+#: fields the caller changed after resolving it, e.g. a parameter declared packed to confirm a layout).
+Ref = tuple[str, str, tuple[tuple[str, Any], ...], tuple[tuple[str, Any], ...]]
+
+#: Each variant as it was resolved, by ``(target, name, options)``: what a derived variant's changes
+#: are measured against (:func:`target_ref`). Filled by the resolver, in this process or the judge's.
+_ORIGINALS: dict[tuple[Any, ...], Any] = {}
+
+
+def remember(variants: list[Any]) -> list[Any]:
+    """Record ``variants`` as resolved (see :func:`target_ref`); returns them."""
+    for v in variants:
+        if v.target is not None:
+            _ORIGINALS[(v.target, v.name, tuple(v.options))] = v
+    return variants
+
+
+def _shippable(value: Any) -> bool:
+    """Whether ``value`` is data a worker can take (no stand-in of the checked code's objects in it)."""
+    from tpsim.comm.plain import Foreign
+
+    if isinstance(value, Foreign):
+        return False
+    if isinstance(value, (tuple, list)):
+        return all(_shippable(v) for v in value)
+    if isinstance(value, dict):
+        return all(_shippable(v) for v in value.values())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return all(_shippable(getattr(value, f.name)) for f in dataclasses.fields(value))
+    return True
+
+
+def _changes(variant: Any, original: Any) -> tuple[tuple[str, Any], ...]:
+    """The fields of ``variant`` that differ from ``original`` (its resolved self) and are data; a
+    changed builder (a plan's twin) travels in the options instead."""
+    if original is None or original is variant or type(original) is not type(variant):
+        return ()
+    out = []
+    for f in dataclasses.fields(variant):
+        if f.name in ("target", "options"):
+            continue
+        value = getattr(variant, f.name)
+        if value is not getattr(original, f.name) and value != getattr(original, f.name) and _shippable(value):
+            out.append((f.name, value))
+    return tuple(out)
 
 
 def target_ref(variant: Any, backend: str, isolate: bool) -> Ref:
-    """``(target, name, options)``: what worker processes resolve ``variant`` from; raises
-    :class:`tpsim.InvalidArgument` when it has no target string."""
+    """``(target, name, options, changes)``: what worker processes resolve ``variant`` from (changes: its
+    fields changed since it was resolved); raises :class:`tpsim.InvalidArgument` when it has no target
+    string."""
     if variant.target is None:
         where = "the isolated inproc worker process" if backend == "inproc" else f"{backend} worker processes"
         raise InvalidArgument(
             f"variant {variant.name!r} has no target string, so {where} cannot import it; declare it at module "
             "level and check it by target (e.g. tpsim check mymodule:Name)"
         )
-    return (variant.target, variant.name, tuple(variant.options))
+    options = tuple(variant.options)
+    return (variant.target, variant.name, options, _changes(variant, _ORIGINALS.get((variant.target, variant.name,
+                                                                                      options))))
 
 
 def variant_of(payload: dict[str, Any]) -> Any:
     """The variant a rank runs: the object itself, or resolved again from ``payload["ref"]`` (once
-    per worker process, as this process resolves it once for every case)."""
+    per worker process, as this process resolves it once for every case), with its changes."""
     variant = payload.get("variant")
     if variant is None:
         ref = payload["ref"]
         key = repr(ref)
         variant = _resolved.get(key)
         if variant is None:
-            variant = _resolved[key] = _resolver()(*ref)
+            target, name, options, changes = ref
+            variant = _resolver()(target, name, options)
+            if changes:
+                variant = variant.replace(**dict(changes))
+            _resolved[key] = variant
     return variant
 
 
@@ -86,14 +138,15 @@ def _resolver() -> Callable[..., Any]:
     return getattr(importlib.import_module(module), name)
 
 
-def for_ranks(variant: Any, payload: dict[str, Any], world_size: int, *, backend: str, isolate: bool) -> dict[str, Any]:
+def for_ranks(variant: Any, payload: dict[str, Any], world_size: int, *, backend: str, isolate: bool,
+              slot: str = "ranks") -> dict[str, Any]:
     """``payload`` with the variant added as the ranks of a world of ``world_size`` ranks of ``backend``
     get it (see the module docstring); the worker processes are warmed for it first."""
     if backend == "inproc" and not isolate:
         payload["variant"] = variant
     else:
         payload["ref"] = target_ref(variant, backend, isolate)
-        warm_workers(payload["ref"], world_size, backend=backend, isolate=isolate)
+        warm_workers(payload["ref"], world_size, backend=backend, isolate=isolate, slot=slot)
     return payload
 
 
@@ -105,19 +158,23 @@ def run_options(variant: Any) -> dict[str, Any]:
 
 
 def launch(fn: Callable[[dict[str, Any]], Any], variant: Any, payload: dict[str, Any], world_size: int, *,
-           backend: str = "inproc", timeout: float = tpsim.DEFAULT_TIMEOUT, isolate: bool = False) -> list[Any]:
+           backend: str = "inproc", timeout: float = tpsim.DEFAULT_TIMEOUT, isolate: bool = False,
+           slot: str = "ranks") -> list[Any]:
     """``fn(payload)`` on every rank of a world of ``world_size`` ranks of ``backend``; the per-rank
-    values. The variant is added to ``payload`` (:func:`for_ranks`). Raises the run's
-    :class:`tpsim.RankError`; a :class:`tpsim.SharedModuleState` (the harness's finding about the
-    setup, not the variant's failure) propagates."""
-    payload = for_ranks(variant, payload, world_size, backend=backend, isolate=isolate)
+    values, as plain data where they come from worker processes (:mod:`tpsim.comm.plain`: what this
+    process judges never makes it import the checked code). ``slot``: the isolated worker an inproc
+    world runs in (the dense reference has its own, ``"reference"``). The variant is added to
+    ``payload`` (:func:`for_ranks`). Raises the run's :class:`tpsim.RankError`; a
+    :class:`tpsim.SharedModuleState` (the harness's finding about the setup, not the variant's
+    failure) propagates."""
+    payload = for_ranks(variant, payload, world_size, backend=backend, isolate=isolate, slot=slot)
     ref = payload.get("ref")
     try:
         return tpsim.run(fn, world_size, backend=backend, args=(payload,), timeout=timeout, isolate=isolate,
-                         **run_options(variant))
+                         plain=ref is not None, slot=slot, **run_options(variant))
     except RankError:
         if ref is not None:
-            _warmed.discard(_warm_key(ref, world_size, backend, isolate))
+            _warmed.discard(_warm_key(ref, world_size, backend, isolate, slot))
         raise
 
 
@@ -127,23 +184,24 @@ def resolve_only(ref: Ref) -> bool:
     return True
 
 
-def _warm_key(ref: Ref, world_size: int, backend: str, isolate: bool) -> tuple[Any, ...]:
-    return (ref[0], repr(ref[2]), world_size, backend, isolate)
+def _warm_key(ref: Ref, world_size: int, backend: str, isolate: bool, slot: str) -> tuple[Any, ...]:
+    return (ref[0], repr(ref[2]), world_size, backend, isolate, slot)
 
 
-def warm_workers(ref: Ref, world_size: int, *, backend: str, isolate: bool) -> None:
+def warm_workers(ref: Ref, world_size: int, *, backend: str, isolate: bool, slot: str = "ranks") -> None:
     """Import the target ``ref`` names in the worker processes of a world of ``world_size`` ranks of
     ``backend`` (``isolate``: the isolated inproc worker), once per target, options, world size and
     backend: before its first case (see the module docstring). In-process worlds need nothing."""
     if backend == "inproc" and not isolate:
         return
-    key = _warm_key(ref, world_size, backend, isolate)
+    key = _warm_key(ref, world_size, backend, isolate, slot)
     if key in _warmed:
         return
     _warmed.add(key)
     _preload(ref, backend, isolate)
     try:
-        tpsim.run(resolve_only, world_size, backend=backend, args=(ref,), timeout=WARM_TIMEOUT, isolate=isolate)
+        tpsim.run(resolve_only, world_size, backend=backend, args=(ref,), timeout=WARM_TIMEOUT, isolate=isolate,
+                  plain=True, slot=slot)
     except Exception:  # noqa: BLE001 - the case's own run reports whatever this is
         pass
 
@@ -154,49 +212,20 @@ def _preload(ref: Ref, backend: str, isolate: bool) -> None:
 
     if backend not in procs.PROCESS_BACKENDS and not isolate:
         return
-    key = (ref[0], repr(ref[2]), zygote.pid())
+    key = (ref[0], repr(ref[2]), zygote.pid())  # the target's import: its changes need no preload
     if key in _preloaded:
         return
     _preloaded.add(key)
     procs.preload(resolve_only, (ref,), WARM_TIMEOUT)  # its error, if any, the workers report again
 
 
-def watched(rank_local: tuple[str, ...]) -> tuple[str, ...]:
-    """The loaded modules of the packages a variant's rank-local modules belong to: a layer class in
-    ``pkg.layers`` may keep its tp group in ``pkg.state``, which inproc then watches for sharing
-    between ranks. A library preset declares its state itself and is not widened."""
-    # Asked once per world run: remembered while no module is imported (sys.modules only grows in
-    # a check, so its size tells when to look again).
-    key = (rank_local, len(sys.modules))
-    if _watched[0] is not None and _watched[0][0] == key:
-        return _watched[0][1]
+def watched(rank_local: tuple[str, ...]) -> tuple[Any, ...]:
+    """What inproc watches for sharing between ranks besides the rank-local modules: the modules
+    related to them (:class:`tpsim.comm.modstate.Related`, expanded where the world runs). A library
+    preset declares its state itself and is not widened."""
+    from tpsim.comm.modstate import Related
     from tpsim.presets import presets
 
-    declared = {t.split(".")[0] for p in presets() for t in p.targets}
-    tops = {name.split(".")[0] for name in rank_local} - declared
-    found = [name for name in list(sys.modules) if "." in name and name.split(".")[0] in tops]
-    found += [name for name in _siblings_used(rank_local) if name not in found and name not in rank_local]
-    _watched[0] = (key, tuple(found))
-    return tuple(found)
-
-
-def _siblings_used(rank_local: tuple[str, ...]) -> list[str]:
-    """The modules a rank-local module imports from beside it (a file in its directory or below: a
-    script's ``import parallel_state as pgm``, where picotron and vLLM-style code keep the tp group)."""
-    import os
-    import types
-
-    out = []
-    for name in rank_local:
-        module = sys.modules.get(name)
-        where = os.path.dirname(getattr(module, "__file__", None) or "")
-        if not where:
-            continue
-        for value in list(vars(module).values()):
-            path = getattr(value, "__file__", None) if isinstance(value, types.ModuleType) else None
-            if path and os.path.dirname(path).startswith(where) and value.__name__ not in out:
-                out.append(value.__name__)
-    return out
-
-
-_watched: list[tuple[tuple[Any, ...], tuple[str, ...]] | None] = [None]
+    if not rank_local:
+        return ()
+    return (Related(tuple(sorted({t.split(".")[0] for p in presets() for t in p.targets}))),)

@@ -16,6 +16,7 @@ reference is itself a run, why that reference could not be computed: :class:`Den
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +63,21 @@ class RankOutput:
     output: torch.Tensor | None = None
     output_type: str | None = None
 
+    def read(self, out: Any) -> Any:
+        """What the forward returned, as the rank reports it: a tensor as a plain ``torch.Tensor`` read
+        with ``__torch_function__`` disabled (a subclass cannot make its values look right), its
+        pending collective waited for, a DTensor as its ``full_tensor()`` (differentiable: its backward
+        hands each rank the grad of its own piece); anything else as it is. Records its type name."""
+        self.output_type = type(out).__name__
+        if not isinstance(out, torch.Tensor):
+            return out
+        from tpsim.comm.plain import plain_tensor
+
+        module = sys.modules.get("torch.distributed.tensor")
+        if isinstance(out, getattr(module, "DTensor", ())):
+            out = out.full_tensor()
+        return plain_tensor(out)
+
     def unusable(self, out: Any, shape: torch.Size, *, graph: torch.Tensor | None = None) -> bool:
         """Whether ``out`` (what the forward returned) cannot be back-propagated with an upstream grad
         of ``shape``; if so, record it (status, output, type) for the parent to report. A complex or
@@ -79,7 +95,7 @@ class RankOutput:
         else:
             self.status = DETACHED if tensor and out.shape == shape else OUTPUT_SHAPE
         self.output = out.detach().clone() if tensor else None
-        self.output_type = type(out).__name__
+        self.output_type = self.output_type or type(out).__name__
         return True
 
 

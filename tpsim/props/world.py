@@ -445,7 +445,7 @@ def _train(me: Any, variant: Variant, case: Case, m: Masters, module: Any, init:
         returned_bias(reset=True, add=variant.output != "partial" or rank == 0)
         try:
             with rank_phase("forward", step):
-                out = variant.call(module, x)
+                out = result.read(variant.call(module, x))
         finally:  # read, and add again by default
             result.returned_bias = returned_bias(reset=True) or result.returned_bias
         upstream = m.grads[step]
@@ -460,7 +460,6 @@ def _train(me: Any, variant: Variant, case: Case, m: Masters, module: Any, init:
             out.backward(upstream.to(out.dtype))
         if step == 0:
             result.output = out.detach().clone()
-            result.output_type = type(out).__name__
             result.input_grad = None if x.grad is None else x.grad.detach().clone()
             for spec in specs:
                 p = get_param(module, spec.name)
@@ -483,7 +482,7 @@ def _forward_only(variant: Variant, case: Case, m: Masters, module: Any, result:
     returned_bias(reset=True, add=variant.output != "partial" or rank == 0)
     try:
         with rank_phase("forward", 0), torch.no_grad():
-            out = variant.call(module, x)
+            out = result.read(variant.call(module, x))
     finally:
         result.returned_bias = returned_bias(reset=True)
     expected = m.grads[0]
@@ -494,7 +493,6 @@ def _forward_only(variant: Variant, case: Case, m: Masters, module: Any, result:
     if result.unusable(out, expected.shape):
         return result
     result.output = out.detach().clone()
-    result.output_type = type(out).__name__
     return result
 
 

@@ -97,10 +97,10 @@ def attention_rank(payload: dict[str, Any]) -> AttentionRankResult:
         x, upstream = _sequence_slice(x, tp, rank), _sequence_slice(upstream, tp, rank)
     x = x.clone().requires_grad_()
     with rank_phase("forward"):
-        out = variant.call(module, x)
+        out = result.read(variant.call(module, x))
     if result.unusable(out, upstream.shape):
         return result
-    result.output, result.output_type = out.detach().clone(), type(out).__name__
+    result.output = out.detach().clone()
     with rank_phase("backward"):
         out.backward(upstream.to(out.dtype))
     result.input_grad = None if x.grad is None else x.grad.detach().clone()

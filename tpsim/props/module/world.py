@@ -56,7 +56,6 @@ from tpsim.props.module.dtensors import (
     local_grad,
     local_shape,
     local_value,
-    plain_output,
 )
 from tpsim.props.module.magnitude import MagnitudeMode, TapeEntry, UnboundedOp, ValueTape
 from tpsim.props.module.sharding import ParamLayout, declared_layout, infer_layout, piece
@@ -382,8 +381,9 @@ def reference_run(variant: ModuleVariant, case: ModuleCase, *, timeout: float, c
     :class:`UnboundedOp` when the magnitude run cannot bound an operation (the harness's limit,
     reported as a usage error). ``tie``: masters' rows made equal (:data:`Ties`)."""
     try:
+        # A worker of its own (isolated): nothing the tp ranks did to their process reaches the oracle.
         (out,) = launch(reference_main, variant, {"case": case, "capture": capture, "tie": tie}, 1, timeout=timeout,
-                        isolate=isolate)
+                        isolate=isolate, slot="reference")
     except RankError as err:
         cause = err.errors.get(0, err)
         if isinstance(cause, UnboundedOp):
@@ -548,7 +548,7 @@ def rank_main(payload: dict[str, Any]) -> ModuleRankResult:
         x.requires_grad_(not forward_only)
         capture = Capture().install(module) if payload.get("capture") and step == 0 else None
         with rank_phase("forward", step), grad_mode(variant):
-            out = plain_output(variant.call(module, x))
+            out = result.read(variant.call(module, x))
         g_full = upstream[step]
         want = _cut(g_full, output_placement(variant, g_full.dim()), rank, tp)
         if result.unusable(out, want.shape, graph=x):
@@ -563,10 +563,10 @@ def rank_main(payload: dict[str, Any]) -> ModuleRankResult:
             capture.remove()
             result.capture = capture.as_payload()
         if forward_only:  # one forward: no grads, nothing trained
-            result.output, result.output_type = out.detach().clone(), type(out).__name__
+            result.output = out.detach().clone()
             return result
         if step == 0:
-            result.output, result.output_type = out.detach().clone(), type(out).__name__
+            result.output = out.detach().clone()
             result.input_grad = None if x.grad is None else x.grad.detach().clone()
             # Kept, not cloned: the SGD step below replaces each grad rather than changing it (the
             # trainer's sum changes the partial ones in place: those are cloned).

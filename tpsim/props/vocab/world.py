@@ -200,11 +200,11 @@ def embedding_rank(payload: dict[str, Any]) -> EmbeddingRankResult:
     result.weight = weight.detach()  # the module is dropped after the run: no copy needed
     ids = data.ids[g]
     with rank_phase("forward"):
-        out = variant.call(module, ids)
+        out = result.read(variant.call(module, ids))
     upstream = data.grads[g]
     if result.unusable(out, upstream.shape):
         return result
-    result.output, result.output_type = out.detach(), type(out).__name__
+    result.output = out.detach()
     with rank_phase("backward"):
         out.backward(upstream.to(out.dtype))
     result.weight_grad = None if weight.grad is None else weight.grad.detach()
@@ -289,9 +289,10 @@ def cross_entropy_rank(payload: dict[str, Any]) -> CrossEntropyRankResult:
                             vocab_size=case.vocab_size, reduction=case.reduction, group=me.group)
     upstream = data.grads[g]
     result = CrossEntropyRankResult(group=g, tp_rank=rank)
+    loss = result.read(loss)
     if result.unusable(loss, upstream.shape):
         return result
-    result.output, result.output_type = loss.detach().clone(), type(loss).__name__
+    result.output = loss.detach().clone()
     with rank_phase("backward"):
         loss.backward(upstream.to(loss.dtype))
     grads = [None if leaf.grad is None else leaf.grad.detach().clone() for leaf in leaves]
