@@ -306,8 +306,6 @@ class SizeCatalog:
     def drawn(cls, variant: ModuleVariant, tp_sizes: tuple[int, ...]) -> SizeCatalog:
         """Draw ``variant.size_strategy`` for every tp size of ``tp_sizes``, divisible or not
         (derandomised: the same tuples every time)."""
-        from hypothesis import HealthCheck, Phase, given, settings
-
         strategy = variant.size_strategy
         if strategy is None:
             raise InvalidArgument(f"ModuleVariant {variant.name!r} has no size_strategy to draw")
@@ -316,20 +314,26 @@ class SizeCatalog:
             for divisible in (True, False):
                 if not divisible and tp == 1:
                     continue
-                found: list[tuple[int, ...]] = []
-
-                @settings(max_examples=cls.EXAMPLES, database=None, derandomize=True, phases=[Phase.generate],
-                          deadline=None, suppress_health_check=list(HealthCheck))
-                @given(strategy(tp, divisible))
-                def collect(sizes: Any) -> None:
-                    found.append(tuple(int(s) for s in sizes))
-
-                try:
-                    collect()
-                except Exception:  # noqa: BLE001 - no valid tuple at this tp size: none drawn there
-                    found = []
-                out.append(((tp, divisible), tuple(sorted(set(found), key=lambda t: (sum(t), t)))))
+                out.append(((tp, divisible), cls._draw(strategy(tp, divisible))))
         return cls(tuple(out))
+
+    @classmethod
+    def _draw(cls, strategy: Any) -> tuple[tuple[int, ...], ...]:
+        from hypothesis import HealthCheck, Phase, given, settings
+
+        found: list[tuple[int, ...]] = []
+
+        @settings(max_examples=cls.EXAMPLES, database=None, derandomize=True, phases=[Phase.generate],
+                  deadline=None, suppress_health_check=list(HealthCheck))
+        @given(strategy)
+        def collect(sizes: Any) -> None:
+            found.append(tuple(int(s) for s in sizes))
+
+        try:
+            collect()
+        except Exception:  # noqa: BLE001 - no valid tuple at this tp size: none drawn there
+            return ()
+        return tuple(sorted(set(found), key=lambda t: (sum(t), t)))
 
 
 def _signature(cls: type) -> inspect.Signature:

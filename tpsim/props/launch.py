@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import sys
 from collections.abc import Callable
 from typing import Any
 
