@@ -648,8 +648,9 @@ class _CaseSaver:
 
     def _save_to(self, failure: Any, variant: Any, directory: str) -> None:
         from tpsim.props.case import save_failure
+        from tpsim.session import saved
 
-        save_failure(failure, variant, directory, backend=self.backend, command=self.command)
+        saved(save_failure(failure, variant, directory, backend=self.backend, command=self.command))
 
     def save(self, failure: Any, variant: Any) -> str | None:
         """Save ``failure``'s case (sets ``failure.case_file``); return a note when it is not

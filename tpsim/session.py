@@ -1,35 +1,45 @@
-"""The session: ``tpsim check`` and ``tpsim replay`` run user code in a supervised session worker.
+"""The session: ``tpsim check`` and ``tpsim replay`` judge in a process the checked code never reaches.
 
-The ``tpsim`` process is the **supervisor**: it parses the command line and never imports the
-target. It forks the **session worker**, which imports the target, builds its variants, runs the
-search (its ranks in their own workers, as before: :mod:`tpsim.comm.isolate`, :mod:`tpsim.comm.procs`),
-saves the case files, and streams what the command prints and, last, its exit code to the supervisor
-as JSON lines over a pipe (:class:`_Channel`). The supervisor writes the report and decides the exit
-code, so nothing the checked code does can change them:
+Three kinds of process take part:
 
+- the ``tpsim`` process, the **supervisor**: it parses the command line, writes what the session
+  worker sends and decides the exit code;
+- the **session worker** (the judge): it runs the search, judges every observation, saves the case
+  files and streams the report and, last, its exit code to the supervisor as JSON lines over a pipe
+  (:class:`_Channel`). It never imports the target: the target is imported and resolved in a worker
+  (:mod:`tpsim.props.described`), and everything that runs the checked code — its ranks, a module's
+  dense reference — runs in worker processes (:mod:`tpsim.comm.isolate`, :mod:`tpsim.comm.procs`)
+  that send back plain data (:mod:`tpsim.comm.plain`);
+- those **workers**, forked from the zygote (:mod:`tpsim.comm.zygote`).
+
+Nothing the checked code does can change the report or the exit code:
+
+- **patching tpsim**: a target that patches tpsim's compare functions or this channel at import
+  patches them in a worker; the judge's own are untouched;
 - **exits**: ``SystemExit``, ``KeyboardInterrupt`` or ``os._exit`` while the target is imported are a
-  usage error naming what the target did (exit 2); an ``atexit`` hook or a thread left running
-  cannot change the exit code or keep tpsim alive: once the worker has sent its exit code it ends
-  without running them, and the supervisor ends it if it does not;
-- **process state**: the worker returns to the checker's working directory and SIGINT/SIGCHLD
-  handlers after the import (:func:`importing`), so case files go where the user asked; what the
-  target does to the environment, ``sys.stdout`` or other handlers stays in the worker;
+  usage error naming what the target did (exit 2); an ``atexit`` hook or a thread left running in a
+  worker cannot change the exit code or keep tpsim alive;
+- **process state**: what the target does to its process (working directory, environment,
+  handlers, ``sys.stdout``) stays in the worker that imported it;
 - **what it prints**: the report travels over the pipe; the checked code's own output goes where it
   went before (captured and shown under the failure it belongs to);
-- **the process tree**: the worker leads its own session (``setsid``), and while it runs the
+- **the process tree**: the session worker leads its own session (``setsid``), and while it runs the
   supervisor is a *child subreaper* (``prctl(PR_SET_CHILD_SUBREAPER)``): when the worker is done its
   whole process group is killed, and every process it started that escaped the group (a fork that
   called ``setsid``) comes back to the supervisor when its parent dies, and is killed too. No
   process the check started outlives it.
+- **case files**: the judge writes each case file and tells the supervisor what it holds
+  (:func:`saved`); once every process the check started is gone, the supervisor writes again any
+  that was removed or changed meanwhile (a process a rank started may delete it).
 - **Ctrl-C** reaches the supervisor (the worker is not in the terminal's process group): it is
   forwarded to the worker, which reports what it found so far; a worker that ignores it is killed
   after :data:`INTERRUPT_GRACE` seconds.
 - **stdout** that is closed, a broken pipe or a full disk ends the report quietly; the case files
   are saved all the same (the worker saves them before it prints) and the exit code is the check's.
 
-The worker is a fork of the supervisor, which has imported torch and tpsim already (a fork costs
-milliseconds, not an interpreter's start-up); where the supervisor runs other threads (a test
-process), it is forked from the zygote (:mod:`tpsim.comm.zygote`) instead.
+The session worker is a fork of the supervisor, which has imported torch and tpsim already (a fork
+costs milliseconds, not an interpreter's start-up); where the supervisor runs other threads (a test
+process), it is forked from the zygote instead.
 """
 
 from __future__ import annotations
@@ -44,10 +54,10 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
-__all__ = ["INTERRUPT_GRACE", "importing", "in_worker", "safe_text", "supervise"]
+__all__ = ["INTERRUPT_GRACE", "in_worker", "safe_text", "saved", "supervise"]
 
 #: Seconds a worker has to report after Ctrl-C before the supervisor kills it.
 INTERRUPT_GRACE = 10.0
@@ -63,7 +73,40 @@ _WORKER: dict[str, Any] = {"channel": None, "signalled": False, "exit": os._exit
 
 def in_worker() -> bool:
     """Whether this process is a session worker (its report goes to a supervisor)."""
-    return _WORKER["channel"] is not None
+    channel = _WORKER["channel"]
+    return channel is not None and channel.pid == os.getpid()
+
+
+def saved(path: str) -> None:
+    """In the session worker: tell the supervisor that the case file ``path`` was written, with what it
+    holds. The supervisor checks every one after the processes the check started are gone, and writes
+    again one that is missing or changed (a process a rank started may delete it meanwhile)."""
+    if not in_worker():
+        return
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError:
+        return
+    _WORKER["channel"].send(case_file={"path": os.path.abspath(path), "text": text})
+
+
+def _keep_case_files(files: Mapping[str, str], writer: _Writer) -> None:
+    """Write again each case file that is missing or was changed after the worker wrote it."""
+    for path, text in files.items():
+        try:
+            with open(path, encoding="utf-8") as fh:
+                if fh.read() == text:
+                    continue
+        except OSError:
+            pass
+        try:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            with open(path, "w", encoding="utf-8") as fh:
+                fh.write(text)
+        except OSError as err:
+            writer.write("err", f"tpsim: the case file {path} was removed or changed after it was saved, and cannot be "
+                         f"written again ({err.strerror or err}); its case is in the report above\n")
 
 
 def safe_text(obj: Any, limit: int | None = None) -> str:
@@ -141,86 +184,6 @@ class _Stream:
     @property
     def encoding(self) -> str:
         return "utf-8"
-
-
-# --- the import guard ------------------------------------------------------------------------------
-
-
-def _recording_exit(code: int) -> None:
-    """``os._exit`` while the target is imported: tell the supervisor who ended the worker, then exit."""
-    channel = _WORKER["channel"]
-    if channel is not None:
-        channel.send(exit_call=f"os._exit({code!r})")
-    _WORKER["exit"](code)
-
-
-def _frames_outside_tpsim(tb: Any) -> bool:
-    """Whether the innermost frame of ``tb`` is outside tpsim (the error came from the target's code)."""
-    root = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    last = None
-    while tb is not None:
-        last = tb
-        tb = tb.tb_next
-    if last is None:
-        return False
-    return not os.path.abspath(last.tb_frame.f_code.co_filename).startswith(root)
-
-
-@contextlib.contextmanager
-def importing() -> Iterator[None]:
-    """Import and resolve a target: what its code does there is the target's, not tpsim's.
-
-    ``SystemExit`` or ``KeyboardInterrupt`` (not a Ctrl-C) raised by the target, and an exception raised
-    by the target's own code while it is resolved (a hostile metaclass, a property), become
-    :class:`tpsim.target.TargetError` (exit 2, the message says what it did). In a session worker,
-    ``os._exit`` is reported to the supervisor before it ends the worker; afterwards the working
-    directory and the SIGINT/SIGCHLD handlers are the checker's again.
-    """
-    from tpsim._target_files import TargetError
-    from tpsim.errors import InvalidArgument
-
-    channel = _WORKER["channel"]
-    worker = channel is not None and os.getpid() == channel.pid
-    cwd = os.getcwd()
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGCHLD)} if worker else {}
-    if worker:
-        channel.send(phase="import")
-        os._exit = _recording_exit
-    try:
-        yield
-    except SystemExit as exc:
-        raise TargetError(f"the target module raised SystemExit({safe_text(exc.code, 200)}) while being "
-                          "imported") from None
-    except KeyboardInterrupt:
-        if _WORKER["signalled"] or not worker:
-            raise
-        raise TargetError("the target module raised KeyboardInterrupt while being imported") from None
-    except InvalidArgument:
-        raise
-    except RecursionError as exc:
-        raise TargetError(f"resolving the target hit Python's recursion limit ({safe_text(exc, 300)})") from None
-    except Exception as exc:
-        if not _frames_outside_tpsim(exc.__traceback__):
-            raise
-        where = ""
-        tb = exc.__traceback__
-        while tb is not None and tb.tb_next is not None:
-            tb = tb.tb_next
-        if tb is not None:
-            where = f" at {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
-        raise TargetError(f"the target's code raised {type(exc).__name__}{where} while it was resolved: "
-                          f"{safe_text(exc, 2000)}") from None
-    finally:
-        if worker:
-            os._exit = _WORKER["exit"]
-            with contextlib.suppress(OSError):
-                if os.getcwd() != cwd:
-                    os.chdir(cwd)
-            for sig, handler in handlers.items():
-                with contextlib.suppress(ValueError, TypeError, OSError):
-                    if signal.getsignal(sig) is not handler:
-                        signal.signal(sig, handler)
-            channel.send(phase="run")
 
 
 # --- process-tree plumbing ---------------------------------------------------------------------------
@@ -343,6 +306,7 @@ def _worker_main(fd: int, argv: Sequence[str], tty: tuple[bool, bool], superviso
         torch.set_num_threads(1)  # a fork: the parent's OpenMP pool, if it had one, is unusable here
         run = zygote._resolve(runner)
         out, err = _Stream(channel, "out", tty[0]), _Stream(channel, "err", tty[1])
+        channel.send(phase="run")
         try:
             code = run(list(argv), out, err)
         except SystemExit as exc:  # raised by the checked code outside the import (e.g. --no-isolate ranks)
@@ -519,13 +483,14 @@ def _describe_status(status: int | None) -> str:
 
 class _Session:
     """What the supervisor learned from its worker: the exit code it sent, the phase it was in, the
-    ``os._exit`` call it reported; reads the channel and writes what it carries."""
+    case files it saved; reads the channel and writes what it carries."""
 
     def __init__(self, writer: _Writer) -> None:
         self.writer = writer
         self.code: int | None = None
         self.phase = "start"
-        self.exit_call: str | None = None
+        #: Case files the worker saved: absolute path -> what it wrote (see :func:`saved`).
+        self.case_files: dict[str, str] = {}
         self.eof = False
         self._buffer = b""
 
@@ -555,8 +520,10 @@ class _Session:
                 self.writer.write(name, event[name])
         if isinstance(event.get("phase"), str):
             self.phase = event["phase"]
-        if isinstance(event.get("exit_call"), str):
-            self.exit_call = event["exit_call"]
+        saved_file = event.get("case_file")
+        if isinstance(saved_file, dict) and isinstance(saved_file.get("path"), str) and isinstance(
+                saved_file.get("text"), str):
+            self.case_files[saved_file["path"]] = saved_file["text"]
         if isinstance(event.get("exit"), int) and not isinstance(event.get("exit"), bool):
             self.code = event["exit"]
 
@@ -625,6 +592,8 @@ def supervise(argv: Sequence[str], out: TextIO | None, err: TextIO | None, *, ru
             handle.close()
         if was_reaper == 0:
             _prctl(_PR_SET_CHILD_SUBREAPER, 0)
+        # Every process the check started is gone: nothing can remove a case file after this.
+        _keep_case_files(session.case_files, writer)
     return _verdict(session, handle, writer, interrupted_at is not None, codes, version, command, subject,
                     json_report)
 
@@ -640,11 +609,6 @@ def _verdict(session: _Session, handle: _Handle | None, writer: _Writer, interru
     if interrupted:
         writer.write("err", f"{prog}: interrupted\n")
         return codes["interrupted"]
-    if session.phase == "import":
-        what = (f"the target module called {session.exit_call} while being imported" if session.exit_call else
-                f"the process importing the target ended with {status} while it was imported")
-        writer.write("err", f"{prog}: error: cannot {command} {subject!r}: {what}\n")
-        return codes["usage"]
     if session.phase == "run":
         message = (f"the checked code ended tpsim's session worker process ({status}) during the {command}; "
                    "what was reported before is complete and its case files are saved")
