@@ -15,6 +15,10 @@ the module says it is laid out, never as its global shape suggests:
 - a DTensor output is read as its ``full_tensor()``: its value is what DTensor says it is, whatever
   its placement (a plain local output is judged by the variant's declared ``output`` as before).
 
+Reading a DTensor's pieces back through *any* of torch's placements (``_StridedShard`` and ``Partial``
+included, on meshes of several dims) in a process that never imports user code is
+:mod:`tpsim.props.module.dtensor_pieces`.
+
 No harness code imports ``torch.distributed.tensor`` for a module without DTensors (it costs seconds
 per process): every helper looks for the class in ``sys.modules`` first.
 """
