@@ -136,9 +136,12 @@ def _memory_note(limit: int | None) -> str:
             f"{limits.WORKER_MEMORY_ENV} changes that")
 
 
-def _pickles(obj: Any) -> bool:
+def _pickles(obj: Any, plain_data: bool = False) -> bool:
     try:
-        pickle.loads(_wire.dumps(obj))
+        if plain_data:
+            plain.loads(plain.dumps(obj))
+        else:
+            pickle.loads(_wire.dumps(obj))
         return True
     except Exception:
         return False
@@ -152,10 +155,13 @@ def _stand_in(exc: BaseException, rank: int) -> RankError:
     return RankError(f"{type(exc).__module__}.{type(exc).__qualname__}: {text_of(exc)}", rank=rank, remote_traceback=tb)
 
 
-def _portable(exc: BaseException) -> BaseException:
-    """``exc`` if it survives pickling; else a copy whose unpicklable parts are replaced by text."""
-    if _pickles(exc):
+def _portable(exc: BaseException, plain_data: bool = False) -> BaseException:
+    """``exc`` if it survives pickling (as plain data, with ``plain_data``); else a copy whose
+    unpicklable parts are replaced by text (a usage error stays one)."""
+    if _pickles(exc, plain_data):
         return exc
+    if isinstance(exc, InvalidArgument):
+        return InvalidArgument(text_of(exc))
     if isinstance(exc, RankError):
         err = copy.copy(exc)
         err.errors = {r: e if _pickles(e) else _stand_in(e, r) for r, e in exc.errors.items()}
@@ -221,10 +227,10 @@ def _run_one(board: Board, memory_note: str, message: tuple[Any, ...]) -> tuple[
         except RankError as err:
             board.reporting()
             view = board.view(world_size)
-            answer = ("error", _portable(deaths.classify(err, view.phase_of, memory_note=memory_note)))
+            answer = ("error", _portable(deaths.classify(err, view.phase_of, memory_note=memory_note), plain_data))
         except BaseException as exc:  # refused arguments or a harness bug: the caller raises it as it is
             board.reporting()
-            answer = ("raise", _portable(exc))
+            answer = ("raise", _portable(exc, plain_data))
         else:
             board.reporting()
             try:  # each rank's value on its own: one the caller cannot load is named by its rank
@@ -285,7 +291,7 @@ def _call_one(conn: Any, message: tuple[Any, ...]) -> tuple[bytes, bool]:
         fn, args, kwargs = load_call(payload, hints)
         answer: tuple[Any, ...] = ("ok", fn(*args, **kwargs))
     except BaseException as exc:  # noqa: BLE001 - the caller raises it, as a call in its own process would
-        answer = ("raise", _portable(exc) if not plain_data else exc)
+        answer = ("raise", _portable(exc, plain_data))
     finally:
         _CALLING.clear()
     try:

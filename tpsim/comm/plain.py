@@ -117,17 +117,21 @@ class ForeignError(RuntimeError):
         return cls(f"{kind.__module__}.{kind.__qualname__}", text_of(exc), bases)
 
 
+def _waited(t: torch.Tensor) -> torch.Tensor:
+    """``t``, a pending functional collective's result (torch's ``AsyncCollectiveTensor``) waited for:
+    any op on it waits (its dispatch unwraps the result), and a copy keeps its autograd history."""
+    fc = sys.modules.get("torch.distributed._functional_collectives")
+    act = getattr(fc, "AsyncCollectiveTensor", None)
+    return t.clone() if act is not None and isinstance(t, act) else t
+
+
 def _pending(t: torch.Tensor) -> torch.Tensor:
     """``t`` with a pending functional collective waited for, a DTensor as its local piece."""
-    wait = getattr(type(t), "wait", None) if hasattr(t, "trigger_wait") else None
-    if wait is not None:  # AsyncCollectiveTensor: waiting gives the plain result
-        t = t.wait()
+    t = _waited(t)
     tensor_module = sys.modules.get("torch.distributed.tensor")
     dtensor = getattr(tensor_module, "DTensor", None)
     if dtensor is not None and isinstance(t, dtensor):
-        t = t.to_local()
-        if hasattr(t, "trigger_wait"):
-            t = t.wait()
+        t = _waited(t.to_local())
     return t
 
 

@@ -60,10 +60,8 @@ from tpsim.diagnosis import (
     OUTPUT_DETACHED,
     PACKED_SHARD_LAYOUT,
     PRECISION_LOSS,
-    REPLICA_DIVERGENCE,
     SHAPE_ERROR,
     WRONG_DTYPE,
-    WRONG_GROUP,
     WRONG_SHARD_DIM,
     WRONG_SHARD_ORDER,
     Diagnosis,
@@ -71,7 +69,7 @@ from tpsim.diagnosis import (
     mismatch,
     recogniser,
 )
-from tpsim.errors import InvalidArgument, RankDied
+from tpsim.errors import InvalidArgument
 from tpsim.patterns import bias_multiple, block_mapping, close, rank_summands, regathered_dim, scale_factor
 from tpsim.placement import (
     Replicate,
@@ -82,16 +80,16 @@ from tpsim.placement import (
     shard_tensor,
     uneven_pieces,
 )
-from tpsim.props.blame import death_failure, failed_after_acceptance, refusal_failure, run_failure
 from tpsim.props.case import Case
-from tpsim.props.groups import column_grad_summands, column_output_shards, tp_groups, wrong_group
+from tpsim.props.groups import column_grad_summands, column_output_shards
 from tpsim.props.groups import row_summands as group_row_summands
-from tpsim.props.observation import DETACHED, OUTPUT_SHAPE, Observation
+from tpsim.props.groups import wrong_group as recognise_wrong_group
+from tpsim.props.judging import Check, GroupContext, Replicated, replica_consistency
+from tpsim.props.observation import DETACHED, Observation
 from tpsim.props.property_names import (
     BIAS_GRAD,
     DIVISIBILITY,
     FORWARD,
-    FORWARD_ONLY,
     INPUT_GRAD,
     PROPERTIES,
     REPLICA,
@@ -114,9 +112,14 @@ from tpsim.props.world import (
 from tpsim.variant import LayoutError, Variant
 
 __all__ = [
+    "LINEAR_CHECKS",
     "PROPERTIES",
+    "LinearContext",
     "PropertyFailed",
-    "evaluate",
+    "accepted",
+    "layout_failure",
+    "offending",
+    "wrong_group",
 ]
 
 
@@ -138,23 +141,33 @@ def _f64(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach().to(_F64)
 
 
-class _Ctx:
-    """What every evaluator needs about the case: the variant, the case, every rank's typed result
-    (tp-rank order) and the dense reference."""
+class LinearContext(GroupContext):
+    """One tp group of a linear case: the float64 dense reference of its data (``ref``), and with
+    replicated key/value heads the declared (head-packed) variant and the case as drawn (``heads``),
+    while ``variant``/``case`` are the replica-expanded view the checks compare with
+    (:func:`tpsim.props.world.expanded_view`)."""
 
-    def __init__(self, variant: Variant, case: Case, values: list[RankResult], ref: Reference):
-        self.variant = variant
-        self.case = case
-        self.values = values
-        self.ref = ref
-        self.ws = case.tp_size or case.world_size  # the tp group's size (the world's when tp_size == world_size)
-        self.dtype = case.torch_dtype
-        #: With replicated key/value heads: the declared (head-packed) variant and the case as drawn,
-        #: while ``variant``/``case`` are the replica-expanded view the checks compare with (expanded_view).
+    def __init__(self, variant: Variant, obs: Observation, g: int, ranks: Sequence[int], values: list[RankResult]):
+        super().__init__(variant, obs, g, ranks, values)
+        declared = (variant, obs.case)
+        drawn = obs.data.for_group(g)
+        self.variant, self.case, masters = expanded_view(variant, obs.case, drawn)
+        self.ref: Reference = reference(self.case, masters)
+        self.ws = self.tp
         self.heads: tuple[Variant, Case] | None = None
-
-    def tol(self, magnitude: torch.Tensor, k: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return tolerance(dtype or self.dtype, magnitude, reduction_length=k, world_size=self.ws)
+        if self.variant is not variant:
+            self.heads = declared
+            # The grad rule of the replicated heads (ParamSpec.grad): "partial", each replica's own share (the
+            # expanded twin's); "complete", the head's whole grad on every replica. Either way every replica
+            # trains like the master's head (the trainer sums partial shares: sum_kv_replicas).
+            complete, mag = replica_trained(variant, obs.case, drawn, masters)
+            for spec in variant.params or ():
+                name = "d" + spec.master
+                if spec.grad == "complete" and name in complete:
+                    setattr(self.ref, name, complete[name])
+                    self.ref.mag[name] = mag[name]
+            self.ref.final.update({k: complete[f"final_{k}"] for k in self.ref.final})
+            self.ref.mag.update({k: v for k, v in mag.items() if k.startswith("final_")})
 
     def rank0_only(self, spec: Any) -> bool:
         """Whether ``spec``'s parameter is held by tp rank 0 only in this run (declared or detected:
@@ -174,10 +187,37 @@ class _Ctx:
             {"param": spec.name},
         ), absent[0])
 
-    def fail(self, prop: str, diag: Diagnosis, rank: int | None = None, prefix: str = "") -> Failure:
-        message = f"{prefix}{diag.message}" if prefix else diag.message
-        case = self.heads[1] if self.heads is not None else self.case  # the case as drawn, never its expanded view
-        return Failure(prop, diag.name, message, case=case, rank=rank, details=dict(diag.details), variant=self.variant.name)
+    def fail(self, prop: str, diag: Diagnosis, rank: int | None = None, sublayer: str | None = None,
+             **details: Any) -> Failure:
+        failure = super().fail(prop, diag, rank, sublayer, **details)
+        failure.case = self.heads[1] if self.heads is not None else self.case  # as drawn, never its expanded view
+        return failure
+
+    def replicated(self) -> list[Replicated]:
+        v = self.variant
+        items = [Replicated(f"parameter {spec.name!r} ({spec.placement}) right after construction",
+                            [x.init.get(spec.name) for x in self.values], spec.name,
+                            f", although every rank was seeded alike (torch.manual_seed({self.case.seed})) before the "
+                            "build: its initialisation depends on the rank (a rank-dependent seed or RNG state); draw "
+                            "it from the same RNG state on every rank or broadcast it from one rank after construction")
+                 for spec in v.params or ()]
+        if v.output in ("gathered", "reduced"):
+            items.append(Replicated("the output", [x.output for x in self.values]))
+        if v.input == "replicated" and v.input_grad == "complete":
+            items.append(Replicated("the input grad", [x.input_grad for x in self.values]))
+        for spec in v.params or ():
+            if self.rank0_only(spec):
+                continue  # one holder: no replicas to agree
+            if isinstance(spec.placement, Replicate) and (spec.master == "weight" or self.case.bias):
+                if any(spec.master in x.partial for x in self.values):
+                    # Partial by design: the replicas must agree after the trainer's sum.
+                    items.append(Replicated(f"the {spec.name} grad after the trainer's sum",
+                                            [x.summed_grads.get(spec.master) for x in self.values]))
+                else:
+                    items.append(Replicated(f"the {spec.name} grad", [x.grads.get(spec.master) for x in self.values]))
+                items.append(Replicated(f"{spec.name} after {TRAIN_STEPS} SGD steps",
+                                        [x.final.get(spec.master) for x in self.values]))
+        return items
 
 
 @dataclass
@@ -230,7 +270,7 @@ def _rms(t: torch.Tensor) -> float:
 
 
 @recogniser(PRECISION_LOSS)
-def _precision_loss(ctx: _Ctx, c: _Compared) -> Diagnosis | None:
+def _precision_loss(ctx: LinearContext, c: _Compared) -> Diagnosis | None:
     """``precision-loss`` on its evidence (see the registry): an emulation of the computation in a
     narrower dtype — the result rounded to it, or the ranks' summands reduced in it — is within that
     dtype's tolerance and leaves at most a quarter of the residual the dense reference leaves."""
@@ -264,7 +304,7 @@ def _precision_loss(ctx: _Ctx, c: _Compared) -> Diagnosis | None:
     )
 
 
-def _unexplained(ctx: _Ctx, c: _Compared, hint: str = "") -> Diagnosis:
+def _unexplained(ctx: LinearContext, c: _Compared, hint: str = "") -> Diagnosis:
     """``precision-loss`` when its evidence is there, else ``mismatch`` quoting the worst violation,
     with ``hint`` and, when the error is within a narrower dtype's rounding but recomputing in it does
     not explain it, that fact as a hint (never as a name)."""
@@ -282,7 +322,7 @@ def _unexplained(ctx: _Ctx, c: _Compared, hint: str = "") -> Diagnosis:
 
 
 @recogniser(WRONG_DTYPE)
-def _wrong_dtype(ctx: _Ctx, tensors: Sequence[torch.Tensor | None], what: str) -> tuple[int, Diagnosis] | None:
+def _wrong_dtype(ctx: LinearContext, tensors: Sequence[torch.Tensor | None], what: str) -> tuple[int, Diagnosis] | None:
     """``wrong-dtype``: the first rank whose tensor has another floating dtype than the case's."""
     for r, t in enumerate(tensors):
         if t is not None and t.is_floating_point() and t.dtype != ctx.dtype:
@@ -297,7 +337,7 @@ def _wrong_dtype(ctx: _Ctx, tensors: Sequence[torch.Tensor | None], what: str) -
 
 
 @recogniser(SHAPE_ERROR, WRONG_SHARD_DIM)
-def _shape_diagnosis(ctx: _Ctx, actual: torch.Tensor, expected: torch.Tensor, full: torch.Tensor,
+def _shape_diagnosis(ctx: LinearContext, actual: torch.Tensor, expected: torch.Tensor, full: torch.Tensor,
                      placement: Any, rank: int, what: str, tol_scalar: float) -> Diagnosis:
     """A wrong shape: the expected values re-cut along another dim (wrong-shard-dim), else shape-error."""
     if ctx.ws > 1 and full.dim() > 0:
@@ -340,7 +380,7 @@ def _blocks_msg(mapping: list[int]) -> str:
 # --- forward -------------------------------------------------------------------------------------
 
 
-def _row_summands(ctx: _Ctx) -> list[torch.Tensor]:
+def _row_summands(ctx: LinearContext) -> list[torch.Tensor]:
     """Each rank's expected summand ``x_r W_rᵀ`` of a row layer (input features sharded)."""
     ref = ctx.ref
     return [
@@ -350,7 +390,7 @@ def _row_summands(ctx: _Ctx) -> list[torch.Tensor]:
 
 
 @recogniser(BIAS_DUPLICATION, BIAS_MISSING)
-def _bias_multiple(ctx: _Ctx, c: _Compared) -> Diagnosis | None:
+def _bias_multiple(ctx: LinearContext, c: _Compared) -> Diagnosis | None:
     """``bias-duplication`` (the result is the dense one plus (ws-1)*bias, ws >= 2) or ``bias-missing``
     (minus the bias, a non-zero one) — the registry's evidence for each, each checked with the
     tolerance of the computation it describes: its magnitudes include the extra ``|c| * |bias|`` terms
@@ -387,7 +427,7 @@ def _bias_multiple(ctx: _Ctx, c: _Compared) -> Diagnosis | None:
     return None
 
 
-def _other_bias_multiple(ctx: _Ctx, c: _Compared) -> str:
+def _other_bias_multiple(ctx: LinearContext, c: _Compared) -> str:
     """A hint (not a name): the error is another multiple of a bias of several entries (one number
     is a multiple of any other, so a one-entry bias says nothing)."""
     bias = ctx.ref.bias
@@ -398,7 +438,7 @@ def _other_bias_multiple(ctx: _Ctx, c: _Compared) -> str:
 
 
 @recogniser(MISSING_REDUCTION)
-def _missing_reduction(ctx: _Ctx, c: _Compared, outs: list[torch.Tensor]) -> Diagnosis | None:
+def _missing_reduction(ctx: LinearContext, c: _Compared, outs: list[torch.Tensor]) -> Diagnosis | None:
     """``missing-reduction``: a row layer's rank returned only its own summand (with or without the bias)."""
     v, ws = ctx.variant, ctx.ws
     if not (v.output == "reduced" and v.kind == "row" and ws > 1):
@@ -417,7 +457,7 @@ def _missing_reduction(ctx: _Ctx, c: _Compared, outs: list[torch.Tensor]) -> Dia
 
 
 @recogniser(DOUBLE_REDUCTION)
-def _double_reduction(ctx: _Ctx, c: _Compared) -> Diagnosis | None:
+def _double_reduction(ctx: LinearContext, c: _Compared) -> Diagnosis | None:
     """``double-reduction``: the output is ws x the dense ``x Wᵀ``, the bias added once or ws times."""
     ws = ctx.ws
     if ws < 2:
@@ -436,7 +476,7 @@ def _double_reduction(ctx: _Ctx, c: _Compared) -> Diagnosis | None:
 
 
 @recogniser(WRONG_SHARD_ORDER)
-def _output_blocks(ctx: _Ctx, c: _Compared) -> Diagnosis | None:
+def _output_blocks(ctx: LinearContext, c: _Compared) -> Diagnosis | None:
     """``wrong-shard-order`` of a sharded or gathered output: its feature blocks permuted or repeated."""
     ws, mode, ref = ctx.ws, ctx.variant.output, ctx.ref
     if mode not in ("sharded", "gathered") or ws < 2 or c.actual.dim() == 0:
@@ -456,7 +496,7 @@ def _output_blocks(ctx: _Ctx, c: _Compared) -> Diagnosis | None:
 
 
 @recogniser(KV_HEADS_NOT_REPLICATED)
-def _kv_heads_held(ctx: _Ctx, c: _Compared, outs: list[torch.Tensor]) -> Diagnosis | None:
+def _kv_heads_held(ctx: LinearContext, c: _Compared, outs: list[torch.Tensor]) -> Diagnosis | None:
     """``kv-heads-not-replicated`` of a head-packed Q/K/V column with fewer key/value heads than ranks:
     every rank's query columns are its own, its key and value columns are both those of one master
     key/value head (read off its output), and some rank's head is not ``r // replicas``."""
@@ -500,7 +540,7 @@ def _kv_heads_held(ctx: _Ctx, c: _Compared, outs: list[torch.Tensor]) -> Diagnos
     )
 
 
-def _diagnose_output(ctx: _Ctx, c: _Compared, outs: list[torch.Tensor]) -> Diagnosis:
+def _diagnose_output(ctx: LinearContext, c: _Compared, outs: list[torch.Tensor]) -> Diagnosis:
     """The forward's recognisers in order (each on its own evidence), else the fallback."""
     found = (_bias_multiple(ctx, c) or _missing_reduction(ctx, c, outs) or _kv_heads_held(ctx, c, outs)
              or _packed_or_sequence_layout(ctx, outs, c.expected, c.tol, ctx.ref.bias, c.what)
@@ -508,7 +548,7 @@ def _diagnose_output(ctx: _Ctx, c: _Compared, outs: list[torch.Tensor]) -> Diagn
     return found or _unexplained(ctx, c, hint=_other_bias_multiple(ctx, c))
 
 
-def _contiguous_packed(ctx: _Ctx, pieces: list[torch.Tensor], full: torch.Tensor, tol: torch.Tensor, dim: int) -> bool:
+def _contiguous_packed(ctx: LinearContext, pieces: list[torch.Tensor], full: torch.Tensor, tol: torch.Tensor, dim: int) -> bool:
     """Each rank's piece is the rank-th *contiguous* slice of ``full`` along ``dim`` (the packed
     weight split as one block) instead of its shard of every packed part."""
     ws = ctx.ws
@@ -521,7 +561,7 @@ def _contiguous_packed(ctx: _Ctx, pieces: list[torch.Tensor], full: torch.Tensor
     )
 
 
-def _packed_message(ctx: _Ctx, what: str) -> str:
+def _packed_message(ctx: LinearContext, what: str) -> str:
     parts = ctx.variant.packed
     return (
         f"{what}: every rank holds a contiguous 1/{ctx.ws} slice of the packed dim instead of its shard of each of "
@@ -531,7 +571,7 @@ def _packed_message(ctx: _Ctx, what: str) -> str:
     )
 
 
-def _other_dim_slices(ctx: _Ctx, pieces: list[torch.Tensor], full: torch.Tensor, tol: torch.Tensor, skip: int) -> int | None:
+def _other_dim_slices(ctx: LinearContext, pieces: list[torch.Tensor], full: torch.Tensor, tol: torch.Tensor, skip: int) -> int | None:
     """The dim ``d`` (not ``skip``, not the feature dim) such that every rank's piece is its
     ``Shard(d)`` slice of ``full``: a scatter/gather along the wrong dim (same shapes included)."""
     if ctx.ws < 2 or full.dim() < 2:
@@ -549,7 +589,7 @@ def _other_dim_slices(ctx: _Ctx, pieces: list[torch.Tensor], full: torch.Tensor,
 
 
 @recogniser(PACKED_SHARD_LAYOUT, WRONG_SHARD_DIM)
-def _packed_or_sequence_layout(ctx: _Ctx, outs: list[torch.Tensor], y: torch.Tensor, tol: torch.Tensor,
+def _packed_or_sequence_layout(ctx: LinearContext, outs: list[torch.Tensor], y: torch.Tensor, tol: torch.Tensor,
                                bias: torch.Tensor | None, what: str) -> Diagnosis | None:
     """``packed-shard-layout`` (a packed column split contiguously) or ``wrong-shard-dim`` (a
     sequence-sharded output cut along another dim), recognised from every rank's piece."""
@@ -581,7 +621,7 @@ def _packed_or_sequence_layout(ctx: _Ctx, outs: list[torch.Tensor], y: torch.Ten
 
 
 @recogniser(OUTPUT_DETACHED)
-def _output_detached(ctx: _Ctx) -> Failure | None:
+def _output_detached(ctx: LinearContext) -> Failure | None:
     """``output-detached``: a rank's output has no autograd graph although its input requires grad."""
     detached = [r for r, v in enumerate(ctx.values) if v.status == DETACHED]
     if not detached:
@@ -597,7 +637,7 @@ def _output_detached(ctx: _Ctx) -> Failure | None:
     ), detached[0])
 
 
-def _forward(ctx: _Ctx) -> Failure | None:
+def _forward(ctx: LinearContext) -> Failure | None:
     ref = ctx.ref
     outs_raw = [v.output for v in ctx.values]
     for r, o in enumerate(outs_raw):
@@ -655,14 +695,14 @@ def _forward(ctx: _Ctx) -> Failure | None:
 
 
 @recogniser(GRAD_NOT_REDUCED)
-def _grad_not_reduced(ctx: _Ctx, grads: Sequence[torch.Tensor], full: torch.Tensor, tol: torch.Tensor) -> bool:
+def _grad_not_reduced(ctx: LinearContext, grads: Sequence[torch.Tensor], full: torch.Tensor, tol: torch.Tensor) -> bool:
     """``grad-not-reduced``'s evidence: the ranks' grads of a replicated tensor differ and their
     rank-order sum is the dense grad."""
     return ctx.ws > 1 and rank_summands(grads, full, tol)
 
 
 @recogniser(GRAD_SCALED)
-def _grad_scaled(ctx: _Ctx, actual: torch.Tensor, expected: torch.Tensor, tol: torch.Tensor, what: str) -> Diagnosis | None:
+def _grad_scaled(ctx: LinearContext, actual: torch.Tensor, expected: torch.Tensor, tol: torch.Tensor, what: str) -> Diagnosis | None:
     """``grad-scaled``: a constant multiple of the dense grad (for one element only ws or 1/ws counts)."""
     ws = ctx.ws
     c = scale_factor(actual, expected, tol, known=(ws, 1 / ws))
@@ -682,7 +722,7 @@ def _grad_missing(grads: Sequence[torch.Tensor | None], what: str, attr: str) ->
     return None
 
 
-def _input_grad(ctx: _Ctx) -> Failure | None:
+def _input_grad(ctx: LinearContext) -> Failure | None:
     ref = ctx.ref
     ws, dx = ctx.ws, ref.dx
     raw = [v.input_grad for v in ctx.values]
@@ -767,7 +807,7 @@ def _input_grad(ctx: _Ctx) -> Failure | None:
 
 
 @recogniser(GRAD_NOT_REDUCED)
-def _sequence_grad_split(ctx: _Ctx, grads: Sequence[torch.Tensor], in_place: Any, mag: torch.Tensor,
+def _sequence_grad_split(ctx: LinearContext, grads: Sequence[torch.Tensor], in_place: Any, mag: torch.Tensor,
                          k: int) -> Diagnosis | None:
     """``grad-not-reduced`` of a column layer's sequence-sharded input: every rank's input grad is its
     sequence slice of its own summand ``g_r W_r`` (rank r's output features), not of their sum: the
@@ -794,14 +834,14 @@ def _sequence_grad_split(ctx: _Ctx, grads: Sequence[torch.Tensor], in_place: Any
 
 
 @recogniser(BIAS_GRAD_RANK0_ONLY)
-def _bias_grad_rank0_only(ctx: _Ctx, grads: Sequence[torch.Tensor | None], full: torch.Tensor, ok: Sequence[bool]) -> bool:
+def _bias_grad_rank0_only(ctx: LinearContext, grads: Sequence[torch.Tensor | None], full: torch.Tensor, ok: Sequence[bool]) -> bool:
     """``bias-grad-rank0-only``'s evidence: rank 0's grad right, every other rank's None or zeros."""
     return ctx.ws > 1 and ok[0] and all(
         g is None or (g.shape == full.shape and not bool(g.abs().gt(0).any())) for g in grads[1:]
     )
 
 
-def _param_grad(ctx: _Ctx, master: str, prop: str) -> Failure | None:
+def _param_grad(ctx: LinearContext, master: str, prop: str) -> Failure | None:
     ref = ctx.ref
     spec = ctx.variant.param(master)
     if spec is None or (master == "bias" and not ctx.case.bias):
@@ -879,7 +919,7 @@ def _param_grad(ctx: _Ctx, master: str, prop: str) -> Failure | None:
     return None
 
 
-def _partial_param_grad(ctx: _Ctx, spec: Any, prop: str, grads: list[torch.Tensor | None], full: torch.Tensor,
+def _partial_param_grad(ctx: LinearContext, spec: Any, prop: str, grads: list[torch.Tensor | None], full: torch.Tensor,
                         tol: torch.Tensor, mag: torch.Tensor, k: int) -> Failure | None:
     """A replicated parameter whose grad the trainer sums (declared ``grad='partial'`` or marked
     ``sequence_parallel``): the rank-order sum of the ranks' grads must equal the dense grad."""
@@ -920,66 +960,7 @@ def _partial_param_grad(ctx: _Ctx, spec: Any, prop: str, grads: list[torch.Tenso
 # --- replicas, training --------------------------------------------------------------------------
 
 
-@recogniser(REPLICA_DIVERGENCE)
-def _replica_at_construction(ctx: _Ctx) -> Failure | None:
-    """Replicated parameters the layer initialised itself must agree bit for bit right after
-    construction (every rank was seeded alike), before the harness loads the master values."""
-    for spec in ctx.variant.params or ():
-        tensors = [x.init.get(spec.name) for x in ctx.values]
-        if any(t is None for t in tensors) or len({tuple(t.shape) for t in tensors}) > 1:  # type: ignore[union-attr]
-            continue
-        bad = [r for r in range(1, len(tensors)) if not torch.equal(tensors[r], tensors[0])]  # type: ignore[arg-type]
-        if bad:
-            diff = max(float((tensors[r].to(_F64) - tensors[0].to(_F64)).abs().max()) for r in bad)  # type: ignore[union-attr]
-            return ctx.fail(REPLICA, Diagnosis(
-                REPLICA_DIVERGENCE,
-                f"parameter {spec.name!r} is replicated ({spec.placement}) but right after construction ranks {bad} "
-                f"hold other values than rank 0 (max abs difference {diff:.3g}), although every rank was seeded "
-                f"alike (torch.manual_seed({ctx.case.seed})) before the build: its initialisation depends on the rank "
-                "(a rank-dependent seed or RNG state); draw it from the same RNG state on every rank or broadcast it "
-                "from one rank after construction",
-                {"ranks": bad, "max_abs": diff, "param": spec.name, "tensor": f"{spec.name} at construction"},
-            ), bad[0])
-    return None
-
-
-@recogniser(REPLICA_DIVERGENCE)
-def _replica(ctx: _Ctx) -> Failure | None:
-    at_construction = _replica_at_construction(ctx)
-    if at_construction is not None:
-        return at_construction
-    v = ctx.variant
-    items: list[tuple[str, list[Any]]] = []
-    if v.output in ("gathered", "reduced"):
-        items.append(("the output", [x.output for x in ctx.values]))
-    if v.input == "replicated" and v.input_grad == "complete":
-        items.append(("the input grad", [x.input_grad for x in ctx.values]))
-    for spec in v.params or ():
-        if ctx.rank0_only(spec):
-            continue  # one holder: no replicas to agree
-        if isinstance(spec.placement, Replicate) and (spec.master == "weight" or ctx.case.bias):
-            if any(spec.master in x.partial for x in ctx.values):
-                # Partial by design: the replicas must agree after the trainer's sum.
-                items.append((f"the {spec.name} grad after the trainer's sum",
-                              [x.summed_grads.get(spec.master) for x in ctx.values]))
-            else:
-                items.append((f"the {spec.name} grad", [x.grads.get(spec.master) for x in ctx.values]))
-            items.append((f"{spec.name} after {TRAIN_STEPS} SGD steps", [x.final.get(spec.master) for x in ctx.values]))
-    for what, tensors in items:
-        if any(t is None for t in tensors) or len({tuple(t.shape) for t in tensors}) > 1:
-            continue  # missing or mis-shaped tensors are the equivalence properties' findings
-        bad = [r for r in range(1, len(tensors)) if not torch.equal(tensors[r], tensors[0])]
-        if bad:
-            diff = max(float((tensors[r].to(_F64) - tensors[0].to(_F64)).abs().max()) for r in bad)
-            return ctx.fail(REPLICA, Diagnosis(
-                REPLICA_DIVERGENCE,
-                f"{what} must be identical on every rank, but ranks {bad} differ from rank 0 (max abs difference {diff:.3g})",
-                {"ranks": bad, "max_abs": diff, "tensor": what},
-            ), bad[0])
-    return None
-
-
-def _training(ctx: _Ctx) -> Failure | None:
+def _training(ctx: LinearContext) -> Failure | None:
     ref = ctx.ref
     k = ref.rows + ctx.case.in_features + ctx.case.out_features
     for spec in ctx.variant.params or ():
@@ -1017,7 +998,7 @@ def _training(ctx: _Ctx) -> Failure | None:
 # --- whole-run outcomes --------------------------------------------------------------------------
 
 @recogniser(SHAPE_ERROR, WRONG_SHARD_DIM)
-def _layout_failure(variant: Variant, obs: Observation) -> Failure | None:
+def layout_failure(variant: Variant, obs: Observation) -> Failure | None:
     """A parameter with the wrong stored shape (raised by the loader as :class:`LayoutError`)."""
     layout = {r: e for r, e in obs.rank_errors().items() if isinstance(e, LayoutError)}
     if not layout:
@@ -1059,164 +1040,63 @@ def _is_other_dim_shard(spec: Any, shape: tuple[int, ...], case: Case) -> bool:
     return tuple(shape) in forms
 
 
+def offending(variant: Variant, case: Case) -> tuple[str, list[int]]:
+    """What does not divide: sharded feature dims, packed parts, the sequence length (:mod:`tpsim.props.world`)."""
+    tp = case.tp_size or case.world_size
+    sizes = non_divisible_sizes(variant, case)
+    size_name = "world_size" if tp == case.world_size else "tp_size"
+    return ", ".join(f"{n}={v}" for n, v in sizes.items()) + f" is not divisible by {size_name}={tp}", list(sizes.values())
+
+
 @recogniser(DIVISIBILITY_UNCHECKED)
-def _divisibility(variant: Variant, obs: Observation) -> Failure | None:
-    case, ws = obs.case, obs.case.world_size
-    tp = case.tp_size or ws
-    # Sharded feature dims, packed parts and the sequence length (see tpsim.props.world).
-    offending = non_divisible_sizes(variant, case)
-    size_name = "world_size" if tp == ws else "tp_size"
-    what = ", ".join(f"{n}={v}" for n, v in offending.items()) + f" is not divisible by {size_name}={tp}"
-    if obs.error is not None:
-        late = failed_after_acceptance(obs.error)
-        if late is not None:
-            return Failure(DIVISIBILITY, DIVISIBILITY_UNCHECKED,
-                           f"{what}; every rank built the layer and ran its first forward without refusing it, but "
-                           f"then {late[1]}; refuse the sizes on every rank at construction, or compute them right",
-                           case=case, rank=late[0], variant=variant.name, details={"accepted": True})
-        return refusal_failure(variant.name, case, obs.error, what, list(offending.values()),
-                               assert_refuses=variant.forward_only)
+def accepted(family: Any, variant: Variant, obs: Observation, wanted: Sequence[str]) -> list[Failure]:
+    """A case whose sizes do not divide that every rank accepted: every rank holds torch.tensor_split's
+    (or every rank torch.chunk's) piece of each sharded parameter, uneven by design, and the case is
+    judged like a divisible one on those pieces (the first failure is the ``divisibility-unchecked``
+    one, the others follow from it); anything else was silently truncated or padded."""
+    from tpsim.props.judging import judge_groups
+
+    what, _ = offending(variant, obs.case)
     values = obs.values or []
-    wrong: list[Failure] = []
     styles = {getattr(v, "pieces", None) or "tensor_split" for v in values}
     if values and all(getattr(v, "uneven", False) for v in values) and len(styles) == 1:
-        # Every rank holds torch.tensor_split's (or every rank torch.chunk's) piece of each sharded
-        # parameter: uneven by design. The case is judged like a divisible one on those pieces; only a
-        # wrong result is a finding.
         (style,) = styles
         with uneven_pieces(style):
-            wrong = _evaluate_divisible(variant, obs, [p for p in (FORWARD_ONLY if variant.forward_only else PROPERTIES)
-                                                       if p != DIVISIBILITY])
-        if not wrong:
-            return None
-    accepted = [r for r, v in enumerate(values) if v.status == ACCEPTED] or list(range(len(values)))
-    r0 = accepted[0]
-    if wrong:
-        first = wrong[0]
-        return Failure(
-            DIVISIBILITY,
-            DIVISIBILITY_UNCHECKED,
-            f"{what}; every rank accepted it and holds torch.{style}'s piece of each sharded parameter "
-            f"(uneven by design), but the result is wrong: {first.property}: {first.diagnosis} — {first.message}",
-            case=case,
-            rank=first.rank if first.rank is not None else r0,
-            variant=variant.name,
-            details={"uneven": True, "property": first.property, "diagnosis": first.diagnosis},
-        )
-    shape = values[r0].output_shape
-    return Failure(
+            failures = judge_groups(family, variant, obs, [p for p in wanted if p != DIVISIBILITY])
+        if not failures:
+            return []
+        first = failures[0]
+        return [Failure(DIVISIBILITY, DIVISIBILITY_UNCHECKED,
+                        f"{what}; every rank accepted it and holds torch.{style}'s piece of each sharded parameter "
+                        f"(uneven by design), but the result is wrong: {first.property}: {first.diagnosis} — "
+                        f"{first.message}", case=obs.case, rank=first.rank, variant=variant.name,
+                        details={"uneven": True, "property": first.property, "diagnosis": first.diagnosis},
+                        consequences=failures[1:])]
+    held = [r for r, v in enumerate(values) if v.status == ACCEPTED] or list(range(len(values)))
+    shape = values[held[0]].output_shape
+    return [Failure(
         DIVISIBILITY,
         DIVISIBILITY_UNCHECKED,
-        f"{what}, yet every rank built the layer and its forward returned an output (rank {r0}: shape "
+        f"{what}, yet every rank built the layer and its forward returned an output (rank {held[0]}: shape "
         f"{list(shape) if shape is not None else shape}) without an error: the sizes were silently truncated or "
         "padded (the shards are neither torch.tensor_split's nor torch.chunk's pieces of the sharded sizes); raise a "
-        "ValueError naming the "
-        "sizes at construction, or shard them unevenly and compute the right result",
-        case=case,
-        rank=r0,
-        variant=variant.name,
-        details={"accepted": accepted},
-    )
+        "ValueError naming the sizes at construction, or shard them unevenly and compute the right result",
+        case=obs.case, rank=held[0], variant=variant.name, details={"accepted": held},
+    )]
 
 
-def evaluate(variant: Variant, obs: Observation, properties: Sequence[str] | None = None) -> list[Failure]:
-    """Evaluate ``properties`` (default: all) on one observation; return its failures, in property order
-    (the engine lists the failures that follow from another under it: :func:`tpsim.diagnosis.group_causes`)."""
-    wanted = tuple(properties or PROPERTIES)
-    unknown = [p for p in wanted if p not in PROPERTIES]
-    if unknown:
-        raise InvalidArgument(f"unknown properties {unknown}; expected some of {list(PROPERTIES)}")
-    if isinstance(obs.error, RankDied) and (obs.divisible or DIVISIBILITY in wanted):
-        return [death_failure(variant.name, obs.case, obs.error, divisible=obs.divisible)]
-    if not obs.divisible:
-        if DIVISIBILITY not in wanted:
-            return []
-        f = _divisibility(variant, obs)
-        return [f] if f else []
-    if obs.error is not None:
-        return [_layout_failure(variant, obs) or run_failure(variant.name, obs.case, obs.error)]
-    return _evaluate_divisible(variant, obs, wanted)
+#: The registry: the linear family's check of each property on one tp group, in report order.
+LINEAR_CHECKS: dict[str, Check] = {
+    FORWARD: _forward,
+    INPUT_GRAD: _input_grad,
+    WEIGHT_GRAD: lambda ctx: _param_grad(ctx, "weight", WEIGHT_GRAD),
+    BIAS_GRAD: lambda ctx: _param_grad(ctx, "bias", BIAS_GRAD),
+    REPLICA: replica_consistency,
+    TRAINING: _training,
+}
 
 
-def _evaluate_divisible(variant: Variant, obs: Observation, wanted: Sequence[str]) -> list[Failure]:
-    """The per-case properties of a run whose every rank finished (each tp group on its own)."""
-    if (obs.case.tp_size or obs.case.world_size) != obs.case.world_size:
-        return _evaluate_groups(variant, obs, wanted)
-    return _evaluate_values(variant, obs.case, obs.values or [], obs.data, wanted)
-
-
-def _evaluate_values(variant: Variant, case: Case, values: list[RankResult], masters: Any,
-                     wanted: Sequence[str]) -> list[Failure]:
-    """The per-case properties on the values of one tp group (its ranks in tp-rank order). Every
-    wanted property is evaluated (training too, when others fail: its failure is then listed as a
-    consequence of theirs), except after an output that could not be back-propagated."""
-    # Replicated key/value heads: compared with the replica-expanded dense twin (expanded_view).
-    declared = (variant, case)
-    drawn = masters
-    variant, case, masters = expanded_view(variant, case, masters)
-    ctx = _Ctx(variant, case, values, reference(case, masters))
-    if variant is not declared[0]:
-        ctx.heads = declared
-        # The grad rule of the replicated heads (ParamSpec.grad): "partial", each replica's own share (the
-        # expanded twin's); "complete", the head's whole grad on every replica. Either way every replica
-        # trains like the master's head (the trainer sums partial shares: sum_kv_replicas).
-        complete, mag = replica_trained(declared[0], declared[1], drawn, masters)
-        for spec in declared[0].params or ():
-            name = "d" + spec.master
-            if spec.grad == "complete" and name in complete:
-                setattr(ctx.ref, name, complete[name])
-                ctx.ref.mag[name] = mag[name]
-        ctx.ref.final.update({k: complete[f"final_{k}"] for k in ctx.ref.final})
-        ctx.ref.mag.update({k: v for k, v in mag.items() if k.startswith("final_")})
-    if any(v.status in (OUTPUT_SHAPE, DETACHED) for v in values):
-        # No backward ran: only the forward can be judged.
-        f = _forward(ctx)
-        return [f] if f else [Failure(FORWARD, SHAPE_ERROR, "the output shape does not match the upstream grad",
-                                      case=declared[1], variant=variant.name)]
-    evaluators: list[tuple[str, Callable[[], Failure | None]]] = [
-        (FORWARD, lambda: _forward(ctx)),
-        (INPUT_GRAD, lambda: _input_grad(ctx)),
-        (WEIGHT_GRAD, lambda: _param_grad(ctx, "weight", WEIGHT_GRAD)),
-        (BIAS_GRAD, lambda: _param_grad(ctx, "bias", BIAS_GRAD)),
-        (REPLICA, lambda: _replica(ctx)),
-        (TRAINING, lambda: _training(ctx)),
-    ]
-    return [f for name, fn in evaluators if name in wanted and (f := fn()) is not None]
-
-
-# --- tp subgroups ----------------------------------------------------------------------------------
-
-
-def _evaluate_groups(variant: Variant, obs: Observation, wanted: Sequence[str]) -> list[Failure]:
-    """Every tp group's result checked on its own data; the first group that fails is reported
-    (ranks and group named), with ``wrong-group`` when the numbers show a collective over another set
-    of ranks."""
-    case, values = obs.case, obs.values or []
-    groups = tp_groups(case.world_size, case.tp_size, case.tp_layout)
-    for g, ranks in enumerate(groups):
-        failures = _evaluate_values(variant, case, [values[r] for r in ranks], obs.data.for_group(g), wanted)
-        if not failures:
-            continue
-        wrong = _wrong_group(variant, obs, groups)
-        out = []
-        for f in failures:
-            if f.property in wrong:
-                prop_diag = wrong.pop(f.property)
-                f = Failure(f.property, WRONG_GROUP, prop_diag["message"], case=case, rank=0, variant=variant.name,
-                            details={"used": prop_diag["used"], "used_ranks": prop_diag["ranks"], "groups": groups})
-                out.append(f)
-                continue
-            if f.rank is not None:
-                f.details = dict(f.details, tp_rank=f.rank)
-                f.rank = ranks[f.rank]
-            f.details = dict(f.details, group=g, group_ranks=list(ranks))
-            f.message = f"in tp group {g} (global ranks {list(ranks)}; rank numbers below are tp ranks): {f.message}"
-            out.append(f)
-        return out
-    return []
-
-
-def _wrong_group(variant: Variant, obs: Observation, groups: list[list[int]]) -> dict[str, dict[str, Any]]:
+def wrong_group(variant: Variant, obs: Observation, groups: list[list[int]]) -> dict[str, dict[str, Any]]:
     """Per property, a recognised collective over the wrong set of ranks (see :mod:`tpsim.props.groups`)."""
     case, values, m = obs.case, obs.values or [], obs.data
     if expanded_out_features(variant, case) is not None:
@@ -1237,14 +1117,14 @@ def _wrong_group(variant: Variant, obs: Observation, groups: list[list[int]]) ->
     common = dict(world_size=ws, tp_size=tp, layout=case.tp_layout)
     if variant.kind == "row" and variant.output == "reduced":
         mag = torch.stack([x.abs() @ w.abs().t() for x in xs]).sum(0) + (0.0 if b is None else b.abs())
-        hit = wrong_group("the output", outs, group_row_summands(xs, w, groups, ws), offset=b,
+        hit = recognise_wrong_group("the output", outs, group_row_summands(xs, w, groups, ws), offset=b,
                           tol_for=tol_for(mag, case.in_features), **common)
         if hit:
             found[FORWARD] = hit
     if variant.kind == "column" and variant.output == "gathered":
         ys = [x @ w.t() + (0.0 if b is None else b) for x in xs]
         mag = torch.stack([x.abs() @ w.abs().t() for x in xs]).sum(0) + (0.0 if b is None else b.abs())
-        hit = wrong_group("the output", outs, column_output_shards(ys, groups, ws), gather_dim=-1,
+        hit = recognise_wrong_group("the output", outs, column_output_shards(ys, groups, ws), gather_dim=-1,
                           tol_for=lambda n: tolerance(case.torch_dtype, mag, reduction_length=case.in_features,
                                                       world_size=n).max(), **common)
         if hit:
@@ -1252,7 +1132,7 @@ def _wrong_group(variant: Variant, obs: Observation, groups: list[list[int]]) ->
     if variant.kind == "column" and variant.input == "replicated" and variant.input_grad == "complete":
         grads = [_f64(v.input_grad) for v in values]
         mag = torch.stack([g.abs() @ w.abs() for g in gs]).sum(0)
-        hit = wrong_group("the input grad", grads, column_grad_summands(gs, w, groups, ws),
+        hit = recognise_wrong_group("the input grad", grads, column_grad_summands(gs, w, groups, ws),
                           tol_for=tol_for(mag, case.out_features), **common)
         if hit:
             found[INPUT_GRAD] = hit

@@ -5,9 +5,8 @@ output and grads with the expected piece of the dense result: :func:`compare` re
 is within the tolerance, else a :class:`~tpsim.diagnosis.Failure` — the first family recogniser
 that sees its evidence, or the generic diagnoses in this order: ``grad-missing`` (no grad),
 ``wrong-dtype``, ``shape-error``, ``grad-scaled`` (a grad that is a constant times the dense one),
-``mismatch``. :func:`replica` checks that replicated tensors are the same bits on every rank of
-each tp group. (A run in which a rank failed is named by :func:`tpsim.props.blame.run_failure`,
-as in every family.)
+``mismatch``. (A run in which a rank failed is named by :func:`tpsim.props.blame.run_failure`, as in every family;
+replicas by the engine's :func:`tpsim.props.judging.replica_consistency`.)
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import torch
 from tpsim.diagnosis import (
     GRAD_MISSING,
     GRAD_SCALED,
-    REPLICA_DIVERGENCE,
     SHAPE_ERROR,
     WRONG_DTYPE,
     Failure,
@@ -28,10 +26,9 @@ from tpsim.diagnosis import (
     mismatch,
     scale_factor,
 )
-from tpsim.props.groups import tp_groups
-from tpsim.props.property_names import FORWARD, REPLICA
+from tpsim.props.property_names import FORWARD
 
-__all__ = ["close_or_nan", "compare", "failure", "groups_of", "replica", "same_bits"]
+__all__ = ["close_or_nan", "compare", "failure"]
 
 #: What :func:`replica` compares: a description, and how to read the tensor from a rank's result.
 Replicated = tuple[str, Callable[[Any], "torch.Tensor | None"]]
@@ -43,12 +40,6 @@ def failure(variant: Any, case: Any, prop: str, diagnosis: str, message: str, *,
             details: dict[str, Any] | None = None) -> Failure:
     """A :class:`~tpsim.diagnosis.Failure` of ``variant`` on ``case``."""
     return Failure(prop, diagnosis, message, case=case, rank=rank, details=details or {}, variant=variant.name)
-
-
-def groups_of(case: Any) -> list[list[int]]:
-    """The tp groups of ``case`` (global ranks, tp rank order)."""
-    tp = case.tp_size or case.world_size
-    return tp_groups(case.world_size, tp, case.tp_layout)
 
 
 def compare(variant: Any, case: Any, prop: str, what: str, rank: int, got: torch.Tensor | None,
@@ -86,31 +77,3 @@ def close_or_nan(got: torch.Tensor, expected: torch.Tensor, tol: torch.Tensor) -
         return close(got, expected, tol)
     same = bool((got.isnan() == nan).all())
     return same and close(got[~nan], expected[~nan], tol.expand_as(expected)[~nan])
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal values, NaN where the other is NaN (a mean over no target is NaN on every rank)."""
-    if torch.equal(a, b):
-        return True
-    nan = a.isnan()
-    return a.dtype == b.dtype and torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan])
-
-
-def replica(variant: Any, case: Any, values: Sequence[Any], items: Sequence[Replicated]) -> Failure | None:
-    """``replica-divergence`` for the first of ``items`` (``(what, read)``: ``read(values[rank])`` is the
-    tensor) that is not the same bits on every rank of a tp group; None when all are."""
-    for group in groups_of(case):
-        for what, read in items:
-            first = read(values[group[0]])
-            if first is None:
-                continue
-            for r in group[1:]:
-                other = read(values[r])
-                if other is None or other.shape != first.shape or not same_bits(other, first):
-                    diff = float("nan") if other is None or other.shape != first.shape else float(
-                        (other.to(_F64) - first.to(_F64)).abs().max())
-                    return failure(variant, case, REPLICA, REPLICA_DIVERGENCE,
-                                    f"{what} differs between ranks {group[0]} and {r} of tp group {group} (max abs "
-                                    f"difference {diff:.3g}); it must be the same bits on every rank", rank=r,
-                                    details={"ranks": [group[0], r], "what": what, "max_abs": diff})
-    return None

@@ -33,9 +33,10 @@ from types import ModuleType
 from typing import Any, ClassVar
 
 from tpsim.errors import InvalidArgument, RankError
+from tpsim.props.judging import GroupContext, judge
 from tpsim.props.layouts import cover_bucket
-from tpsim.props.observation import DenseReferenceFailed, Observation, output_dtype_failure
-from tpsim.props.property_names import FORWARD
+from tpsim.props.observation import DenseReferenceFailed, Observation
+from tpsim.props.property_names import DIVISIBILITY
 from tpsim.props.sizes import DEFAULT_MAX_SIZE
 from tpsim.runner import DEFAULT_TIMEOUT
 
@@ -326,18 +327,94 @@ class Family:
             return Observation(case, world.data, error=err, divisible=divisible)
         return Observation(case, world.data, values=values, divisible=divisible)
 
-    def judge(self, variant: Any, obs: Observation, properties: Sequence[str] | None = None) -> list[Any]:
-        """The failures of one observation: what every family shares (an output that is no real
-        floating tensor, on a rank or as the variant's own dense reference, is ``wrong-dtype``), then
-        the family's own properties (:meth:`evaluate`)."""
-        wrong = output_dtype_failure(variant, obs)
-        if wrong is not None:
-            return [wrong] if FORWARD in (properties or self.properties) else []
-        return self.evaluate(variant, obs, properties)
+    # --- judging: the engine's (tpsim.props.judging); the family fills in its checks and contexts -------
 
-    def evaluate(self, variant: Any, obs: Observation, properties: Sequence[str] | None = None) -> list[Any]:
-        """The family's properties (default: all) on one observation; its failures, in order."""
-        raise NotImplementedError
+    #: The registry: each property the family checks on a tp group, and its check
+    #: (``check(ctx) -> Failure | None``, ``ctx`` the family's :class:`~tpsim.props.judging.GroupContext`),
+    #: in report order. ``divisibility`` is judged on the whole run (:meth:`refused`).
+    checks: ClassVar[Mapping[str, Any]] = {}
+    #: The family's group context (its dense reference of one tp group, what is replicated).
+    context_type: ClassVar[type] = GroupContext
+    #: How messages name the variant when it refuses sizes (``layer``, ``module``, ``block``).
+    noun: ClassVar[str] = "layer"
+
+    def judge(self, variant: Any, obs: Observation, properties: Sequence[str] | None = None) -> list[Any]:
+        """The failures of one observation: the engine's one path (:func:`tpsim.props.judging.judge`)."""
+        return judge(self, variant, obs, properties)
+
+    def wanted(self, variant: Any, properties: Sequence[str] | None) -> tuple[str, ...]:
+        """The properties to judge: those asked for (None: all) that apply to ``variant``; an unknown
+        name is refused."""
+        asked = tuple(properties or self.properties)
+        unknown = [p for p in asked if p not in self.properties]
+        if unknown:
+            raise InvalidArgument(f"unknown properties {unknown}; expected some of {list(self.properties)}")
+        applies = self.applicable(variant)
+        return tuple(p for p in asked if p in applies)
+
+    def context(self, variant: Any, obs: Observation, g: int, ranks: Sequence[int], values: list[Any]) -> Any:
+        """The :attr:`context_type` of tp group ``g`` (global ``ranks``, ``values`` in tp rank order)."""
+        return self.context_type(variant, obs, g, ranks, values)
+
+    def offending(self, variant: Any, case: Any) -> tuple[str, list[int]]:
+        """What does not divide in ``case`` (``"out_features=3 is not divisible by world_size=2"``) and
+        the sizes a clear refusal may name (default: the family has no sizes to shard)."""
+        tp = case.tp_size or case.world_size
+        return f"the case is not divisible by tp_size={tp}", [tp]
+
+    def refused(self, variant: Any, obs: Observation) -> list[Any]:
+        """``divisibility`` of a case whose sizes do not divide and whose run failed: every rank refused it
+        with an error that names a size or divisibility (holds); it failed only after every rank accepted
+        it, or some ranks refused and others did not (``divisibility-unchecked``), or a rank died."""
+        from tpsim.diagnosis import DIVISIBILITY_UNCHECKED, Failure
+        from tpsim.props.blame import failed_after_acceptance, refusal_failure
+
+        case = obs.case
+        what, sizes = self.offending(variant, case)
+        late = failed_after_acceptance(obs.error)  # type: ignore[arg-type]
+        if late is not None:
+            return [Failure(DIVISIBILITY, DIVISIBILITY_UNCHECKED,
+                            f"{what}; every rank built the {self.noun} and ran its first forward without refusing it, "
+                            f"but then {late[1]}; refuse the sizes on every rank at construction, or compute them "
+                            "right", case=case, rank=late[0], variant=variant.name, details={"accepted": True})]
+        found = refusal_failure(variant.name, case, obs.error, what, sizes, subject=self.noun,  # type: ignore[arg-type]
+                                assert_refuses=bool(getattr(variant, "forward_only", False)))
+        return [found] if found is not None else []
+
+    def accepted(self, variant: Any, obs: Observation, wanted: Sequence[str]) -> list[Any]:
+        """A case whose sizes do not divide that every rank accepted (default: judged on the pieces the
+        ranks hold, as any case: a padded vocabulary must be exact). A family whose variants must refuse
+        such sizes says ``divisibility-unchecked`` (:meth:`truncated`)."""
+        from tpsim.props.judging import judge_groups
+
+        return judge_groups(self, variant, obs, [p for p in wanted if p != DIVISIBILITY])
+
+    def truncated(self, variant: Any, obs: Observation) -> Any:
+        """``divisibility-unchecked``: every rank accepted sizes that do not divide without an error,
+        holding no pieces the family can judge (silently truncated or padded)."""
+        from tpsim.diagnosis import DIVISIBILITY_UNCHECKED, Failure
+
+        what, _ = self.offending(variant, obs.case)
+        return Failure(DIVISIBILITY, DIVISIBILITY_UNCHECKED,
+                       f"{what}, yet every rank built the {self.noun} and ran it without an error: the sizes were "
+                       "silently truncated or split unevenly; raise a ValueError naming the sizes",
+                       case=obs.case, variant=variant.name)
+
+    def failed_run(self, variant: Any, obs: Observation) -> Any:
+        """The one failure of a run that failed (default: :func:`tpsim.props.blame.run_failure`)."""
+        from tpsim.props.blame import run_failure
+
+        return run_failure(variant.name, obs.case, obs.error)  # type: ignore[arg-type]
+
+    def layout_failure(self, variant: Any, obs: Observation) -> Any:
+        """A parameter no rank could hold as the variant holds it, before anything is compared (default:
+        none)."""
+        return None
+
+    def wrong_group(self, variant: Any, obs: Observation, groups: list[list[int]]) -> dict[str, dict[str, Any]]:
+        """Per property, a collective over another set of ranks than the tp group, recognised in the
+        numbers (:mod:`tpsim.props.groups`; default: not recognised)."""
+        return {}
 
     def follow_up(self, variant: Any, case: Any, obs: Observation, failures: list[Any], *, backend: str,
                   timeout: float, isolate: bool, properties: Sequence[str] | None) -> list[Any]:

@@ -24,7 +24,15 @@ from tpsim.errors import InvalidArgument
 from tpsim.placement import Shard, part_sizes
 from tpsim.presets import preset_for_class, preset_for_target
 from tpsim.props.case import Case
-from tpsim.props.checks import PropertyFailed, evaluate
+from tpsim.props.checks import (
+    LINEAR_CHECKS,
+    LinearContext,
+    PropertyFailed,
+    accepted,
+    layout_failure,
+    offending,
+    wrong_group,
+)
 from tpsim.props.family import ADAPTER_OPTIONS, Family, World
 from tpsim.props.observation import Observation
 from tpsim.props.property_names import (
@@ -69,6 +77,8 @@ class LinearFamily(Family, name="linear", kinds=KINDS, variant_type=Variant, cas
 
     declared_list = "TPSIM_VARIANTS"
     adapter_options = tuple(k for k in ADAPTER_OPTIONS if k not in ("plan", "plan_twin"))
+    checks = LINEAR_CHECKS
+    context_type = LinearContext
 
     # --- targets -----------------------------------------------------------------------------------
 
@@ -223,12 +233,17 @@ class LinearFamily(Family, name="linear", kinds=KINDS, variant_type=Variant, cas
                    "pieces": pieces}
         return World(rank_main, payload, masters)
 
-    def evaluate(self, variant: Variant, obs: Observation, properties: Sequence[str] | None = None) -> list[Any]:
-        if variant.forward_only:
-            properties = [p for p in (properties or self.properties) if p in FORWARD_ONLY]
-            if not properties:
-                return []
-        return evaluate(variant, obs, properties)
+    def offending(self, variant: Variant, case: Case) -> tuple[str, list[int]]:
+        return offending(variant, case)
+
+    def accepted(self, variant: Variant, obs: Observation, wanted: Sequence[str]) -> list[Any]:
+        return accepted(self, variant, obs, wanted)
+
+    def failed_run(self, variant: Variant, obs: Observation) -> Any:
+        return layout_failure(variant, obs) or super().failed_run(variant, obs)
+
+    def wrong_group(self, variant: Variant, obs: Observation, groups: list[list[int]]) -> dict[str, dict[str, Any]]:
+        return wrong_group(variant, obs, groups)
 
     def follow_up(self, variant: Variant, case: Case, obs: Observation, failures: list[Any], *, backend: str,
                   timeout: float, isolate: bool, properties: Sequence[str] | None) -> list[Any]:

@@ -52,10 +52,11 @@ of the result itself — too loose to tell ``bias-missing`` from rounding.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FACTOR", "eps", "floor", "subnormal_step", "tolerance"]
+__all__ = ["FACTOR", "Tolerance", "eps", "floor", "subnormal_step", "tolerance"]
 
 #: Safety factor C in ``C * eps * sqrt(K + ws) * M``.
 FACTOR = 4.0
@@ -93,3 +94,21 @@ def tolerance(
     scale = factor * eps(dtype) * math.sqrt(max(int(reduction_length), 1) + max(int(world_size), 1))
     atol = floor(dtype, reduction_length=reduction_length, world_size=world_size, factor=factor)
     return magnitude.to(torch.float64) * scale + atol
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """The one tolerance model every family's checks use: the bound of each element of a result of a
+    given magnitude, computed in ``dtype`` by a tp group of ``world_size`` ranks with reductions of a
+    given length (:func:`tolerance`). Where the magnitudes come from is the family's: the product of
+    absolute values (linear layers), the magnitude run (a module), the dense twin's equivalent
+    magnitude (:mod:`tpsim.props.module.twin`)."""
+
+    dtype: torch.dtype
+    world_size: int
+
+    def bound(self, magnitude: torch.Tensor, reduction_length: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``tolerance(dtype, magnitude, reduction_length=..., world_size=...)`` (``dtype``: another
+        dtype than the case's, e.g. a narrower one a recogniser tries)."""
+        return tolerance(dtype or self.dtype, magnitude, reduction_length=reduction_length,
+                         world_size=self.world_size)

@@ -30,10 +30,8 @@ import torch
 from tpsim.attention_variant import AttentionVariant
 from tpsim.diagnosis import (
     ATTENTION_SCALE,
-    DIVISIBILITY_UNCHECKED,
     KV_HEADS_NOT_REPLICATED,
     QKV_HEAD_MISMATCH,
-    REPLICA_DIVERGENCE,
     SHAPE_ERROR,
     Failure,
     close,
@@ -42,12 +40,12 @@ from tpsim.diagnosis import (
 from tpsim.props.attention.case import AttentionCase
 from tpsim.props.attention.oracle import attention_reference
 from tpsim.props.attention.world import AttentionRankResult
-from tpsim.props.blame import refusal_failure, run_failure
-from tpsim.props.comparing import compare, failure, groups_of, replica, same_bits
+from tpsim.props.comparing import compare, failure
+from tpsim.props.judging import Check, GroupContext, Replicated, replica_consistency
 from tpsim.props.observation import OK, Observation
 from tpsim.props.property_names import BIAS_GRAD, DIVISIBILITY, FORWARD, INPUT_GRAD, REPLICA, WEIGHT_GRAD
 
-__all__ = ["ATTENTION_PROPERTIES", "divides", "evaluate_attention", "qkv_rows"]
+__all__ = ["ATTENTION_CHECKS", "ATTENTION_PROPERTIES", "AttentionContext", "divides", "qkv_rows"]
 
 #: The attention family's properties, in report order.
 ATTENTION_PROPERTIES = (FORWARD, INPUT_GRAD, WEIGHT_GRAD, BIAS_GRAD, REPLICA, DIVISIBILITY)
@@ -199,82 +197,64 @@ _PROPERTY = {"y": FORWARD, "x": INPUT_GRAD, "qkv.weight": WEIGHT_GRAD, "proj.wei
              "qkv.bias": BIAS_GRAD, "proj.bias": BIAS_GRAD}
 
 
-def evaluate_attention(variant: AttentionVariant, obs: Observation, properties: Sequence[str] | None = None) -> list[Failure]:
-    """Evaluate ``properties`` (default: all) of an attention case; return the failures, in order."""
-    case: AttentionCase = obs.case
-    wanted = tuple(properties or ATTENTION_PROPERTIES)
-    if not divides(case):
-        if obs.error is not None:
-            tp = case.tp_size or case.world_size
-            found = refusal_failure(
-                variant.name, case, obs.error,
-                f"num_heads={case.num_heads}, num_kv_heads={case.num_kv_heads} cannot be split over tp_size={tp} "
-                "(num_heads divisible by it, num_kv_heads and it dividing one another)",
-                [case.num_heads, case.num_kv_heads, tp], subject="block")
-            return [found] if found is not None and DIVISIBILITY in wanted else []
-        found = failure(variant, case, DIVISIBILITY, DIVISIBILITY_UNCHECKED,
-                        f"num_heads={case.num_heads}, num_kv_heads={case.num_kv_heads} cannot be split over "
-                        f"tp_size={case.tp_size}, yet every rank built the block and ran it: the heads were silently "
-                        "truncated or split unevenly; raise a ValueError naming the sizes")
-        return [found] if DIVISIBILITY in wanted else []
-    if obs.error is not None:
-        return [run_failure(variant.name, case, obs.error)]
-    values = obs.values or []
-    failures: dict[str, Failure] = {}
-    for g, group in enumerate(groups_of(case)):
-        ref = _reference(case, obs, g)
-        tp = len(group)
-        for i, r in enumerate(group):
-            v = values[r]
+class AttentionContext(GroupContext):
+    """One tp group of an attention case: the float64 reference of its data and the bounds."""
+
+    def __init__(self, variant: AttentionVariant, obs: Observation, g: int, ranks: Sequence[int],
+                 values: list[AttentionRankResult]) -> None:
+        super().__init__(variant, obs, g, ranks, values)
+        self.ref = _reference(self.case, obs, g)
+        self.group = list(range(self.tp))
+
+    def replicated(self) -> list[Replicated]:
+        values = self.values
+        items = [Replicated("the proj bias's grad", [v.grads.get("proj.bias") for v in values])]
+        if not self.variant.sequence_parallel:
+            items = [Replicated("the output", [v.output for v in values]),
+                     Replicated("the input's grad", [v.input_grad for v in values]), *items]
+        # A replicated key/value head: its K/V rows, and their grads, on every rank that holds it.
+        tp, kv = self.tp, self.case.num_kv_heads
+        if kv < tp:
+            q_rows = self.case.num_heads // tp * self.case.head_dim
+            for first in range(0, tp, tp // kv):
+                holders = range(first, first + tp // kv)
+                for read, what in ((lambda v: v.values, "the K/V rows of a replicated key/value head"),
+                                   (lambda v: v.grads, "the grad of a replicated key/value head's K/V rows")):
+                    for name in ("qkv.weight", "qkv.bias"):
+                        rows = [read(values[r]).get(name) for r in holders]
+                        items.append(Replicated(f"{what} ({name}) on ranks {list(holders)}",
+                                                [None if t is None else t[q_rows:] for t in rows], name,
+                                                ": a replica's grad must be summed over the ranks holding it"))
+        return items
+
+
+def _check(prop: str) -> Check:
+    def check(ctx: AttentionContext) -> Failure | None:
+        variant, case = ctx.variant, ctx.case
+        for i, v in enumerate(ctx.values):
             if v.status != OK:
                 out = v.output
-                failures.setdefault(FORWARD, failure(
-                    variant, case, FORWARD, SHAPE_ERROR,
-                    f"the output on rank {r} has shape {None if out is None else list(out.shape)} ({v.output_type}); "
-                    f"expected {list(_piece(case, variant, 'y', ref['y'][0], tp, i).shape)}", rank=r))
-                continue
+                return failure(variant, case, FORWARD, SHAPE_ERROR,
+                               f"the output on rank {i} has shape {None if out is None else list(out.shape)} "
+                               f"({v.output_type}); expected "
+                               f"{list(_piece(case, variant, 'y', ctx.ref['y'][0], ctx.tp, i).shape)}", rank=i)
             got = {"y": v.output, "x": v.input_grad, **v.grads}
-            for name, (full, tol) in ref.items():
-                prop = _PROPERTY[name]
-                if prop in failures or prop not in wanted:
+            for name, (full, tol) in ctx.ref.items():
+                if _PROPERTY[name] != prop:
                     continue
-                recognisers = ([partial(_kv_pairing, variant, case, obs, values, group, g),
-                                partial(_attention_scale, variant, case, obs, values, group, g)] if name == "y" else [])
-                found = compare(variant, case, prop, _NAMES[name], r, got.get(name),
-                                _piece(case, variant, name, full, tp, i), _piece(case, variant, name, tol, tp, i),
+                recognisers = ([partial(_kv_pairing, variant, case, ctx.obs, ctx.values, ctx.group, ctx.g),
+                                partial(_attention_scale, variant, case, ctx.obs, ctx.values, ctx.group, ctx.g)]
+                               if name == "y" else [])
+                found = compare(variant, case, prop, _NAMES[name], i, got.get(name),
+                                _piece(case, variant, name, full, ctx.tp, i), _piece(case, variant, name, tol, ctx.tp, i),
                                 recognisers)
                 if found is not None:
-                    failures[prop] = found
-    if REPLICA in wanted and not failures:
-        found = _replicas(variant, case, values)
-        if found is not None:
-            failures[REPLICA] = found
-    return [failures[p] for p in ATTENTION_PROPERTIES if p in failures]
-
-
-def _replicas(variant: AttentionVariant, case: AttentionCase, values: list[AttentionRankResult]) -> Failure | None:
-    items = [("the proj bias's grad", lambda v: v.grads.get("proj.bias"))]
-    if not variant.sequence_parallel:
-        items = [("the output", lambda v: v.output), ("the input's grad", lambda v: v.input_grad), *items]
-    found = replica(variant, case, values, items)
-    if found is not None:
-        return found
-    # A replicated key/value head: its K/V rows, and their grads, on every rank that holds it.
-    tp, kv = case.tp_size or case.world_size, case.num_kv_heads
-    if kv >= tp:
+                    return found
         return None
-    q_rows = case.num_heads // tp * case.head_dim
-    for group in groups_of(case):
-        for i, r in enumerate(group):
-            first = group[i - i % (tp // kv)]
-            for read, what in ((lambda v: v.values, "the K/V rows of a replicated key/value head"),
-                               (lambda v: v.grads, "the grad of a replicated key/value head's K/V rows")):
-                for name in ("qkv.weight", "qkv.bias"):
-                    a, b = (read(values[x]).get(name) for x in (r, first))
-                    if a is None or b is None or a.shape != b.shape:
-                        continue
-                    if not same_bits(a[q_rows:], b[q_rows:]):
-                        return failure(variant, case, REPLICA, REPLICA_DIVERGENCE,
-                                       f"{what} ({name}) differ between ranks {first} and {r}, which hold the same "
-                                       "head: a replica's grad must be summed over the ranks holding it", rank=r)
-    return None
+
+    return check
+
+
+#: The registry: the attention family's check of each property on one tp group.
+ATTENTION_CHECKS: dict[str, Check] = {**{p: _check(p) for p in (FORWARD, INPUT_GRAD, WEIGHT_GRAD, BIAS_GRAD)},
+                                      REPLICA: replica_consistency}

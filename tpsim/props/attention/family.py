@@ -19,7 +19,7 @@ from typing import Any
 from tpsim.attention_variant import ATTENTION_KIND, AttentionVariant
 from tpsim.errors import InvalidArgument
 from tpsim.props.attention.case import AttentionCase
-from tpsim.props.attention.checks import ATTENTION_PROPERTIES, divides, evaluate_attention
+from tpsim.props.attention.checks import ATTENTION_CHECKS, ATTENTION_PROPERTIES, AttentionContext, divides
 from tpsim.props.attention.strategies import attention_cases
 from tpsim.props.attention.world import attention_data, attention_rank
 from tpsim.props.family import Family, World
@@ -36,6 +36,9 @@ class AttentionFamily(Family, name="attention", kinds=(ATTENTION_KIND,), variant
     """Head-sharded attention blocks against float64 attention (see :mod:`tpsim.props.attention.checks`)."""
 
     strategy = staticmethod(attention_cases)
+    checks = ATTENTION_CHECKS
+    context_type = AttentionContext
+    noun = "block"
     dtypes = ATTENTION_DTYPES
     dtype_reason = "through a softmax the bfloat16/float16 rounding bound is as large as the bugs it looks for"
 
@@ -76,8 +79,14 @@ class AttentionFamily(Family, name="attention", kinds=(ATTENTION_KIND,), variant
         data = attention_data(case)
         return World(attention_rank, {"case": case, "data": data}, data)
 
-    def evaluate(self, variant: AttentionVariant, obs: Observation, properties: Sequence[str] | None = None) -> list[Any]:
-        return evaluate_attention(variant, obs, properties)
+    def offending(self, variant: AttentionVariant, case: AttentionCase) -> tuple[str, list[int]]:
+        tp = case.tp_size or case.world_size
+        return (f"num_heads={case.num_heads}, num_kv_heads={case.num_kv_heads} cannot be split over tp_size={tp} "
+                "(num_heads divisible by it, num_kv_heads and it dividing one another)",
+                [case.num_heads, case.num_kv_heads, tp])
+
+    def accepted(self, variant: AttentionVariant, obs: Observation, wanted: Sequence[str]) -> list[Any]:
+        return [self.truncated(variant, obs)]
 
 
 #: The attention family object (registered as ``"attention"`` in :mod:`tpsim.props.family`).

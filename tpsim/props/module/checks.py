@@ -55,11 +55,9 @@ from tpsim.diagnosis import (
     GRAD_SCALED,
     MISMATCH,
     MISSING_REDUCTION,
-    NONDETERMINISTIC,
     OUTPUT_DETACHED,
     PACKED_SHARD_LAYOUT,
     QKV_HEAD_MISMATCH,
-    REPLICA_DIVERGENCE,
     SHAPE_ERROR,
     WRONG_DTYPE,
     WRONG_SHARD_ORDER,
@@ -69,12 +67,12 @@ from tpsim.diagnosis import (
     recogniser,
 )
 from tpsim.diagnosis import spec as diagnosis_spec
-from tpsim.errors import InvalidArgument, RankDied
+from tpsim.errors import InvalidArgument
 from tpsim.module_variant import ModuleVariant
 from tpsim.patterns import bias_multiple, block_mapping, close, rank_summands, scale_factor
 from tpsim.placement import Placement, Replicate, Shard, part_sizes
-from tpsim.props.blame import death_failure, refusal_failure, run_failure
 from tpsim.props.groups import tp_groups
+from tpsim.props.judging import Check, GroupContext, Replicated, replica_consistency
 from tpsim.props.module.boundary import Capture
 from tpsim.props.module.case import ModuleCase
 from tpsim.props.module.sharding import ParamLayout, UnknownLayout, assemble_pieces, piece
@@ -89,22 +87,21 @@ from tpsim.props.module.world import (
     input_placement,
     output_placement,
 )
-from tpsim.props.observation import DETACHED, OUTPUT_SHAPE, NotDeterministic, Observation
+from tpsim.props.observation import DETACHED, OUTPUT_SHAPE, Observation
 from tpsim.props.property_names import (
     BIAS_GRAD,
     DIVISIBILITY,
     FORWARD,
     INPUT_GRAD,
-    PROPERTIES,
     REPLICA,
     TRAINING,
     WEIGHT_GRAD,
 )
 from tpsim.props.rank import LR, TRAIN_STEPS
-from tpsim.props.tolerance import tolerance
 from tpsim.variant import ParamSpec
 
-__all__ = ["NUMERIC_PATTERNS", "evaluate", "grad_property", "localise"]
+__all__ = ["MODULE_CHECKS", "NUMERIC_PATTERNS", "ModuleContext", "grad_property", "layout_failure", "localise",
+           "offending", "refuse_unknown_layouts", "truncated_piece"]
 
 _F64 = torch.float64
 _VALUE_PROPERTIES = (FORWARD, INPUT_GRAD, WEIGHT_GRAD, BIAS_GRAD)
@@ -127,17 +124,18 @@ def owner(name: str) -> str | None:
     return name.rpartition(".")[0] or None
 
 
-class _Ctx:
-    """What the evaluators need about one tp group of one case."""
+class ModuleContext(GroupContext):
+    """One tp group of a module case: the dense reference of the group (float64 values ``ref`` and
+    their magnitudes ``mag``, from the reference world), each parameter's layout as the ranks hold it,
+    and the parameters whose grads the trainer sums."""
 
-    def __init__(self, variant: ModuleVariant, obs: Observation, g: int, values: list[ModuleRankResult]):
-        self.variant, self.obs, self.g, self.values = variant, obs, g, values
-        self.case = obs.case
-        self.tp = len(values)
-        self.ref = obs.data.groups[g].value  # type: ignore[union-attr]
-        self.mag = obs.data.groups[g].mag  # type: ignore[union-attr]
-        self.dtype = obs.case.torch_dtype
+    def __init__(self, variant: ModuleVariant, obs: Observation, g: int, ranks: Sequence[int],
+                 values: list[ModuleRankResult]):
+        super().__init__(variant, obs, g, ranks, values)
         ref = obs.data
+        self.ref = ref.groups[g].value  # type: ignore[union-attr]
+        self.mag = ref.groups[g].mag  # type: ignore[union-attr]
+        #: The reduction length of the magnitude run's first-order bound (its stages' longest sum).
         self.k = ref.reduction + obs.case.rows  # type: ignore[union-attr]
         # A kink within rounding of a pre-activation flips its derivative: in a dtype narrower than
         # float64, grads through it are not determined by first-order bounds (see magnitude.py).
@@ -147,16 +145,31 @@ class _Ctx:
         #: Replicated parameters whose grad the trainer sums (see tpsim.props.module.world).
         self.partial = set(values[0].partial)
 
-    def tol(self, magnitude: torch.Tensor, kind: str) -> torch.Tensor:
-        # ``kind`` (forward, grad, training) names what is compared; the magnitude run's first-order
-        # propagation already carries each stage's rounding, so the bound is the same formula.
-        del kind
-        return tolerance(self.dtype, magnitude.to(_F64), reduction_length=self.k, world_size=self.tp)
+    def bound(self, magnitude: torch.Tensor) -> torch.Tensor:
+        """The bound of a compared tensor of ``magnitude``: the magnitude run's first-order propagation
+        (or the twin's equivalent magnitude) already carries each stage's rounding."""
+        return self.tol(magnitude.to(_F64), self.k)
 
-    def fail(self, prop: str, diag: Diagnosis, rank: int | None = None, sublayer: str | None = None,
-             **details: Any) -> Failure:
-        return Failure(prop, diag.name, diag.message, case=self.case, rank=rank, variant=self.variant.name,
-                       details={**diag.details, **details}, sublayer=sublayer)
+    def replicated(self) -> list[Replicated]:
+        items = [Replicated(f"{name} right after construction", [v.init.get(name) for v in self.values], name,
+                            f", although every rank was seeded alike (torch.manual_seed({self.case.seed})) before the "
+                            "build: its initialisation depends on the rank; draw it from the same RNG state on every "
+                            "rank or broadcast it after construction")
+                 for name, layout in self.layouts.items() if isinstance(layout.placement, Replicate)]
+        if self.variant.output == "replicated":
+            items.append(Replicated("the output", [v.output for v in self.values]))
+        if self.variant.input == "replicated" and self.variant.input_grad == "complete":
+            items.append(Replicated("the input grad", [v.input_grad for v in self.values]))
+        for name, layout in self.layouts.items() if not self.variant.forward_only else ():  # no grads, no steps
+            if isinstance(layout.placement, Replicate):
+                if name in self.partial:  # the trainer's sum must be the same bits everywhere
+                    items.append(Replicated(f"the {name} grad summed by the trainer",
+                                            [v.summed_grads.get(name) for v in self.values], name))
+                else:
+                    items.append(Replicated(f"the {name} grad", [v.grads.get(name) for v in self.values], name))
+                items.append(Replicated(f"{name} after {TRAIN_STEPS} SGD steps", [v.final.get(name) for v in self.values],
+                                        name))
+        return items
 
 
 # --- helpers over the pieces of one tensor --------------------------------------------------------
@@ -348,7 +361,7 @@ def diagnose_grad(pieces: list[torch.Tensor], full: torch.Tensor, tol: torch.Ten
 # --- the properties on one tp group ---------------------------------------------------------------
 
 
-def _forward(ctx: _Ctx) -> Failure | None:
+def _forward(ctx: ModuleContext) -> Failure | None:
     y = ctx.ref.y
     for r, v in enumerate(ctx.values):
         if v.status in (OUTPUT_SHAPE, DETACHED):
@@ -367,7 +380,7 @@ def _forward(ctx: _Ctx) -> Failure | None:
                             f"{ctx.case.dtype}: part of the module computes or communicates in another dtype"), r)
     pieces = [o.to(_F64) for o in outs]
     placement = output_placement(ctx.variant, y.dim())
-    tol = ctx.tol(ctx.mag.y, "forward")
+    tol = ctx.bound(ctx.mag.y)
     summed = ctx.variant.output == "partial"
     ok, _ = _compare(pieces, y, tol, placement, summed)
     if ok:
@@ -384,7 +397,7 @@ def _forward(ctx: _Ctx) -> Failure | None:
     return ctx.fail(FORWARD, diagnose_output(pieces, y, tol, placement, what=what))
 
 
-def _input_grad(ctx: _Ctx) -> Failure | None:
+def _input_grad(ctx: ModuleContext) -> Failure | None:
     dx = ctx.ref.dx
     if dx is None or not ctx.grads_bounded:
         return None
@@ -395,7 +408,7 @@ def _input_grad(ctx: _Ctx) -> Failure | None:
                             f"the input received no gradient on rank {r} (x.grad is None)"), r)
     placement = input_placement(ctx.variant, dx.dim())
     summed = ctx.variant.input == "replicated" and ctx.variant.input_grad == "partial"
-    tol = ctx.tol(ctx.mag.dx, "grad")
+    tol = ctx.bound(ctx.mag.dx)
     ok, total = _compare(grads, dx, tol, placement, summed)  # type: ignore[arg-type]
     if ok:
         return None
@@ -410,17 +423,17 @@ def _input_grad(ctx: _Ctx) -> Failure | None:
     return ctx.fail(INPUT_GRAD, diagnose_grad(grads, dx, tol, placement, what="the input grad"))  # type: ignore[arg-type]
 
 
-def param_grad_diagnosis(ctx: _Ctx, name: str, grads: list[torch.Tensor | None], full: torch.Tensor,
+def param_grad_diagnosis(ctx: ModuleContext, name: str, grads: list[torch.Tensor | None], full: torch.Tensor,
                          mag: torch.Tensor) -> Diagnosis | None:
     """None when every rank's grad of parameter ``name`` is its piece of the dense grad ``full``
     (``mag``: its magnitude); else what is wrong (the rank it shows on in ``details["rank"]``)."""
     layout = ctx.layouts[name]
     placement, tp = layout.placement, ctx.tp
     summed = name in ctx.partial
-    if _holds(grads, full, mag, lambda m: ctx.tol(m, "grad"), placement, summed, layout.uneven):
+    if _holds(grads, full, mag, ctx.bound, placement, summed, layout.uneven):
         return None
     grads = [_f64(g) for g in grads]
-    tol = ctx.tol(mag, "grad")
+    tol = ctx.bound(mag)
     missing = [r for r, g in enumerate(grads) if g is None]
     if not missing:
         ok, _ = _compare(grads, full, tol, placement, summed, layout.uneven)  # type: ignore[arg-type]
@@ -456,7 +469,7 @@ def param_grad_diagnosis(ctx: _Ctx, name: str, grads: list[torch.Tensor | None],
     return diag
 
 
-def _param_grads(ctx: _Ctx, prop: str) -> Failure | None:
+def _param_grads(ctx: ModuleContext, prop: str) -> Failure | None:
     if not ctx.grads_bounded:
         return None
     for name in ctx.layouts:
@@ -470,52 +483,16 @@ def _param_grads(ctx: _Ctx, prop: str) -> Failure | None:
     return None
 
 
-def _replica(ctx: _Ctx) -> Failure | None:
-    items: list[tuple[str, list[Any], str | None]] = []
-    for name, layout in ctx.layouts.items():
-        if isinstance(layout.placement, Replicate):
-            items.append((f"{name} right after construction", [v.init.get(name) for v in ctx.values],
-                          name))
-    if ctx.variant.output == "replicated":
-        items.append(("the output", [v.output for v in ctx.values], None))
-    if ctx.variant.input == "replicated" and ctx.variant.input_grad == "complete":
-        items.append(("the input grad", [v.input_grad for v in ctx.values], None))
-    for name, layout in ctx.layouts.items() if not ctx.variant.forward_only else ():  # forward-only: no grads, no steps
-        if isinstance(layout.placement, Replicate):
-            if name in ctx.partial:  # the trainer's sum must be the same bits everywhere
-                items.append((f"the {name} grad summed by the trainer",
-                              [v.summed_grads.get(name) for v in ctx.values], name))
-            else:
-                items.append((f"the {name} grad", [v.grads.get(name) for v in ctx.values], name))
-            items.append((f"{name} after {TRAIN_STEPS} SGD steps", [v.final.get(name) for v in ctx.values], name))
-    for what, tensors, param in items:
-        if any(t is None for t in tensors) or len({tuple(t.shape) for t in tensors}) > 1:
-            continue  # missing or mis-shaped tensors are the equivalence properties' findings
-        bad = [r for r in range(1, len(tensors)) if not torch.equal(tensors[r], tensors[0])]
-        if bad:
-            diff = max(float((tensors[r].to(_F64) - tensors[0].to(_F64)).abs().max()) for r in bad)
-            why = ""
-            if what.endswith("construction"):
-                why = (f", although every rank was seeded alike (torch.manual_seed({ctx.case.seed})) before the build: "
-                       "its initialisation depends on the rank; draw it from the same RNG state on every rank or "
-                       "broadcast it after construction")
-            return ctx.fail(REPLICA, Diagnosis(REPLICA_DIVERGENCE,
-                            f"{what} must be identical on every rank of the tp group, but ranks {bad} differ from rank 0 "
-                            f"(max abs difference {diff:.3g}){why}", {"ranks": bad, "max_abs": diff, "tensor": what}),
-                            bad[0], None if param is None else owner(param), **({"param": param} if param else {}))
-    return None
-
-
-def _training(ctx: _Ctx) -> Failure | None:
+def _training(ctx: ModuleContext) -> Failure | None:
     if not ctx.grads_bounded:
         return None
     for name, layout in ctx.layouts.items():
         want, mag = ctx.ref.final[name], ctx.mag.final[name]
         raw = [v.final.get(name) for v in ctx.values]
-        if _holds(raw, want, mag, lambda m: ctx.tol(m, "training"), layout.placement, False, layout.uneven):
+        if _holds(raw, want, mag, ctx.bound, layout.placement, False, layout.uneven):
             continue
         finals = [_f64(t) for t in raw]
-        tol = ctx.tol(mag, "training")
+        tol = ctx.bound(mag)
         what = f"{name} after {TRAIN_STEPS} SGD steps (lr {LR})"
         if any(f is None for f in finals):
             return ctx.fail(TRAINING, Diagnosis(SHAPE_ERROR, f"{what}: the parameter disappeared on some rank"),
@@ -534,13 +511,15 @@ def _training(ctx: _Ctx) -> Failure | None:
 # --- whole-run outcomes ---------------------------------------------------------------------------
 
 
-def _offending(variant: ModuleVariant, case: ModuleCase) -> dict[str, int]:
+def offending(variant: ModuleVariant, case: ModuleCase) -> tuple[str, list[int]]:
+    """What does not divide by the tp size in ``case`` (its sizes, a sequence-sharded input's length)."""
     tp = case.tp_size or case.world_size
     out = {n: s for n, s in zip(variant.sizes, case.sizes, strict=True) if s % tp}
     d = variant.sequence_dim_of(len(case.batch_shape) + 1) if variant.input == "sequence-sharded" else None
     if d is not None and case.batch_shape[d] % tp:
         out[f"the sequence length (dim {d})"] = case.batch_shape[d]
-    return out
+    size_name = "world_size" if tp == case.world_size else "tp_size"
+    return ", ".join(f"{n}={v}" for n, v in out.items()) + f" is not divisible by {size_name}={tp}", list(out.values())
 
 
 def _truncated(problem: LayoutProblem, tp: int) -> bool:
@@ -553,19 +532,12 @@ def _truncated(problem: LayoutProblem, tp: int) -> bool:
 
 
 @recogniser(DIVISIBILITY_UNCHECKED)
-def _divisibility(variant: ModuleVariant, obs: Observation) -> Failure | None:
-    """Refused on every rank with a clear error: holds. Refused on some ranks, or without saying
-    why, or accepted with pieces that are not pieces of the dense parameters: ``divisibility-unchecked``.
-    A piece that no layout explains along a dim that divides is :class:`UnknownLayout`, as in a
-    divisible case."""
-    case = obs.case
-    tp = case.tp_size or case.world_size
-    offending = _offending(variant, case)
-    size_name = "world_size" if tp == case.world_size else "tp_size"
-    what = ", ".join(f"{n}={v}" for n, v in offending.items()) + f" is not divisible by {size_name}={tp}"
-    if obs.error is not None:
-        return refusal_failure(variant.name, case, obs.error, what, list(offending.values()), subject="module",
-                               assert_refuses=variant.forward_only)
+def truncated_piece(variant: ModuleVariant, obs: Observation, what: str) -> Failure | None:
+    """A module that accepted sizes that do not divide must hold consistent pieces of the dense
+    parameters (``torch.tensor_split``'s for an uneven dim); a piece that is not one is
+    ``divisibility-unchecked``. A piece that no layout explains along a dim that divides is
+    :class:`UnknownLayout`, as in a divisible case."""
+    tp = obs.case.tp_size or obs.case.world_size
     for r, v in enumerate(obs.values or []):
         for problem in v.problems:
             if problem.kind == DECLARED or _truncated(problem, tp):
@@ -573,13 +545,13 @@ def _divisibility(variant: ModuleVariant, obs: Observation) -> Failure | None:
                                f"{what}, yet the module accepted it, and parameter {problem.param!r} has shape "
                                f"{list(problem.shape or ())} on rank {r} while the dense one is {list(problem.full or ())}: "
                                f"that is no 1/{tp} piece (nor a torch.tensor_split piece): the size was silently truncated "
-                               "or padded; raise a ValueError naming the sizes at construction", case=case, rank=r,
+                               "or padded; raise a ValueError naming the sizes at construction", case=obs.case, rank=r,
                                variant=variant.name, sublayer=owner(problem.param), details={"param": problem.param})
-    _refuse_unknown_layouts(obs)
+    refuse_unknown_layouts(obs)
     return None
 
 
-def _refuse_unknown_layouts(obs: Observation) -> None:
+def refuse_unknown_layouts(obs: Observation) -> None:
     """Raise :class:`UnknownLayout` for the first parameter whose layout no shape explains."""
     tp = obs.case.tp_size or obs.case.world_size
     for r, v in enumerate(obs.values or []):
@@ -588,29 +560,7 @@ def _refuse_unknown_layouts(obs: Observation) -> None:
                 raise UnknownLayout(problem.param, problem.shape, problem.full, r, tp)
 
 
-@recogniser(EXCEPTION, NONDETERMINISTIC)
-def _failed_run(variant: ModuleVariant, obs: Observation) -> Failure:
-    """The run failed: on the one-rank reference group (the module raised, or its rank died), else
-    on the tp group (:func:`tpsim.props.blame.run_failure`, as in every family)."""
-    failed = obs.reference_error
-    if failed is None:
-        return run_failure(variant.name, obs.case, obs.error)  # type: ignore[arg-type]
-    where = "on a tp group of one rank (the dense reference, float64)"
-    if isinstance(failed.error, NotDeterministic):
-        return Failure(FORWARD, NONDETERMINISTIC,
-                       f"the forward is not deterministic: run twice {where} on the same input, from the same "
-                       f"parameters and buffers, its outputs differ by up to {failed.error.max_abs:.3g}; put the "
-                       "module in eval mode (dropout) or seed it: nothing about its parallelism can be judged from "
-                       "outputs that change from run to run", case=obs.case, variant=variant.name,
-                       details={"phase": "reference", "max_abs": failed.error.max_abs})
-    if isinstance(failed.error, RankDied):
-        return death_failure(variant.name, obs.case, failed.error, context=f"{where}: ")
-    return Failure(FORWARD, EXCEPTION, f"the module raised when built and run {where}: {failed}", case=obs.case,
-                   variant=variant.name, traceback=failed.traceback_text.rstrip() or None,
-                   details={"phase": "reference"})
-
-
-def _layout_failure(variant: ModuleVariant, obs: Observation) -> Failure | None:
+def layout_failure(variant: ModuleVariant, obs: Observation) -> Failure | None:
     """A parameter missing or extra on a rank, or whose shape contradicts its declared placement, in a
     case whose sizes all divide; one laid out differently on different ranks. A shape no layout
     explains is a usage error (:class:`UnknownLayout`), raised when nothing else is wrong."""
@@ -632,7 +582,7 @@ def _layout_failure(variant: ModuleVariant, obs: Observation) -> Failure | None:
                            f"parameter {name!r} has shape {shape} on rank {r}, the dense module's is {full}: {why}",
                            case=obs.case, rank=r, variant=variant.name, sublayer=owner(name),
                            details={"param": name, "shape": shape, "expected_shape": full})
-    _refuse_unknown_layouts(obs)
+    refuse_unknown_layouts(obs)
     layouts = [v.layouts for v in obs.values or []]
     for name in layouts[0] if layouts else {}:
         seen = {(str(lay[name].placement), lay[name].uneven) for lay in layouts if name in lay}
@@ -643,58 +593,15 @@ def _layout_failure(variant: ModuleVariant, obs: Observation) -> Failure | None:
     return None
 
 
-def evaluate(variant: ModuleVariant, obs: Observation, properties: Sequence[str] | None = None) -> list[Failure]:
-    """Evaluate ``properties`` (default: all) on one observation; the failures, one group's, in order."""
-    wanted = tuple(properties or PROPERTIES)
-    unknown = [p for p in wanted if p not in PROPERTIES]
-    if unknown:
-        raise InvalidArgument(f"unknown properties {unknown}; expected some of {list(PROPERTIES)}")
-    if obs.reference_error is not None:
-        return [_failed_run(variant, obs)]
-    if not obs.divisible:
-        f = _divisibility(variant, obs) if DIVISIBILITY in wanted else None
-        if f is not None:
-            return [f]
-        if obs.error is not None or any(v.problems for v in obs.values or []):
-            return []  # refused clearly: nothing else to check
-    if obs.error is not None:
-        return [_failed_run(variant, obs)]
-    layout = _layout_failure(variant, obs)
-    if layout is not None:
-        return [layout]
-    case, values = obs.case, obs.values or []
-    for g, ranks in enumerate(tp_groups(case.world_size, case.tp_size or case.world_size, case.tp_layout)):
-        ctx = _Ctx(variant, obs, g, [values[r] for r in ranks])
-        failures = _evaluate_group(ctx, wanted)
-        if failures:
-            if len(ranks) != case.world_size:
-                for f in failures:
-                    if f.rank is not None:
-                        f.details = dict(f.details, tp_rank=f.rank)
-                        f.rank = ranks[f.rank]
-                    f.details = dict(f.details, group=g, group_ranks=list(ranks))
-                    f.message = f"in tp group {g} (global ranks {list(ranks)}; rank numbers below are tp ranks): {f.message}"
-            return failures
-    return []
-
-
-def _evaluate_group(ctx: _Ctx, wanted: Sequence[str]) -> list[Failure]:
-    evaluators: list[tuple[str, Callable[[], Failure | None]]] = [
-        (FORWARD, lambda: _forward(ctx)),
-        (INPUT_GRAD, lambda: _input_grad(ctx)),
-        (WEIGHT_GRAD, lambda: _param_grads(ctx, WEIGHT_GRAD)),
-        (BIAS_GRAD, lambda: _param_grads(ctx, BIAS_GRAD)),
-        (REPLICA, lambda: _replica(ctx)),
-    ]
-    if any(v.status in (OUTPUT_SHAPE, DETACHED) for v in ctx.values):
-        f = _forward(ctx)
-        return [f] if f is not None else []
-    failures = [f for name, fn in evaluators if name in wanted and (f := fn()) is not None]
-    if TRAINING in wanted and not failures:
-        f = _training(ctx)
-        if f is not None:
-            failures.append(f)
-    return failures
+#: The registry: the module family's check of each property on one tp group, in report order.
+MODULE_CHECKS: dict[str, Check] = {
+    FORWARD: _forward,
+    INPUT_GRAD: _input_grad,
+    WEIGHT_GRAD: lambda ctx: _param_grads(ctx, WEIGHT_GRAD),
+    BIAS_GRAD: lambda ctx: _param_grads(ctx, BIAS_GRAD),
+    REPLICA: replica_consistency,
+    TRAINING: _training,
+}
 
 
 # --- where: the first sublayer boundary that diverges ----------------------------------------------
@@ -746,7 +653,7 @@ class _Culprit:
 class _Boundaries:
     """The captured boundaries of one tp group: reference, magnitudes, and every rank's."""
 
-    def __init__(self, ctx: _Ctx, obs: Observation):
+    def __init__(self, ctx: ModuleContext, obs: Observation):
         self.ctx = ctx
         group = obs.data.groups[ctx.g]  # type: ignore[union-attr]
         self.ref = Capture.from_payload(group.value.capture or {})
@@ -773,8 +680,7 @@ class _Boundaries:
         pieces, full, mag = self.tensors(key)
         if full is None:
             return "-"
-        kind = "forward" if key[1] in ("in", "out") else "grad"
-        tol = self.ctx.tol(mag if mag is not None and mag.shape == full.shape else full.abs(), kind)
+        tol = self.ctx.bound(mag if mag is not None and mag.shape == full.shape else full.abs())
         return _boundary_match(pieces, full, tol, self.hints(key[0]))
 
     def biases(self, name: str) -> list[tuple[str, torch.Tensor]]:
@@ -786,8 +692,7 @@ class _Boundaries:
             return Diagnosis(GRAD_MISSING if key[1] in ("gin", "gout") else SHAPE_ERROR,
                              f"{what} is missing on some rank")
         ps = [p.to(_F64) for p in pieces]  # type: ignore[union-attr]
-        kind = "forward" if key[1] in ("in", "out") else "grad"
-        tol = self.ctx.tol(mag if mag is not None and mag.shape == full.shape else full.abs(), kind)
+        tol = self.ctx.bound(mag if mag is not None and mag.shape == full.shape else full.abs())
         placement = _piece_placement(ps, full)
         if key[1] == "out":
             return diagnose_output(ps, full, tol, placement, what=what, biases=self.biases(key[0]))
@@ -825,7 +730,7 @@ _PHRASES = {"out": "the output of {s} (its input matches the reference's)",
             "param": "a parameter grad of {s} (its output grad matches the reference's)"}
 
 
-def _localise(ctx: _Ctx, obs: Observation) -> tuple[_Culprit | None, _Culprit | None]:
+def _localise(ctx: ModuleContext, obs: Observation) -> tuple[_Culprit | None, _Culprit | None]:
     """The first forward and the first backward divergence (see the module docstring).
 
     A boundary whose pieces are each only a summand is consistent (the code after it may reduce
@@ -1085,7 +990,7 @@ def localise(variant: ModuleVariant, case: ModuleCase, obs: Observation, failure
         if traced.values is not None and traced.data is not None:
             g = value_failures[0].details.get("group", 0)
             ranks = tp_groups(case.world_size, case.tp_size or case.world_size, case.tp_layout)[g]
-            ctx = _Ctx(variant, traced, g, [traced.values[r] for r in ranks])
+            ctx = ModuleContext(variant, traced, g, ranks, [traced.values[r] for r in ranks])
             fwd, bwd = _localise(ctx, traced)
             causes = _apply(failures, fwd, bwd, ctx.layouts)
             first = causes[0] if causes else None

@@ -32,7 +32,15 @@ from tpsim.module_variant import GROUP_KEYWORDS, MODULE_KIND, ModuleVariant, mod
 from tpsim.placement import Replicate
 from tpsim.props.family import ADAPTER_OPTIONS, Family, World
 from tpsim.props.module.case import ModuleCase
-from tpsim.props.module.checks import NUMERIC_PATTERNS, evaluate, localise
+from tpsim.props.module.checks import (
+    MODULE_CHECKS,
+    NUMERIC_PATTERNS,
+    ModuleContext,
+    layout_failure,
+    localise,
+    offending,
+    truncated_piece,
+)
 from tpsim.props.module.plans import PlanVariant, name_plan_entry, plan_variant, resolve_plan, twin_variant
 from tpsim.props.module.strategies import MAX_PER_RANK, module_cases
 from tpsim.props.module.world import ModuleData, Reference, Ties, is_divisible, rank_main, reference_run
@@ -57,6 +65,9 @@ class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=Mod
     params_inferred = True
     dtypes = None  # every dtype: the dense twin judges what the derived bound cannot
     confirmed_in_float64 = NUMERIC_PATTERNS
+    checks = MODULE_CHECKS
+    context_type = ModuleContext
+    noun = "module"
 
     # --- targets -----------------------------------------------------------------------------------
 
@@ -184,12 +195,18 @@ class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=Mod
         data = ModuleData(ref.shapes, ref.masters, ref.inputs, ref.grads)
         return World(rank_main, {"case": case, "data": data, "capture": capture}, ref)
 
-    def evaluate(self, variant: ModuleVariant, obs: Observation, properties: Sequence[str] | None = None) -> list[Any]:
-        if variant.forward_only:
-            properties = [p for p in (properties or self.properties) if p in FORWARD_ONLY]
-            if not properties:
-                return []
-        return evaluate(variant, obs, properties)
+    def offending(self, variant: ModuleVariant, case: ModuleCase) -> tuple[str, list[int]]:
+        return offending(variant, case)
+
+    def accepted(self, variant: ModuleVariant, obs: Observation, wanted: Sequence[str]) -> list[Any]:
+        # Consistent pieces (torch.tensor_split's for an uneven dim) must compute the dense result.
+        found = truncated_piece(variant, obs, offending(variant, obs.case)[0])
+        if found is not None or any(v.problems for v in obs.values or []):
+            return [found] if found is not None else []  # a parameter missing or extra: refused
+        return super().accepted(variant, obs, wanted)
+
+    def layout_failure(self, variant: ModuleVariant, obs: Observation) -> Any:
+        return layout_failure(variant, obs)
 
     def follow_up(self, variant: ModuleVariant, case: ModuleCase, obs: Observation, failures: list[Any], *,
                   backend: str, timeout: float, isolate: bool, properties: Sequence[str] | None) -> list[Any]:
@@ -197,8 +214,8 @@ class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=Mod
             return self.observe(variant, case, backend=backend, timeout=timeout, capture=True, isolate=isolate)
 
         def rerun(other: ModuleVariant, **how: Any) -> list[Any]:
-            return evaluate(other, self.observe(other, case, backend=backend, timeout=timeout, isolate=isolate, **how),
-                            (FORWARD,))
+            return self.judge(other, self.observe(other, case, backend=backend, timeout=timeout, isolate=isolate,
+                                                  **how), (FORWARD,))
 
         failures = localise(variant, case, obs, failures, traced, rerun)
         if not variant.forward_only and obs.values and all(getattr(v, "frozen", False) for v in obs.values):

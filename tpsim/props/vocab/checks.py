@@ -59,8 +59,9 @@ from tpsim.diagnosis import (
     recogniser,
 )
 from tpsim.errors import RankError
-from tpsim.props.blame import VariantRaised, blame, refusal_failure, run_failure
-from tpsim.props.comparing import compare, failure, groups_of, replica
+from tpsim.props.blame import VariantRaised, blame, run_failure
+from tpsim.props.comparing import compare, failure
+from tpsim.props.judging import Check, GroupContext, Replicated, replica_consistency
 from tpsim.props.observation import OK, OUTPUT_SHAPE, Observation
 from tpsim.props.property_names import DIVISIBILITY, FORWARD, INPUT_GRAD, REPLICA, WEIGHT_GRAD
 from tpsim.props.tolerance import eps, tolerance
@@ -76,10 +77,13 @@ from tpsim.props.vocab.world import (
 from tpsim.vocab_variant import CrossEntropyVariant, EmbeddingVariant
 
 __all__ = [
+    "CROSS_ENTROPY_CHECKS",
     "CROSS_ENTROPY_PROPERTIES",
+    "EMBEDDING_CHECKS",
     "EMBEDDING_PROPERTIES",
-    "evaluate_cross_entropy",
-    "evaluate_embedding",
+    "CrossEntropyContext",
+    "EmbeddingContext",
+    "cross_entropy_failed",
 ]
 
 #: The embedding family's properties, in report order.
@@ -93,12 +97,13 @@ _F64 = torch.float64
 # --- embeddings ----------------------------------------------------------------------------------
 
 
-def _unmasked_leak(case: EmbeddingCase, values: list[EmbeddingRankResult], group: list[int], ids: torch.Tensor,
+def _unmasked_leak(case: EmbeddingCase, values: list[EmbeddingRankResult], ids: torch.Tensor,
                    ref: torch.Tensor) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
     """The outputs an embedding would give whose ranks add a row for ids they do not own (rows read from
-    the ranks' stored tables); ``(how, leaky output, its magnitude)`` for each way of picking the row."""
-    tp = len(group)
-    stored = [values[r].weight for r in group]
+    the ranks' stored tables; ``values`` in tp rank order); ``(how, leaky output, its magnitude)`` for
+    each way of picking the row."""
+    tp = len(values)
+    stored = [v.weight for v in values]
     if any(w is None for w in stored):
         return
     sizes = [w.shape[0] for w in stored]
@@ -118,76 +123,83 @@ def _unmasked_leak(case: EmbeddingCase, values: list[EmbeddingRankResult], group
 
 
 @recogniser(VOCAB_MASK_MISSING)
-def _vocab_mask_missing(variant: Any, case: EmbeddingCase, values: list[EmbeddingRankResult], group: list[int],
+def _vocab_mask_missing(variant: Any, case: EmbeddingCase, values: list[EmbeddingRankResult],
                         ids: torch.Tensor, ref: torch.Tensor, rank: int) -> Failure | None:
     """Every rank's output is the dense lookup plus one row of each rank not owning the id."""
-    if len(group) < 2:
+    tp = len(values)
+    if tp < 2:
         return None
     got = values[rank].output
-    for how, leaky, mag in _unmasked_leak(case, values, group, ids, ref):
-        tol = tolerance(case.torch_dtype, mag, reduction_length=len(group), world_size=len(group))
+    for how, leaky, mag in _unmasked_leak(case, values, ids, ref):
+        tol = tolerance(case.torch_dtype, mag, reduction_length=tp, world_size=tp)
         if close(got, leaky, tol) and not close(got, ref, tol):
             return failure(
                 variant, case, FORWARD, VOCAB_MASK_MISSING,
                 f"the output on rank {rank} is the dense lookup plus, for every id, the {how} row of each of the "
-                f"{len(group) - 1} other ranks: ranks look up ids they do not own without zeroing those rows "
+                f"{tp - 1} other ranks: ranks look up ids they do not own without zeroing those rows "
                 "before the all-reduce (mask the rows of ids outside the rank's vocabulary range)",
                 rank=rank, details={"row": how})
     return None
 
 
-def evaluate_embedding(variant: EmbeddingVariant, obs: Observation, properties: Sequence[str] | None = None) -> list[Failure]:
-    """Evaluate ``properties`` (default: all) of an embedding case; return the failures, in order."""
-    case: EmbeddingCase = obs.case
-    wanted = tuple(properties or EMBEDDING_PROPERTIES)
-    tp = case.tp_size or case.world_size
-    divides = case.vocab_size % tp == 0
-    if obs.error is not None:
-        if not divides:
-            found = refusal_failure(variant.name, case, obs.error, f"vocab_size={case.vocab_size} is not divisible by "
-                                    f"tp_size={tp}", [case.vocab_size, tp])
-            return [found] if found is not None and DIVISIBILITY in wanted else []
-        return [run_failure(variant.name, case, obs.error, backward=WEIGHT_GRAD)]
-    values = obs.values or []
-    failures: list[Failure] = []
-    for g, group in enumerate(groups_of(case)):
-        ids, upstream = obs.data.ids[g], obs.data.grads[g].to(_F64)
+class EmbeddingContext(GroupContext):
+    """One tp group of an embedding case: its ids and upstream grad, the float64 dense lookup, and
+    how many rows of the table each rank stores."""
+
+    def __init__(self, variant: EmbeddingVariant, obs: Observation, g: int, ranks: Sequence[int],
+                 values: list[EmbeddingRankResult]) -> None:
+        super().__init__(variant, obs, g, ranks, values)
+        self.ids, self.upstream = obs.data.ids[g], obs.data.grads[g].to(_F64)
         # A lookup copies rows: widening the rows looked up equals looking up in the widened table
         # (which, at a realistic vocabulary, is a [V, D] float64 copy).
-        ref = F.embedding(ids, obs.data.table).to(_F64)
-        sizes = [values[r].rows for r in group]
-        dense_grad: tuple[torch.Tensor, torch.Tensor] | None = None  # the [V, D] grad: only for a failure
-        for i, r in enumerate(group):
-            v = values[r]
-            if v.status != OK:
-                failures.append(_embedding_layout_failure(variant, case, v, r, divides))
-                break
-            found = compare(variant, case, FORWARD, "the embedding output", r, v.output, ref,
-                             tolerance(case.torch_dtype, ref.abs(), reduction_length=1, world_size=tp),
-                             [partial(_vocab_mask_missing, variant, case, values, group, ids, ref, r)])
-            if found is not None and FORWARD in wanted:
-                failures.append(found)
-                break
-            where = vocab_rows(v.rows, case.vocab_size, tp, i, sizes)  # type: ignore[arg-type]
-            if where is None:
-                failures.append(_embedding_layout_failure(variant, case, dataclasses.replace(
-                    v, status=WEIGHT_SHAPE, shape=(v.rows, case.embedding_dim)), r, divides))
-                break
-            if WEIGHT_GRAD in wanted and not _grad_rows_hold(case, ids, upstream, where, v.weight_grad, tp):
-                if dense_grad is None:
-                    dense_grad = _table_grad(case, ids, upstream)
-                expected, mag = _rows_of(case, dense_grad, where)
-                tol = tolerance(case.torch_dtype, mag, reduction_length=case.rows, world_size=tp)
-                found = compare(variant, case, WEIGHT_GRAD, "the embedding table's grad", r, v.weight_grad,
-                                 expected, tol)
-                if found is not None:
-                    failures.append(found)
-                    break
-    if REPLICA in wanted and not failures:
-        found = replica(variant, case, values, [("the embedding output", lambda v: v.output)])
+        self.ref = F.embedding(self.ids, obs.data.table).to(_F64)
+        self.sizes = [v.rows for v in values]
+        self.divides = self.case.vocab_size % self.tp == 0
+
+    def replicated(self) -> list[Replicated]:
+        return [Replicated("the embedding output", [v.output for v in self.values])]
+
+    def rows(self, i: int) -> tuple[int, int] | None:
+        """The rows of the table tp rank ``i`` stores (None: no row shard of the table)."""
+        return vocab_rows(self.values[i].rows, self.case.vocab_size, self.tp, i, self.sizes)  # type: ignore[arg-type]
+
+
+def _embedding_forward(ctx: EmbeddingContext) -> Failure | None:
+    variant, case = ctx.variant, ctx.case
+    for i, v in enumerate(ctx.values):
+        if v.status != OK:
+            return _embedding_layout_failure(variant, case, v, i, ctx.divides)
+        found = compare(variant, case, FORWARD, "the embedding output", i, v.output, ctx.ref,
+                        ctx.tol(ctx.ref.abs(), 1),
+                        [partial(_vocab_mask_missing, variant, case, ctx.values, ctx.ids, ctx.ref, i)])
         if found is not None:
-            failures.append(found)
-    return [f for f in failures if f.property in wanted]
+            return found
+        if ctx.rows(i) is None:
+            return _embedding_layout_failure(variant, case, dataclasses.replace(
+                v, status=WEIGHT_SHAPE, shape=(v.rows, case.embedding_dim)), i, ctx.divides)
+    return None
+
+
+def _embedding_weight_grad(ctx: EmbeddingContext) -> Failure | None:
+    case = ctx.case
+    dense_grad: tuple[torch.Tensor, torch.Tensor] | None = None  # the [V, D] grad: only for a failure
+    for i, v in enumerate(ctx.values):
+        where = ctx.rows(i) if v.status == OK else None
+        if where is None or _grad_rows_hold(case, ctx.ids, ctx.upstream, where, v.weight_grad, ctx.tp):
+            continue  # a rank that stores no row shard is the forward's finding
+        if dense_grad is None:
+            dense_grad = _table_grad(case, ctx.ids, ctx.upstream)
+        expected, mag = _rows_of(case, dense_grad, where)
+        found = compare(ctx.variant, case, WEIGHT_GRAD, "the embedding table's grad", i, v.weight_grad, expected,
+                        ctx.tol(mag, case.rows))
+        if found is not None:
+            return found
+    return None
+
+
+#: The registry: the embedding family's check of each property on one tp group.
+EMBEDDING_CHECKS: dict[str, Check] = {FORWARD: _embedding_forward, WEIGHT_GRAD: _embedding_weight_grad,
+                                      REPLICA: replica_consistency}
 
 
 def _table_grad(case: EmbeddingCase, ids: torch.Tensor, upstream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -641,70 +653,76 @@ def _hidden_grad_not_reduced(variant: Any, case: CrossEntropyCase, ref: _CrossEn
                     rank=rank)
 
 
-def evaluate_cross_entropy(variant: CrossEntropyVariant, obs: Observation,
-                           properties: Sequence[str] | None = None) -> list[Failure]:
-    """Evaluate ``properties`` (default: all that apply) of a cross-entropy case; return the failures."""
-    case: CrossEntropyCase = obs.case
-    wanted = tuple(properties or CROSS_ENTROPY_PROPERTIES)
-    if obs.error is not None:
-        found = _smoothing_shard_of_one(variant, case, obs) if FORWARD in wanted else None
-        return [found if found is not None else run_failure(variant.name, case, obs.error)]
-    values = obs.values or []
-    tp = case.tp_size or case.world_size
-    failures: list[Failure] = []
-    for g, group in enumerate(groups_of(case)):
-        ref = _CrossEntropyReference(variant, case, obs, g)
-        for r in group:
-            v = values[r]
-            if v.status != OK:
-                out = v.output
-                expected = list(case.batch_shape) if case.reduction == "none" else []
-                failures.append(failure(variant, case, FORWARD, SHAPE_ERROR,
-                                         f"the loss on rank {r} has shape {None if out is None else list(out.shape)} "
-                                         f"({v.output_type}); expected {expected} for reduction="
-                                         f"{case.reduction!r}", rank=r))
-                return [f for f in failures if f.property in wanted]
-            loss_recognisers = [partial(fn, variant, case, ref, values, group) for fn in
-                                (_loss_off_by_log_tp, _smoothing_per_shard, _max_not_reduced, _padding_in_softmax)]
-            found = compare(variant, case, FORWARD, "the loss", r, v.output, ref.loss, ref.loss_tol,
-                             loss_recognisers)
-            if found is not None:
-                failures.append(found)
-                break
-        for i, r in enumerate(group):
-            v = values[r]
-            if variant.input == "logits":
-                width = ref.logits_grad.shape[-1] // tp
-                cols = slice(i * width, (i + 1) * width)
-                found = compare(variant, case, INPUT_GRAD, "the logits' grad", r, v.input_grad,
-                                 ref.logits_grad[..., cols], ref.logits_tol[..., cols],
-                                 [partial(_smoothing_per_shard_grad, variant, case, ref, values, group)])
-            else:
-                found = compare(variant, case, INPUT_GRAD, "the hidden states' grad", r, v.hidden_grad,
-                                 ref.hidden_grad, ref.hidden_tol,
-                                 [partial(_hidden_grad_not_reduced, variant, case, ref, values, group, r)])
-            if found is not None:
-                failures.append(found)
-                break
-        if variant.input == "hidden":
-            width = ref.weight_grad.shape[0] // tp
-            for i, r in enumerate(group):
-                rows = slice(i * width, (i + 1) * width)
-                found = compare(variant, case, WEIGHT_GRAD, "the classifier rows' grad", r, values[r].weight_grad,
-                                 ref.weight_grad[rows], ref.weight_tol[rows])
-                if found is not None:
-                    failures.append(found)
-                    break
-    if REPLICA in wanted:
-        items = [("the loss", lambda v: v.output)] + ([("the hidden states' grad", lambda v: v.hidden_grad)]
-                                                      if variant.input == "hidden" else [])
-        found = replica(variant, case, values, items)
+class CrossEntropyContext(GroupContext):
+    """One tp group of a cross-entropy case: ``F.cross_entropy`` in float64, its grads and their bounds
+    (:class:`_CrossEntropyReference`)."""
+
+    def __init__(self, variant: CrossEntropyVariant, obs: Observation, g: int, ranks: Sequence[int],
+                 values: list[CrossEntropyRankResult]) -> None:
+        super().__init__(variant, obs, g, ranks, values)
+        self.ref = _CrossEntropyReference(variant, self.case, obs, g)
+        self.group = list(range(self.tp))  # the recognisers read every rank of the group, in tp rank order
+
+    def replicated(self) -> list[Replicated]:
+        items = [Replicated("the loss", [v.output for v in self.values])]
+        if self.variant.input == "hidden":
+            items.append(Replicated("the hidden states' grad", [v.hidden_grad for v in self.values]))
+        return items
+
+
+def _loss(ctx: CrossEntropyContext) -> Failure | None:
+    variant, case, ref, values = ctx.variant, ctx.case, ctx.ref, ctx.values
+    for r, v in enumerate(values):
+        if v.status != OK:
+            out = v.output
+            expected = list(case.batch_shape) if case.reduction == "none" else []
+            return failure(variant, case, FORWARD, SHAPE_ERROR,
+                           f"the loss on rank {r} has shape {None if out is None else list(out.shape)} "
+                           f"({v.output_type}); expected {expected} for reduction={case.reduction!r}", rank=r)
+        recognisers = [partial(fn, variant, case, ref, values, ctx.group) for fn in
+                       (_loss_off_by_log_tp, _smoothing_per_shard, _max_not_reduced, _padding_in_softmax)]
+        found = compare(variant, case, FORWARD, "the loss", r, v.output, ref.loss, ref.loss_tol, recognisers)
         if found is not None:
-            failures.append(found)
-    seen: set[str] = set()
-    result = []
-    for f in failures:  # one failure per property: the first group's
-        if f.property in wanted and f.property not in seen:
-            seen.add(f.property)
-            result.append(f)
-    return result
+            return found
+    return None
+
+
+def _input_grad(ctx: CrossEntropyContext) -> Failure | None:
+    variant, case, ref, values = ctx.variant, ctx.case, ctx.ref, ctx.values
+    for r, v in enumerate(values):
+        if variant.input == "logits":
+            width = ref.logits_grad.shape[-1] // ctx.tp
+            cols = slice(r * width, (r + 1) * width)
+            found = compare(variant, case, INPUT_GRAD, "the logits' grad", r, v.input_grad,
+                            ref.logits_grad[..., cols], ref.logits_tol[..., cols],
+                            [partial(_smoothing_per_shard_grad, variant, case, ref, values, ctx.group)])
+        else:
+            found = compare(variant, case, INPUT_GRAD, "the hidden states' grad", r, v.hidden_grad,
+                            ref.hidden_grad, ref.hidden_tol,
+                            [partial(_hidden_grad_not_reduced, variant, case, ref, values, ctx.group, r)])
+        if found is not None:
+            return found
+    return None
+
+
+def _classifier_grad(ctx: CrossEntropyContext) -> Failure | None:
+    ref = ctx.ref
+    width = ref.weight_grad.shape[0] // ctx.tp
+    for r, v in enumerate(ctx.values):
+        rows = slice(r * width, (r + 1) * width)
+        found = compare(ctx.variant, ctx.case, WEIGHT_GRAD, "the classifier rows' grad", r, v.weight_grad,
+                        ref.weight_grad[rows], ref.weight_tol[rows])
+        if found is not None:
+            return found
+    return None
+
+
+#: The registry: the cross-entropy family's check of each property on one tp group (weight grads:
+#: hidden-state variants only, see the family's ``applicable``).
+CROSS_ENTROPY_CHECKS: dict[str, Check] = {FORWARD: _loss, INPUT_GRAD: _input_grad, WEIGHT_GRAD: _classifier_grad,
+                                          REPLICA: replica_consistency}
+
+
+def cross_entropy_failed(variant: CrossEntropyVariant, obs: Observation) -> Failure:
+    """A run that failed: the crash of per-shard smoothing with one id per rank, else the run's failure."""
+    return _smoothing_shard_of_one(variant, obs.case, obs) or run_failure(variant.name, obs.case, obs.error)  # type: ignore[arg-type]

@@ -15,7 +15,7 @@ functions), judged against ``nn.Embedding`` / ``F.cross_entropy`` in float64 by
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
@@ -34,10 +34,13 @@ from tpsim.props.observation import Observation
 from tpsim.props.property_names import WEIGHT_GRAD
 from tpsim.props.vocab.case import CrossEntropyCase, EmbeddingCase
 from tpsim.props.vocab.checks import (
+    CROSS_ENTROPY_CHECKS,
     CROSS_ENTROPY_PROPERTIES,
+    EMBEDDING_CHECKS,
     EMBEDDING_PROPERTIES,
-    evaluate_cross_entropy,
-    evaluate_embedding,
+    CrossEntropyContext,
+    EmbeddingContext,
+    cross_entropy_failed,
 )
 from tpsim.props.vocab.strategies import cross_entropy_cases, embedding_cases
 from tpsim.props.vocab.world import cross_entropy_data, cross_entropy_rank, embedding_data, embedding_rank
@@ -92,6 +95,8 @@ class EmbeddingFamily(_VocabFamily, name="embedding", kinds=(EMBEDDING_KIND,), v
     """Vocab-parallel embeddings against ``nn.Embedding`` (see :mod:`tpsim.props.vocab.checks`)."""
 
     strategy = staticmethod(embedding_cases)  # ids are integers: memory layouts of floating inputs do not apply
+    checks = EMBEDDING_CHECKS
+    context_type = EmbeddingContext
 
     def _from_kind(self, obj: Any) -> EmbeddingVariant:
         if isinstance(obj, type) and issubclass(obj, nn.Module):
@@ -112,8 +117,14 @@ class EmbeddingFamily(_VocabFamily, name="embedding", kinds=(EMBEDDING_KIND,), v
         data = embedding_data(case, variant.padding_multiple)
         return World(embedding_rank, {"case": case, "data": data}, data)
 
-    def evaluate(self, variant: EmbeddingVariant, obs: Observation, properties: Sequence[str] | None = None) -> list[Any]:
-        return evaluate_embedding(variant, obs, properties)
+    def offending(self, variant: EmbeddingVariant, case: EmbeddingCase) -> tuple[str, list[int]]:
+        tp = case.tp_size or case.world_size
+        return f"vocab_size={case.vocab_size} is not divisible by tp_size={tp}", [case.vocab_size, tp]
+
+    def failed_run(self, variant: EmbeddingVariant, obs: Observation) -> Any:
+        from tpsim.props.blame import run_failure
+
+        return run_failure(variant.name, obs.case, obs.error, backward=WEIGHT_GRAD)  # type: ignore[arg-type]
 
 
 class CrossEntropyFamily(_VocabFamily, name="cross-entropy", kinds=(CROSS_ENTROPY_KIND,),
@@ -122,6 +133,8 @@ class CrossEntropyFamily(_VocabFamily, name="cross-entropy", kinds=(CROSS_ENTROP
     """Vocab-parallel cross-entropies against ``F.cross_entropy`` (see :mod:`tpsim.props.vocab.checks`)."""
 
     strategy = staticmethod(cross_entropy_cases)
+    checks = CROSS_ENTROPY_CHECKS
+    context_type = CrossEntropyContext
 
     # Losses read from numeric patterns (an offset of log tp, a per-shard smoothing term): on a
     # bfloat16/float16/float32 case, named only as the same case in float64 shows them.
@@ -165,9 +178,8 @@ class CrossEntropyFamily(_VocabFamily, name="cross-entropy", kinds=(CROSS_ENTROP
         data = cross_entropy_data(case, "ignore_index" in variant.accepts)
         return World(cross_entropy_rank, {"case": case, "data": data}, data)
 
-    def evaluate(self, variant: CrossEntropyVariant, obs: Observation,
-                 properties: Sequence[str] | None = None) -> list[Any]:
-        return evaluate_cross_entropy(variant, obs, properties)
+    def failed_run(self, variant: CrossEntropyVariant, obs: Observation) -> Any:
+        return cross_entropy_failed(variant, obs)
 
 
 #: The embedding family object (registered as ``"embedding"`` in :mod:`tpsim.props.family`).
