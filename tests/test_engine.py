@@ -1,7 +1,8 @@
 """The one property engine (tpsim/props/family.py): what it does once for every family.
 
-A family is a variant type, a case type, a rank function, a dense reference and its diagnoses — the
-toy ``scale`` family below is all of that in some sixty lines, and the search, case files, fault
+A family is a variant type, a case type, a rank function, its registry of checks (property -> check
+of one tp group's context) and its diagnoses — the toy ``scale`` family below is all of that in some
+sixty lines, and the search, case files, fault
 plans and the pytest suite take it as they take tpsim's own. The rest checks what every family gets
 from the engine: the properties a family declares are the ones it is tested and reported on,
 ``--rank-local`` and ``--param-grad`` reach every family, ``--faults`` runs on every family,
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -24,18 +24,18 @@ from hypothesis.database import InMemoryExampleDatabase
 
 from tpsim import builtin_variants
 from tpsim.cli import KIND_CHOICES, main
-from tpsim.diagnosis import MISMATCH, MISSING_REDUCTION, Failure
+from tpsim.diagnosis import MISMATCH, MISSING_REDUCTION, Diagnosis, Failure
 from tpsim.errors import InvalidArgument
 from tpsim.mutants import CATALOG
 from tpsim.props.case import CaseBase, load_case, save_case
 from tpsim.props.family import FAMILIES, Family, World, family_named, kind_choices, register
 from tpsim.props.faults import check_faults
-from tpsim.props.observation import OK, Observation, RankOutput
+from tpsim.props.judging import GroupContext, Replicated, replica_consistency
+from tpsim.props.observation import OK, RankOutput
 from tpsim.props.property_names import FORWARD, REPLICA
 from tpsim.props.rank import enter_rank, rank_phase
 from tpsim.props.search import search
 from tpsim.props.suite import property_tests
-from tpsim.props.tolerance import tolerance
 from tpsim.target import resolve_target
 
 # --- a family in a few hooks: y = the sum of x over the tp group ----------------------------------
@@ -93,8 +93,29 @@ def scale_rank(payload: dict[str, Any]) -> RankOutput:
     return result
 
 
+def _sum_check(ctx: GroupContext) -> Failure | None:
+    """forward-equivalence of a sum: every rank's output is the sum of the group's inputs."""
+    xs = [t.double() for t in ctx.obs.data[ctx.g]]
+    dense = torch.stack(xs).sum(0)
+    tol = ctx.tol(torch.stack(xs).abs().sum(0), ctx.tp)
+    for r, v in enumerate(ctx.values):
+        got = v.output.double() if v.status == OK else None
+        if got is not None and bool(((got - dense).abs() <= tol).all()):
+            continue
+        diagnosis = MISSING_REDUCTION if got is not None and ctx.tp > 1 and torch.equal(got, xs[r]) else MISMATCH
+        return ctx.fail(FORWARD, Diagnosis(diagnosis, f"the output on rank {r} is not the sum"), r)
+    return None
+
+
+class _SumContext(GroupContext):
+    def replicated(self) -> list[Replicated]:
+        return [Replicated("the sum", [v.output for v in self.values])]
+
+
 class ScaleFamily(Family, name="scale", kinds=("scale",), variant_type=ScaleVariant, case_type=ScaleCase,
                   properties=(FORWARD, REPLICA), subject="a sum"):
+    checks = {FORWARD: _sum_check, REPLICA: replica_consistency}  # the registry: property -> check(group)
+    context_type = _SumContext
 
     def cases(self, variant: Any, *, world_sizes: tuple[int, ...], dtypes: tuple[str, ...], **_: Any) -> Any:
         return st.builds(ScaleCase, world_size=st.sampled_from(world_sizes), size=st.integers(1, 3),
@@ -111,23 +132,6 @@ class ScaleFamily(Family, name="scale", kinds=("scale",), variant_type=ScaleVari
                 for _ in range(case.world_size // tp)]
         return World(scale_rank, {"case": case, "data": data}, data)
 
-    def evaluate(self, variant: Any, obs: Observation, properties: Sequence[str] | None = None) -> list[Any]:
-        if obs.error is not None:
-            from tpsim.props.blame import run_failure
-
-            return [run_failure(variant.name, obs.case, obs.error)]
-        tp = obs.case.tp_size or obs.case.world_size
-        xs = [t.double() for t in obs.data[0]]
-        dense = torch.stack(xs).sum(0)
-        tol = tolerance(obs.case.torch_dtype, torch.stack(xs).abs().sum(0), reduction_length=tp, world_size=tp)
-        for r, v in enumerate(obs.values or []):
-            got = v.output.double() if v.status == OK else None
-            if got is not None and bool(((got - dense).abs() <= tol).all()):
-                continue
-            diagnosis = MISSING_REDUCTION if got is not None and tp > 1 and torch.equal(got, xs[r]) else MISMATCH
-            return [Failure(FORWARD, diagnosis, f"the output on rank {r} is not the sum", case=obs.case, rank=r,
-                            variant=variant.name)]
-        return []
 
 
 def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:

@@ -46,7 +46,7 @@ def test_a_rank_dependent_init_is_a_replica_divergence() -> None:
     assert [(f.property, f.diagnosis) for f in failures] == [("replica-consistency", "replica-divergence")]
     f = failures[0]
     assert f.details["param"] == "bias" and f.details["ranks"] == [1]
-    assert "parameter 'bias' is replicated" in f.message and "ranks [1]" in f.message
+    assert "parameter 'bias' (R) right after construction" in f.message and "ranks [1]" in f.message
     assert "torch.manual_seed(4)" in f.message
     # In tp groups smaller than the world, the group and its global ranks are named.
     f = check_case(row_replica_init_diverges, CASE.replace(world_size=4, tp_size=2, tp_layout="strided"))[0]

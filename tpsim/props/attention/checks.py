@@ -1,7 +1,7 @@
 """The attention properties, and the recognisers of the attention diagnoses.
 
-Every rank's tensor is compared with its piece of the float64 reference
-(:func:`tpsim.props.attention.oracle.attention_reference`, which also gives the tolerances). The
+Every rank's tensor is compared with its piece of the float64 reference, tpsim's own dense attention,
+within its dense twin's bound (:mod:`tpsim.props.attention.reference`), in every dtype. The
 pieces follow the head layout every attention variant promises (written out here, independently
 of the layer code): rank ``r`` of ``tp`` holds query heads ``r*h/tp`` to ``(r+1)*h/tp``; key/value
 heads ``r*g/tp`` to ``(r+1)*g/tp`` when ``g >= tp``, else the one head ``r // (tp/g)``; the packed
@@ -38,7 +38,7 @@ from tpsim.diagnosis import (
     recogniser,
 )
 from tpsim.props.attention.case import AttentionCase
-from tpsim.props.attention.oracle import attention_reference
+from tpsim.props.attention.reference import attention_reference, attention_run
 from tpsim.props.attention.world import AttentionRankResult
 from tpsim.props.comparing import compare, failure
 from tpsim.props.judging import Check, GroupContext, Replicated, replica_consistency
@@ -93,10 +93,15 @@ def _piece(case: AttentionCase, variant: AttentionVariant, name: str, full: torc
 
 
 def _reference(case: AttentionCase, obs: Observation, g: int, **changes: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    tp = case.tp_size or case.world_size
-    return attention_reference(obs.data.masters, obs.data.inputs[g], obs.data.grads[g], num_heads=case.num_heads,
-                               num_kv_heads=case.num_kv_heads, head_dim=case.head_dim, causal=case.causal,
-                               world_size=tp, dtype=case.torch_dtype, **changes)
+    """The float64 reference of tp group ``g`` with its twin's bounds; with ``changes`` (``scale``,
+    ``kv_map``: :func:`tpsim.props.attention.reference.attention_run`), the output a buggy block gives,
+    with the correct output's bound."""
+    data = obs.data
+    if not changes:
+        return attention_reference(case, data.masters, data.inputs[g], data.grads[g])
+    tol = attention_reference(case, data.masters, data.inputs[g], data.grads[g])["y"][1]
+    return {"y": (attention_run(case, data.masters, data.inputs[g], data.grads[g], **changes)["y"].to(torch.float64),
+                  tol)}
 
 
 def _outputs_match(variant: AttentionVariant, case: AttentionCase, values: list[AttentionRankResult], group: list[int],
@@ -119,7 +124,7 @@ def _attention_scale(variant: AttentionVariant, case: AttentionCase, obs: Observ
         return None
     for label, c in ((f"sqrt(tp) = sqrt({tp})", math.sqrt(tp)), (f"1/sqrt(tp) = 1/sqrt({tp})", 1 / math.sqrt(tp)),
                      (f"tp = {tp}", float(tp)), (f"1/tp = 1/{tp}", 1.0 / tp)):
-        if _outputs_match(variant, case, values, group, _reference(case, obs, g, scale_factor=c)):
+        if _outputs_match(variant, case, values, group, _reference(case, obs, g, scale=c / math.sqrt(case.head_dim))):
             return failure(variant, case, FORWARD, ATTENTION_SCALE,
                            f"the output is the attention with its softmax scale multiplied by {label}: the scale "
                            f"{c:.6g}/sqrt(head_dim) was computed from a per-rank size (e.g. the local projection "

@@ -7,8 +7,8 @@ declared in :mod:`tpsim.builtin_variants`). A user's own attention block is a wh
 ``scaled_dot_product_attention`` with the rule of :mod:`tpsim.props.attention.magnitude`).
 
 One world run per case (:mod:`tpsim.props.attention.world`: the masters drawn in the parent, the
-rank function), judged against attention written out in float64 with its rounding bound
-(:mod:`tpsim.props.attention.oracle`) by :mod:`tpsim.props.attention.checks`.
+rank function), judged by :mod:`tpsim.props.attention.checks` against tpsim's own dense attention in
+float64, within its dense twin's bound (:mod:`tpsim.props.attention.reference`), in every dtype.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tpsim.attention_variant import ATTENTION_KIND, AttentionVariant
+from tpsim.diagnosis import ATTENTION_SCALE, KV_HEADS_NOT_REPLICATED, QKV_HEAD_MISMATCH
 from tpsim.errors import InvalidArgument
 from tpsim.props.attention.case import AttentionCase
 from tpsim.props.attention.checks import ATTENTION_CHECKS, ATTENTION_PROPERTIES, AttentionContext, divides
@@ -25,10 +26,7 @@ from tpsim.props.attention.world import attention_data, attention_rank
 from tpsim.props.family import Family, World
 from tpsim.props.observation import Observation
 
-__all__ = ["ATTENTION", "ATTENTION_DTYPES", "AttentionFamily"]
-
-#: The dtypes attention is checked in (see :mod:`tpsim.props.attention.oracle`).
-ATTENTION_DTYPES = ("float64", "float32")
+__all__ = ["ATTENTION", "AttentionFamily"]
 
 
 class AttentionFamily(Family, name="attention", kinds=(ATTENTION_KIND,), variant_type=AttentionVariant,
@@ -39,8 +37,9 @@ class AttentionFamily(Family, name="attention", kinds=(ATTENTION_KIND,), variant
     checks = ATTENTION_CHECKS
     context_type = AttentionContext
     noun = "block"
-    dtypes = ATTENTION_DTYPES
-    dtype_reason = "through a softmax the bfloat16/float16 rounding bound is as large as the bugs it looks for"
+    # Every dtype: the dense twin bounds the rounding through the softmax (tpsim.props.attention.reference);
+    # a mechanism read from a narrower case's numbers is named as float64 shows it.
+    confirmed_in_float64 = frozenset({ATTENTION_SCALE, QKV_HEAD_MISMATCH, KV_HEADS_NOT_REPLICATED})
 
     def from_object(self, target: str, obj: Any, options: Mapping[str, Any]) -> list[Any] | None:
         if options.get("kind") == ATTENTION_KIND:
