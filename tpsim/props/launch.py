@@ -119,7 +119,12 @@ def variant_of(payload: dict[str, Any]) -> Any:
             target, name, options, changes = ref
             variant = _resolver()(target, name, options)
             if changes:
+                # Validated again, then exactly the caller's values: a field one of them derives (a
+                # variant's ``packed`` from its params') must not be derived differently here.
                 variant = variant.replace(**dict(changes))
+                for field_name, value in changes:
+                    if getattr(variant, field_name) != value:
+                        object.__setattr__(variant, field_name, value)
             _resolved[key] = variant
     return variant
 
