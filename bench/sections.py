@@ -206,7 +206,7 @@ def step(cfg: Config) -> dict[str, Any]:
 
 
 def _layer_cases(n: int, sizes: tuple[int, ...], seed: int = 0) -> list[Any]:
-    from tpsim.props.case import Case
+    from tpsim.props.linear.case import Case
 
     rng = random.Random(seed)
     out = []
@@ -440,8 +440,8 @@ def faults(cfg: Config) -> dict[str, Any]:
     """Detection latency: seconds from the run's start until the fault surfaces, per kind and backend."""
     try:
         from tpsim.faults import Corrupt, Crash, Delay, Drop, Mismatch
-        from tpsim.props.case import Case
         from tpsim.props.faults import fault_detection
+        from tpsim.props.linear.case import Case
         from tpsim.target import resolve_target
     except ImportError as err:
         return {"rows": [], "note": f"skipped: {err}"}

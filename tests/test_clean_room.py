@@ -160,8 +160,8 @@ def test_the_judging_process_never_imports_a_target(kind: str, tmp_path: Path) -
 
 _PATCHES = {
     "tpsim's compare functions and its channel": """
-import tpsim.patterns, tpsim.props.checks, tpsim.session, tpsim.diagnosis
-tpsim.patterns.close = tpsim.props.checks.close = lambda *a, **k: True
+import tpsim.patterns, tpsim.props.linear.checks, tpsim.session, tpsim.diagnosis
+tpsim.patterns.close = tpsim.props.linear.checks.close = lambda *a, **k: True
 tpsim.diagnosis.close = lambda *a, **k: True
 tpsim.session._Channel.send = lambda self, **event: None
 """,

@@ -42,8 +42,8 @@ def _import_everything() -> None:
 
 
 def _known_properties() -> set[str]:
-    from tpsim.props.checks import PROPERTIES
     from tpsim.props.faults import FAULT_DETECTION
+    from tpsim.props.linear.checks import PROPERTIES
 
     known = set(PROPERTIES) | {FAULT_DETECTION}
     # Module families may add properties of their own (e.g. a loss check).

@@ -34,9 +34,9 @@ from tpsim.cli import main as cli_main
 from tpsim.errors import InvalidArgument
 from tpsim.layers import DenseMLP, ParallelMLP
 from tpsim.props import check_case
-from tpsim.props.case import Case
+from tpsim.props.linear.case import Case
+from tpsim.props.linear.strategies import cases
 from tpsim.props.search import search
-from tpsim.props.strategies import cases
 from tpsim.props.tolerance import tolerance
 from tpsim.target import resolve_target
 

@@ -23,8 +23,8 @@ import torch
 from tpsim import builtin_variants
 from tpsim.placement import Shard, part_sizes
 from tpsim.props import check_case
-from tpsim.props.case import Case
-from tpsim.props.world import make_masters
+from tpsim.props.linear.case import Case
+from tpsim.props.linear.world import make_masters
 from tpsim.variant import Variant
 
 LOW_PRECISION = ("float16", "bfloat16")

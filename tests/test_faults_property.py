@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 
 from tpsim.errors import InvalidArgument
 from tpsim.faults import FAULT_KINDS, Corrupt, Delay, Drop, Fault, Mismatch, parse_plan
-from tpsim.props.case import Case
 from tpsim.props.faults import FaultNotSurfaced, check_faults, fault_detection, fault_plans
+from tpsim.props.linear.case import Case
 from tpsim.target import resolve_target
 
 COLUMN = "tpsim.builtin_variants:column"

@@ -10,7 +10,7 @@ import pytest
 
 from tpsim.mutants import CATALOG, gallery
 from tpsim.props import check_case
-from tpsim.props.case import Case
+from tpsim.props.linear.case import Case
 from tpsim.props.search import search
 
 CATCH_BUDGET = 200

@@ -474,7 +474,7 @@ def hostile(tmp_path: Path) -> Callable[[str], Any]:
 def test_the_property_engine_names_a_dead_rank(hostile: Callable[[str], Any], name: str, diagnosis: str, prop: str,
                                                phase: str) -> None:
     from tpsim.props import check_case
-    from tpsim.props.case import Case
+    from tpsim.props.linear.case import Case
 
     case = Case(world_size=2, in_features=2, out_features=4, batch_shape=(3,), dtype="float32", bias=True, seed=1)
     failures = check_case(hostile(name), case, isolate=True)

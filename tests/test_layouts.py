@@ -18,8 +18,9 @@ from tpsim import builtin_variants
 from tpsim.errors import InvalidArgument
 from tpsim.mutants import CORRECT, column_view_flatten
 from tpsim.props import check_case
-from tpsim.props.case import Case, save_case
+from tpsim.props.case import save_case
 from tpsim.props.layouts import INPUT_LAYOUTS, apply_layout, cover_bucket, layout_info
+from tpsim.props.linear.case import Case
 
 BACKENDS = ["inproc", pytest.param("gloo", marks=pytest.mark.gloo)]
 WS = 3

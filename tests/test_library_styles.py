@@ -15,8 +15,8 @@ from tpsim.cli import main
 from tpsim.diagnosis import DIVISIBILITY_UNCHECKED
 from tpsim.errors import InvalidArgument
 from tpsim.placement import Replicate, Shard
-from tpsim.props.case import Case
-from tpsim.props.linear import check_case
+from tpsim.props.linear.case import Case
+from tpsim.props.linear.family import check_case
 from tpsim.props.suite import property_tests
 from tpsim.target import resolve_target
 from tpsim.variant import ParamSpec
@@ -367,7 +367,7 @@ def test_layers_cut_by_torch_chunk_pass(layer, size, ws) -> None:
 
 
 def test_a_chunk_layer_is_loaded_and_fed_by_chunks_pieces_on_every_rank() -> None:
-    from tpsim.props.linear import LINEAR
+    from tpsim.props.linear.family import LINEAR
 
     (variant,) = resolve_target(f"{ROOT / CHUNK}:ChunkRowLinear")
     obs = LINEAR.observe(variant, _chunk_case("ChunkRowLinear", 5, 4))

@@ -10,8 +10,9 @@ import pytest
 from tpsim.builtin_variants import column, mlp_swiglu
 from tpsim.errors import InvalidArgument
 from tpsim.module_variant import ModuleVariant
-from tpsim.props.case import SCHEMA_VERSION, Case, CaseFileError, load_case, save_case
+from tpsim.props.case import SCHEMA_VERSION, CaseFileError, load_case, save_case
 from tpsim.props.family import Family, families, family_named, family_of, family_of_case
+from tpsim.props.linear.case import Case
 from tpsim.props.module.case import ModuleCase
 from tpsim.target import TargetError, resolve_target
 from tpsim.variant import Variant

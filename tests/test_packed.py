@@ -13,7 +13,7 @@ from tpsim.errors import InvalidArgument
 from tpsim.mutants import CATALOG, CORRECT_PACKED_AND_SEQUENCE
 from tpsim.placement import Shard, assemble, part_sizes, shard_shape, shard_tensor
 from tpsim.props import check_case
-from tpsim.props.case import Case
+from tpsim.props.linear.case import Case
 from tpsim.props.search import search
 
 MUTANTS = {m.name: m for m in CATALOG}

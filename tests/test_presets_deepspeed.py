@@ -12,8 +12,8 @@ import pytest
 
 from tpsim.cli import main
 from tpsim.diagnosis import BIAS_DUPLICATION, DIVISIBILITY_UNCHECKED, GRAD_NOT_REDUCED
-from tpsim.props.case import Case
-from tpsim.props.linear import check_case
+from tpsim.props.linear.case import Case
+from tpsim.props.linear.family import check_case
 from tpsim.props.search import search
 from tpsim.target import resolve_target
 

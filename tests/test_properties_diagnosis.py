@@ -21,7 +21,7 @@ from tpsim.diagnosis import (
 from tpsim.mutants import CATALOG, master_weight_variant
 from tpsim.mutants.column import CorrectColumn
 from tpsim.props import check_case
-from tpsim.props.case import Case
+from tpsim.props.linear.case import Case
 
 F64 = torch.float64
 TOL = torch.full((3, 4), 1e-9, dtype=F64)

@@ -12,7 +12,8 @@ import sys
 import pytest
 from helpers import BUGGY, FAST, ROOT, run_cli
 
-from tpsim.props.case import SCHEMA_VERSION, Case, load_case, save_case
+from tpsim.props.case import SCHEMA_VERSION, load_case, save_case
+from tpsim.props.linear.case import Case
 
 
 @pytest.fixture(autouse=True)

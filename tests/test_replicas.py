@@ -12,7 +12,7 @@ import torch
 from tpsim.mutants import correct_tp_rank_row, row_replica_init_diverges, tp_rank_variant
 from tpsim.mutants.tp_rank import CorrectTpRankRow
 from tpsim.props import check_case
-from tpsim.props.case import Case
+from tpsim.props.linear.case import Case
 from tpsim.props.search import search
 
 

@@ -244,9 +244,9 @@ def test_typed_rank_results_come_back_from_the_isolated_worker(name: str, run) -
 
 def test_every_rank_result_is_a_dataclass_with_the_common_head() -> None:
     from tpsim.props.attention.world import AttentionRankResult
+    from tpsim.props.linear.world import RankResult
     from tpsim.props.module.world import ModuleRankResult
     from tpsim.props.vocab.world import CrossEntropyRankResult, EmbeddingRankResult
-    from tpsim.props.world import RankResult
 
     for cls in (RankResult, ModuleRankResult, EmbeddingRankResult, CrossEntropyRankResult, AttentionRankResult):
         assert dataclasses.is_dataclass(cls) and issubclass(cls, RankOutput), cls

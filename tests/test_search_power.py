@@ -22,8 +22,9 @@ from tpsim.mutants import CATALOG, correct_row
 from tpsim.props.cover import cover_choices
 from tpsim.props.family import family_of
 from tpsim.props.layouts import cover_bucket
+from tpsim.props.linear.strategies import cases
 from tpsim.props.search import search
-from tpsim.props.strategies import DEFAULT_MAX_SIZE, cases, sizes_past_tiny
+from tpsim.props.strategies import DEFAULT_MAX_SIZE, sizes_past_tiny
 
 _BY_NAME = {m.name: m for m in CATALOG}
 

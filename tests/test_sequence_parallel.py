@@ -15,10 +15,10 @@ from tpsim.mutants import CATALOG, CORRECT_NORMS, CORRECT_PACKED_AND_SEQUENCE, n
 from tpsim.mutants.sequence import CorrectSequenceNorm
 from tpsim.placement import Shard
 from tpsim.props import check_case
-from tpsim.props.case import Case
+from tpsim.props.linear.case import Case
+from tpsim.props.linear.strategies import cases
+from tpsim.props.linear.world import is_divisible
 from tpsim.props.search import search
-from tpsim.props.strategies import cases
-from tpsim.props.world import is_divisible
 
 MUTANTS = {m.name: m for m in CATALOG}
 SP_ROW = builtin_variants.row_sequence_parallel

@@ -19,10 +19,10 @@ from tpsim.cli import main
 from tpsim.errors import InvalidArgument
 from tpsim.mutants import CORRECT, correct_row, row_wrong_group
 from tpsim.props import check_case
-from tpsim.props.case import Case
 from tpsim.props.groups import candidate_sets, tp_groups
+from tpsim.props.linear.case import Case
+from tpsim.props.linear.strategies import cases
 from tpsim.props.search import search
-from tpsim.props.strategies import cases
 from tpsim.target import resolve_target
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), os.pardir, "examples")

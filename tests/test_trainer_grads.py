@@ -19,7 +19,7 @@ from torch import nn
 from tpsim.errors import InvalidArgument
 from tpsim.placement import Replicate, Shard
 from tpsim.props import check_case
-from tpsim.props.case import Case
+from tpsim.props.linear.case import Case
 from tpsim.props.search import search
 from tpsim.variant import ParamSpec, Variant
 

@@ -3,7 +3,7 @@
 Each answers one question about an actual result next to the dense reference (is it a multiple of
 the bias, a constant times the reference, the reference's blocks permuted, the ranks' summands?),
 with a per-element tolerance from :mod:`tpsim.props.tolerance`. They name nothing themselves: the
-recognisers in :mod:`tpsim.props.checks` (and the module checks) turn a pattern into a diagnosis of
+recognisers in :mod:`tpsim.props.linear.checks` (and the module checks) turn a pattern into a diagnosis of
 :mod:`tpsim.diagnosis`. Tested on synthetic tensors without running any world
 (tests/test_properties_diagnosis.py).
 """

@@ -15,7 +15,7 @@ The same three ideas as DTensor:
   (the attention family's key/value rule, :mod:`tpsim.props.attention.checks`). :func:`assemble`
   reads a replicated head from the first rank holding it; :func:`replica_expanded` lays every rank's
   piece side by side (each replica its own copy: how tpsim checks such a layer, see
-  :func:`tpsim.props.world.expanded_out_features`); :func:`replicated_parts` says which parts replicate.
+  :func:`tpsim.props.linear.world.expanded_out_features`); :func:`replicated_parts` says which parts replicate.
 - :class:`Replicate` ``R``: every rank holds the whole tensor.
 - :class:`Partial` ``P``: every rank holds a summand; the logical tensor is the sum over ranks.
 
@@ -50,7 +50,9 @@ __all__ = [
     "Replicate",
     "Shard",
     "assemble",
+    "assemble_pieces",
     "part_sizes",
+    "piece",
     "replica_expanded",
     "replicated_parts",
     "shard_shape",
@@ -413,3 +415,20 @@ def _assemble_heads(pieces: Sequence[torch.Tensor], placement: Shard, dim: int) 
     raise InvalidArgument(
         f"pieces of size {local} along dim {placement.dim} over {world_size} ranks fit no layout of {placement}"
     )
+
+
+def piece(t: torch.Tensor, placement: Placement, rank: int, tp: int, uneven: bool = False) -> torch.Tensor:
+    """Rank ``rank``'s piece of the full ``t`` (``uneven``: as ``torch.tensor_split`` cuts a dim that does
+    not divide; ``Partial``: rank 0 holds it, the others zeros)."""
+    if uneven and isinstance(placement, Shard):
+        return torch.tensor_split(t, tp, dim=placement.dim % max(t.dim(), 1))[rank]
+    if isinstance(placement, Partial):
+        return t if rank == 0 else torch.zeros_like(t)
+    return shard_tensor(t, placement, rank, tp)
+
+
+def assemble_pieces(pieces: Sequence[torch.Tensor], placement: Placement, uneven: bool = False) -> torch.Tensor:
+    """The full tensor from every rank's piece (inverse of :func:`piece`)."""
+    if uneven and isinstance(placement, Shard):
+        return torch.cat(list(pieces), dim=placement.dim % max(pieces[0].dim(), 1))
+    return assemble(list(pieces), placement)

@@ -167,7 +167,7 @@ class ParamSpec:
     the head's whole grad (the layer sums its replicas' shares, as tpsim's own ``QKVParallelLinear``
     does); ``"partial"``, each holds its own query heads' share and the trainer sums them over the
     head's replicas before each step (vLLM's ``QKVParallelLinear``; see
-    :func:`tpsim.props.world.expanded_out_features`).
+    :func:`tpsim.props.linear.world.expanded_out_features`).
 
     ``held_by`` says which tp ranks hold the parameter: ``"all"`` (the default), ``"rank0"`` (tp rank
     0 only: nanotron's row bias, which rank 0 adds before the all-reduce so the sum holds it once; the

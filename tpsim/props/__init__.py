@@ -3,8 +3,8 @@
 - :mod:`tpsim.props.case` — :class:`Case` and its versioned JSON case file;
 - :mod:`tpsim.props.strategies` — Hypothesis strategies generating cases for a variant;
 - :mod:`tpsim.props.tolerance` — the documented tolerance formula;
-- :mod:`tpsim.props.world` — one world run per case and the float64 dense reference;
-- :mod:`tpsim.props.checks` — the properties of a linear layer and their recognisers; the public
+- :mod:`tpsim.props.linear.world` — one world run per case and the float64 dense reference;
+- :mod:`tpsim.props.linear.checks` — the properties of a linear layer and their recognisers; the public
   functions, one per property, and :func:`check_case` are the linear family's (:mod:`tpsim.props.linear`);
 - :mod:`tpsim.props.search` — :func:`search`: generate, check, shrink, diagnose (what ``tpsim check`` runs);
 - :mod:`tpsim.props.suite` — :func:`property_tests`: the suite as pytest tests in one line;
@@ -17,9 +17,10 @@
   per case for every family: its observation, the rank side, and how a rank's error is named.
 """
 
-from tpsim.props.case import SCHEMA_VERSION, Case, CaseFileError, load_case, save_case
-from tpsim.props.checks import PROPERTIES, PropertyFailed
-from tpsim.props.linear import (
+from tpsim.props.case import SCHEMA_VERSION, CaseFileError, load_case, save_case
+from tpsim.props.linear.case import Case
+from tpsim.props.linear.checks import PROPERTIES, PropertyFailed
+from tpsim.props.linear.family import (
     bias_grad_equivalence,
     check_case,
     divisibility,
@@ -29,8 +30,8 @@ from tpsim.props.linear import (
     training_equivalence,
     weight_grad_equivalence,
 )
+from tpsim.props.linear.strategies import cases
 from tpsim.props.search import SearchReport, search
-from tpsim.props.strategies import cases
 from tpsim.props.suite import property_tests
 
 __all__ = [

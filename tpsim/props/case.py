@@ -4,7 +4,7 @@ A case is data (DESIGN.md): world size, tp size, in/out features, batch shape, i
 layout, dtype, bias, seed, fault plan — plus which variant and property it was found with, so
 that ``tpsim replay CASE.json`` re-runs exactly that example. The tensors (master weight, bias,
 inputs, upstream grads) are not stored: they are re-drawn from ``seed`` (see
-:func:`tpsim.props.world.make_masters`), bit for bit.
+:func:`tpsim.props.linear.world.make_masters`), bit for bit.
 
 File format (``schema_version`` 2)::
 
@@ -13,7 +13,7 @@ File format (``schema_version`` 2)::
      "found": {"property": "...", "diagnosis": "...", "message": "...", "backend": "inproc"}}
 
 ``family`` names the family of targets the case belongs to (:mod:`tpsim.props.family`): ``linear``
-(this module's :class:`Case`), ``module`` (:class:`tpsim.props.module.case.ModuleCase`), ...; the
+(:class:`tpsim.props.linear.case.Case`), ``module`` (:class:`tpsim.props.module.case.ModuleCase`), ...; the
 family reads its ``case`` object. Schema 1 files have no ``family``: they are linear cases.
 Readers accept files of their own schema version or older and refuse newer ones with a clear
 message (:class:`CaseFileError`, exit 2 from the CLI).
@@ -43,7 +43,6 @@ __all__ = [
     "MAX_SEED",
     "MAX_TENSOR_ELEMENTS",
     "SCHEMA_VERSION",
-    "Case",
     "CaseFileError",
     "case_file_stem",
     "load_case",
@@ -99,7 +98,7 @@ def _int(value: Any, name: str, minimum: int, maximum: int | None = None) -> int
     return value
 
 
-def _choice(value: Any, name: str, choices: Any) -> None:
+def choice(value: Any, name: str, choices: Any) -> None:
     if not isinstance(value, str) or value not in choices:
         raise InvalidArgument(f"{name}={value!r}; expected one of {', '.join(choices)}")
 
@@ -177,7 +176,7 @@ class CaseBase:
             raise InvalidArgument(f"tp_size={tp} does not divide world_size={ws}: the world is split into tp groups "
                                   "of tp_size ranks each")
         object.__setattr__(self, "tp_size", tp)
-        _choice(self.tp_layout, "tp_layout", TP_LAYOUTS)  # type: ignore[attr-defined]
+        choice(self.tp_layout, "tp_layout", TP_LAYOUTS)  # type: ignore[attr-defined]
         shape = tuple(self.batch_shape)  # type: ignore[attr-defined]
         if len(shape) > MAX_BATCH_DIMS:
             raise InvalidArgument(f"batch_shape={list(shape)!r} has {len(shape)} dims; at most {MAX_BATCH_DIMS}")
@@ -186,7 +185,7 @@ class CaseBase:
         object.__setattr__(self, "batch_shape", shape)
         self._check()
         self._check_tensors()
-        _choice(self.dtype, "dtype", DTYPES)  # type: ignore[attr-defined]
+        choice(self.dtype, "dtype", DTYPES)  # type: ignore[attr-defined]
         for name in ("target", "variant", "property"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
@@ -302,65 +301,12 @@ class CaseBase:
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:10]
 
 
-@dataclass(frozen=True)
-class Case(CaseBase):
-    """One example of a linear layer. ``tp_size`` defaults to ``world_size`` (one tp group spanning
-    the world); a smaller ``tp_size`` splits the world into ``world_size // tp_size`` tp groups laid
-    out by ``tp_layout`` (``consecutive`` or ``strided``, see :mod:`tpsim.props.groups`);
-    ``input_layout`` is the memory layout of the inputs and upstream grads (see
-    :mod:`tpsim.props.layouts`)."""
-
-    world_size: int
-    in_features: int
-    out_features: int
-    batch_shape: tuple[int, ...] = ()
-    dtype: str = "float64"
-    bias: bool = False
-    seed: int = 0
-    tp_size: int | None = None
-    input_layout: str = "contiguous"
-    tp_layout: str = "consecutive"
-
-    SIZES: ClassVar[tuple[str, ...]] = ("in_features", "out_features")
-    FLAGS: ClassVar[tuple[str, ...]] = ("bias",)
-    #: Linear case files always carried their (possibly empty) fault plan.
-    WRITTEN_WHEN_SET: ClassVar[tuple[str, ...]] = ()
-
-    def _check(self) -> None:
-        if not isinstance(self.bias, bool):
-            raise InvalidArgument(f"bias={self.bias!r} must be a bool")
-        _choice(self.input_layout, "input_layout", INPUT_LAYOUTS)
-        if self.input_layout in ("transposed", "expanded") and not self.batch_shape:
-            raise InvalidArgument(
-                f"input_layout={self.input_layout!r} needs at least one batch dim; got batch_shape={list(self.batch_shape)}"
-            )
-
-    def _check_tensors(self) -> None:
-        shape = self.batch_shape
-        for what, dims in (("the master weight [out_features, in_features]", (self.out_features, self.in_features)),
-                           ("the input [*batch_shape, in_features]", (*shape, self.in_features)),
-                           ("the output [*batch_shape, out_features]", (*shape, self.out_features))):
-            if math.prod(dims) > MAX_TENSOR_ELEMENTS:
-                raise InvalidArgument(
-                    f"{what} would have {math.prod(dims)} elements (shape {list(dims)}); a case may have at most "
-                    f"{MAX_TENSOR_ELEMENTS} per tensor"
-                )
-
-    def _describe_more(self) -> list[str]:
-        if self.input_layout == "contiguous":
-            return []
-        from tpsim.props.layouts import layout_info
-
-        info = layout_info((*self.batch_shape, self.in_features), self.input_layout)
-        return [f"input_layout={self.input_layout} (input shape {info['shape']} strides {info['strides']})"]
-
-
 def _safe(text: str) -> str:
     # ASCII letters, digits, "_" and "." only: the name is the same on every file system.
     return "".join(c if (c.isascii() and c.isalnum()) or c in "_." else "_" for c in text)
 
 
-def case_file_stem(case: Case) -> str:
+def case_file_stem(case: CaseBase) -> str:
     """``<variant>-<property>-<hash>``: the case file's name without ``.json``.
 
     A variant name longer than :data:`MAX_NAME_CHARS` is cut and followed by ``~`` and a hash of
@@ -373,7 +319,7 @@ def case_file_stem(case: Case) -> str:
     return "-".join((variant, _safe(case.property or "any")[:MAX_NAME_CHARS], case.key()))
 
 
-def save_case(case: Case, directory: str, *, found: dict[str, Any] | None = None) -> str:
+def save_case(case: CaseBase, directory: str, *, found: dict[str, Any] | None = None) -> str:
     """Write ``case`` as ``DIRECTORY/<variant>-<property>-<hash>.json``; return the path.
 
     The same case always gets the same file name, so finding the same bug again overwrites it.
@@ -390,7 +336,7 @@ def save_case(case: Case, directory: str, *, found: dict[str, Any] | None = None
         "case": case.to_dict(),
         "found": found or {},
     }
-    if isinstance(case, Case) and case.input_layout != "contiguous":
+    if case.family == "linear" and case.input_layout != "contiguous":
         # Informational (readers ignore it): the memory layout the case's tensors had.
         from tpsim.props.layouts import layout_info
 
@@ -451,7 +397,7 @@ def save_failure(failure: Any, variant: Any, directory: str = CASES_DIR, *, back
     return failure.case_file
 
 
-def load_case(path: str) -> tuple[Case, dict[str, Any]]:
+def load_case(path: str) -> tuple[CaseBase, dict[str, Any]]:
     """Read a case file; return ``(case, found)``. Raises :class:`CaseFileError` with the reason."""
     try:
         with open(path, "rb") as fh:

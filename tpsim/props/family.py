@@ -462,7 +462,7 @@ class Family:
 
 #: Families that ship with tpsim: name -> ``module:attribute`` of the family object (imported lazily).
 _BUILTIN: dict[str, str] = {
-    "linear": "tpsim.props.linear:LINEAR",
+    "linear": "tpsim.props.linear.family:LINEAR",
     "module": "tpsim.props.module.family:MODULE",
     "embedding": "tpsim.props.vocab.family:EMBEDDING",
     "cross-entropy": "tpsim.props.vocab.family:CROSS_ENTROPY",

@@ -237,7 +237,7 @@ def _same(a: Any, b: Any) -> bool:
             a.is_floating_point() and torch.equal(torch.nan_to_num(a, 7.0), torch.nan_to_num(b, 7.0))
             and torch.equal(a.isnan(), b.isnan())))
     if dataclasses.is_dataclass(a) and not isinstance(a, type) and type(a) is type(b):
-        return _same(vars(a), vars(b))  # a rank's typed result (tpsim.props.world.RankResult)
+        return _same(vars(a), vars(b))  # a rank's typed result (tpsim.props.linear.world.RankResult)
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):

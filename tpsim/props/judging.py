@@ -14,8 +14,7 @@ Every family is judged the same way (:func:`judge`, called by :meth:`tpsim.props
 4. **each tp group on its own**: the family's :class:`GroupContext` of the group, and every check of
    the family's registry (:attr:`Family.checks`: property -> ``check(ctx) -> Failure | None``) that
    applies, in registry order — only the forward when some rank's output could not be
-   back-propagated, and ``training-equivalence`` only when every other property holds (parameters
-   trained with wrong grads differ by consequence). The first group that fails is reported, its ranks relabelled as tp ranks and the
+   back-propagated. The first group that fails is reported, its ranks relabelled as tp ranks and the
    group named (:func:`relabel`), and a collective over another set of ranks named ``wrong-group``
    where the family recognises one (:meth:`Family.wrong_group`).
 
@@ -53,7 +52,7 @@ from tpsim.props.observation import (
     Observation,
     output_dtype_failure,
 )
-from tpsim.props.property_names import DIVISIBILITY, FORWARD, REPLICA, TRAINING
+from tpsim.props.property_names import DIVISIBILITY, FORWARD, REPLICA
 from tpsim.props.tolerance import Tolerance
 
 if TYPE_CHECKING:
@@ -212,13 +211,7 @@ def judge_groups(family: Family, variant: Any, obs: Observation, wanted: Sequenc
             failures = [found or ctx.fail(FORWARD, Diagnosis(SHAPE_ERROR, "the output shape does not match the "
                                                                           "upstream grad"))]
         else:
-            # Training is judged when every single-step property holds: parameters trained with grads
-            # already found wrong differ by consequence, and the property is there for what one step
-            # cannot show (a cached weight that stops following the parameter).
-            failures = [f for prop, check in family.checks.items()
-                        if prop in wanted and prop != TRAINING and (f := check(ctx)) is not None]
-            if not failures and TRAINING in wanted and TRAINING in family.checks:
-                failures = [f for f in (family.checks[TRAINING](ctx),) if f is not None]
+            failures = [f for prop, check in family.checks.items() if prop in wanted and (f := check(ctx)) is not None]
         if not failures:
             continue
         if len(ranks) == case.world_size:

@@ -1,6 +1,6 @@
 """One observation of a case, for every family: the typed head of each rank's result, and the run.
 
-Each family's rank function returns a dataclass of its own (:class:`tpsim.props.world.RankResult`
+Each family's rank function returns a dataclass of its own (:class:`tpsim.props.linear.world.RankResult`
 for linear layers, :class:`~tpsim.props.module.world.ModuleRankResult`, the vocab and attention
 results), plain data that travels back from gloo workers and from the isolated worker. They all
 start with :class:`RankOutput`: the status of the run, the rank's tp group and tp rank, and what its

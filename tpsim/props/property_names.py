@@ -1,6 +1,6 @@
 """The names of the properties, which every family reports its failures under.
 
-A leaf module: the modules that judge a run (:mod:`tpsim.props.checks`, :mod:`tpsim.props.blame`,
+A leaf module: the modules that judge a run (:mod:`tpsim.props.linear.checks`, :mod:`tpsim.props.blame`,
 each family's checks) all name properties, and none of them may import another just for its names.
 """
 

@@ -54,10 +54,11 @@ from tpsim.diagnosis import (
     group_causes,
 )
 from tpsim.errors import InvalidArgument
-from tpsim.props.case import DTYPES, Case
+from tpsim.props.case import DTYPES
 from tpsim.props.cover import CoverDatabase, cover_choices
 from tpsim.props.family import Family, family_of
 from tpsim.props.layouts import INPUT_LAYOUTS
+from tpsim.props.linear.case import Case
 from tpsim.props.property_names import BIAS_GRAD, DIVISIBILITY, PROPERTIES
 from tpsim.props.strategies import DEFAULT_MAX_SIZE, DEFAULT_WORLD_SIZES
 from tpsim.runner import BACKENDS, DEFAULT_TIMEOUT
@@ -350,7 +351,7 @@ def search(
     ``backend``: ``inproc`` | ``gloo`` | ``nccl`` (gloo/nccl need a variant with a ``target``
     their worker processes can import). ``timeout``: seconds any one world run may block in a
     collective before it counts as stuck. ``properties``: names from
-    :data:`tpsim.props.checks.PROPERTIES` (default: all; without ``divisibility`` only divisible
+    :data:`tpsim.props.linear.checks.PROPERTIES` (default: all; without ``divisibility`` only divisible
     cases are generated). ``on_example(n, case)`` is called before the n-th case runs (1-based).
     ``database``: see the module docstring. ``tp_sizes``: tp group sizes to split each world into
     (each world size is split into groups of a tp size that divides it; default: the whole world half

@@ -34,8 +34,8 @@ from typing import Any
 
 from tpsim.errors import InvalidArgument
 from tpsim.props.case import save_failure
-from tpsim.props.checks import PropertyFailed
 from tpsim.props.family import family_of
+from tpsim.props.linear.checks import PropertyFailed
 from tpsim.props.property_names import PROPERTIES
 from tpsim.props.search import SearchReport, search
 
@@ -78,7 +78,7 @@ def reproduction(failure: Any) -> str:
     family = getattr(failure.case, "family", "linear")
     if family == "linear":
         return (
-            "import json; from tpsim.props.case import Case; from tpsim.props.linear import check_case\n"
+            "import json; from tpsim.props.linear.case import Case; from tpsim.props.linear.family import check_case\n"
             f"check_case(VARIANT, Case.from_dict(json.loads({case})))  # VARIANT: your variant"
         )
     return (

@@ -1,6 +1,6 @@
 """The properties of a whole module, checked on one case against its dense reference.
 
-The same properties as for one linear layer (:data:`tpsim.props.checks.PROPERTIES`), at module level:
+The same properties as for one linear layer (:data:`tpsim.props.linear.checks.PROPERTIES`), at module level:
 
 - ``forward-equivalence``: the output, assembled by the variant's output placement (replicated:
   every rank's; partial: summed over ranks; sharded / sequence-sharded: concatenated), equals the
@@ -59,23 +59,21 @@ from tpsim.diagnosis import (
     PACKED_SHARD_LAYOUT,
     QKV_HEAD_MISMATCH,
     SHAPE_ERROR,
-    WRONG_DTYPE,
     WRONG_SHARD_ORDER,
     Diagnosis,
     Failure,
-    mismatch,
     recogniser,
 )
 from tpsim.diagnosis import spec as diagnosis_spec
 from tpsim.errors import InvalidArgument
 from tpsim.module_variant import ModuleVariant
-from tpsim.patterns import bias_multiple, block_mapping, close, rank_summands, scale_factor
-from tpsim.placement import Placement, Replicate, Shard, part_sizes
+from tpsim.patterns import close
+from tpsim.placement import Placement, Replicate, Shard, assemble_pieces, part_sizes
 from tpsim.props.groups import tp_groups
 from tpsim.props.judging import Check, GroupContext, Replicated, replica_consistency
 from tpsim.props.module.boundary import Capture
 from tpsim.props.module.case import ModuleCase
-from tpsim.props.module.sharding import ParamLayout, UnknownLayout, assemble_pieces, piece
+from tpsim.props.module.sharding import ParamLayout, UnknownLayout
 from tpsim.props.module.world import (
     DECLARED,
     EXTRA,
@@ -88,6 +86,7 @@ from tpsim.props.module.world import (
     output_placement,
 )
 from tpsim.props.observation import DETACHED, OUTPUT_SHAPE, Observation
+from tpsim.props.placed import Placed, holds_fast, verdict
 from tpsim.props.property_names import (
     BIAS_GRAD,
     DIVISIBILITY,
@@ -172,301 +171,63 @@ class ModuleContext(GroupContext):
         return items
 
 
-# --- helpers over the pieces of one tensor --------------------------------------------------------
-
-
-def _expected_pieces(full: torch.Tensor, placement: Placement, tp: int, uneven: bool | None = None) -> list[torch.Tensor]:
-    if isinstance(placement, Shard):
-        uneven = full.shape[placement.dim] % tp != 0 if uneven is None else uneven
-        return [piece(full, placement, r, tp, uneven) for r in range(tp)]
-    return [full] * tp
-
-
-def _compare(pieces: list[torch.Tensor], full: torch.Tensor, tol: torch.Tensor, placement: Placement,
-             summed: bool, uneven: bool | None = None) -> tuple[bool, torch.Tensor | None]:
-    """Whether the ranks' ``pieces`` are ``full`` laid out by ``placement`` (``summed``: their sum
-    is ``full``); returns the tensor compared with ``full`` (the sum or the assembly) or None."""
-    if summed:
-        if any(p.shape != full.shape for p in pieces):
-            return False, None
-        total = torch.stack(pieces).sum(0)
-        return close(total, full, tol), total
-    expected = _expected_pieces(full, placement, len(pieces), uneven)
-    if any(p.shape != e.shape for p, e in zip(pieces, expected, strict=True)):
-        return False, None
-    if isinstance(placement, Shard):
-        uneven_ = full.shape[placement.dim] % len(pieces) != 0 if uneven is None else uneven
-        assembled = assemble_pieces(pieces, placement, uneven_)
-        return close(assembled, full, tol), assembled
-    return all(close(p, full, tol) for p in pieces), None
-
-
-#: Elements compared at a time by :func:`_close_in_chunks` (a few MB: the chain of elementwise
-#: passes stays in cache instead of streaming a lab-scale grad through memory once per pass).
-_CHUNK = 1 << 19
-
-
-def _close_in_chunks(actual: torch.Tensor, expected: torch.Tensor, mag: torch.Tensor,
-                     tol_of: Callable[[torch.Tensor], torch.Tensor]) -> bool:
-    """``close(actual, expected, tol_of(mag))`` for large tensors, slice by slice along the first
-    dim and in as few passes as possible: the tolerance is linear in the magnitude (see
-    :mod:`tpsim.props.tolerance`), so it is ``mag`` times the tolerance of a unit magnitude; the
-    floor for a zero magnitude is dropped, which only makes the comparison stricter there."""
-    if actual.shape != expected.shape or mag.shape != expected.shape:
-        return False
-    if expected.dim() == 0 or expected.numel() <= _CHUNK:
-        return close(actual, expected, tol_of(mag))
-    unit = float(tol_of(torch.ones((), dtype=_F64)))
-    step = max(1, _CHUNK // max(1, expected[0].numel()))
-    # One thread: the chunks are cache-sized and memory-bound, where a parallel region per op
-    # costs more than it gains (several times more on a loaded machine).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for i in range(0, expected.shape[0], step):
-            diff = torch.sub(actual[i:i + step], expected[i:i + step]).abs_()  # float64: expected is
-            if not bool((diff <= mag[i:i + step] * unit).all()):  # NaN never passes
-                return False
-        return True
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _holds(pieces: list[Any], full: torch.Tensor, mag: torch.Tensor, tol_of: Callable[[torch.Tensor], torch.Tensor],
-           placement: Placement, summed: bool, uneven: bool) -> bool:
-    """The fast path of :func:`_compare` for large tensors (a lab-scale weight grad): every rank's
-    piece against its view of the reference and of the magnitude, in chunks; nothing is assembled
-    and nothing converted before it is compared."""
-    if any(p is None for p in pieces):
-        return False
-    if summed or not isinstance(placement, Shard):
-        if any(p.shape != full.shape for p in pieces):
-            return False
-        if summed:
-            return close(torch.stack([p.to(_F64) for p in pieces]).sum(0), full, tol_of(mag))
-        return all(_close_in_chunks(p, full, mag, tol_of) for p in pieces)
-    tp = len(pieces)
-    if uneven or not placement.parts:
-        expected = _expected_pieces(full, placement, tp, uneven)
-        mags = _expected_pieces(mag, placement, tp, uneven)
-        return all(p.shape == e.shape and _close_in_chunks(p, e, m, tol_of)
-                   for p, e, m in zip(pieces, expected, mags, strict=True))
-    # Packed parts: each part of a rank's piece against its view of the reference (no copies).
-    dim = placement.dim % full.dim()
-    sizes = part_sizes(full.shape[dim], placement)
-    local = [size // tp for size in sizes]
-    for r, p in enumerate(pieces):
-        if p.dim() != full.dim() or p.shape[dim] != sum(local):
-            return False
-        for k in range(len(sizes)):
-            start = sum(sizes[:k]) + r * local[k]
-            mine = p.narrow(dim, sum(local[:k]), local[k])
-            if mine.shape != full.narrow(dim, start, local[k]).shape or not _close_in_chunks(
-                mine, full.narrow(dim, start, local[k]), mag.narrow(dim, start, local[k]), tol_of
-            ):
-                return False
-    return True
-
-
-def _first_bad(pieces: list[torch.Tensor], full: torch.Tensor, tol: torch.Tensor, placement: Placement) -> int:
-    expected = _expected_pieces(full, placement, len(pieces))
-    tols = _expected_pieces(tol, placement, len(pieces)) if tol.shape == full.shape else [tol] * len(pieces)
-    for r, (p, e, t) in enumerate(zip(pieces, expected, tols, strict=True)):
-        if p.shape != e.shape or not close(p, e, t):
-            return r
-    return 0
-
-
-def _blocks(mapping: list[int]) -> str:
-    wrong = [f"block {i} holds shard {j}" for i, j in enumerate(mapping) if i != j]
-    return ", ".join(wrong[:6]) + (" ..." if len(wrong) > 6 else "")
-
-
-# --- recognisers on module (or sublayer) tensors -------------------------------------------------
-
-
-@recogniser(MISSING_REDUCTION, DOUBLE_REDUCTION, BIAS_DUPLICATION, BIAS_MISSING, WRONG_SHARD_ORDER)
-def diagnose_output(pieces: list[torch.Tensor], full: torch.Tensor, tol: torch.Tensor, placement: Placement, *,
-                    what: str, biases: Sequence[tuple[str, torch.Tensor]] = ()) -> Diagnosis:
-    """Name the mechanism behind an output (of a module or a sublayer) that differs from the
-    reference: a missing or doubled reduction, a bias added ``ws`` times or never, shards out of
-    order; else ``mismatch``. ``biases``: ``(name, dense value)`` of the biases that may be involved."""
-    tp = len(pieces)
-    if isinstance(placement, Shard):
-        try:
-            actual: torch.Tensor | None = assemble_pieces(pieces, placement, full.shape[placement.dim] % tp != 0)
-        except (RuntimeError, InvalidArgument, IndexError):
-            actual = None
-        label = what
-    else:
-        if tp > 1 and all(p.shape == full.shape for p in pieces) and rank_summands(pieces, full, tol):
-            return Diagnosis(MISSING_REDUCTION,
-                             f"{what}: each rank holds only its own summand (the ranks' outputs differ and add up to the "
-                             "dense output): the all-reduce over the tp group is missing", {})
-        r = _first_bad(pieces, full, tol, placement)
-        actual = pieces[r]
-        label = f"{what} on rank {r}" if tp > 1 else what
-    if actual is None or actual.shape != full.shape:
-        shape = None if actual is None else list(actual.shape)
-        return Diagnosis(SHAPE_ERROR, f"{label} has shape {shape}, expected {list(full.shape)}", {"shape": shape})
-    for bias_name, bias in biases:
-        c = bias_multiple(actual - full, bias, tol)
-        if c is not None and tp > 1 and abs(c - (tp - 1)) < 1e-2:
-            return Diagnosis(BIAS_DUPLICATION,
-                             f"{label} is off by exactly (world_size-1)*{bias_name} = {tp - 1}*{bias_name} (tp size "
-                             f"{tp}): every rank adds the full bias to its summand before the reduction; add it once, "
-                             "after the reduction", {"factor": c, "bias": bias_name})
-        if c is not None and abs(c + 1) < 1e-2:
-            return Diagnosis(BIAS_MISSING, f"{label} is off by exactly -{bias_name}: the bias is never added",
-                             {"factor": c, "bias": bias_name})
-    c = scale_factor(actual, full, tol, known=(tp,))
-    if c is not None and tp > 1 and abs(c - tp) < 1e-2:
-        return Diagnosis(DOUBLE_REDUCTION, f"{label} is {tp} x the dense output: it was reduced twice", {"factor": c})
-    if isinstance(placement, Shard) and tp > 1:
-        mapping = block_mapping(actual, full, tol, dim=placement.dim % full.dim(), parts=tp)
-        if mapping is not None and mapping != list(range(tp)):
-            return Diagnosis(WRONG_SHARD_ORDER, f"{label} has its {tp} blocks out of place ({_blocks(mapping)}): a rank "
-                             "holds another rank's shard", {"mapping": mapping})
-    return mismatch(actual, full, what=label, tol=tol)
-
-
-@recogniser(GRAD_NOT_REDUCED, GRAD_SCALED)
-def diagnose_grad(pieces: list[torch.Tensor], full: torch.Tensor, tol: torch.Tensor, placement: Placement, *,
-                  what: str, replicated_param: str | None = None, sequence_parallel: bool = False) -> Diagnosis:
-    """Name the mechanism behind a gradient that differs: only each rank's summand (the backward
-    all-reduce is missing), a constant factor (averaged, or reduced twice); else ``mismatch``.
-    ``sequence_parallel``: the module runs on sequence-sharded activations (said in the message)."""
-    tp = len(pieces)
-    if not isinstance(placement, Shard) and tp > 1 and rank_summands(pieces, full, tol):
-        param = f" of the replicated parameter {replicated_param!r}" if replicated_param else ""
-        why = (" (under sequence parallelism each rank uses it on its own slice of the sequence only; NeMo #7184, "
-               "gpt-neox #1257)" if replicated_param and sequence_parallel else "")
-        return Diagnosis(GRAD_NOT_REDUCED,
-                         f"{what} on every rank is only its own summand (the ranks' grads differ and add up to the "
-                         f"dense grad): the backward all-reduce{param} over the tp group is missing{why}",
-                         {"param": replicated_param} if replicated_param else {})
-    expected = _expected_pieces(full, placement, tp)
-    tols = _expected_pieces(tol, placement, tp) if tol.shape == full.shape else [tol] * tp
-    r = _first_bad(pieces, full, tol, placement)
-    if pieces[r].shape != expected[r].shape:
-        return Diagnosis(SHAPE_ERROR, f"{what} on rank {r} has shape {list(pieces[r].shape)}, expected "
-                                      f"{list(expected[r].shape)}", {"shape": list(pieces[r].shape)})
-    c = scale_factor(pieces[r], expected[r], tols[r], known=(tp, 1 / tp))
-    if c is not None:
-        hint = " (averaged instead of summed?)" if abs(c * tp - 1) < 1e-2 else " (reduced twice?)" if abs(c - tp) < 1e-2 else ""
-        return Diagnosis(GRAD_SCALED, f"{what} on rank {r} is {c:.4g} x the dense grad{hint}", {"factor": c})
-    return mismatch(pieces[r], expected[r], what=f"{what} on rank {r}", tol=tols[r])
-
-
 # --- the properties on one tp group ---------------------------------------------------------------
 
 
-def _forward(ctx: ModuleContext) -> Failure | None:
-    y = ctx.ref.y
-    for r, v in enumerate(ctx.values):
-        if v.status in (OUTPUT_SHAPE, DETACHED):
-            if v.status == DETACHED:
-                return ctx.fail(FORWARD, Diagnosis(OUTPUT_DETACHED,
-                    f"the output on rank {r} is detached from the autograd graph (grad_fn None) although the input "
-                    "requires grad: a collective or a copy runs outside autograd, so nothing flows back"), r)
-            if v.output is None:
-                return ctx.fail(FORWARD, Diagnosis(SHAPE_ERROR,
-                                f"rank {r}'s forward returned {v.output_type}, not a tensor"), r)
-    outs = [v.output for v in ctx.values]
-    for r, o in enumerate(outs):
-        if o.dtype != ctx.dtype:
-            return ctx.fail(FORWARD, Diagnosis(WRONG_DTYPE,
-                            f"the output on rank {r} is {str(o.dtype).replace('torch.', '')}, not the case's "
-                            f"{ctx.case.dtype}: part of the module computes or communicates in another dtype"), r)
-    pieces = [o.to(_F64) for o in outs]
-    placement = output_placement(ctx.variant, y.dim())
-    tol = ctx.bound(ctx.mag.y)
-    summed = ctx.variant.output == "partial"
-    ok, _ = _compare(pieces, y, tol, placement, summed)
-    if ok:
+def judged(ctx: ModuleContext, prop: str, placed: Placed, fast_mag: torch.Tensor | None = None) -> Failure | None:
+    """The failure of ``prop`` on ``placed`` (:func:`tpsim.props.placed.verdict`), named with the sublayer
+    that owns its parameter. ``fast_mag``: the magnitude to try the chunked comparison with first (a
+    lab-scale tensor is compared without being assembled or converted)."""
+    if fast_mag is not None and holds_fast(placed.pieces, placed.full, fast_mag, ctx.bound, placed.placement,
+                                           placed.summed, placed.uneven):
         return None
-    if summed and all(p.shape == y.shape for p in pieces):
-        total = torch.stack(pieces).sum(0)
-        c = scale_factor(total, y, tol, known=(ctx.tp,))
-        if c is not None and ctx.tp > 1 and abs(c - ctx.tp) < 1e-2:
-            return ctx.fail(FORWARD, Diagnosis(DOUBLE_REDUCTION,
-                            f"the output summed over ranks is {ctx.tp} x the dense output: the module already reduces; "
-                            "declare output='replicated'", {"factor": c}))
-        return ctx.fail(FORWARD, mismatch(total, y, what="the output (summed over ranks)", tol=tol))
-    what = "the output" + (" (rank pieces assembled)" if isinstance(placement, Shard) else "")
-    return ctx.fail(FORWARD, diagnose_output(pieces, y, tol, placement, what=what))
+    if fast_mag is not None:
+        placed.tol = ctx.bound(fast_mag)
+    found = verdict(placed, ctx.dtype)
+    if found is None:
+        return None
+    diag, rank = found
+    extra = {"param": placed.param} if placed.param else {}
+    return ctx.fail(prop, diag, rank, placed.sublayer or (owner(placed.param) if placed.param else None), **extra)
+
+
+def _forward(ctx: ModuleContext) -> Failure | None:
+    for r, v in enumerate(ctx.values):
+        if v.status == DETACHED:
+            return ctx.fail(FORWARD, Diagnosis(OUTPUT_DETACHED,
+                f"the output on rank {r} is detached from the autograd graph (grad_fn None) although the input "
+                "requires grad: a collective or a copy runs outside autograd, so nothing flows back"), r)
+        if v.status == OUTPUT_SHAPE and v.output is None:
+            return ctx.fail(FORWARD, Diagnosis(SHAPE_ERROR, f"rank {r}'s forward returned {v.output_type}, not a tensor"), r)
+    y = ctx.ref.y
+    placement = output_placement(ctx.variant, y.dim())
+    summed = ctx.variant.output == "partial"
+    what = "the output" + (" (rank pieces assembled)" if isinstance(placement, Shard) else
+                           " (summed over ranks)" if summed else "")
+    # A module's replicated or partial output is a reduction's (or the caller's): reduced twice is a name there.
+    return judged(ctx, FORWARD, Placed(what, [v.output for v in ctx.values], y, ctx.bound(ctx.mag.y), placement,
+                                       summed=summed, reduced=not isinstance(placement, Shard),
+                                       sequence_dim=ctx.variant.sequence_dim_of(y.dim())))
 
 
 def _input_grad(ctx: ModuleContext) -> Failure | None:
     dx = ctx.ref.dx
     if dx is None or not ctx.grads_bounded:
         return None
-    grads = [_f64(v.input_grad) for v in ctx.values]
-    for r, g in enumerate(grads):
-        if g is None:
-            return ctx.fail(INPUT_GRAD, Diagnosis(GRAD_MISSING,
-                            f"the input received no gradient on rank {r} (x.grad is None)"), r)
-    placement = input_placement(ctx.variant, dx.dim())
     summed = ctx.variant.input == "replicated" and ctx.variant.input_grad == "partial"
-    tol = ctx.bound(ctx.mag.dx)
-    ok, total = _compare(grads, dx, tol, placement, summed)  # type: ignore[arg-type]
-    if ok:
-        return None
-    if summed:
-        if total is None:
-            return ctx.fail(INPUT_GRAD, Diagnosis(SHAPE_ERROR, "the input grads do not have the input's shape"))
-        if ctx.tp > 1 and all(close(g, dx, tol) for g in grads):  # type: ignore[arg-type]
-            return ctx.fail(INPUT_GRAD, Diagnosis(GRAD_SCALED,
-                            f"the input grad summed over ranks is {ctx.tp} x the dense grad: every rank already holds "
-                            "the complete grad; declare input_grad='complete'", {"factor": float(ctx.tp)}))
-        return ctx.fail(INPUT_GRAD, mismatch(total, dx, what="the input grad summed over ranks", tol=tol))
-    return ctx.fail(INPUT_GRAD, diagnose_grad(grads, dx, tol, placement, what="the input grad"))  # type: ignore[arg-type]
+    return judged(ctx, INPUT_GRAD, Placed(
+        "the input grad" + (" summed over ranks" if summed else ""), [v.input_grad for v in ctx.values], dx,
+        ctx.bound(ctx.mag.dx), input_placement(ctx.variant, dx.dim()), summed=summed, grad=True,
+        sequence_dim=ctx.variant.sequence_dim_of(dx.dim())))
 
 
-def param_grad_diagnosis(ctx: ModuleContext, name: str, grads: list[torch.Tensor | None], full: torch.Tensor,
-                         mag: torch.Tensor) -> Diagnosis | None:
-    """None when every rank's grad of parameter ``name`` is its piece of the dense grad ``full``
-    (``mag``: its magnitude); else what is wrong (the rank it shows on in ``details["rank"]``)."""
+def param_placed(ctx: ModuleContext, name: str, grads: list[Any], full: torch.Tensor) -> Placed:
+    """Parameter ``name``'s grads (each rank's) as they are compared with the dense grad ``full``."""
     layout = ctx.layouts[name]
-    placement, tp = layout.placement, ctx.tp
     summed = name in ctx.partial
-    if _holds(grads, full, mag, ctx.bound, placement, summed, layout.uneven):
-        return None
-    grads = [_f64(g) for g in grads]
-    tol = ctx.bound(mag)
-    missing = [r for r, g in enumerate(grads) if g is None]
-    if not missing:
-        ok, _ = _compare(grads, full, tol, placement, summed, layout.uneven)  # type: ignore[arg-type]
-        if ok:
-            return None
-    what = f"the {name} grad"
-    if isinstance(placement, Replicate) and tp > 1 and grads[0] is not None and close(grads[0], full, tol) and all(
-        g is None or not bool(g.abs().gt(0).any()) for g in grads[1:]
-    ):
-        return Diagnosis(BIAS_GRAD_RANK0_ONLY,
-                         f"only rank 0's {name} received its gradient (rank{'s 1..' if tp > 2 else ' '}{tp - 1} "
-                         f"{'have' if tp > 2 else 'has'} "
-                         f"{'None' if grads[1] is None else 'zeros'}): it is added on rank 0 only, so the other "
-                         "replicas never learn; add it on every rank", {"rank": 1})
-    if missing:
-        return Diagnosis(GRAD_MISSING, f"{name} received no gradient on rank {missing[0]} (.grad is None)",
-                         {"rank": missing[0]})
-    if summed:
-        total = torch.stack(grads).sum(0)  # type: ignore[arg-type]
-        return mismatch(total, full, what=f"{what} summed over ranks", tol=tol)
-    diag = diagnose_grad(grads, full, tol, placement, what=what,  # type: ignore[arg-type]
-                         replicated_param=name if isinstance(placement, Replicate) else None,
-                         sequence_parallel="sequence-sharded" in (ctx.variant.input, ctx.variant.output))
-    if isinstance(placement, Shard) and diag.name == MISMATCH and tp > 1:
-        try:
-            assembled = assemble_pieces(grads, placement, layout.uneven)  # type: ignore[arg-type]
-            mapping = block_mapping(assembled, full, tol, dim=placement.dim % full.dim(), parts=tp)
-        except (RuntimeError, InvalidArgument):
-            mapping = None
-        if mapping is not None and mapping != list(range(tp)):
-            diag = Diagnosis(WRONG_SHARD_ORDER, f"{what} has its {tp} blocks out of place ({_blocks(mapping)}): "
-                             f"a rank holds another rank's shard of {name}", {"mapping": mapping})
-    return diag
+    return Placed(f"the {name} grad" + (" summed over ranks" if summed else ""), grads, full, full, layout.placement,
+                  summed=summed, uneven=layout.uneven, grad=True, param=name,
+                  sequence_parallel="sequence-sharded" in (ctx.variant.input, ctx.variant.output))
 
 
 def _param_grads(ctx: ModuleContext, prop: str) -> Failure | None:
@@ -476,10 +237,10 @@ def _param_grads(ctx: ModuleContext, prop: str) -> Failure | None:
         full = ctx.ref.grads.get(name)
         if grad_property(ctx.variant, name) != prop or full is None:
             continue  # another property's, or the parameter takes no part in the dense forward
-        grads = [v.grads.get(name) for v in ctx.values]
-        diag = param_grad_diagnosis(ctx, name, grads, full, ctx.mag.grads[name])
-        if diag is not None:
-            return ctx.fail(prop, diag, diag.details.get("rank"), owner(name), param=name)
+        found = judged(ctx, prop, param_placed(ctx, name, [v.grads.get(name) for v in ctx.values], full),
+                       ctx.mag.grads[name])
+        if found is not None:
+            return found
     return None
 
 
@@ -487,24 +248,12 @@ def _training(ctx: ModuleContext) -> Failure | None:
     if not ctx.grads_bounded:
         return None
     for name, layout in ctx.layouts.items():
-        want, mag = ctx.ref.final[name], ctx.mag.final[name]
-        raw = [v.final.get(name) for v in ctx.values]
-        if _holds(raw, want, mag, ctx.bound, layout.placement, False, layout.uneven):
-            continue
-        finals = [_f64(t) for t in raw]
-        tol = ctx.bound(mag)
-        what = f"{name} after {TRAIN_STEPS} SGD steps (lr {LR})"
-        if any(f is None for f in finals):
-            return ctx.fail(TRAINING, Diagnosis(SHAPE_ERROR, f"{what}: the parameter disappeared on some rank"),
-                            None, owner(name), param=name)
-        ok, assembled = _compare(finals, want, tol, layout.placement, False, layout.uneven)  # type: ignore[arg-type]
-        if ok:
-            continue
-        actual = assembled if assembled is not None else finals[_first_bad(finals, want, tol, layout.placement)]  # type: ignore[arg-type]
-        if actual is None or actual.shape != want.shape:
-            return ctx.fail(TRAINING, Diagnosis(SHAPE_ERROR, f"{what}: the pieces do not re-assemble to {list(want.shape)}"),
-                            None, owner(name), param=name)
-        return ctx.fail(TRAINING, mismatch(actual, want, what=what, tol=tol), None, owner(name), param=name)
+        want = ctx.ref.final[name]
+        found = judged(ctx, TRAINING, Placed(f"{name} after {TRAIN_STEPS} SGD steps (lr {LR})",
+                                             [v.final.get(name) for v in ctx.values], want, want, layout.placement,
+                                             uneven=layout.uneven, param=name), ctx.mag.final[name])
+        if found is not None:
+            return found
     return None
 
 
@@ -684,31 +433,34 @@ class _Boundaries:
         return _boundary_match(pieces, full, tol, self.hints(key[0]))
 
     def biases(self, name: str) -> list[tuple[str, torch.Tensor]]:
-        return [(p, t.to(_F64)) for p, t in self.masters.items() if owner(p) == name and t.dim() == 1]
+        """The biases of sublayer ``name`` and of every sublayer inside it: one added on every rank
+        before a reduction shows at the output of the module that reduces (its parent's, maybe)."""
+        inside = f"{name}."
+        return [(p, t.to(_F64)) for p, t in self.masters.items()
+                if t.dim() == 1 and p.rpartition(".")[2] == "bias" and (owner(p) == name or p.startswith(inside))]
 
     def diagnose(self, key: tuple[str, str], what: str) -> Diagnosis:
         pieces, full, mag = self.tensors(key)
         if full is None or any(p is None for p in pieces):
             return Diagnosis(GRAD_MISSING if key[1] in ("gin", "gout") else SHAPE_ERROR,
                              f"{what} is missing on some rank")
-        ps = [p.to(_F64) for p in pieces]  # type: ignore[union-attr]
         tol = self.ctx.bound(mag if mag is not None and mag.shape == full.shape else full.abs())
-        placement = _piece_placement(ps, full)
-        if key[1] == "out":
-            return diagnose_output(ps, full, tol, placement, what=what, biases=self.biases(key[0]))
-        if key[1] in ("gin", "gout"):
-            return diagnose_grad(ps, full, tol, placement, what=what)
-        return diagnose_output(ps, full, tol, placement, what=what)
+        placement = _piece_placement(pieces, full)  # type: ignore[arg-type]
+        grad = key[1] in ("gin", "gout")
+        found = verdict(Placed(what, pieces, full, tol, placement, grad=grad, reduced=not grad,
+                               biases=self.biases(key[0]) if key[1] == "out" else ()), self.ctx.dtype)
+        return found[0] if found is not None else Diagnosis(MISMATCH, f"{what} differs from the reference")
 
     def param_culprit(self, name: str) -> _Culprit | None:
         for pname in self.ctx.layouts:
             full = self.ref_grads.get(pname)
             if owner(pname) != name or full is None:
                 continue
-            grads = [g.get(pname) for g in self.rank_grads]
-            diag = param_grad_diagnosis(self.ctx, pname, grads, full, self.mag_grads[pname])
-            if diag is not None:
-                return _Culprit(name, "param", diag)
+            placed = param_placed(self.ctx, pname, [g.get(pname) for g in self.rank_grads], full)
+            placed.tol = self.ctx.bound(self.mag_grads[pname])
+            found = verdict(placed, self.ctx.dtype)
+            if found is not None:
+                return _Culprit(name, "param", found[0])
         return None
 
 
@@ -751,7 +503,10 @@ def _localise(ctx: ModuleContext, obs: Observation) -> tuple[_Culprit | None, _C
             if fwd is None:
                 where = key[0] if key[1] == "out" else f"before {key[0]}"
                 suspects = (key[0],) if key[1] == "out" or previous is None else (previous, key[0])
-                fwd = _Culprit(where, key[1], b.diagnose(key, _PHRASES[key[1]].format(s=key[0])), suspects)
+                diag = b.diagnose(key, _PHRASES[key[1]].format(s=key[0]))
+                if diag.name in (BIAS_DUPLICATION, BIAS_MISSING) and diag.details.get("bias"):
+                    where = owner(diag.details["bias"]) or where  # named where the bias is added
+                fwd = _Culprit(where, key[1], diag, suspects)
         if key[1] == "out":
             previous = key[0]
     if fwd is None and partial is not None:

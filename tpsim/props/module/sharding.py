@@ -27,12 +27,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from tpsim.errors import InvalidArgument
-from tpsim.placement import Partial, Placement, Replicate, Shard, assemble, shard_shape, shard_tensor
+from tpsim.placement import Placement, Replicate, Shard, shard_shape
 
-__all__ = ["ParamLayout", "UnknownLayout", "assemble_pieces", "infer_layout", "piece", "uneven_size"]
+__all__ = ["ParamLayout", "UnknownLayout", "infer_layout", "uneven_size"]
 
 
 @dataclass(frozen=True)
@@ -128,19 +126,3 @@ def declared_layout(placement: Placement, full: Sequence[int], local: Sequence[i
     except Exception:  # noqa: BLE001 - a placement that cannot cut this shape explains nothing
         return None
     return ParamLayout(placement, declared=True) if tuple(expected) == tuple(local) else None
-
-
-def piece(t: torch.Tensor, placement: Placement, rank: int, tp: int, uneven: bool = False) -> torch.Tensor:
-    """Rank ``rank``'s piece of the full ``t`` (``uneven``: as ``torch.tensor_split`` cuts it)."""
-    if uneven and isinstance(placement, Shard):
-        return torch.tensor_split(t, tp, dim=placement.dim % max(t.dim(), 1))[rank]
-    if isinstance(placement, Partial):
-        return t if rank == 0 else torch.zeros_like(t)
-    return shard_tensor(t, placement, rank, tp)
-
-
-def assemble_pieces(pieces: Sequence[torch.Tensor], placement: Placement, uneven: bool = False) -> torch.Tensor:
-    """The full tensor from every rank's piece (inverse of :func:`piece`)."""
-    if uneven and isinstance(placement, Shard):
-        return torch.cat(list(pieces), dim=placement.dim % max(pieces[0].dim(), 1))
-    return assemble(list(pieces), placement)

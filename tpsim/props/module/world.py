@@ -44,7 +44,7 @@ from torch import nn
 
 from tpsim.errors import RankError
 from tpsim.module_variant import ModuleVariant
-from tpsim.placement import Replicate, Shard
+from tpsim.placement import Replicate, Shard, piece
 from tpsim.props.launch import launch, variant_of
 from tpsim.props.layouts import apply_layout, needs_batch
 from tpsim.props.module.boundary import Capture
@@ -58,7 +58,7 @@ from tpsim.props.module.dtensors import (
     local_value,
 )
 from tpsim.props.module.magnitude import MagnitudeMode, TapeEntry, UnboundedOp, ValueTape
-from tpsim.props.module.sharding import ParamLayout, declared_layout, infer_layout, piece
+from tpsim.props.module.sharding import ParamLayout, declared_layout, infer_layout
 from tpsim.props.module.steps import StepTensors, assign
 from tpsim.props.module.twin import twin_magnitudes, twin_run
 from tpsim.props.observation import DenseReferenceFailed, NotDeterministic, NotRealOutput, RankOutput

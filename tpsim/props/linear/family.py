@@ -4,8 +4,8 @@ Its hooks: targets are :class:`~tpsim.variant.Variant` objects, or plain ``nn.Mo
 adapted by their constructor convention (:mod:`tpsim.conventions`) or, for a class that derives from
 a library's layer, by that library's preset (:mod:`tpsim.presets`); a bare module declares them in
 ``TPSIM_VARIANTS``. Cases are :class:`~tpsim.props.case.Case` objects drawn by
-:mod:`tpsim.props.strategies`; one world run per case (:mod:`tpsim.props.world`: the float64 dense
-``x Wᵀ + b`` reference, the rank function) is judged by :mod:`tpsim.props.checks`. A failing case
+:mod:`tpsim.props.strategies`; one world run per case (:mod:`tpsim.props.linear.world`: the float64 dense
+``x Wᵀ + b`` reference, the rank function) is judged by :mod:`tpsim.props.linear.checks`. A failing case
 with a non-contiguous input layout is run again as its contiguous twin.
 """
 
@@ -23,8 +23,9 @@ from tpsim.diagnosis import Failure
 from tpsim.errors import InvalidArgument
 from tpsim.placement import Shard, part_sizes
 from tpsim.presets import preset_for_class, preset_for_target
-from tpsim.props.case import Case
-from tpsim.props.checks import (
+from tpsim.props.family import ADAPTER_OPTIONS, Family, World
+from tpsim.props.linear.case import Case
+from tpsim.props.linear.checks import (
     LINEAR_CHECKS,
     LinearContext,
     PropertyFailed,
@@ -33,7 +34,8 @@ from tpsim.props.checks import (
     offending,
     wrong_group,
 )
-from tpsim.props.family import ADAPTER_OPTIONS, Family, World
+from tpsim.props.linear.strategies import cases
+from tpsim.props.linear.world import expanded_out_features, is_divisible, make_masters, rank_main
 from tpsim.props.observation import Observation
 from tpsim.props.property_names import (
     BIAS_GRAD,
@@ -47,8 +49,7 @@ from tpsim.props.property_names import (
     WEIGHT_GRAD,
 )
 from tpsim.props.rank import TRAIN_STEPS
-from tpsim.props.strategies import DEFAULT_MAX_SIZE, cases
-from tpsim.props.world import expanded_out_features, is_divisible, make_masters, rank_main
+from tpsim.props.strategies import DEFAULT_MAX_SIZE
 from tpsim.runner import DEFAULT_TIMEOUT
 from tpsim.variant import KINDS, Variant
 

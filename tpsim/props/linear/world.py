@@ -1,11 +1,11 @@
 """The linear family's world run of one case, and its float64 dense reference.
 
 Every per-case property reads the same :class:`~tpsim.props.observation.Observation`: one world
-run per case (:meth:`tpsim.props.linear.LinearFamily.world`), in which each
+run per case (:meth:`tpsim.props.linear.family.LinearFamily.world`), in which each
 rank builds the variant from the master values, runs ``TRAIN_STEPS`` steps of forward, backward
 and SGD, and returns (as tensors) its step-0 output, input grad and parameter grads and its final
 parameters, as one typed :class:`RankResult`. The comparison happens in the parent process
-(:mod:`tpsim.props.checks`), so the ranks do no extra collectives of their own — except the
+(:mod:`tpsim.props.linear.checks`), so the ranks do no extra collectives of their own — except the
 trainer's: a replicated parameter whose grad is left partial (``ParamSpec(grad="partial")``, or
 Megatron's ``param.sequence_parallel`` marker) has its grad summed over the tp group before each SGD
 step, as Megatron's ``finalize_model_grads`` does — and the same code serves every backend.
@@ -44,8 +44,8 @@ from tpsim.placement import (
     shard_tensor,
     uneven_pieces,
 )
-from tpsim.props.case import Case
 from tpsim.props.layouts import apply_layout, expand_values
+from tpsim.props.linear.case import Case
 from tpsim.props.observation import OK, RankOutput
 from tpsim.props.rank import LR, TRAIN_STEPS, enter_rank, rank_phase, trainer_step
 from tpsim.variant import LayoutError, Variant, get_param, load_master, stored_shape
