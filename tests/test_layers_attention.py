@@ -1,13 +1,12 @@
 """ParallelAttention (packed Q/K/V column-parallel, GQA with replicated K/V heads, row-parallel
-out-projection, optional sequence parallelism) against a float64 attention written out.
+out-projection, optional sequence parallelism) against the dense attention and its twin.
 
-The oracle (:func:`tpsim.props.attention.oracle.attention_reference`, the attention family's
-reference) does the attention with explicit float64 tensor algebra — not :class:`DenseAttention`
-and not ``scaled_dot_product_attention`` — so a mistake shared by the dense twin and the parallel
-layer cannot hide; :func:`test_oracle_agrees_with_autograd_on_the_dense_twin` checks it against
-autograd. Next to every value it propagates a first-order bound on the rounding error the layer's
-own arithmetic may add (its module docstring has the derivation); the tolerance is twice that bound.
-The expected piece of every rank (:func:`qkv_rows`, :func:`expected_local`) is written out here.
+The reference is the attention family's (:func:`tpsim.props.attention.reference.attention_reference`):
+:class:`DenseAttention` in float64, every tensor bounded by how far the same attention run in the
+case's precision strays from it (the dense twin). The expected piece of every rank
+(:func:`qkv_rows`, :func:`expected_local`) is written out here, independently of the layer code;
+the candidate attentions a buggy layer computes (another softmax scale, another pairing of query and
+key/value heads) are checked against the dense attention built that way by hand.
 """
 
 from __future__ import annotations
@@ -23,7 +22,8 @@ from test_layers import BACKENDS, DTYPES, assert_within, seq_chunk
 import tpsim
 from tpsim.layers import DenseAttention, ParallelAttention, QKVParallelLinear
 from tpsim.mutants import attention as attention_mutants
-from tpsim.props.attention.oracle import attention_reference
+from tpsim.props.attention.case import AttentionCase
+from tpsim.props.attention.reference import attention_reference, attention_run
 
 
 def attn_case(ws, heads, kv_heads, *, head_dim=4, hidden=12, batch=(2,), seq=4, causal=True, bias=True,
@@ -87,33 +87,55 @@ def expected_local(case: dict, name: str, full: torch.Tensor, rank: int) -> torc
     return full  # proj.bias: replicated
 
 
-# ------------------------------------------------------------------ the oracle with error bounds
+# ------------------------------------------------------------------ the reference and its twin's bounds
 
 
-def attention_oracle(case: dict, scale_factor: float = 1.0, kv_map: list[int] | None = None) -> dict:
-    """Float64 forward/backward and tolerances (tpsim.props.attention.oracle: explicit tensor algebra,
-    first-order error bounds; checked against autograd below); ``gx`` is the input's grad."""
+def _reference_inputs(case: dict) -> tuple[AttentionCase, dict, torch.Tensor, torch.Tensor]:
     data = make_attn_data(case)
     masters = {"qkv.weight": data["w_qkv"], "qkv.bias": data["b_qkv"], "proj.weight": data["w_o"],
                "proj.bias": data["b_o"]}
-    out = attention_reference(masters, data["x"], data["gy"], num_heads=case["h"], num_kv_heads=case["g"],
-                              head_dim=case["d"], causal=case["causal"], world_size=case["ws"],
-                              dtype=DTYPES[case["dtype"]], scale_factor=scale_factor, kv_map=kv_map)
+    acase = AttentionCase(case["ws"], case["hidden"], case["h"], case["g"], case["d"], case["seq"], case["batch"],
+                          causal=case["causal"], bias=case["bias"], dtype=case["dtype"], seed=case["seed"])
+    return acase, masters, data["x"], data["gy"]
+
+
+def attention_oracle(case: dict, scale_factor: float = 1.0, kv_map: list[int] | None = None) -> dict:
+    """Float64 forward/backward and the twin's tolerances; ``gx`` is the input's grad. With
+    ``scale_factor``/``kv_map``: the output of the attention a buggy layer computes instead."""
+    acase, masters, x, gy = _reference_inputs(case)
+    out = attention_reference(acase, masters, x, gy)
+    if scale_factor != 1.0 or kv_map is not None:
+        y = attention_run(acase, masters, x, gy, scale=scale_factor / math.sqrt(case["d"]), kv_map=kv_map)["y"]
+        out["y"] = (y, out["y"][1])
     out["gx"] = out.pop("x")
     return out
 
 
-def test_oracle_agrees_with_autograd_on_the_dense_twin():
-    """The hand-written oracle is the gradient autograd computes for DenseAttention (float64)."""
-    for case in (attn_case(1, 4, 2), attn_case(1, 4, 4, causal=False, batch=(2, 3)), attn_case(1, 2, 1, bias=False)):
-        data = make_attn_data(case)
-        dense = dense_module(case, data)
-        x = data["x"].clone().requires_grad_()
-        y = dense(x)
-        y.backward(data["gy"])
-        got = {"y": y, "gx": x.grad, **{n: p.grad for n, p in dense.named_parameters()}}
-        for name, (value, _) in attention_oracle(case).items():
-            torch.testing.assert_close(got[name], value, rtol=1e-12, atol=1e-12, msg=name)
+def test_the_candidate_attentions_are_the_attention_a_buggy_layer_computes():
+    """The reference's other scale and other pairing are DenseAttention with that scale, and with the
+    key/value heads each query head uses copied to it (float64, built by hand here)."""
+    case = attn_case(1, 4, 2)
+    acase, masters, x, gy = _reference_inputs(case)
+    base = attention_run(acase, masters, x, gy)
+    same = attention_run(acase, masters, x, gy, scale=1 / math.sqrt(case["d"]), kv_map=[0, 0, 1, 1])
+    for name, value in base.items():
+        torch.testing.assert_close(same[name] if name == "y" else value, value, rtol=0, atol=0, msg=name)
+    d, h, g = case["d"], case["h"], case["g"]
+    sharp = DenseAttention(case["hidden"], h, g, head_dim=d, causal=case["causal"], softmax_scale=2 / math.sqrt(d),
+                           dtype=torch.float64)
+    swapped = DenseAttention(case["hidden"], h, h, head_dim=d, causal=case["causal"], dtype=torch.float64)
+    w, b = masters["qkv.weight"], masters["qkv.bias"]
+    kv_map = [1, 0, 1, 0]
+    rows = list(range(h * d)) + [(h + j) * d + r for j in kv_map for r in range(d)] + \
+        [(h + g + j) * d + r for j in kv_map for r in range(d)]
+    with torch.no_grad():
+        for dense, qkv_w, qkv_b in ((sharp, w, b), (swapped, w[rows], b[rows])):
+            dense.qkv.weight.copy_(qkv_w)
+            dense.qkv.bias.copy_(qkv_b)
+            dense.proj.weight.copy_(masters["proj.weight"])
+            dense.proj.bias.copy_(masters["proj.bias"])
+    torch.testing.assert_close(attention_run(acase, masters, x, gy, scale=2 / math.sqrt(d))["y"], sharp(x).detach())
+    torch.testing.assert_close(attention_run(acase, masters, x, gy, kv_map=kv_map)["y"], swapped(x).detach())
 
 
 # ------------------------------------------------------------------ the rank side

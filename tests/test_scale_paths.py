@@ -11,23 +11,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpsim.props.comparing import compare
+from tpsim.props.placed import Placed, verdict
 from tpsim.props.tolerance import tolerance
 from tpsim.props.vocab.case import EmbeddingCase
 from tpsim.props.vocab.checks import _grad_rows_hold, _rows_of, _table_grad
 from tpsim.props.vocab.world import boundary_ids, embedding_data
-from tpsim.vocab_variant import EmbeddingVariant
 
 F64 = torch.float64
 CASE = EmbeddingCase(world_size=2, vocab_size=50, embedding_dim=6, batch_shape=(3, 4), dtype="float32", seed=3)
-VARIANT = EmbeddingVariant(name="probe", build=lambda *a, **k: None)
 
 
 def _plain(got: torch.Tensor | None, where: tuple[int, int], ids: torch.Tensor, upstream: torch.Tensor) -> bool:
     """The plain comparison the family ran before the short road: the [V, D] grad, its rows, compare()."""
     expected, mag = _rows_of(CASE, _table_grad(CASE, ids, upstream), where)
     tol = tolerance(CASE.torch_dtype, mag, reduction_length=CASE.rows, world_size=2)
-    return compare(VARIANT, CASE, "weight-grad-equivalence", "grad", 0, got, expected, tol) is None
+    return verdict(Placed("grad", [got], expected, tol, grad=True), CASE.torch_dtype) is None
 
 
 def _correct(where: tuple[int, int], ids: torch.Tensor, upstream: torch.Tensor) -> torch.Tensor:

@@ -58,7 +58,8 @@ from tpsim.props.tolerance import Tolerance
 if TYPE_CHECKING:
     from tpsim.props.family import Family
 
-__all__ = ["Check", "GroupContext", "Replicated", "judge", "reference_failure", "relabel", "replica_consistency"]
+__all__ = ["Check", "GroupContext", "Replicated", "failure", "judge", "reference_failure", "relabel",
+           "replica_consistency"]
 
 _F64 = torch.float64
 
@@ -99,6 +100,27 @@ class GroupContext:
         return Failure(prop, diag.name, diag.message, case=self.case, rank=rank, variant=self.variant.name,
                        details={**diag.details, **details}, sublayer=sublayer)
 
+    def compared(self, prop: str, what: str, rank: int, got: torch.Tensor | None, expected: torch.Tensor,
+                 tol: torch.Tensor, recognisers: Sequence[Callable[[], Failure | None]] = ()) -> Failure | None:
+        """Tp rank ``rank``'s tensor ``got`` against ``expected`` (its whole piece of the dense result) within
+        ``tol`` (:func:`tpsim.props.placed.verdict`); a difference is named by the first of the family's
+        ``recognisers`` (each a call that returns its failure or None) that sees its evidence, else by the
+        shared ones."""
+        from tpsim.props.placed import Placed, verdict
+
+        def named(*_: Any) -> Diagnosis | None:
+            for recognise in recognisers:
+                found = recognise()
+                if found is not None:
+                    named.failure = found  # type: ignore[attr-defined]
+                    return Diagnosis(found.diagnosis, found.message, found.details)
+            return None
+
+        found = verdict(Placed(what, [got], expected, tol, grad=prop != FORWARD, ranks=(rank,)), self.dtype, [named])
+        if found is None:
+            return None
+        return getattr(named, "failure", None) or self.fail(prop, found[0], found[1])
+
     @property
     def unusable(self) -> bool:
         """Whether some rank's output could not be back-propagated (only the forward can be judged)."""
@@ -107,6 +129,12 @@ class GroupContext:
     def replicated(self) -> list[Replicated]:
         """Everything the ranks of the group must hold bit for bit (default: nothing)."""
         return []
+
+
+def failure(variant: Any, case: Any, prop: str, diagnosis: str, message: str, *, rank: int | None = None,
+            details: dict[str, Any] | None = None) -> Failure:
+    """A :class:`~tpsim.diagnosis.Failure` of ``variant`` on ``case`` (a recogniser's finding)."""
+    return Failure(prop, diagnosis, message, case=case, rank=rank, details=details or {}, variant=variant.name)
 
 
 #: A check of the registry: the failure of its property on one tp group, or None.

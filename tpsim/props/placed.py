@@ -92,7 +92,8 @@ class Placed:
       to a layer run on sequence-sharded activations (a replicated parameter's grad is then each rank's
       summand until it is reduced);
     - ``mag``/``k``/``summands``/``offset``: what ``precision-loss`` recomputes in a narrower dtype
-      (the magnitudes, the reduction length, each rank's expected summand and what is added after).
+      (the magnitudes, the reduction length, each rank's expected summand and what is added after);
+    - ``ranks``: the tp rank of each piece, where they are not ``0, 1, ...`` (one rank's piece alone).
     """
 
     what: str
@@ -113,10 +114,15 @@ class Placed:
     k: int = 1
     summands: list[torch.Tensor] | None = None
     offset: torch.Tensor | None = None
+    ranks: Sequence[int] | None = None
 
     @property
     def tp(self) -> int:
         return len(self.pieces)
+
+    def rank_of(self, i: int) -> int:
+        """The tp rank piece ``i`` is (``ranks``: a family that compares one rank's piece at a time)."""
+        return self.ranks[i] if self.ranks is not None else i
 
     @property
     def sharded(self) -> bool:
@@ -244,8 +250,9 @@ def verdict(placed: Placed, dtype: torch.dtype, recognisers: Sequence[Recogniser
     what, tp = placed.what, placed.tp
     rank0 = _rank0_only(placed, dtype)
     if rank0 is not None:
-        return rank0, 1
-    for r, p in enumerate(placed.pieces):
+        return rank0, placed.rank_of(1)
+    for i, p in enumerate(placed.pieces):
+        r = placed.rank_of(i)
         if p is None:
             return (Diagnosis(GRAD_MISSING, f"{what} received no gradient on rank {r} (.grad is None)")
                     if placed.grad else Diagnosis(SHAPE_ERROR, f"{what} is missing on rank {r}")), r
@@ -264,8 +271,9 @@ def verdict(placed: Placed, dtype: torch.dtype, recognisers: Sequence[Recogniser
         return None
     if actual is None:  # not reached (the shapes matched); never a pass
         return fail_shape(what, placed), None
-    label = what if placed.sharded or placed.summed or tp == 1 else f"{what} on rank {rank}"
-    at = None if placed.sharded or placed.summed else rank
+    one = tp == 1 and placed.ranks is None
+    label = what if placed.sharded or placed.summed or one else f"{what} on rank {placed.rank_of(rank)}"
+    at = None if placed.sharded or placed.summed else placed.rank_of(rank)
     for recognise in recognisers:
         found = recognise(placed, actual, pieces)
         if found is not None:
@@ -279,12 +287,13 @@ def _shape_verdict(placed: Placed, pieces: list[torch.Tensor]) -> tuple[Diagnosi
         expected = [full] * tp
     else:
         expected = expected_pieces(full, placed.placement, tp, placed.uneven if placed.sharded else None)
-    for r, (p, e) in enumerate(zip(pieces, expected, strict=True)):
+    for i, (p, e) in enumerate(zip(pieces, expected, strict=True)):
         if p.shape == e.shape:
             continue
+        r = placed.rank_of(i)
         bound = float(placed.tol.max()) if placed.tol.numel() else 0.0
         if tp > 1 and full.dim() > 0:
-            dim = _other_dim(placed, p, full, r, bound)
+            dim = _other_dim(placed, p, full, i, bound)
             if dim is not None:
                 instead = (f"sharded along dim {dim} instead of dim {placed.placement.dim % full.dim()}"  # type: ignore[union-attr]
                            if placed.sharded else f"its shards concatenated along dim {dim} instead of the last "

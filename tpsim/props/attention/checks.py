@@ -40,8 +40,7 @@ from tpsim.diagnosis import (
 from tpsim.props.attention.case import AttentionCase
 from tpsim.props.attention.reference import attention_reference, attention_run
 from tpsim.props.attention.world import AttentionRankResult
-from tpsim.props.comparing import compare, failure
-from tpsim.props.judging import Check, GroupContext, Replicated, replica_consistency
+from tpsim.props.judging import Check, GroupContext, Replicated, failure, replica_consistency
 from tpsim.props.observation import OK, Observation
 from tpsim.props.property_names import BIAS_GRAD, DIVISIBILITY, FORWARD, INPUT_GRAD, REPLICA, WEIGHT_GRAD
 
@@ -250,7 +249,7 @@ def _check(prop: str) -> Check:
                 recognisers = ([partial(_kv_pairing, variant, case, ctx.obs, ctx.values, ctx.group, ctx.g),
                                 partial(_attention_scale, variant, case, ctx.obs, ctx.values, ctx.group, ctx.g)]
                                if name == "y" else [])
-                found = compare(variant, case, prop, _NAMES[name], i, got.get(name),
+                found = ctx.compared(prop, _NAMES[name], i, got.get(name),
                                 _piece(case, variant, name, full, ctx.tp, i), _piece(case, variant, name, tol, ctx.tp, i),
                                 recognisers)
                 if found is not None:

@@ -60,8 +60,7 @@ from tpsim.diagnosis import (
 )
 from tpsim.errors import RankError
 from tpsim.props.blame import VariantRaised, blame, run_failure
-from tpsim.props.comparing import compare, failure
-from tpsim.props.judging import Check, GroupContext, Replicated, replica_consistency
+from tpsim.props.judging import Check, GroupContext, Replicated, failure, replica_consistency
 from tpsim.props.observation import OK, OUTPUT_SHAPE, Observation
 from tpsim.props.property_names import DIVISIBILITY, FORWARD, INPUT_GRAD, REPLICA, WEIGHT_GRAD
 from tpsim.props.tolerance import eps, tolerance
@@ -169,7 +168,7 @@ def _embedding_forward(ctx: EmbeddingContext) -> Failure | None:
     for i, v in enumerate(ctx.values):
         if v.status != OK:
             return _embedding_layout_failure(variant, case, v, i, ctx.divides)
-        found = compare(variant, case, FORWARD, "the embedding output", i, v.output, ctx.ref,
+        found = ctx.compared(FORWARD, "the embedding output", i, v.output, ctx.ref,
                         ctx.tol(ctx.ref.abs(), 1),
                         [partial(_vocab_mask_missing, variant, case, ctx.values, ctx.ids, ctx.ref, i)])
         if found is not None:
@@ -190,7 +189,7 @@ def _embedding_weight_grad(ctx: EmbeddingContext) -> Failure | None:
         if dense_grad is None:
             dense_grad = _table_grad(case, ctx.ids, ctx.upstream)
         expected, mag = _rows_of(case, dense_grad, where)
-        found = compare(ctx.variant, case, WEIGHT_GRAD, "the embedding table's grad", i, v.weight_grad, expected,
+        found = ctx.compared(WEIGHT_GRAD, "the embedding table's grad", i, v.weight_grad, expected,
                         ctx.tol(mag, case.rows))
         if found is not None:
             return found
@@ -681,7 +680,7 @@ def _loss(ctx: CrossEntropyContext) -> Failure | None:
                            f"({v.output_type}); expected {expected} for reduction={case.reduction!r}", rank=r)
         recognisers = [partial(fn, variant, case, ref, values, ctx.group) for fn in
                        (_loss_off_by_log_tp, _smoothing_per_shard, _max_not_reduced, _padding_in_softmax)]
-        found = compare(variant, case, FORWARD, "the loss", r, v.output, ref.loss, ref.loss_tol, recognisers)
+        found = ctx.compared(FORWARD, "the loss", r, v.output, ref.loss, ref.loss_tol, recognisers)
         if found is not None:
             return found
     return None
@@ -693,11 +692,11 @@ def _input_grad(ctx: CrossEntropyContext) -> Failure | None:
         if variant.input == "logits":
             width = ref.logits_grad.shape[-1] // ctx.tp
             cols = slice(r * width, (r + 1) * width)
-            found = compare(variant, case, INPUT_GRAD, "the logits' grad", r, v.input_grad,
+            found = ctx.compared(INPUT_GRAD, "the logits' grad", r, v.input_grad,
                             ref.logits_grad[..., cols], ref.logits_tol[..., cols],
                             [partial(_smoothing_per_shard_grad, variant, case, ref, values, ctx.group)])
         else:
-            found = compare(variant, case, INPUT_GRAD, "the hidden states' grad", r, v.hidden_grad,
+            found = ctx.compared(INPUT_GRAD, "the hidden states' grad", r, v.hidden_grad,
                             ref.hidden_grad, ref.hidden_tol,
                             [partial(_hidden_grad_not_reduced, variant, case, ref, values, ctx.group, r)])
         if found is not None:
@@ -710,7 +709,7 @@ def _classifier_grad(ctx: CrossEntropyContext) -> Failure | None:
     width = ref.weight_grad.shape[0] // ctx.tp
     for r, v in enumerate(ctx.values):
         rows = slice(r * width, (r + 1) * width)
-        found = compare(ctx.variant, ctx.case, WEIGHT_GRAD, "the classifier rows' grad", r, v.weight_grad,
+        found = ctx.compared(WEIGHT_GRAD, "the classifier rows' grad", r, v.weight_grad,
                         ref.weight_grad[rows], ref.weight_tol[rows])
         if found is not None:
             return found
