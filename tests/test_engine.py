@@ -189,6 +189,19 @@ def test_generated_tests_are_the_properties_each_family_checks() -> None:
         "test_divisibility", "test_forward_equivalence", "test_replica_consistency", "test_weight_grad_equivalence"]
 
 
+def test_a_module_without_a_bias_gets_no_bias_grad_test_or_verdict() -> None:
+    # Read off the built module (its parameters), never assumed: a test that cannot fail is not generated.
+    (without,) = resolve_target("tests/module_targets.py:UnreducedMLP", kind="module")
+    (with_bias,) = resolve_target("tpsim.layers:ParallelMLP(gelu)")
+    suite = property_tests([without, with_bias], max_examples=3)
+    params = {name: [v.name for v in test.pytestmark[0].args[1]] for name, test in vars(suite).items()
+              if name.startswith("test_")}
+    assert params["test_bias_grad_equivalence"] == ["ParallelMLP(gelu)"]
+    assert "UnreducedMLP" in params["test_weight_grad_equivalence"]
+    report = search(without, max_examples=3, seed=0, world_sizes=(1, 2))
+    assert report.verdicts["bias-grad-equivalence"]["verdict"] == "not-applicable"
+
+
 def test_verdicts_name_the_properties_of_the_family() -> None:
     report = search(builtin_variants.vocab_cross_entropy, max_examples=3, seed=0)
     assert list(report.verdicts) == ["forward-equivalence", "input-grad-equivalence", "weight-grad-equivalence",

@@ -91,6 +91,7 @@ __all__ = [
     "ModuleVariant",
     "SizeCatalog",
     "constructor_sizes",
+    "parameters_of",
     "module_from_class",
 ]
 
@@ -138,6 +139,9 @@ class ModuleVariant:
     notes: tuple[str, ...] = ()
     target: str | None = None
     options: tuple[tuple[str, Any], ...] = field(default=())
+    #: The dense module's parameter names, read once by building it (:func:`parameters_of`; None: not
+    #: read): what the properties that apply depend on (no bias, no bias grads to check).
+    parameters: tuple[str, ...] | None = None
 
     #: What ``--report json`` lists as the variant's kind; a module has no single bias switch.
     kind: ClassVar[str] = MODULE_KIND
@@ -334,6 +338,31 @@ class SizeCatalog:
         except Exception:  # noqa: BLE001 - no valid tuple at this tp size: none drawn there
             return ()
         return tuple(sorted(set(found), key=lambda t: (sum(t), t)))
+
+
+def _probe(payload: tuple[ModuleVariant, tuple[int, ...]]) -> tuple[str, ...]:
+    import torch.distributed as dist
+
+    variant, sizes = payload
+    return tuple(n for n, _ in variant.reference(sizes, group=dist.group.WORLD, dtype=torch.float32).named_parameters())
+
+
+def parameters_of(variant: ModuleVariant) -> tuple[str, ...] | None:
+    """The names of ``variant``'s dense parameters, read by building it once on a one-rank world at
+    its smallest sizes (the first its size strategy draws); None when it cannot be built so."""
+    import tpsim
+
+    sizes: Any = tuple(variant.min_sizes or (1,) * len(variant.sizes))
+    if variant.size_strategy is not None:
+        drawn = variant.size_strategy.drawn_by if isinstance(variant.size_strategy, SizeCatalog) else \
+            SizeCatalog.drawn(variant, (1,)).drawn_by
+        sizes = next((found[0] for (tp, divisible), found in drawn if tp == 1 and found), None)
+        if sizes is None:
+            return None
+    try:
+        return tpsim.run(_probe, 1, args=((variant, sizes),), **{"rank_local": variant.rank_local})[0]
+    except Exception:  # noqa: BLE001 - a module that cannot be built alone: every property stays
+        return None
 
 
 def _signature(cls: type) -> inspect.Signature:

@@ -13,7 +13,7 @@ resolve the variant again from its target (:func:`tpsim.props.launch.variant_of`
 What the judge needs of the checked code's own functions is computed in the worker: a module
 variant's ``size_strategy`` (a user's Hypothesis strategy of size tuples) becomes a
 :class:`~tpsim.module_variant.SizeCatalog` of the tuples it draws for every tp size the check can
-draw.
+draw, and its dense parameters' names are read once (what properties apply to it).
 """
 
 from __future__ import annotations
@@ -83,11 +83,12 @@ def _described(target: str, options: tuple[tuple[str, Any], ...],
 
 def _for_judge(variant: Any, tp_sizes: tuple[int, ...]) -> Any:
     from tpsim.module_variant import ModuleVariant, SizeCatalog
+    from tpsim.props.family import family_of
 
     if isinstance(variant, ModuleVariant) and variant.size_strategy is not None and not isinstance(
             variant.size_strategy, SizeCatalog):
-        return variant.replace(size_strategy=SizeCatalog.drawn(variant, tp_sizes))
-    return variant
+        variant = variant.replace(size_strategy=SizeCatalog.drawn(variant, tuple(sorted({1, *tp_sizes}))))
+    return family_of(variant).prepared(variant)
 
 
 # --- the import guard ---------------------------------------------------------------------------------

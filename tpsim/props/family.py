@@ -112,6 +112,13 @@ class Family:
         for attr, value in given.items():
             if value is not None:
                 setattr(cls, attr, value)
+        # The registry and the properties tell one story: every property but divisibility (judged on
+        # the whole run) has its check, and every check is a property the family reports.
+        registry = set(cls.__dict__.get("checks", {}) or ())
+        declared = set(getattr(cls, "properties", ()) or ())
+        if registry and (registry - declared or declared - registry - {DIVISIBILITY}):
+            raise TypeError(f"family {cls.__name__}: checks {sorted(registry)} and properties {sorted(declared)} "
+                            "disagree (every property but divisibility needs a check)")
 
     # --- targets -----------------------------------------------------------------------------------
 
@@ -207,6 +214,11 @@ class Family:
         raise InvalidArgument(f"{variant.name!r} is {self.subject}; --param-grad applies to linear layers and modules")
 
     # --- a search ----------------------------------------------------------------------------------
+
+    def prepared(self, variant: Any) -> Any:
+        """``variant`` with what the family reads once before a search (default: as it is; a module's
+        parameter names, where it was not described by a worker already)."""
+        return variant
 
     def applicable(self, variant: Any) -> tuple[str, ...]:
         """The properties ``variant`` is checked for (default: all of :attr:`properties`)."""

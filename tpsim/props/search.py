@@ -378,6 +378,7 @@ def search(
     variant = _as_variant(variant)
     # The variant's family (linear layer, whole module, ...) draws and checks its cases.
     family = family_of(variant)
+    variant = family.prepared(variant)
     wanted = _check_options(max_examples, backend, timeout, properties, seed)
     if not isinstance(shrink, bool):
         raise InvalidArgument(f"shrink={shrink!r} must be True or False")

@@ -36,7 +36,6 @@ from tpsim.errors import InvalidArgument
 from tpsim.props.case import save_failure
 from tpsim.props.family import family_of
 from tpsim.props.linear.checks import PropertyFailed
-from tpsim.props.property_names import PROPERTIES
 from tpsim.props.search import SearchReport, search
 
 __all__ = ["property_tests", "reproduction"]
@@ -139,9 +138,11 @@ def property_tests(variant_or_target: Any, *, target_options: dict[str, Any] | N
         return test
 
     namespace: dict[str, Any] = {"__doc__": f"tpsim's property suite on {', '.join(v.name for v in variants)}."}
-    # One test per property some variant is checked for, parametrised by those variants only.
+    # One test per property some variant's family checks (its registry) and that applies to it,
+    # parametrised by those variants only: every generated test can fail.
+    variants = [family_of(v).prepared(v) for v in variants]
     checks = {id(v): family_of(v).applicable(v) for v in variants}
-    for prop in PROPERTIES:
+    for prop in dict.fromkeys(p for v in variants for p in family_of(v).properties):
         checked = [v for v in variants if prop in checks[id(v)]]
         if checked:
             namespace["test_" + prop.replace("-", "_")] = make_test(prop, checked)

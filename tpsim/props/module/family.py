@@ -36,6 +36,7 @@ from tpsim.props.module.checks import (
     MODULE_CHECKS,
     NUMERIC_PATTERNS,
     ModuleContext,
+    grad_property,
     layout_failure,
     localise,
     offending,
@@ -45,7 +46,7 @@ from tpsim.props.module.plans import PlanVariant, name_plan_entry, plan_variant,
 from tpsim.props.module.strategies import MAX_PER_RANK, module_cases
 from tpsim.props.module.world import ModuleData, Reference, Ties, is_divisible, rank_main, reference_run
 from tpsim.props.observation import Observation
-from tpsim.props.property_names import DIVISIBILITY, FORWARD, FORWARD_ONLY, PROPERTIES
+from tpsim.props.property_names import BIAS_GRAD, DIVISIBILITY, FORWARD, FORWARD_ONLY, PROPERTIES
 from tpsim.variant import ParamSpec
 
 __all__ = ["MODULE", "MODULE_DTYPES", "ModuleFamily"]
@@ -131,11 +132,18 @@ class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=Mod
 
     # --- a search ----------------------------------------------------------------------------------
 
+    def prepared(self, variant: ModuleVariant) -> ModuleVariant:
+        from tpsim.module_variant import parameters_of
+
+        return variant if variant.parameters is not None else variant.replace(parameters=parameters_of(variant))
+
     def applicable(self, variant: ModuleVariant) -> tuple[str, ...]:
         kept = FORWARD_ONLY if variant.forward_only else self.properties
-        if isinstance(variant, PlanVariant):
-            return tuple(p for p in kept if p != DIVISIBILITY)
-        return tuple(p for p in self.properties if p in kept)
+        dropped = {DIVISIBILITY} if isinstance(variant, PlanVariant) else set()
+        if variant.parameters is not None and not any(grad_property(variant, n) == BIAS_GRAD
+                                                      for n in variant.parameters):
+            dropped.add(BIAS_GRAD)  # no bias: no bias grad that could be wrong
+        return tuple(p for p in self.properties if p in kept and p not in dropped)
 
     def nothing_applies(self, variant: ModuleVariant, properties: tuple[str, ...], applies: tuple[str, ...]) -> str:
         why = f"variant {variant.name!r} is forward-only, so only" if variant.forward_only else f"{self.subject} is checked for"
