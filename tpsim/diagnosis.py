@@ -645,13 +645,9 @@ def follows_from(cause: Failure, other: Failure) -> bool:
     """Whether ``other`` (a failure on the same case) follows from ``cause``: its property is one
     of the consequences the registry lists for ``cause``'s diagnosis, it comes from the same
     sublayer (or a later one: ``cause.sublayer`` None covers them all), and it is not ``cause``'s
-    own property. ``training-equivalence`` follows from any other cause: training runs on every
-    grad, the wrong ones included."""
+    own property."""
     if other is cause or other.property == cause.property:
         return False
-    if other.property == _TRAINING:
-        # Every parameter is trained with the grads the cause made wrong, whichever sublayer owns it.
-        return True
     if cause.sublayer is not None and other.sublayer not in (None, cause.sublayer):
         return False
     return other.property in spec(cause.diagnosis).consequences

@@ -14,7 +14,8 @@ Every family is judged the same way (:func:`judge`, called by :meth:`tpsim.props
 4. **each tp group on its own**: the family's :class:`GroupContext` of the group, and every check of
    the family's registry (:attr:`Family.checks`: property -> ``check(ctx) -> Failure | None``) that
    applies, in registry order — only the forward when some rank's output could not be
-   back-propagated. The first group that fails is reported, its ranks relabelled as tp ranks and the
+   back-propagated; a training failure beside a single-step one is listed under it (training runs on
+   every grad, the wrong ones included). The first group that fails is reported, its ranks relabelled as tp ranks and the
    group named (:func:`relabel`), and a collective over another set of ranks named ``wrong-group``
    where the family recognises one (:meth:`Family.wrong_group`).
 
@@ -41,7 +42,7 @@ from tpsim.diagnosis import (
     Failure,
     recogniser,
 )
-from tpsim.errors import InvalidArgument, RankDied
+from tpsim.errors import RankDied
 from tpsim.props.blame import death_failure
 from tpsim.props.groups import tp_groups
 from tpsim.props.observation import (
@@ -52,7 +53,7 @@ from tpsim.props.observation import (
     Observation,
     output_dtype_failure,
 )
-from tpsim.props.property_names import DIVISIBILITY, FORWARD, REPLICA
+from tpsim.props.property_names import DIVISIBILITY, FORWARD, REPLICA, TRAINING
 from tpsim.props.tolerance import Tolerance
 
 if TYPE_CHECKING:
@@ -240,6 +241,12 @@ def judge_groups(family: Family, variant: Any, obs: Observation, wanted: Sequenc
                                                                           "upstream grad"))]
         else:
             failures = [f for prop, check in family.checks.items() if prop in wanted and (f := check(ctx)) is not None]
+            # Training runs on every grad, the wrong ones included: where a single-step property fails,
+            # the trained parameters differ by consequence, whichever sublayer owns them.
+            trained = [f for f in failures if f.property == TRAINING]
+            if trained and len(trained) < len(failures):
+                failures = [f for f in failures if f.property != TRAINING]
+                failures[0].consequences.extend(trained)
         if not failures:
             continue
         if len(ranks) == case.world_size:
@@ -250,10 +257,3 @@ def judge_groups(family: Family, variant: Any, obs: Observation, wanted: Sequenc
                                                        "used_ranks": wrong[f.property]["ranks"], "groups": groups})
                 if f.property in wrong else relabel([f], g, ranks)[0] for f in failures]
     return []
-
-
-def check_wanted(family: Family, properties: Sequence[str]) -> None:
-    """Refuse property names the family does not know."""
-    unknown = [p for p in properties if p not in family.properties]
-    if unknown:
-        raise InvalidArgument(f"unknown properties {unknown}; expected some of {list(family.properties)}")

@@ -245,6 +245,7 @@ def _compared(placed: Placed, pieces: list[torch.Tensor]) -> tuple[bool, torch.T
     return True, None, 0
 
 
+@recogniser(GRAD_MISSING, WRONG_DTYPE, SHAPE_ERROR, WRONG_SHARD_DIM)
 def verdict(placed: Placed, dtype: torch.dtype, recognisers: Sequence[Recogniser] = ()) -> tuple[Diagnosis, int | None] | None:
     """None when ``placed`` holds; else what is wrong and the tp rank it shows on (None: the whole)."""
     what, tp = placed.what, placed.tp

@@ -306,6 +306,7 @@ def _kv_heads_held(ctx: LinearContext) -> Recogniser:
     return recognise
 
 
+@recogniser(OUTPUT_DETACHED)
 def _forward(ctx: LinearContext) -> Failure | None:
     v, ref, ws = ctx.variant, ctx.ref, ctx.ws
     for r, x in enumerate(ctx.values):

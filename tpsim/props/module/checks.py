@@ -191,6 +191,7 @@ def judged(ctx: ModuleContext, prop: str, placed: Placed, fast_mag: torch.Tensor
     return ctx.fail(prop, diag, rank, placed.sublayer or (owner(placed.param) if placed.param else None), **extra)
 
 
+@recogniser(OUTPUT_DETACHED)
 def _forward(ctx: ModuleContext) -> Failure | None:
     for r, v in enumerate(ctx.values):
         if v.status == DETACHED:
