@@ -15,7 +15,6 @@ module instead (``tpsim check FILE:Class --kind module``, :mod:`tpsim.module_var
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -23,6 +22,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from tpsim import _derive
 from tpsim.errors import InvalidArgument
 
 __all__ = ["ATTENTION_KIND", "ATTENTION_PARAMS", "AttentionVariant", "from_dense_builder"]
@@ -94,8 +94,9 @@ class AttentionVariant:
         return f"{self.name}: head-sharded attention, input and output {self.input}"
 
     def replace(self, **changes: Any) -> AttentionVariant:
-        """A copy with ``changes`` applied (validation runs again)."""
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes`` applied (validation runs again), remembered for the worker
+        processes that resolve its target again (:mod:`tpsim._derive`)."""
+        return _derive.replace(self, changes)
 
     def call(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """Run the block on ``x``."""

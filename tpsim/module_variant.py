@@ -69,7 +69,6 @@ keyword (``process_group``, ``group``, ``tp_group`` or nanotron's ``pg``): ``tps
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -78,6 +77,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from tpsim import _derive
 from tpsim.conventions import GROUP_KEYWORDS as CONVENTION_GROUP_KEYWORDS
 from tpsim.errors import InvalidArgument
 from tpsim.placement import Placement, Shard
@@ -253,8 +253,9 @@ class ModuleVariant:
         return text
 
     def replace(self, **changes: Any) -> ModuleVariant:
-        """A copy with ``changes`` applied (validation runs again)."""
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes`` applied (validation runs again), remembered for the worker
+        processes that resolve its target again (:mod:`tpsim._derive`)."""
+        return _derive.replace(self, changes)
 
     # -- building -------------------------------------------------------------------------------
     def instantiate(self, sizes: tuple[int, ...], *, group: Any, dtype: torch.dtype) -> nn.Module:

@@ -42,6 +42,7 @@ from typing import Any
 
 from torch import nn
 
+from tpsim import _derive
 from tpsim._target_files import (
     TargetError,
     import_target_file,
@@ -185,9 +186,10 @@ def _finish(target: str, variants: list[Any], options: Mapping[str, Any]) -> lis
     if dupes:
         raise TargetError(f"{target!r} declares several variants named {dupes[0]!r}; names must be unique")
     frozen = tuple(sorted((k, v) for k, v in options.items() if v is not None))
-    # Every variant remembers its target and options, so that worker processes and replays resolve it again.
-    return [v if (v.target, tuple(v.options)) == (target, frozen) else v.replace(target=target, options=frozen)
-            for v in variants]
+    # Every variant remembers its target and options, so that worker processes and replays resolve it again,
+    # and is exactly what they resolve: no change is left to carry (tpsim._derive).
+    return [_derive.resolved(v if (v.target, tuple(v.options)) == (target, frozen)
+                             else v.replace(target=target, options=frozen)) for v in variants]
 
 
 def resolve_target(target: str, **options: Any) -> list[Any]:

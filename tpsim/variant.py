@@ -70,6 +70,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from tpsim import _derive
 from tpsim.errors import InvalidArgument
 from tpsim.placement import Partial, Placement, Replicate, Shard, shard_shape, shard_tensor
 
@@ -558,8 +559,9 @@ class Variant:
         return tuple(out)
 
     def replace(self, **changes: Any) -> Variant:
-        """A copy with ``changes`` applied (validation runs again)."""
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes`` applied (validation runs again), remembered for the worker
+        processes that resolve its target again (:mod:`tpsim._derive`)."""
+        return _derive.replace(self, changes)
 
     def with_param_grads(self, grads: Mapping[str, str]) -> Variant:
         """A copy whose parameters' ``grad`` semantics are overridden, e.g. ``{"bias": "partial"}``

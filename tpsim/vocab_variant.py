@@ -24,7 +24,6 @@ class or function (``tpsim check FILE:Name --kind embedding`` / ``--kind cross-e
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from tpsim import _derive
 from tpsim.errors import InvalidArgument
 from tpsim.module_variant import GROUP_KEYWORDS, group_keyword
 
@@ -132,8 +132,9 @@ class EmbeddingVariant:
         return f"{self.name}: embedding, table {self.weight!r} sharded by rows ({how})"
 
     def replace(self, **changes: Any) -> EmbeddingVariant:
-        """A copy with ``changes`` applied (validation runs again)."""
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes`` applied (validation runs again), remembered for the worker
+        processes that resolve its target again (:mod:`tpsim._derive`)."""
+        return _derive.replace(self, changes)
 
     def call(self, module: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """Run the embedding on ``ids``."""
@@ -211,8 +212,9 @@ class CrossEntropyVariant:
         return f"{self.name}: cross-entropy of {what}; takes {', '.join(self.accepts) or 'no keywords'}"
 
     def replace(self, **changes: Any) -> CrossEntropyVariant:
-        """A copy with ``changes`` applied (validation runs again)."""
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes`` applied (validation runs again), remembered for the worker
+        processes that resolve its target again (:mod:`tpsim._derive`)."""
+        return _derive.replace(self, changes)
 
     def call(self, tensors: tuple[torch.Tensor, ...], target: torch.Tensor, *, label_smoothing: float,
              ignore_index: int, vocab_size: int, reduction: str, group: Any) -> torch.Tensor:

@@ -3,7 +3,11 @@
 Every family's world run goes through :func:`launch`. In this process (``inproc`` without
 ``isolate``) the ranks get the variant object itself; worker processes (gloo, nccl, the isolated
 inproc worker) get its target string, name and options and resolve it again (:func:`variant_of`),
-so a variant needs a target string there (:func:`target_ref` says so otherwise).
+so a variant needs a target string there (:func:`target_ref` says so otherwise). A variant derived
+after it was resolved (``variant.replace(params=...)``: a diagnosis confirmed by re-running the case
+with a changed declaration) is not what that resolves to: the reference also carries the fields its
+``replace`` changed (:mod:`tpsim._derive`), applied in the workers after resolving, so that every
+backend, isolated or not, runs exactly the variant this process runs.
 
 Importing a target is not part of a case: :func:`warm_workers` imports it once in the zygote the
 worker processes are forked from (:mod:`tpsim.comm.zygote`), so every worker starts with it, and
@@ -20,11 +24,13 @@ their packages watched for sharing between ranks (:func:`watched`).
 from __future__ import annotations
 
 import importlib
+import pickle
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import tpsim
+from tpsim import _derive
 from tpsim.errors import InvalidArgument, RankError
 
 __all__ = [
@@ -45,31 +51,45 @@ _warmed: set[tuple[Any, ...]] = set()
 #: Targets (and options) the zygote was asked to import, with the zygote's pid at the time.
 _preloaded: set[tuple[Any, ...]] = set()
 
-Ref = tuple[str, str, tuple[tuple[str, Any], ...]]
+Ref = tuple[str, str, tuple[tuple[str, Any], ...], tuple[tuple[str, Any], ...]]
 
 
 def target_ref(variant: Any, backend: str, isolate: bool) -> Ref:
-    """``(target, name, options)``: what worker processes resolve ``variant`` from; raises
-    :class:`tpsim.InvalidArgument` when it has no target string."""
+    """``(target, name, options, changes)``: what worker processes resolve ``variant`` from, and the
+    field changes to apply after (see the module docstring); raises :class:`tpsim.InvalidArgument`
+    when it has no target string, or a change that cannot be sent to another process."""
+    where = "the isolated inproc worker process" if backend == "inproc" else f"{backend} worker processes"
     if variant.target is None:
-        where = "the isolated inproc worker process" if backend == "inproc" else f"{backend} worker processes"
         raise InvalidArgument(
             f"variant {variant.name!r} has no target string, so {where} cannot import it; declare it at module "
             "level and check it by target (e.g. tpsim check mymodule:Name)"
         )
-    return (variant.target, variant.name, tuple(variant.options))
+    derived = _derive.changes(variant)
+    for field, value in derived:
+        try:
+            pickle.dumps(value)
+        except Exception as err:  # noqa: BLE001 - whatever pickling raises, the workers could not get it
+            raise InvalidArgument(
+                f"variant {variant.name!r} was derived with replace({field}=...), a value {where} cannot receive "
+                f"({type(err).__name__}: {err}); declare the variant with it at module level instead") from None
+    return (variant.target, variant.name, tuple(variant.options), derived)
 
 
 def variant_of(payload: dict[str, Any]) -> Any:
-    """The variant a rank runs: the object itself, or resolved again from ``payload["ref"]`` (once
-    per worker process, as this process resolves it once for every case)."""
+    """The variant a rank runs: the object itself, or resolved again from ``payload["ref"]`` and the
+    changes it carries applied (once per worker process, as this process resolves it once for every
+    case)."""
     variant = payload.get("variant")
     if variant is None:
         ref = payload["ref"]
         key = repr(ref)
         variant = _resolved.get(key)
         if variant is None:
-            variant = _resolved[key] = _resolver()(*ref)
+            target, name, options, derived = ref
+            variant = _resolver()(target, name, options)
+            if derived:
+                variant = variant.replace(**dict(derived))
+            _resolved[key] = variant
     return variant
 
 
