@@ -200,8 +200,11 @@ def test_a_dropped_rank_really_dies_on_gloo_and_the_pool_is_replaced():
     assert "rank 1: was dropped by the fault plan at all_gather_into_tensor #3 on group world " \
            "(Drop(rank=1, at_call=3)): its process exited with exit code 87" in text
     assert not any(p in pids for pids in procs.live_worker_pids().values() for p in before)
-    # The next run gets fresh workers and the right answer.
-    torch.testing.assert_close(_clean("gloo")[0], _clean("inproc")[0], rtol=0, atol=0)
+    # The next run gets fresh workers and the right answer: inproc's, up to the order of the sums
+    # (inproc adds in rank order, gloo's ring in its own, which float32 rounds differently: each of
+    # the 3 all_reduces of WS terms may differ by WS rounding steps, compounding over the steps).
+    torch.testing.assert_close(_clean("gloo")[0], _clean("inproc")[0], rtol=3 * WS * torch.finfo(torch.float32).eps,
+                               atol=0)
     after = procs.live_worker_pids()[("gloo", WS)]
     assert not set(after) & set(before)
 

@@ -46,6 +46,17 @@ def test_ci_runs_the_thorough_tier_and_fails_an_empty_one() -> None:
     assert "-m 'not thorough'" in (ROOT / "pyproject.toml").read_text()  # the README's command: the fast tier
 
 
+def test_ci_runs_the_numerics_tests_on_other_cpu_kernels() -> None:
+    # MKL's kernels differ by CPU: CI reruns the numerics files on SSE4.2's, between the tiers.
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    (files,) = [line.partition("=")[2].strip('"').split() for line in ci if line.startswith("NUMERICS=")]
+    assert files and all((ROOT / f).is_file() and f.startswith("tests/test_") for f in files), files
+    command = "MKL_ENABLE_INSTRUCTIONS=SSE4_2 python -m pytest -n auto $NUMERICS"
+    assert ci.index("python -m pytest -n auto") < ci.index(command) < ci.index("python -m pytest -n auto -m thorough")
+    assert 'tests_passed "$rc" "the numerics tests under SSE4_2 kernels"' in ci[ci.index(command) + 2]
+    assert "MKL_ENABLE_INSTRUCTIONS=SSE4_2" in (ROOT / "README.md").read_text()
+
+
 @pytest.mark.gloo
 def test_a_test_that_starts_gloo_without_the_marker_fails(pytester: pytest.Pytester) -> None:
     # The repository's conftest.py watches every gloo world a test starts in its process.

@@ -25,12 +25,16 @@ import torch.distributed.distributed_c10d as c10d
 
 import tpsim
 from tpsim.comm import modstate, threadworld
+from tpsim.props.tolerance import tolerance
 
 BACKENDS = ["inproc", pytest.param("gloo", marks=pytest.mark.gloo)]
 
 
 def rank_fairscale_style(tp_size: int, guarded: bool = True) -> float:
-    """Initialise the tp state, run the layer, compare with the dense layer; return the max error."""
+    """Initialise the tp state, run the layer, compare with the dense layer; return the worst error
+    relative to its derived bound (<= 1: within rounding). The rank's matmul is a slice of the dense
+    one, computed by other kernels (MKL picks them by shape and CPU), so the two agree to rounding,
+    not bit for bit: the bound is the project's (:func:`tpsim.props.tolerance.tolerance`)."""
     init = fsl.initialize_tensor_parallel if guarded else fsl.initialize_tensor_parallel_unguarded
     init(tp_size)
     try:
@@ -41,7 +45,9 @@ def rank_fairscale_style(tp_size: int, guarded: bool = True) -> float:
         layer = fsl.ColumnParallelLinear(4, 6, w, b)
         y = layer(x)
         y.sum().backward()
-        return float((y - (x @ w.T + b)).abs().max())
+        bound = tolerance(torch.float64, x.abs() @ w.abs().T + b.abs(), reduction_length=x.shape[-1],
+                          world_size=tp_size)
+        return float(((y - (x @ w.T + b)).abs() / bound).max())
     finally:
         fsl.destroy_tensor_parallel()
 
@@ -70,12 +76,13 @@ def test_two_ranks_rebinding_one_global_are_stopped_at_once():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_same_layer_passes_with_the_module_rank_local_and_on_gloo(backend):
     errors = tpsim.run(rank_fairscale_style, 4, args=(2,), backend=backend, rank_local=("fairscale_style_layer",))
-    assert errors == [0.0] * 4
+    assert len(errors) == 4 and all(e <= 1.0 for e in errors), errors
     assert fsl._TENSOR_PARALLEL_GROUP is None
 
 
 def test_rank_local_accepts_module_objects_and_refuses_names_that_do_not_import():
-    assert tpsim.run(rank_fairscale_style, 2, args=(2,), rank_local=(fsl,)) == [0.0, 0.0]
+    errors = tpsim.run(rank_fairscale_style, 2, args=(2,), rank_local=(fsl,))
+    assert len(errors) == 2 and all(e <= 1.0 for e in errors), errors
     with pytest.raises(tpsim.InvalidArgument, match=r"rank_local: module 'no_such_module_xyz' cannot be imported"):
         tpsim.run(rank_fairscale_style, 2, rank_local=("no_such_module_xyz",))
     with pytest.raises(tpsim.InvalidArgument, match=r"rank_local: 3 must be a module name"):

@@ -234,7 +234,10 @@ PACKED_SHARD_LAYOUT = register(DiagnosisSpec(
     "a packed weight (gate/up, Q/K/V) was split as one contiguous block: a rank holds a contiguous "
     "slice of the packed dim instead of its shard of every packed part",
     "every rank's piece equals its contiguous 1/ws slice of the packed dim of the dense result within "
-    "tolerance (instead of its shard of each part), with ws >= 2",
+    "tolerance (instead of its shard of each part), with ws >= 2; in a whole module, the forward first "
+    "diverges at a sublayer whose parameters were sharded by their shapes alone, and the same case passes "
+    "with them declared as the shard of each of 2 or 3 equal parts, as does a larger case (more tokens, "
+    "another seed) that the module as declared fails",
     "packed-gate-up-contiguous",
     consequences=(_INPUT_GRAD, _WEIGHT_GRAD, _BIAS_GRAD, _TRAINING),
 ))
@@ -487,7 +490,8 @@ QKV_HEAD_MISMATCH = register(DiagnosisSpec(
     "and the output equals the attention recomputed with that pairing of query and key/value heads, "
     "within tolerance; in a whole module (a block), the forward first diverges inside an attention "
     "sublayer whose Q/K/V projections match, and the same case passes once every key row and every "
-    "value row of its masters is made one row (every key/value head the same head)",
+    "value row of its masters is made one row (every key/value head the same head), as does a larger "
+    "case (more tokens, another seed) that the module as declared fails",
     "attention-kv-heads-round-robin",
     consequences=(_INPUT_GRAD, _WEIGHT_GRAD, _BIAS_GRAD),
 ))

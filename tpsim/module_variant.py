@@ -350,7 +350,7 @@ def _probe(payload: tuple[ModuleVariant, tuple[int, ...]]) -> tuple[str, ...]:
 def parameters_of(variant: ModuleVariant) -> tuple[str, ...] | None:
     """The names of ``variant``'s dense parameters, read by building it once on a one-rank world at
     its smallest sizes (the first its size strategy draws); None when it cannot be built so."""
-    import tpsim
+    from tpsim.runner import run
 
     sizes: Any = tuple(variant.min_sizes or (1,) * len(variant.sizes))
     if variant.size_strategy is not None:
@@ -360,7 +360,7 @@ def parameters_of(variant: ModuleVariant) -> tuple[str, ...] | None:
         if sizes is None:
             return None
     try:
-        return tpsim.run(_probe, 1, args=((variant, sizes),), **{"rank_local": variant.rank_local})[0]
+        return run(_probe, 1, args=((variant, sizes),), rank_local=variant.rank_local)[0]
     except Exception:  # noqa: BLE001 - a module that cannot be built alone: every property stays
         return None
 

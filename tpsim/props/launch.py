@@ -77,9 +77,10 @@ def _shippable(value: Any) -> bool:
     return True
 
 
-def _changes(variant: Any, original: Any) -> tuple[tuple[str, Any], ...]:
-    """The fields of ``variant`` that differ from ``original`` (its resolved self) and are data; a
-    changed builder (a plan's twin) travels in the options instead."""
+def _changes(variant: Any, original: Any, where: str) -> tuple[tuple[str, Any], ...]:
+    """The fields of ``variant`` that differ from ``original`` (its resolved self: a builder changed
+    with the options, a plan's twin, resolves as such); a change a worker cannot receive (a function
+    of the checked code, a lambda) is refused by name, never dropped."""
     if original is None or original is variant or type(original) is not type(variant):
         return ()
     out = []
@@ -87,8 +88,19 @@ def _changes(variant: Any, original: Any) -> tuple[tuple[str, Any], ...]:
         if f.name in ("target", "options"):
             continue
         value = getattr(variant, f.name)
-        if value is not getattr(original, f.name) and value != getattr(original, f.name) and _shippable(value):
-            out.append((f.name, value))
+        if value is getattr(original, f.name) or value == getattr(original, f.name):
+            continue
+        try:
+            from tpsim.comm import _wire
+
+            ok = _shippable(value) and bool(_wire.dumps(value))
+        except Exception:  # noqa: BLE001 - any reason it cannot be pickled
+            ok = False
+        if not ok:
+            raise InvalidArgument(f"variant {variant.name!r} was derived with replace({f.name}=...), a value the {where} "
+                                  "cannot receive (the workers resolve the variant again from its target and apply "
+                                  "the changes); derive it with data, or declare it in the target")
+        out.append((f.name, value))
     return tuple(out)
 
 
@@ -103,8 +115,9 @@ def target_ref(variant: Any, backend: str, isolate: bool) -> Ref:
             "level and check it by target (e.g. tpsim check mymodule:Name)"
         )
     options = tuple(variant.options)
-    return (variant.target, variant.name, options, _changes(variant, _ORIGINALS.get((variant.target, variant.name,
-                                                                                      options))))
+    where = "isolated inproc worker process" if backend == "inproc" else f"{backend} worker processes"
+    return (variant.target, variant.name, options,
+            _changes(variant, _ORIGINALS.get((variant.target, variant.name, options)), where))
 
 
 def variant_of(payload: dict[str, Any]) -> Any:

@@ -308,10 +308,13 @@ def _shape_verdict(placed: Placed, pieces: list[torch.Tensor]) -> tuple[Diagnosi
 
 
 def _other_dim(placed: Placed, p: torch.Tensor, full: torch.Tensor, rank: int, bound: float) -> int | None:
-    """The dim ``d`` along which rank ``rank``'s piece ``p`` is its slice of ``full`` (a split along the
-    wrong dim), or the dim its pieces were concatenated along instead of the feature dim."""
+    """The dim ``d`` along which rank ``rank``'s shard ``p`` is its slice of ``full`` (a split along the
+    wrong dim), or the dim a replicated tensor's shards were concatenated along instead of the
+    feature dim (a gather along the wrong dim)."""
     tp = placed.tp
-    skip = placed.placement.dim % full.dim() if placed.sharded else None
+    if not placed.sharded:
+        return regathered_dim(p, full, dim=-1, parts=tp, tol_scalar=bound)
+    skip = placed.placement.dim % full.dim()  # type: ignore[union-attr]
     for d in range(full.dim()):
         if d == skip:
             continue
@@ -319,8 +322,6 @@ def _other_dim(placed: Placed, p: torch.Tensor, full: torch.Tensor, rank: int, b
                 else torch.tensor_split(full, tp, dim=d)[rank])
         if cand.shape == p.shape and bool(((p - cand).abs() <= bound).all()):
             return d
-    if not placed.sharded:
-        return regathered_dim(p, full, dim=-1, parts=tp, tol_scalar=bound)
     return None
 
 

@@ -33,6 +33,18 @@ grad does not). The failure is then named with that sublayer (``Failure.sublayer
 sublayer's tensors (its bias for ``bias-duplication``). A divergence that first shows in the code
 between two sublayers (an activation, a residual) is named ``before fc2`` / ``after fc1``.
 Failures that follow from the same cause are listed under it (:func:`tpsim.diagnosis.group_causes`).
+
+**A mechanism is confirmed by a re-run, on two cases.** A forward that diverges with no numeric
+pattern is named ``packed-shard-layout`` or ``qkv-head-mismatch`` only when a re-run shows it: the
+same case, with the suspect sublayer's parameters declared packed (:func:`_confirm_packed`) or with
+every key/value head made the same head (:func:`_confirm_head_pairing`), passes. One passing re-run
+of a minimal case can be a coincidence of its degenerate shape — over a one-token sequence an
+attention's output does not depend on its queries, so packing the out-projection's input heads
+undoes a wrong query/key-value head pairing exactly — so the change must also make a second case
+pass that the module as declared fails (:func:`corroborating_case`: every batch dim grown by the tp
+size, another seed). The packed layout is tried first: it names the parameter and its declaration,
+and once corroborated no head pairing explains the same failure (the second case has several
+tokens, where a packed out-projection's permuted heads fail even with one key/value head).
 """
 
 from __future__ import annotations
@@ -69,6 +81,7 @@ from tpsim.errors import InvalidArgument
 from tpsim.module_variant import ModuleVariant
 from tpsim.patterns import close
 from tpsim.placement import Placement, Replicate, Shard, assemble_pieces, part_sizes
+from tpsim.props.case import MAX_SEED
 from tpsim.props.groups import tp_groups
 from tpsim.props.judging import Check, GroupContext, Replicated, replica_consistency
 from tpsim.props.module.boundary import Capture
@@ -610,14 +623,55 @@ NUMERIC_PATTERNS = frozenset({BIAS_DUPLICATION, BIAS_MISSING, MISSING_REDUCTION,
 _PACKINGS = ((1, 1), (1, 1, 1))
 
 
+def corroborating_case(case: ModuleCase) -> ModuleCase | None:
+    """The second case a confirming re-run must pass (see the module docstring): the same sizes, dtype
+    and tp layout, every batch dim grown by the tp size (a one-token sequence gets several; a
+    sequence sharded over the tp group stays divisible) and another seed; None when no such case
+    can be made (too large)."""
+    tp = case.tp_size or case.world_size
+    try:
+        return case.replace(batch_shape=tuple(b + tp for b in case.batch_shape),
+                            seed=case.seed + 1 if case.seed < MAX_SEED else case.seed - 1)
+    except InvalidArgument:
+        return None
+
+
+#: ``confirm(changed, **how)``: whether a re-run with the variant ``changed`` (or run ``how``, e.g.
+#: ``tie=``) passes the failing case and the corroborating one, which the variant as declared fails.
+Confirm = Callable[..., bool]
+
+
+def confirmer(variant: ModuleVariant, case: ModuleCase, rerun: Callable[..., list[Failure]]) -> Confirm:
+    """The :data:`Confirm` of ``variant`` failing ``case``; ``rerun(variant, case=None, **how)``: the
+    forward failures of a re-run (of ``case`` by default). The declared variant's run of the
+    corroborating case is made once, when a change first passes the failing case."""
+    declared: list[bool] = []
+
+    def confirm(changed: ModuleVariant, **how: Any) -> bool:
+        if rerun(changed, **how):
+            return False
+        other = corroborating_case(case)
+        if other is None:
+            return False
+        if not declared:
+            try:
+                declared.append(bool(rerun(variant, case=other)))
+            except Exception:  # noqa: BLE001 - a run the harness could not make is no evidence
+                declared.append(False)
+        return declared[0] and not rerun(changed, case=other, **how)
+
+    return confirm
+
+
 @recogniser(PACKED_SHARD_LAYOUT)
 def _confirm_packed(variant: ModuleVariant, failure: Failure, layouts: dict[str, ParamLayout],
-                    suspects: Sequence[str], rerun: Callable[[ModuleVariant], list[Failure]]) -> bool:
+                    suspects: Sequence[str], confirm: Confirm) -> bool:
     """A forward that diverges right after a sublayer whose weight is a contiguous slice of its
     sharded dim (no ``parts`` said otherwise) is ``packed-shard-layout`` when the same case, with
     that sublayer's parameters loaded as the shard of each of 2 (or 3) equal packed parts, passes:
     the rank's rows are a contiguous slice of ``[gate; up]`` while its forward splits them into its
-    gate shard and its up shard. Confirmed by that re-run, never guessed."""
+    gate shard and its up shard. Confirmed by that re-run, and by the corroborating case (see the
+    module docstring), never guessed."""
     for sub in suspects:
         names = [n for n, lay in layouts.items() if owner(n) == sub and not lay.declared
                  and isinstance(lay.placement, Shard) and lay.placement.parts is None]
@@ -627,7 +681,7 @@ def _confirm_packed(variant: ModuleVariant, failure: Failure, layouts: dict[str,
             specs = tuple(ParamSpec(n, "bias" if n.rpartition(".")[2] == "bias" else "weight",
                                     Shard(layouts[n].placement.dim, parts=parts)) for n in names)  # type: ignore[attr-defined]
             try:
-                confirmed = not rerun(variant.replace(params=(*variant.params, *specs)))
+                confirmed = confirm(variant.replace(params=(*variant.params, *specs)))
             except Exception:  # the declared layout does not fit these sizes: not this packing
                 continue
             if confirmed:
@@ -641,7 +695,8 @@ def _confirm_packed(variant: ModuleVariant, failure: Failure, layouts: dict[str,
                     f"{sub} packs {len(parts)} parts in its sharded dim, but {', '.join(names)} says nothing of it "
                     f"(no `parts`), so each rank is given a contiguous 1/{case_tp(failure)} slice of the packed dim, "
                     f"while its forward splits its rows into its shard of each part; loaded as the shard of each of "
-                    f"{len(parts)} equal parts, the same case passes. Give the layer a `parts` attribute (the full "
+                    f"{len(parts)} equal parts, the same case passes (and so does a larger one it fails as "
+                    f"declared). Give the layer a `parts` attribute (the full "
                     f"sizes of its parts), or declare it: ModuleVariant(params=({decl},)). "
                     f"(before: {failure.message})")
                 return True
@@ -684,15 +739,15 @@ def kv_ties(layouts: dict[str, ParamLayout], shapes: dict[str, tuple[int, ...]],
 
 @recogniser(QKV_HEAD_MISMATCH)
 def _confirm_head_pairing(variant: ModuleVariant, failure: Failure, layouts: dict[str, ParamLayout],
-                          shapes: dict[str, tuple[int, ...]], where: str,
-                          rerun: Callable[..., list[Failure]]) -> bool:
+                          shapes: dict[str, tuple[int, ...]], where: str, confirm: Confirm) -> bool:
     """A forward that first diverges inside an attention module (``where``: a sublayer of it, or the
     code between two of them), with its query, key and value projections all matching the
     reference, is ``qkv-head-mismatch`` when the same case, with every key row and every value row of
     that attention's masters made one row (every key/value head the same head, so that no pairing of
     query heads with key/value heads can differ from another), passes: the ranks pair their query
-    heads with other key/value heads than the dense module does. Confirmed by that re-run, never
-    guessed; tried from the nearest enclosing module that has key and value projections outwards."""
+    heads with other key/value heads than the dense module does. Confirmed by that re-run, and by the
+    corroborating case (see the module docstring), never guessed; tried from the nearest enclosing
+    module that has key and value projections outwards."""
     name = where.removeprefix("before ").removeprefix("after ")
     candidates = [name]
     while candidates[-1]:
@@ -702,7 +757,7 @@ def _confirm_head_pairing(variant: ModuleVariant, failure: Failure, layouts: dic
         if not ties:
             continue
         try:
-            confirmed = not rerun(variant, tie=ties)
+            confirmed = confirm(variant, tie=ties)
         except Exception:  # noqa: BLE001 - a re-run the harness could not make is no evidence
             return False
         if not confirmed:
@@ -719,7 +774,8 @@ def _confirm_head_pairing(variant: ModuleVariant, failure: Failure, layouts: dic
         failure.message = (
             f"{root or 'the module'} pairs its query heads with other key/value heads at tp={case_tp(failure)} than on "
             f"one rank: the same case passes once every key/value head is made the same head (every key row and "
-            f"every value row of {', '.join(params)} one row), so the outputs differ only in which key/value head "
+            f"every value row of {', '.join(params)} one row; so does a larger case it fails as declared), so "
+            "the outputs differ only in which key/value head "
             "each query head attends with. The tp shards hold contiguous blocks of query heads and of key/value "
             "heads: query head i must use key/value head i // (query heads per key/value head), on one rank as on "
             f"every tp rank (repeat_interleave, not repeat). (before: {failure.message})")
@@ -737,9 +793,10 @@ def localise(variant: ModuleVariant, case: ModuleCase, obs: Observation, failure
              rerun: Callable[..., list[Failure]] | None = None) -> list[Failure]:
     """Name the sublayer of every value failure of ``case``: the case is run again with every sublayer's
     boundaries recorded (``traced_run``, the family's observation with capture on; the module
-    docstring's "where a failure comes from"). ``rerun(variant, **how)``: the failures of the same case
-    with another variant (or run another way: ``tie=``), to confirm a diagnosis (:func:`_confirm_packed`,
-    :func:`_confirm_head_pairing`)."""
+    docstring's "where a failure comes from"). ``rerun(variant, case=None, **how)``: the forward
+    failures of the same case (or of ``case``) with another variant (or run another way: ``tie=``), to
+    confirm a diagnosis (:func:`_confirm_packed`, :func:`_confirm_head_pairing`, through
+    :func:`confirmer`)."""
     value_failures = [f for f in failures if f.property in _VALUE_PROPERTIES or f.property == REPLICA]
     if value_failures and obs.values is not None and all(f.diagnosis != EXCEPTION for f in failures):
         traced = traced_run()
@@ -752,8 +809,9 @@ def localise(variant: ModuleVariant, case: ModuleCase, obs: Observation, failure
             first = causes[0] if causes else None
             if (rerun is not None and fwd is not None and first is not None and first.property == FORWARD
                     and first.diagnosis == MISMATCH and ctx.tp > 1):
-                _confirm_packed(variant, first, ctx.layouts, fwd.suspects, rerun)
+                confirm = confirmer(variant, case, rerun)
+                _confirm_packed(variant, first, ctx.layouts, fwd.suspects, confirm)
                 if first.diagnosis == MISMATCH and fwd.kind in ("in", "out"):
-                    _confirm_head_pairing(variant, first, ctx.layouts, traced.data.shapes, fwd.sublayer, rerun)
+                    _confirm_head_pairing(variant, first, ctx.layouts, traced.data.shapes, fwd.sublayer, confirm)
             return causes
     return failures

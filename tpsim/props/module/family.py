@@ -221,7 +221,7 @@ class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=Mod
         def traced() -> Observation:
             return self.observe(variant, case, backend=backend, timeout=timeout, capture=True, isolate=isolate)
 
-        def rerun(other: ModuleVariant, **how: Any) -> list[Any]:
+        def rerun(other: ModuleVariant, case: ModuleCase = case, **how: Any) -> list[Any]:
             return self.judge(other, self.observe(other, case, backend=backend, timeout=timeout, isolate=isolate,
                                                   **how), (FORWARD,))
 
