@@ -241,6 +241,16 @@ PACKED_SHARD_LAYOUT = register(DiagnosisSpec(
     "packed-gate-up-contiguous",
     consequences=(_INPUT_GRAD, _WEIGHT_GRAD, _BIAS_GRAD, _TRAINING),
 ))
+ZERO_COPIES_DRIFT = register(DiagnosisSpec(
+    "zero-copies-drift", (_TRAINING,),
+    "a parameter held by tp rank 0 with zeros on the other ranks (Partial: the copies add up to it) "
+    "forwards right, but training moves the zero copies: every rank's optimizer applies the full grad "
+    "to its own copy, so the sum moves tp times as far as the dense parameter",
+    "a parameter whose layout is Partial() and whose copies on every tp rank other than 0 were exactly "
+    "zero after loading is non-zero on some of them after training, with ws >= 2. No catalogued mutant "
+    "(single layers hold such a bias on rank 0 only, without zero copies): tests/wild shows it in a module",
+    None,
+))
 MISSING_REDUCTION = register(DiagnosisSpec(
     "missing-reduction", (_FORWARD,),
     "each rank returned only its own summand: the reduction over the tp group is missing",
@@ -670,6 +680,9 @@ def group_causes(failures: Sequence[Failure]) -> list[Failure]:
             owner.consequences.append(f)
             owner.consequences.extend(f.consequences)
             f.consequences = []
+    order = {p: i for i, p in enumerate((*_PER_CASE, _DIVISIBILITY))}
+    for c in causes:  # in the order properties are evaluated, however they were attached
+        c.consequences.sort(key=lambda g: order.get(g.property, len(order)))
     return causes
 
 

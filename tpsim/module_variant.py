@@ -57,6 +57,21 @@ Fields:
 - ``initialised``: whether the builder initialises the parameters (the default). A builder that
   leaves them empty because the harness loads every one anyway (fast at large sizes) says False:
   replicated parameters are then not compared right after construction.
+- ``load``: how the library puts the case's weights into each rank's module (tpsim never writes a
+  parameter the library loaded; it reads each rank's piece back and compares the pieces, assembled,
+  with the dense weights right after construction):
+
+  - ``"build"``: the builder takes them: ``build(*sizes, group, dtype, masters)`` gets ``masters``,
+    every dense parameter's full value by dotted name, and returns the module holding its pieces
+    (a builder that slices them, a dense module parallelised by a plan: :mod:`tpsim.props.module.plans`).
+    Building the dense reference (on one rank, before the weights are drawn from its shapes), it
+    gets ``masters=None``: its own init then;
+  - a callable ``load(module, masters)`` or the name of a method of the module called with
+    ``masters`` (``"load_weights"``, or ``"load_state_dict"`` for a module whose load hooks slice);
+  - None (the default): a parameter with a ``weight_loader`` attribute (vLLM's convention) loads its
+    own piece, ``param.weight_loader(param, full)``; tpsim writes the others' pieces (the module has
+    no loader: its layout is declared or read from the shapes).
+
 - ``forward_only``: an inference module (weights with ``requires_grad=False``, collectives outside
   autograd, e.g. vLLM's): its forward runs once per case under ``torch.no_grad()`` (the dense
   reference and its twin likewise), with no backward and no SGD steps, and only forward
@@ -85,6 +100,7 @@ from tpsim.variant import INPUT_GRADS, ParamSpec
 
 __all__ = [
     "GROUP_KEYWORDS",
+    "LOAD_IN_BUILD",
     "MODULE_INPUTS",
     "MODULE_KIND",
     "MODULE_OUTPUTS",
@@ -105,6 +121,10 @@ _OUTPUT_ALIASES = {"reduced": "replicated", "gathered": "replicated"}
 #: Constructor keywords that take the tp group, in the order they are looked for: the same ones as a
 #: single layer's (nanotron's ``pg`` included).
 GROUP_KEYWORDS = CONVENTION_GROUP_KEYWORDS
+
+
+#: ``ModuleVariant.load`` of a builder that takes the dense weights (``masters=``) and loads them itself.
+LOAD_IN_BUILD = "build"
 
 
 def _positive_int(value: Any, what: str) -> int:
@@ -142,6 +162,7 @@ class ModuleVariant:
     #: The dense module's parameter names, read once by building it (:func:`parameters_of`; None: not
     #: read): what the properties that apply depend on (no bias, no bias grads to check).
     parameters: tuple[str, ...] | None = None
+    load: Callable[[nn.Module, dict[str, torch.Tensor]], Any] | str | None = None
 
     #: What ``--report json`` lists as the variant's kind; a module has no single bias switch.
     kind: ClassVar[str] = MODULE_KIND
@@ -202,6 +223,11 @@ class ModuleVariant:
         if not isinstance(self.forward_only, bool):
             raise InvalidArgument(f"ModuleVariant {self.name!r}: forward_only={self.forward_only!r}; expected a bool "
                                   "(True: an inference module, checked forward only)")
+        if self.load is not None and not callable(self.load) and not (isinstance(self.load, str) and (
+                self.load == LOAD_IN_BUILD or self.load.isidentifier())):
+            raise InvalidArgument(f"ModuleVariant {self.name!r}: load={self.load!r}; expected 'build' (the builder "
+                                  "takes masters=), a callable load(module, masters) or the name of a method of the "
+                                  "module that takes masters")
         names = (self.rank_local,) if isinstance(self.rank_local, str) else tuple(self.rank_local)
         if not all(isinstance(n, str) and n for n in names):
             raise InvalidArgument(f"ModuleVariant {self.name!r}: rank_local={self.rank_local!r}; expected module names")
@@ -262,9 +288,18 @@ class ModuleVariant:
         return dataclasses.replace(self, **changes)
 
     # -- building -------------------------------------------------------------------------------
-    def instantiate(self, sizes: tuple[int, ...], *, group: Any, dtype: torch.dtype) -> nn.Module:
-        """One rank's module on ``group`` (the builder's result, checked to be an ``nn.Module``)."""
+    def instantiate(self, sizes: tuple[int, ...], *, group: Any, dtype: torch.dtype,
+                    masters: dict[str, torch.Tensor] | None = None) -> nn.Module:
+        """One rank's module on ``group`` (the builder's result, checked to be an ``nn.Module``);
+        ``masters`` reach a builder that loads them (``load="build"``)."""
+        if self.load == LOAD_IN_BUILD:
+            return self._checked(self.build(*sizes, group=group, dtype=dtype, masters=masters), "build")
         return self._checked(self.build(*sizes, group=group, dtype=dtype), "build")
+
+    @property
+    def library_loads(self) -> bool:
+        """Whether the library loads every parameter itself (``load`` is given)."""
+        return self.load is not None
 
     def reference(self, sizes: tuple[int, ...], *, group: Any, dtype: torch.dtype) -> nn.Module:
         """The dense reference: ``dense(*sizes, dtype)`` when given, else the module on ``group``

@@ -354,6 +354,11 @@ class Family:
         """The failures of one observation: the engine's one path (:func:`tpsim.props.judging.judge`)."""
         return judge(self, variant, obs, properties)
 
+    def why_not_applicable(self, variant: Any) -> dict[str, str]:
+        """Why properties of the family do not apply to ``variant``, by name, where the family can say
+        (reports show it beside the verdict; default: nothing to add)."""
+        return {}
+
     def wanted(self, variant: Any, properties: Sequence[str] | None) -> tuple[str, ...]:
         """The properties to judge: those asked for (None: all) that apply to ``variant``; an unknown
         name is refused."""

@@ -523,6 +523,7 @@ def _not_applicable(family: Family, variant: Any, wanted: Sequence[str]) -> dict
         why[DIVISIBILITY] = "the variant declares divisible cases only"
     if getattr(variant, "bias", True) is False and BIAS_GRAD in family.properties:
         why[BIAS_GRAD] = "the variant has no bias"
+    why.update({p: reason for p, reason in family.why_not_applicable(variant).items() if p not in wanted})
     return why
 
 

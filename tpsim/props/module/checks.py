@@ -80,12 +80,13 @@ from tpsim.diagnosis import spec as diagnosis_spec
 from tpsim.errors import InvalidArgument
 from tpsim.module_variant import ModuleVariant
 from tpsim.patterns import close
-from tpsim.placement import Placement, Replicate, Shard, assemble_pieces, part_sizes
+from tpsim.placement import Partial, Placement, Replicate, Shard, assemble_pieces, part_sizes, piece
 from tpsim.props.case import MAX_SEED
 from tpsim.props.groups import tp_groups
 from tpsim.props.judging import Check, GroupContext, Replicated, replica_consistency
 from tpsim.props.module.boundary import Capture
 from tpsim.props.module.case import ModuleCase
+from tpsim.props.module.construction import construction_failure, drift_failure, refined
 from tpsim.props.module.sharding import ParamLayout, UnknownLayout
 from tpsim.props.module.world import (
     DECLARED,
@@ -154,8 +155,18 @@ class ModuleContext(GroupContext):
         # A module that casts down (ref.narrowed) rounds in the narrower dtype even in a float64 case.
         self.grads_bounded = not ref.kinked or (self.dtype == _F64 and not ref.narrowed)  # type: ignore[union-attr]
         self.layouts = dict(values[0].layouts)
+        #: What the library loaded, per rank (tpsim.props.module.loading): layouts read from shapes alone
+        #: are read again from these values (tpsim.props.module.construction).
+        self.loaded = [v.loaded for v in values]
+        if any(self.loaded):
+            self.layouts = refined(self.layouts, self.loaded, ref.masters, self.loaded_bound)  # type: ignore[union-attr]
         #: Replicated parameters whose grad the trainer sums (see tpsim.props.module.world).
         self.partial = set(values[0].partial)
+
+    def loaded_bound(self, full: torch.Tensor) -> torch.Tensor:
+        """The bound of a loaded parameter of dense value ``full``: a copy is exact, a sum of ``tp``
+        terms (a Partial parameter's) rounds like a reduction of that length."""
+        return self.tol(full.abs(), self.tp)
 
     def bound(self, magnitude: torch.Tensor) -> torch.Tensor:
         """The bound of a compared tensor of ``magnitude``: the magnitude run's first-order propagation
@@ -263,12 +274,24 @@ def _training(ctx: ModuleContext) -> Failure | None:
         return None
     for name, layout in ctx.layouts.items():
         want = ctx.ref.final[name]
-        found = judged(ctx, TRAINING, Placed(f"{name} after {TRAIN_STEPS} SGD steps (lr {LR})",
+        summed = isinstance(layout.placement, Partial)  # the ranks' copies add up to the parameter
+        found = judged(ctx, TRAINING, Placed(f"{name} after {TRAIN_STEPS} SGD steps (lr {LR})"
+                                             + (" summed over ranks" if summed else ""),
                                              [v.final.get(name) for v in ctx.values], want, want, layout.placement,
-                                             uneven=layout.uneven, param=name), ctx.mag.final[name])
+                                             summed=summed, uneven=layout.uneven, param=name), ctx.mag.final[name])
         if found is not None:
-            return found
+            return (drift_failure(ctx, name, layout, _initial(ctx, name, layout), TRAIN_STEPS) if summed else None) \
+                or found
     return None
+
+
+def _initial(ctx: ModuleContext, name: str, layout: ParamLayout) -> list[torch.Tensor | None]:
+    """Each rank's copy of ``name`` right after loading: what the library loaded, or the piece tpsim
+    wrote by ``layout``."""
+    if all(name in v for v in ctx.loaded):
+        return [v[name] for v in ctx.loaded]
+    master = ctx.obs.data.masters[name]  # type: ignore[union-attr]
+    return [piece(master, layout.placement, r, ctx.tp, layout.uneven) for r in range(ctx.tp)]
 
 
 # --- whole-run outcomes ---------------------------------------------------------------------------
@@ -357,8 +380,18 @@ def layout_failure(variant: ModuleVariant, obs: Observation) -> Failure | None:
 
 
 #: The registry: the module family's check of each property on one tp group, in report order.
+def _forward_from_construction(ctx: ModuleContext) -> Failure | None:
+    """What the library loaded, then the output: a mis-slice is named where it happens."""
+    if any(ctx.loaded):
+        found = construction_failure(ctx.layouts, ctx.loaded, ctx.obs.data.masters, ctx.loaded_bound,  # type: ignore[union-attr]
+                                     ctx.dtype, ctx.fail)
+        if found is not None:
+            return found
+    return _forward(ctx)
+
+
 MODULE_CHECKS: dict[str, Check] = {
-    FORWARD: _forward,
+    FORWARD: _forward_from_construction,
     INPUT_GRAD: _input_grad,
     WEIGHT_GRAD: lambda ctx: _param_grads(ctx, WEIGHT_GRAD),
     BIAS_GRAD: lambda ctx: _param_grads(ctx, BIAS_GRAD),
@@ -555,7 +588,7 @@ def _localise(ctx: ModuleContext, obs: Observation) -> tuple[_Culprit | None, _C
 
 
 def _apply(failures: list[Failure], fwd: _Culprit | None, bwd: _Culprit | None,
-           layouts: dict[str, ParamLayout]) -> list[Failure]:
+           layouts: dict[str, ParamLayout], loaded: Sequence[str] = ()) -> list[Failure]:
     """Name the sublayer of every failure. Where the sublayer's tensors show a known mechanism that
     explains a failure's property, that is its diagnosis (the module-level one is kept in
     ``details``); otherwise the first failure traced to it says where the values first diverge.
@@ -566,7 +599,9 @@ def _apply(failures: list[Failure], fwd: _Culprit | None, bwd: _Culprit | None,
     for f in failures:
         causes.append(f)
         tensor = f.details.get("tensor") if f.property == REPLICA else None
-        if f.property == FORWARD or tensor == "the output":
+        if f.details.get("construction"):
+            culprit = None  # named where the library loaded it, before any forward ran
+        elif f.property == FORWARD or tensor == "the output":
             culprit = fwd
         elif f.property in (INPUT_GRAD, WEIGHT_GRAD, BIAS_GRAD) or tensor == "the input grad":
             culprit = bwd
@@ -593,14 +628,16 @@ def _apply(failures: list[Failure], fwd: _Culprit | None, bwd: _Culprit | None,
         else:
             where = culprit.sublayer if culprit.sublayer.startswith(("before ", "after ")) else f"at {culprit.sublayer}"
             f.message = f"{f.message} — the values first diverge {where}: {d.message}"
-            f.message += _layout_hint(layouts, culprit.suspects)
+            f.message += _layout_hint(layouts, culprit.suspects, loaded)
     return causes
 
 
-def _layout_hint(layouts: dict[str, ParamLayout], suspects: Sequence[str]) -> str:
-    """A mismatch right after a sublayer whose weight was sharded by its shape alone may be the
-    harness's reading of a packed layout, not a bug: say how to declare it."""
-    inferred = [n for n, lay in layouts.items() if owner(n) in suspects and not lay.declared
+def _layout_hint(layouts: dict[str, ParamLayout], suspects: Sequence[str], loaded: Sequence[str] = ()) -> str:
+    """A mismatch right after a sublayer whose weight tpsim wrote by its shape alone may be the
+    harness's reading of a packed layout, not a bug: say how to declare it. Never for a parameter
+    the library loaded: its values are the library's whatever is declared, so a declaration could
+    only hide a mis-slice."""
+    inferred = [n for n, lay in layouts.items() if owner(n) in suspects and not lay.declared and n not in loaded
                 and isinstance(lay.placement, Shard) and lay.placement.parts is None]
     if not inferred:
         return ""
@@ -665,41 +702,55 @@ def confirmer(variant: ModuleVariant, case: ModuleCase, rerun: Callable[..., lis
 
 @recogniser(PACKED_SHARD_LAYOUT)
 def _confirm_packed(variant: ModuleVariant, failure: Failure, layouts: dict[str, ParamLayout],
-                    suspects: Sequence[str], confirm: Confirm) -> bool:
+                    suspects: Sequence[str], confirm: Confirm, loaded: Sequence[str] = ()) -> bool:
     """A forward that diverges right after a sublayer whose weight is a contiguous slice of its
     sharded dim (no ``parts`` said otherwise) is ``packed-shard-layout`` when the same case, with
     that sublayer's parameters loaded as the shard of each of 2 (or 3) equal packed parts, passes:
     the rank's rows are a contiguous slice of ``[gate; up]`` while its forward splits them into its
     gate shard and its up shard. Confirmed by that re-run, and by the corroborating case (see the
-    module docstring), never guessed."""
+    module docstring), never guessed. Where the library loaded those parameters (``loaded``), the
+    re-run has tpsim write the packed pieces instead of the library's loader, and the name is the
+    loader's: it cut contiguous slices where its own forward wants the shard of each part."""
     for sub in suspects:
         names = [n for n, lay in layouts.items() if owner(n) == sub and not lay.declared
                  and isinstance(lay.placement, Shard) and lay.placement.parts is None]
         if not names:
             continue
+        by_library = any(n in loaded for n in names)
         for parts in _PACKINGS:
             specs = tuple(ParamSpec(n, "bias" if n.rpartition(".")[2] == "bias" else "weight",
                                     Shard(layouts[n].placement.dim, parts=parts)) for n in names)  # type: ignore[attr-defined]
             try:
-                confirmed = confirm(variant.replace(params=(*variant.params, *specs)))
+                changed = variant.replace(params=(*variant.params, *specs))
+                confirmed = confirm(changed.replace(load=None) if by_library else changed)
             except Exception:  # the declared layout does not fit these sizes: not this packing
                 continue
-            if confirmed:
-                decl = ", ".join(f"ParamSpec({sp.name!r}, {sp.master!r}, Shard({sp.placement.dim}, parts={parts}))"  # type: ignore[attr-defined]
-                                 for sp in specs)
-                failure.details = {**failure.details, "module_diagnosis": failure.diagnosis,
-                                   "module_message": failure.message, "parts": list(parts), "params": names}
-                failure.diagnosis = PACKED_SHARD_LAYOUT
-                failure.sublayer = sub
+            if not confirmed:
+                continue
+            failure.details = {**failure.details, "module_diagnosis": failure.diagnosis,
+                               "module_message": failure.message, "parts": list(parts), "params": names}
+            failure.diagnosis = PACKED_SHARD_LAYOUT
+            failure.sublayer = sub
+            tp = case_tp(failure)
+            if by_library:
                 failure.message = (
-                    f"{sub} packs {len(parts)} parts in its sharded dim, but {', '.join(names)} says nothing of it "
-                    f"(no `parts`), so each rank is given a contiguous 1/{case_tp(failure)} slice of the packed dim, "
-                    f"while its forward splits its rows into its shard of each part; loaded as the shard of each of "
-                    f"{len(parts)} equal parts, the same case passes (and so does a larger one it fails as "
-                    f"declared). Give the layer a `parts` attribute (the full "
-                    f"sizes of its parts), or declare it: ModuleVariant(params=({decl},)). "
-                    f"(before: {failure.message})")
+                    f"the library's loader cuts {', '.join(names)} into contiguous 1/{tp} slices of the packed dim, "
+                    f"while {sub}'s forward splits its rows into its shard of each of {len(parts)} packed parts: with "
+                    "the shard of each part written in their place (nothing else changed) the same case passes (and "
+                    "so does a larger one it fails as loaded). Fix the loader: cut each packed part on its own and "
+                    f"concatenate this rank's shards of them. (before: {failure.message})")
                 return True
+            decl = ", ".join(f"ParamSpec({sp.name!r}, {sp.master!r}, Shard({sp.placement.dim}, parts={parts}))"  # type: ignore[attr-defined]
+                             for sp in specs)
+            failure.message = (
+                f"{sub} packs {len(parts)} parts in its sharded dim, but {', '.join(names)} says nothing of it "
+                f"(no `parts`), so each rank is given a contiguous 1/{tp} slice of the packed dim, "
+                f"while its forward splits its rows into its shard of each part; loaded as the shard of each of "
+                f"{len(parts)} equal parts, the same case passes (and so does a larger one it fails as "
+                f"declared). Give the layer a `parts` attribute (the full "
+                f"sizes of its parts), or declare it: ModuleVariant(params=({decl},)). "
+                f"(before: {failure.message})")
+            return True
     return False
 
 
@@ -805,12 +856,13 @@ def localise(variant: ModuleVariant, case: ModuleCase, obs: Observation, failure
             ranks = tp_groups(case.world_size, case.tp_size or case.world_size, case.tp_layout)[g]
             ctx = ModuleContext(variant, traced, g, ranks, [traced.values[r] for r in ranks])
             fwd, bwd = _localise(ctx, traced)
-            causes = _apply(failures, fwd, bwd, ctx.layouts)
+            loaded = tuple(ctx.loaded[0]) if ctx.loaded else ()
+            causes = _apply(failures, fwd, bwd, ctx.layouts, loaded)
             first = causes[0] if causes else None
             if (rerun is not None and fwd is not None and first is not None and first.property == FORWARD
                     and first.diagnosis == MISMATCH and ctx.tp > 1):
                 confirm = confirmer(variant, case, rerun)
-                _confirm_packed(variant, first, ctx.layouts, fwd.suspects, confirm)
+                _confirm_packed(variant, first, ctx.layouts, fwd.suspects, confirm, loaded)
                 if first.diagnosis == MISMATCH and fwd.kind in ("in", "out"):
                     _confirm_head_pairing(variant, first, ctx.layouts, traced.data.shapes, fwd.sublayer, confirm)
             return causes

@@ -5,7 +5,8 @@ holds its parameters as DTensors: each reports its *global* shape and its placem
 stores one local piece. The tp world (:mod:`tpsim.props.module.world`) treats such a parameter as
 the module says it is laid out, never as its global shape suggests:
 
-- its layout is the DTensor's placement (``Shard(d)`` / ``Replicate()``), not a shape inference;
+- its layout is the DTensor's placement (``Shard(d)``, ``_StridedShard``, ``Partial()``, ``Replicate()``),
+  not a shape inference;
 - its master piece is written into the local tensor (the piece DTensor itself computes for this
   rank: ``torch.chunk`` sizes when a dim does not divide), never copied as a plain tensor into the
   DTensor (torch refuses mixed ``Tensor``/``DTensor`` copies);
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 
 from tpsim.errors import InvalidArgument
-from tpsim.placement import Replicate, Shard
+from tpsim.placement import Partial, Replicate, Shard
 from tpsim.props.module.sharding import ParamLayout
 
 __all__ = ["is_dtensor", "dtensor_layout", "load_piece", "local_grad", "local_shape", "local_value", "plain_output"]
@@ -57,28 +58,42 @@ def _one_placement(p: Any, name: str) -> Any:
 
 
 def dtensor_layout(p: Any, name: str, full: tuple[int, ...], tp: int) -> ParamLayout | None:
-    """The layout of the DTensor parameter ``p`` (dense shape ``full``) as its placement says;
-    None when the placement is neither a shard nor a replica, or its global shape is not ``full``."""
-    placement = _one_placement(p, name)
+    """The layout of the DTensor parameter ``p`` (dense shape ``full``) as its placement says, in
+    tpsim's placements: ``Shard(d)``; ``_StridedShard(d, split_factor=k)`` (transformers' packed
+    gate/up) as ``Shard(d, parts=...)`` of ``k`` equal parts, shard ``r`` of each; ``Partial()`` (a sum's
+    terms); ``Replicate()``. None when its global shape is not ``full`` or the pieces are not ones
+    tpsim's placements cut alike (an uneven ``torch.chunk`` piece that ``torch.tensor_split`` cuts
+    otherwise, an uneven strided piece): reported as a layout tpsim cannot read."""
+    from tpsim.props.module.dtensor_pieces import piece_shape, placement_of
+
+    _one_placement(p, name)
     if tuple(p.shape) != tuple(full):
         return None
-    if placement.is_replicate():
+    (placement,) = placement_of(p).placements
+    if placement.kind == "replicate":
         return ParamLayout(Replicate(), declared=True)
-    if placement.is_shard():
-        d = placement.dim % len(full)
-        return ParamLayout(Shard(d), declared=True, uneven=full[d] % tp != 0)
-    return None
+    if placement.kind == "partial":
+        return ParamLayout(Partial(), declared=True) if placement.reduce_op == "sum" else None
+    d = placement.dim
+    size = full[d]
+    if placement.kind == "strided_shard":
+        k = placement.split_factor
+        return ParamLayout(Shard(d, parts=(size // k,) * k), declared=True) if size % (k * tp) == 0 else None
+    if size % tp == 0:
+        return ParamLayout(Shard(d), declared=True)
+    # torch.chunk's pieces (DTensor's) where they are torch.tensor_split's (tpsim's uneven pieces) too.
+    layout = placement_of(p)
+    chunked = [piece_shape(layout, r)[d] for r in layout.ranks]
+    split = [size // tp + (1 if r < size % tp else 0) for r in range(tp)]
+    return ParamLayout(Shard(d), declared=True, uneven=True) if chunked == split else None
 
 
 def load_piece(p: Any, master: torch.Tensor) -> None:
     """Write this rank's piece of the full ``master`` into the DTensor parameter ``p``'s local tensor
-    (the piece DTensor computes for this rank; under ``no_grad``)."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    (the piece DTensor itself gives this rank, whatever its placement; under ``no_grad``)."""
+    from tpsim.props.module.dtensor_pieces import expected_piece, placement_of
 
-    local = p.to_local()
-    shape, offset = compute_local_shape_and_global_offset(tuple(master.shape), p.device_mesh, p.placements)
-    index = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
-    local.copy_(master[index])
+    p.to_local().copy_(expected_piece(master, placement_of(p), p.device_mesh.get_rank()))
 
 
 def local_grad(p: Any) -> torch.Tensor | None:

@@ -145,6 +145,14 @@ class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=Mod
             dropped.add(BIAS_GRAD)  # no bias: no bias grad that could be wrong
         return tuple(p for p in self.properties if p in kept and p not in dropped)
 
+    def why_not_applicable(self, variant: ModuleVariant) -> dict[str, str]:
+        why = {}
+        if isinstance(variant, PlanVariant):
+            why[DIVISIBILITY] = variant.UNEVEN_CASES_NOTE if variant.uneven_sizes_are_cases else variant.UNEVEN_NOTE
+        if BIAS_GRAD not in self.applicable(variant) and not variant.forward_only:
+            why[BIAS_GRAD] = "the module has no bias parameter"
+        return why
+
     def nothing_applies(self, variant: ModuleVariant, properties: tuple[str, ...], applies: tuple[str, ...]) -> str:
         why = f"variant {variant.name!r} is forward-only, so only" if variant.forward_only else f"{self.subject} is checked for"
         return f"properties={list(properties)!r}: {why} {', '.join(applies)}; choose other properties"
@@ -222,8 +230,11 @@ class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=Mod
             return self.observe(variant, case, backend=backend, timeout=timeout, capture=True, isolate=isolate)
 
         def rerun(other: ModuleVariant, case: ModuleCase = case, **how: Any) -> list[Any]:
-            return self.judge(other, self.observe(other, case, backend=backend, timeout=timeout, isolate=isolate,
-                                                  **how), (FORWARD,))
+            seen = self.observe(other, case, backend=backend, timeout=timeout, isolate=isolate, **how)
+            if any(getattr(v, "problems", None) for v in seen.values or []):
+                # A re-run that could not lay out every parameter was not judged: it is no evidence.
+                raise InvalidArgument(f"the re-run of {other.name!r} could not lay out every parameter")
+            return self.judge(other, seen, (FORWARD,))
 
         failures = localise(variant, case, obs, failures, traced, rerun)
         if not variant.forward_only and obs.values and all(getattr(v, "frozen", False) for v in obs.values):

@@ -20,8 +20,11 @@ class itself — the dense reference needs no parallel code at all. A plan is on
   do not divide into ``torch.tensor_split`` pieces, so those are drawn as cases that must be exact
   (``tpsim.presets.deepspeed.autotp``, DeepSpeed's AutoTP, declares both).
 
-Parameters become DTensors: :mod:`tpsim.props.module.dtensors` loads, reads and updates them in their
-own placements. A failing plan is re-checked on twins of the failing case that change one entry of
+The dense module is built holding the case's weights and the plan's library cuts every rank's
+pieces (a style-string plan's are then loaded as ``from_pretrained`` loads them); tpsim writes none
+of them, and judges them against the dense weights right after construction
+(:mod:`tpsim.props.module.construction`). Parameters become DTensors: :mod:`tpsim.props.module.dtensors`
+reads and updates them in their own placements. A failing plan is re-checked on twins of the failing case that change one entry of
 the plan (:func:`name_plan_entry`): when only the twin that plans a projection the other way round
 passes, the failure is named with that path (``down_proj: wrong-shard-dim — planned colwise;
 planned rowwise it passes``).
@@ -42,7 +45,7 @@ from torch import nn
 
 from tpsim.diagnosis import recogniser
 from tpsim.errors import InvalidArgument
-from tpsim.module_variant import ModuleVariant, constructor_sizes
+from tpsim.module_variant import LOAD_IN_BUILD, ModuleVariant, constructor_sizes
 
 __all__ = ["PlanVariant", "apply_plan", "describe_plan", "plan_variant", "resolve_plan", "twin_plans"]
 
@@ -221,20 +224,38 @@ def _mesh_of(group: Any) -> Any:
 
 @dataclass(frozen=True)
 class _PlanBuild:
-    """The builder of a plan variant's rank: the dense module, parallelised (picklable: it is data)."""
+    """The builder of a plan variant's rank (picklable: it is data): the dense module built holding
+    the case's weights (``masters``), then parallelised by the plan — the plan's library cuts each
+    rank's pieces (``parallelize_module``'s ``distribute_tensor``, a plan function's own slicing), and
+    a style-string plan's pieces are then loaded as ``from_pretrained`` loads a checkpoint
+    (:func:`tpsim.props.module.loading.load_like_from_pretrained`). tpsim writes none of them."""
 
     dense: Callable[..., nn.Module]
     plan: Any
 
-    def __call__(self, *sizes: int, group: Any, dtype: torch.dtype) -> nn.Module:
+    def __call__(self, *sizes: int, group: Any, dtype: torch.dtype,
+                 masters: dict[str, torch.Tensor] | None = None) -> nn.Module:
         # DTensor logs a traceback at ERROR level for every op whose sharding it cannot propagate,
         # then raises it: the report quotes the exception once, the log would repeat it per rank.
         logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
         module = self.dense(*sizes, dtype=dtype)
+        if masters is not None:
+            with torch.no_grad():
+                for name, p in module.named_parameters():
+                    if name in masters:
+                        p.copy_(masters[name])
         result = apply_plan(module, self.plan, _mesh_of(group))
         if not isinstance(result, nn.Module):
             raise InvalidArgument(f"the plan returned {type(result).__name__}; expected the parallelised nn.Module")
+        if masters is not None and _is_style_strings(self.plan):
+            from tpsim.props.module.loading import load_like_from_pretrained
+
+            load_like_from_pretrained(result, masters)
         return result
+
+
+def _is_style_strings(plan: Any) -> bool:
+    return isinstance(plan, Mapping) and all(isinstance(s, str) for s in plan.values())
 
 
 @dataclass(frozen=True)
@@ -279,6 +300,7 @@ def plan_variant(dense: Callable[..., nn.Module] | type, plan: Any, *, sizes: tu
         fields["rank_local"] = tuple(dict.fromkeys((*fields.get("rank_local", ()), *declared)))
     if getattr(plan, "uneven_sizes_are_cases", False) is True:
         fields.setdefault("uneven_sizes_are_cases", True)
+    fields.setdefault("load", LOAD_IN_BUILD)  # the plan's library cuts the pieces (_PlanBuild)
     return PlanVariant(name=name, build=_PlanBuild(builder, plan), dense=builder, sizes=tuple(sizes), plan=plan,
                        plan_name=plan_name, **fields)
 

@@ -13,8 +13,10 @@ grad and parameter grads and the final parameters, then repeats the steps as the
 (:mod:`tpsim.props.module.magnitude`) for the tolerances.
 
 **The tp world** (``world_size`` ranks of the case's backend) builds the module on each rank's tp
-group, reads how each parameter is sharded (:mod:`tpsim.props.module.sharding`), loads its piece of
-every master, and runs the same steps on the group's data. Ranks return tensors, as a
+group, reads how each parameter is sharded (:mod:`tpsim.props.module.sharding`), lets the library
+load the masters where it has a loader (its builder, a loader method, a ``weight_loader``: tpsim then
+only reads back what it loaded) and writes each rank's piece of the others
+(:mod:`tpsim.props.module.loading`), and runs the same steps on the group's data. Ranks return tensors, as a
 :class:`ModuleRankResult`; everything is compared in the parent (:mod:`tpsim.props.module.checks`).
 
 A forward-only variant (``ModuleVariant(forward_only=True)``: an inference module, weights without
@@ -49,14 +51,8 @@ from tpsim.props.launch import launch, variant_of
 from tpsim.props.layouts import apply_layout, needs_batch
 from tpsim.props.module.boundary import Capture
 from tpsim.props.module.case import ModuleCase
-from tpsim.props.module.dtensors import (
-    dtensor_layout,
-    is_dtensor,
-    load_piece,
-    local_grad,
-    local_shape,
-    local_value,
-)
+from tpsim.props.module.dtensors import dtensor_layout, is_dtensor, local_grad, local_shape, local_value
+from tpsim.props.module.loading import load_weights, read_back
 from tpsim.props.module.magnitude import MagnitudeMode, TapeEntry, UnboundedOp, ValueTape
 from tpsim.props.module.sharding import ParamLayout, declared_layout, infer_layout
 from tpsim.props.module.steps import StepTensors, assign
@@ -491,7 +487,10 @@ class ModuleRankResult(RankOutput):
     - ``layouts``: how each parameter it could explain is laid out; ``problems``: the others;
     - ``shapes``: every parameter's shape on this rank;
     - ``partial``: the replicated parameters whose grad the trainer sums;
-    - ``init``: replicated parameters' own values right after construction (an initialised variant);
+    - ``init``: replicated parameters' own values right after construction (an initialised variant
+      that the library does not load: its own init);
+    - ``loaded``: every parameter the library loaded (:mod:`tpsim.props.module.loading`), as this rank
+      holds it right after loading: judged against the dense weights;
     - ``input_grad``, ``grads``: step-0 grads (None where none came);
     - ``summed_grads``: the step-0 grads of ``partial`` after the trainer's sum;
     - ``final``: every parameter after ``TRAIN_STEPS`` SGD steps;
@@ -511,6 +510,7 @@ class ModuleRankResult(RankOutput):
     final: dict[str, torch.Tensor] = field(default_factory=dict)
     capture: dict[str, Any] | None = None
     frozen: bool = False
+    loaded: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def rank_main(payload: dict[str, Any]) -> ModuleRankResult:
@@ -518,11 +518,23 @@ def rank_main(payload: dict[str, Any]) -> ModuleRankResult:
     me = enter_rank(payload)
     case, variant, data, rank, tp = me.case, me.variant, me.data, me.rank, me.tp
     inputs, upstream = data.inputs[me.g], data.grads[me.g]
+    # A library may keep the tensors it is given (a parameter made from a view of one): each rank gets
+    # its own copy, as each process reads its own from a checkpoint (thread-ranks share data.masters).
+    masters = {n: t.clone() for n, t in data.masters.items()} if variant.library_loads else data.masters
     with rank_phase("build"):
-        module = variant.instantiate(case.sizes, group=me.group, dtype=case.torch_dtype)
+        module = variant.instantiate(case.sizes, group=me.group, dtype=case.torch_dtype, masters=masters)
+    init = {}
+    if variant.initialised and not variant.library_loads:  # the library's own init, before anything is loaded
+        init = {n: local_value(p).clone() for n, p in module.named_parameters()}
+    # The library loads what it has a loader for (tpsim.props.module.loading); tpsim writes the rest,
+    # by the layouts read from the module as built.
+    layouts, problems = layouts_of(variant, module, data.shapes, tp, rank)
+    with rank_phase("build"):
+        by_library = load_weights(variant, module, masters, layouts, rank, tp)
+    if by_library:  # a loader may replace parameter objects (a DTensor's piece installed): read again
+        layouts, problems = layouts_of(variant, module, data.shapes, tp, rank)
     # Problems are reported by the parent. The rank still runs its steps (on whatever it could
     # load), so that its collectives stay in step with the ranks that found nothing wrong.
-    layouts, problems = layouts_of(variant, module, data.shapes, tp, rank)
     params = dict(module.named_parameters())
     # Replicated parameters whose grad the trainer sums (declared grad="partial", or Megatron's
     # ``sequence_parallel`` marker): summed over the tp group before each SGD step, as Megatron's
@@ -531,16 +543,11 @@ def rank_main(payload: dict[str, Any]) -> ModuleRankResult:
         getattr(variant.param(n), "grad", "complete") == "partial" or getattr(params[n], "sequence_parallel", False) is True))
     result = ModuleRankResult(group=me.g, tp_rank=rank, layouts=layouts, problems=problems, partial=partial,
                               shapes={n: local_shape(p) for n, p in params.items()},
-                              frozen=bool(params) and not any(p.requires_grad for p in params.values()))
-    if variant.initialised:
-        result.init = {n: local_value(params[n]).clone() for n, lay in layouts.items()
-                       if isinstance(lay.placement, Replicate)}
-    with torch.no_grad():
-        for name, layout in layouts.items():
-            if is_dtensor(params[name]):
-                load_piece(params[name], data.masters[name])
-            else:
-                params[name].copy_(piece(data.masters[name], layout.placement, rank, tp, layout.uneven))
+                              frozen=bool(params) and not any(p.requires_grad for p in params.values()),
+                              loaded=read_back(module, by_library))
+    # What a loader wrote is the library's loading, not its init (judged against the dense weights).
+    result.init = {n: t for n, t in init.items() if n in layouts and isinstance(layouts[n].placement, Replicate)
+                   and n not in by_library}
     forward_only = variant.forward_only
     for step in range(steps_of(variant)):
         x_full = inputs[step]
