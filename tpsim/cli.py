@@ -1173,10 +1173,15 @@ def _shared_state_message(err: Exception) -> str:
     text = str(err)
     module = getattr(err, "module", "") or ""
     if module.startswith("tpsim_target_"):
-        path = getattr(sys.modules.get(module), "__file__", None)
+        from tpsim._target_files import path_of_module_name
+
+        # (decoded from the name where this process did not import the file)
+        path = getattr(sys.modules.get(module), "__file__", None) or path_of_module_name(module)
         if path:
             rel = os.path.relpath(path)
-            text = text.replace(f"--rank-local {module}", f"--rank-local {shlex.quote(rel)}")
+            # ... and its globals as the file names them (layer.py:workspace), not by the generated name.
+            text = text.replace(f"--rank-local {module}", f"--rank-local {shlex.quote(rel)}").replace(
+                f"{module}.", f"{rel}:")
     return text
 
 

@@ -175,14 +175,16 @@ def watched(rank_local: tuple[str, ...]) -> tuple[str, ...]:
     declared = {t.split(".")[0] for p in presets() for t in p.targets}
     tops = {name.split(".")[0] for name in rank_local} - declared
     found = [name for name in list(sys.modules) if "." in name and name.split(".")[0] in tops]
-    found += [name for name in _siblings_used(rank_local) if name not in found and name not in rank_local]
+    found += [name for name in _siblings_used(rank_local) if name not in found and name not in rank_local
+              and name.split(".")[0] not in declared | {"tpsim"}]
     _watched[0] = (key, tuple(found))
     return tuple(found)
 
 
 def _siblings_used(rank_local: tuple[str, ...]) -> list[str]:
     """The modules a rank-local module imports from beside it (a file in its directory or below: a
-    script's ``import parallel_state as pgm``, where picotron and vLLM-style code keep the tp group)."""
+    script's ``import parallel_state as pgm``, where picotron and vLLM-style code keep the tp group;
+    or ``from helpers import reduce``, whose module keeps its own state, a cached workspace)."""
     import os
     import types
 
@@ -193,9 +195,21 @@ def _siblings_used(rank_local: tuple[str, ...]) -> list[str]:
         if not where:
             continue
         for value in list(vars(module).values()):
-            path = getattr(value, "__file__", None) if isinstance(value, types.ModuleType) else None
-            if path and os.path.dirname(path).startswith(where) and value.__name__ not in out:
-                out.append(value.__name__)
+            kind = type(value)  # not isinstance: it would ask a hostile object for its __class__
+            if issubclass(kind, types.ModuleType):
+                source = value
+            elif issubclass(kind, (types.FunctionType, type)):
+                try:
+                    home = type.__dict__["__module__"].__get__(value) if issubclass(kind, type) else value.__module__
+                except AttributeError:  # a class with no __module__ of its own
+                    continue
+                source = sys.modules.get(home) if type(home) is str else None
+            else:
+                continue
+            path = getattr(source, "__file__", None)
+            if isinstance(path, str) and os.path.dirname(path).startswith(where) and source.__name__ not in out \
+                    and source.__name__ != name:
+                out.append(source.__name__)
     return out
 
 
