@@ -20,6 +20,10 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import hostile_imports  # noqa: E402 - beside this file
+
 __all__ = ["PROBES", "Probe", "ProbeRun", "kill_marked", "marked_pids", "run_probe"]
 
 #: Fast search settings: one or two small worlds, float64 only.
@@ -163,6 +167,15 @@ class Exits(Row):
     Probe("stdout-head-c-10", _BAD, target="{file}:Bad", args=tuple(_ROW), shell_suffix="| head -c 10"),
     Probe("stdout-dev-full", _BAD, target="{file}:Bad", args=tuple(_ROW), shell_suffix="> /dev/full"),
     Probe("stdout-closed", _BAD, target="{file}:Bad", args=tuple(_ROW), shell_suffix=">&-"),
+    # tests/hostile_imports.py's targets, their buggy twins (tests/test_hostile_imports.py runs them all)
+    Probe("daemon-thread-at-import-buggy", hostile_imports.THREAD["daemon"], target="{file}:Twice", args=tuple(_ROW)),
+    Probe("daemon-thread-at-import-buggy-gloo", hostile_imports.THREAD["daemon"], target="{file}:Twice",
+          args=tuple(_ROW), backend="gloo", max_examples=3),
+    Probe("launcher-env-at-import-gloo", hostile_imports.LAUNCHER_ENV, args=tuple(_ROW), backend="gloo",
+          max_examples=3),
+    Probe("metaclass-dict-raises", hostile_imports.INTROSPECTION["metaclass-dict-raises"][0], args=tuple(_ROW)),
+    Probe("lru-cache-workspace", hostile_imports.CACHES["lru-cache-workspace"][0], args=tuple(_ROW)),
+    Probe("cache-in-a-default-argument", hostile_imports.CACHE_IN_A_DEFAULT, args=tuple(_ROW)),
 ]}
 
 

@@ -1171,7 +1171,9 @@ def _shared_state_message(err: Exception) -> str:
         path = path_of_module_name(module)
         if path:
             rel = os.path.relpath(path)
-            text = text.replace(f"--rank-local {module}", f"--rank-local {shlex.quote(rel)}")
+            # ... and its globals as the file names them (layer.py:workspace), not by the generated name.
+            text = text.replace(f"--rank-local {module}", f"--rank-local {shlex.quote(rel)}").replace(
+                f"{module}.", f"{rel}:")
     return text
 
 

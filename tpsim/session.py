@@ -303,7 +303,12 @@ def _worker_main(fd: int, argv: Sequence[str], tty: tuple[bool, bool], superviso
             sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)  # noqa: SIM115
         import torch
 
+        from tpsim.comm import _torchrun
+
         torch.set_num_threads(1)  # a fork: the parent's OpenMP pool, if it had one, is unusable here
+        # Whether tpsim runs under a launcher (torchrun mode) is the environment's as tpsim was started
+        # with, not what the target sets when it is imported (RANK, WORLD_SIZE, MASTER_ADDR, ...).
+        _torchrun.pin_launcher_env()
         run = zygote._resolve(runner)
         out, err = _Stream(channel, "out", tty[0]), _Stream(channel, "err", tty[1])
         channel.send(phase="run")

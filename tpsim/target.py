@@ -125,6 +125,8 @@ def _resolve_uncached(target: str, options: Mapping[str, Any]) -> list[Any]:
         if not hasattr(obj, part):
             raise TargetError(f"{module_part!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
+    if isinstance(obj, type):
+        _check_introspection(obj)
     for family in chosen:
         try:
             found = family.resolve(target, obj, options)
@@ -133,7 +135,46 @@ def _resolve_uncached(target: str, options: Mapping[str, Any]) -> list[Any]:
         if found is not None:
             return _finish(target, found, options)
     wanted = " or ".join(f.variant_type.__name__ for f in chosen)
-    raise TargetError(f"{target} is {type(obj).__name__}, not a tpsim {wanted} or an nn.Module class; see docs/cli.md")
+    what = f"a class of metaclass {type(obj).__name__}" if isinstance(obj, type) else type(obj).__name__
+    raise TargetError(f"{target} is {what}, not a tpsim {wanted} or an nn.Module class; see docs/cli.md")
+
+
+#: What tpsim reads of every class it checks (to name it, find its module's state, adapt and import it
+#: again in worker processes), with the type each must have.
+_CLASS_FACTS: tuple[tuple[str, type | tuple[type, ...]], ...] = (
+    ("__module__", str), ("__qualname__", str), ("__name__", str), ("__mro__", tuple), ("__bases__", tuple),
+    ("__init__", object))
+
+
+def _check_introspection(cls: type) -> None:
+    """Refuse a class whose basic facts cannot be read: a metaclass whose ``__getattribute__`` or
+    properties raise (or answer ``__module__ = 42``) would otherwise fail deep inside a check, where it
+    looks like tpsim's bug. :class:`TargetError` names the attribute and what reading it did."""
+    import os
+
+    from tpsim.session import safe_text
+
+    facts = ", ".join(n for n, _ in _CLASS_FACTS)
+    label = f"class {type.__dict__['__name__'].__get__(cls)}"  # type's own field: no metaclass code runs
+    for name, expected in _CLASS_FACTS:
+        try:
+            value = getattr(cls, name)
+            ok = isinstance(value, expected)
+        except Exception as err:  # noqa: BLE001 - the class's own code (its metaclass): anything may come out
+            where = ""
+            tb = err.__traceback__
+            while tb is not None and tb.tb_next is not None:
+                tb = tb.tb_next
+            if tb is not None:
+                where = f" at {os.path.basename(tb.tb_frame.f_code.co_filename)}:{tb.tb_lineno}"
+            raise TargetError(
+                f"reading {name} of {label} raised {type(err).__name__}{where}: {safe_text(err, 500)}; tpsim reads "
+                f"a class's {facts} to check it") from None
+        if not ok:
+            kinds = expected if isinstance(expected, tuple) else (expected,)
+            raise TargetError(
+                f"{name} of {label} is of type {type(value).__name__}, not {' or '.join(k.__name__ for k in kinds)}; "
+                f"tpsim reads a class's {facts} to check it")
 
 
 def _rank_local_modules(specs: Any) -> tuple[str, ...]:

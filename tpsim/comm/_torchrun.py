@@ -18,7 +18,7 @@ import datetime
 import os
 import pickle
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -32,21 +32,63 @@ from tpsim.comm.limits import nccl_unavailable_reason
 from tpsim.comm.result import WorldResult
 from tpsim.errors import BackendUnavailable, InvalidArgument
 
-__all__ = ["launched_world", "run_launched"]
+__all__ = ["LAUNCHER_ENV", "launched_world", "pin_launcher_env", "run_launched"]
 
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+#: What a launcher sets for each rank: the variables that say a world was launched, and LOCAL_RANK.
+LAUNCHER_ENV = (*_ENV, "LOCAL_RANK")
 
 #: Runs made by this process so far; every rank makes the same runs in the same order (SPMD),
 #: so the counter names the same run on every rank.
 _RUNS = [0]
+#: The launcher's variables as :func:`pin_launcher_env` found them (None: read the environment).
+_PINNED: list[dict[str, str | None] | None] = [None]
+
+
+def pin_launcher_env() -> None:
+    """Decide torchrun mode from the launcher's variables as they are now, whatever this process sets later.
+
+    ``tpsim check`` calls it before it imports the target: a module that sets ``RANK``/``WORLD_SIZE``
+    (or ``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_RANK``) when it is imported describes no world this
+    process was launched into, and must not turn tpsim's own worlds into a launched one."""
+    _PINNED[0] = {name: os.environ.get(name) for name in LAUNCHER_ENV}
+
+
+def _launcher(name: str) -> str | None:
+    pinned = _PINNED[0]
+    return pinned.get(name) if pinned is not None else os.environ.get(name)
+
+
+@contextlib.contextmanager
+def _launcher_environment() -> Iterator[None]:
+    """The launcher's variables in ``os.environ`` while torch reads them (``env://``), as pinned."""
+    pinned = _PINNED[0]
+    if pinned is None:
+        yield
+        return
+    saved = {name: os.environ.get(name) for name in LAUNCHER_ENV}
+    _set_env(pinned)
+    try:
+        yield
+    finally:
+        _set_env(saved)
+
+
+def _set_env(values: dict[str, str | None]) -> None:
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def launched_world() -> tuple[int, int] | None:
-    """``(rank, world_size)`` of the launched world this process belongs to, or None."""
-    if not all(os.environ.get(name) for name in _ENV):
+    """``(rank, world_size)`` of the launched world this process belongs to, or None (read from the
+    environment, or from what :func:`pin_launcher_env` pinned)."""
+    if not all(_launcher(name) for name in _ENV):
         return None
     try:
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        return int(_launcher("RANK") or ""), int(_launcher("WORLD_SIZE") or "")
     except ValueError:
         return None
 
@@ -78,20 +120,21 @@ def run_launched(
             f"of spawning one, so pass world_size={env_world}, or launch {world_size} ranks."
         )
     if backend == "nccl":
-        local = int(os.environ.get("LOCAL_RANK", "0"))
+        local = int(_launcher("LOCAL_RANK") or "0")
         reason = nccl_unavailable_reason(local + 1)
         if reason is not None:
             raise BackendUnavailable("nccl", reason)
         torch.cuda.set_device(local)
     if not dist.is_initialized():
         register_backends(loopback=False)
-        dist.init_process_group(
-            BACKEND_NAMES[backend],
-            init_method="env://",
-            rank=rank,
-            world_size=env_world,
-            timeout=datetime.timedelta(seconds=max(timeout, 60.0)),
-        )
+        with _launcher_environment():
+            dist.init_process_group(
+                BACKEND_NAMES[backend],
+                init_method="env://",
+                rank=rank,
+                world_size=env_world,
+                timeout=datetime.timedelta(seconds=max(timeout, 60.0)),
+            )
     elif dist.get_world_size() != world_size:
         raise InvalidArgument(
             f"world_size={world_size} does not match the initialised default group "

@@ -221,6 +221,10 @@ def _run_one(board: Board, memory_note: str, message: tuple[Any, ...]) -> tuple[
             f"could not load fn and its arguments in the isolated worker process (is its module importable "
             f"there?): {type(exc).__name__}: {exc}")))
     else:
+        # Threads that loading the call started (a module that starts one when it is imported, such as
+        # the target's) are this process's, as each rank's process has its own on gloo: not rank threads
+        # the world abandoned.
+        before = set(threading.enumerate())
         try:
             result = run_inproc(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, faults=faults,
                                 checksum=checksum, rank_local=rank_local, watch=watch)

@@ -28,9 +28,20 @@ per-rank RNG):
   identity: its contents are swapped), so a value one rank stores is never what another rank reads,
   as on gloo: rank 0 storing a weight on a class that the other ranks then read fails here too.
 
+* **process-level caches and buffers** (always on): each rank of a real job has its own
+  ``functools.lru_cache``/``functools.cache`` contents, ``cached_property`` values and module-level
+  tensors. In the rank-local and watched modules (an installed library's watched modules aside), each
+  rank gets an empty cache around the same function (a module's function, a class's ``staticmethod``
+  or ``classmethod``), starts without the ``cached_property`` values of module-level objects, and gets
+  its own copy of each module-level tensor (views of one storage stay views of one copy), wherever
+  those modules' globals, plain containers and classes hold them; the objects themselves are watched:
+  one that two ranks still reach (a default argument, a closure) raises :class:`SharedModuleState`.
+  So an all-reduce through a cached workspace is right on inproc, as it is on gloo.
+
 Globals rebound from outside their module (``mod.X = ...``), attributes set through a name computed at
 run time (``setattr(obj, name, v)``) and containers mutated through another name than their module's
-are not watched.
+are not watched. Classes are read through ``type``'s own fields (``__dict__``, ``__module__``), never
+through a metaclass's ``__getattribute__``, ``__eq__`` or ``__hash__``.
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ import collections
 import contextlib
 import dataclasses
 import dis
+import functools
 import importlib
 import operator
 import os
@@ -63,7 +75,29 @@ _NOT_WATCHED = frozenset({
     "pkg_resources", "_distutils_hack", "coverage", "tqdm", "yaml",
 })
 _MISSING = object()
+#: How the module names of target files begin (:data:`tpsim._target_files.PREFIX`, imported only when a
+#: name has it: most worlds name none).
+_TARGET_PREFIX = "tpsim_target_"
 _STORE_OPS = frozenset({dis.opmap["STORE_GLOBAL"], dis.opmap["DELETE_GLOBAL"]})
+#: A class's own namespace and module, read without running its metaclass's code (a hostile
+#: ``__getattribute__`` or ``__getattr__`` must not turn a world's set-up into tpsim's failure).
+_class_dict = type.__dict__["__dict__"].__get__
+_class_module = type.__dict__["__module__"].__get__
+#: The type of a ``functools.lru_cache`` / ``functools.cache`` wrapper.
+_CACHE_TYPE = type(functools.lru_cache(maxsize=None)(lambda: None))
+
+
+def _is(obj: Any, kinds: Any) -> bool:
+    """``isinstance`` by the object's real type only: ``isinstance`` falls back on ``obj.__class__``,
+    which a hostile ``__getattribute__`` (or its metaclass's) answers with the checked code's own code."""
+    return issubclass(type(obj), kinds)
+
+
+def _module_of_class(cls: type) -> Any:
+    try:
+        return _class_module(cls)
+    except Exception:  # noqa: BLE001 - a class with no readable module is none of the watched ones
+        return None
 
 
 def resolve_modules(items: Any, argument: str) -> tuple[types.ModuleType, ...]:
@@ -82,6 +116,14 @@ def resolve_modules(items: Any, argument: str) -> tuple[types.ModuleType, ...]:
         if isinstance(item, types.ModuleType):
             module = item
         elif isinstance(item, str) and item:
+            if item.startswith(_TARGET_PREFIX):
+                # A target file's module (``--rank-local path/to/layers.py``, the module of a class in a
+                # target file): importable by its name through the target-file finder, which a worker
+                # process that has not imported a target file yet (forked from a zygote that never
+                # imported it, or spawned) must install first.
+                from tpsim._target_files import install_finder
+
+                install_finder()
             try:
                 module = importlib.import_module(item)
             except Exception as exc:
@@ -108,11 +150,15 @@ class Related:
     def modules(self, rank_local: Sequence[str]) -> tuple[str, ...]:
         tops = {name.split(".")[0] for name in rank_local} - set(self.skip)
         found = [name for name in list(sys.modules) if "." in name and name.split(".")[0] in tops]
-        found += [name for name in _siblings_used(rank_local) if name not in found and name not in rank_local]
+        found += [name for name in _siblings_used(rank_local) if name not in found and name not in rank_local
+                  and name.split(".")[0] not in self.skip]
         return tuple(found)
 
 
 def _siblings_used(rank_local: Sequence[str]) -> list[str]:
+    """The modules a rank-local module imports from beside it (a file in its directory or below: a
+    script's ``import parallel_state as pgm``, or ``from helpers import reduce``, whose module keeps
+    its own state, a cached workspace)."""
     out = []
     for name in rank_local:
         module = sys.modules.get(name)
@@ -120,9 +166,21 @@ def _siblings_used(rank_local: Sequence[str]) -> list[str]:
         if not where:
             continue
         for value in list(vars(module).values()):
-            path = getattr(value, "__file__", None) if isinstance(value, types.ModuleType) else None
-            if path and os.path.dirname(path).startswith(where) and value.__name__ not in out:
-                out.append(value.__name__)
+            kind = type(value)  # not isinstance: it would ask a hostile object for its __class__
+            if issubclass(kind, types.ModuleType):
+                source = value
+            elif issubclass(kind, (types.FunctionType, type)):
+                try:
+                    home = type.__dict__["__module__"].__get__(value) if issubclass(kind, type) else value.__module__
+                except AttributeError:  # a class with no __module__ of its own
+                    continue
+                source = sys.modules.get(home) if type(home) is str else None
+            else:
+                continue
+            path = getattr(source, "__file__", None)
+            if isinstance(path, str) and os.path.dirname(path).startswith(where) and source.__name__ not in out \
+                    and source.__name__ != name and source.__name__.split(".")[0] != "tpsim":
+                out.append(source.__name__)
     return out
 
 
@@ -153,20 +211,30 @@ def _globals_used(code: types.CodeType) -> set[str]:
 
 
 def _module_names_of(obj: Any, found: set[str], seen: set[int], depth: int) -> None:
-    """Collect the modules ``obj``'s code and classes come from (a bounded walk of what it uses)."""
+    """Collect the modules ``obj``'s code and classes come from (a bounded walk of what it uses).
+
+    An object whose introspection raises (its class's ``__getattr__``, a property, a metaclass hook)
+    is left out of the walk: the code it runs is the checked code's, which the world runs anyway."""
     if depth < 0 or id(obj) in seen:
         return
     seen.add(id(obj))
-    if isinstance(obj, types.ModuleType):
+    try:
+        _walk(obj, found, seen, depth)
+    except Exception:  # noqa: BLE001 - see the docstring
+        pass
+
+
+def _walk(obj: Any, found: set[str], seen: set[int], depth: int) -> None:
+    if _is(obj, types.ModuleType):
         found.add(obj.__name__)
         return
-    if isinstance(obj, _SCALARS):
+    if _is(obj, _SCALARS):
         return
-    if isinstance(obj, (types.FunctionType, type)):
-        module = getattr(obj, "__module__", None)
-        if isinstance(module, str):
+    if _is(obj, (types.FunctionType, type)):
+        module = _module_of_class(obj) if _is(obj, type) else obj.__module__
+        if _is(module, str):
             found.add(module)
-        if isinstance(obj, types.FunctionType):
+        if _is(obj, types.FunctionType):
             # What the function reaches through its module's globals: ``import pkg.state as st``,
             # ``from pkg.layers import Linear``.
             scope = obj.__globals__
@@ -179,7 +247,7 @@ def _module_names_of(obj: Any, found: set[str], seen: set[int], depth: int) -> N
                 except ValueError:  # an empty cell
                     pass
         return
-    if isinstance(obj, types.MethodType):
+    if _is(obj, types.MethodType):
         _module_names_of(obj.__func__, found, seen, depth)
         _module_names_of(obj.__self__, found, seen, depth - 1)
         return
@@ -190,9 +258,9 @@ def _module_names_of(obj: Any, found: set[str], seen: set[int], depth: int) -> N
             _module_names_of(item, found, seen, depth - 1)
         return
     _module_names_of(type(obj), found, seen, depth)
-    if isinstance(obj, Mapping):
+    if _is(obj, Mapping):
         items: Iterable[Any] = list(obj.values())[:64]
-    elif isinstance(obj, (list, tuple, set, frozenset)):
+    elif _is(obj, (list, tuple, set, frozenset)):
         items = list(obj)[:64]
     elif dataclasses.is_dataclass(obj):
         items = [getattr(obj, f.name, None) for f in dataclasses.fields(obj)]
@@ -213,7 +281,7 @@ def _loaded_under(tops: frozenset[str]) -> tuple[types.ModuleType, ...]:
     if cached is not None and cached[0] == count:
         return cached[1]
     chosen = tuple(m for name, m in list(sys.modules.items())
-                   if isinstance(m, types.ModuleType) and name.split(".")[0] in tops)
+                   if _is(m, types.ModuleType) and name.split(".")[0] in tops)
     _PACKAGE_MODULES[tops] = (count, chosen)
     return chosen
 
@@ -246,20 +314,20 @@ def _code_objects(obj: Any, module_dict: dict[str, Any], out: list[types.CodeTyp
     if id(obj) in seen:
         return
     seen.add(id(obj))
-    if isinstance(obj, (staticmethod, classmethod)):
+    if _is(obj, (staticmethod, classmethod)):
         _code_objects(obj.__func__, module_dict, out, seen)
-    elif isinstance(obj, property):
+    elif _is(obj, property):
         for f in (obj.fget, obj.fset, obj.fdel):
             if f is not None:
                 _code_objects(f, module_dict, out, seen)
-    elif isinstance(obj, types.FunctionType):
+    elif _is(obj, types.FunctionType):
         if obj.__globals__ is module_dict:
             out.append(obj.__code__)
         wrapped = getattr(obj, "__wrapped__", None)
         if wrapped is not None:
             _code_objects(wrapped, module_dict, out, seen)
-    elif isinstance(obj, type) and obj.__module__ == module_dict.get("__name__"):
-        for value in list(vars(obj).values()):
+    elif _is(obj, type) and _module_of_class(obj) == module_dict.get("__name__"):
+        for value in list(_class_dict(obj).values()):
             _code_objects(value, module_dict, out, seen)
 
 
@@ -319,25 +387,25 @@ def _functions(obj: Any, module_dict: dict[str, Any], cls: type | None, out: lis
     if id(obj) in seen:
         return
     seen.add(id(obj))
-    if isinstance(obj, classmethod):
+    if _is(obj, classmethod):
         func = obj.__func__
-        if isinstance(func, types.FunctionType) and func.__globals__ is module_dict:
+        if _is(func, types.FunctionType) and func.__globals__ is module_dict:
             code = func.__code__
             out.append((code, cls, code.co_varnames[0] if code.co_argcount else None))
-    elif isinstance(obj, staticmethod):
+    elif _is(obj, staticmethod):
         _functions(obj.__func__, module_dict, cls, out, seen)
-    elif isinstance(obj, property):
+    elif _is(obj, property):
         for f in (obj.fget, obj.fset, obj.fdel):
             if f is not None:
                 _functions(f, module_dict, cls, out, seen)
-    elif isinstance(obj, types.FunctionType):
+    elif _is(obj, types.FunctionType):
         if obj.__globals__ is module_dict:
             out.append((obj.__code__, cls, None))
         wrapped = getattr(obj, "__wrapped__", None)
         if wrapped is not None:
             _functions(wrapped, module_dict, cls, out, seen)
-    elif isinstance(obj, type) and obj.__module__ == module_dict.get("__name__"):
-        for value in list(vars(obj).values()):
+    elif _is(obj, type) and _module_of_class(obj) == module_dict.get("__name__"):
+        for value in list(_class_dict(obj).values()):
             _functions(value, module_dict, obj, out, seen)
 
 
@@ -365,8 +433,10 @@ def _owner_of(ins: list[dis.Instruction], k: int, cls: type | None, first_arg: s
     return None
 
 
-def _scan(code: types.CodeType, cls: type | None, first_arg: str | None, attrs: set[tuple[Any, str]],
+def _scan(code: types.CodeType, cls: type | None, first_arg: str | None, attrs: dict[tuple[Any, str], Any],
           mutated: set[str], depth: int = 0) -> None:
+    """Note in ``attrs`` (keyed by the owner's name or the class's id: a metaclass's ``__hash__`` is the
+    checked code's) the attributes ``code`` writes, in ``mutated`` the globals it changes in place."""
     ins = list(dis.get_instructions(code))
     for i, x in enumerate(ins):
         if x.opname in ("STORE_ATTR", "DELETE_ATTR"):
@@ -378,18 +448,22 @@ def _scan(code: types.CodeType, cls: type | None, first_arg: str | None, attrs: 
                         owner = _owner_of(ins, k, cls, first_arg)
                         break
             if owner is not None:
-                attrs.add((cls if owner == _CLASS else owner, x.argval))
+                _note(attrs, cls if owner == _CLASS else owner, x.argval)
         elif x.opname == "LOAD_GLOBAL" and x.argval == "setattr" and i + 2 < len(ins):
             owner = _owner_of(ins, i + 1, cls, first_arg)
             name = ins[i + 2]
             if owner is not None and name.opname == "LOAD_CONST" and isinstance(name.argval, str):
-                attrs.add((cls if owner == _CLASS else owner, name.argval))
+                _note(attrs, cls if owner == _CLASS else owner, name.argval)
         if x.opname == "LOAD_GLOBAL" and _mutates(ins, i):
             mutated.add(x.argval)
     if depth < 8:
         for const in code.co_consts:
             if isinstance(const, types.CodeType):
                 _scan(const, cls, None, attrs, mutated, depth + 1)
+
+
+def _note(attrs: dict[tuple[Any, str], Any], owner: Any, name: str) -> None:
+    attrs[(owner if _is(owner, str) else id(owner), name)] = (owner, name)
 
 
 def _mutates(ins: list[dis.Instruction], i: int) -> bool:
@@ -430,20 +504,36 @@ def module_writes(module: types.ModuleType) -> Writes:
     seen: set[int] = set()
     for value in list(module_dict.values()):
         _functions(value, module_dict, None, functions, seen)
-    attrs: set[tuple[Any, str]] = set()
+    attrs: dict[tuple[Any, str], Any] = {}
     mutated: set[str] = set()
     for code, cls, first_arg in functions:
         _scan(code, cls, first_arg, attrs, mutated)
-    found = _WRITES[key] = Writes(tuple(sorted(attrs, key=lambda a: (str(getattr(a[0], "__qualname__", a[0])), a[1]))),
+    found = _WRITES[key] = Writes(tuple(sorted(attrs.values(), key=lambda a: (_name_of(a[0]), a[1]))),
                                   tuple(sorted(mutated)))
     return found
 
 
+def _name_of(owner: Any) -> str:
+    """A global's name, or a class's qualified name read without running its metaclass's code."""
+    if _is(owner, type):
+        try:
+            return str(_class_qualname(owner))
+        except Exception:  # noqa: BLE001
+            return "<a class>"
+    return str(owner)
+
+
+_class_qualname = type.__dict__["__qualname__"].__get__
+
+
 def _not_ours(obj: Any) -> bool:
     """Objects of the interpreter, torch or the harness (never made per rank)."""
-    home = obj if isinstance(obj, (type, types.FunctionType)) else type(obj)
-    top = str(getattr(home, "__module__", "") or "").split(".")[0]
-    return top in _NOT_WATCHED or top == "builtins" or isinstance(obj, types.ModuleType)
+    if _is(obj, types.ModuleType):
+        return True
+    home = obj if _is(obj, type) else type(obj)
+    module = obj.__module__ if _is(obj, types.FunctionType) else _module_of_class(home)
+    top = str(module or "").split(".")[0] if _is(module, str) else ""
+    return top in _NOT_WATCHED or top == "builtins"
 
 
 def _rank_local_attributes(modules: Sequence[types.ModuleType]) -> list[tuple[Any, str, bool]]:
@@ -453,28 +543,43 @@ def _rank_local_attributes(modules: Sequence[types.ModuleType]) -> list[tuple[An
     for module in modules:
         scope = vars(module)
         for owner, name in module_writes(module).attributes:
-            if isinstance(owner, str):
+            if _is(owner, str):
                 value = scope.get(owner, _MISSING)
-                if value is _MISSING or isinstance(value, _SCALARS) or isinstance(value, _BOXES):
+                if value is _MISSING or _is(value, _SCALARS) or _is(value, _BOXES):
                     continue
                 owners = [value]
             else:  # the method's class: it and its subclasses (``cls`` may be either)
                 owners = _with_subclasses(owner)
             for obj in owners:
-                if _not_ours(obj) or (id(obj), name) in done or not hasattr(obj, "__dict__"):
-                    continue
-                if not isinstance(obj, type) and not isinstance(getattr(obj, "__dict__", None), dict):
+                if (id(obj), name) in done or not _has_own_dict(obj) or _not_ours(obj):
                     continue
                 done.add((id(obj), name))
-                out.append((obj, name, isinstance(obj, type)))
+                out.append((obj, name, _is(obj, type)))
     return out
 
 
+def _has_own_dict(obj: Any) -> bool:
+    """Whether ``obj`` keeps its attributes in a namespace tpsim can swap values in: a class, or an
+    object with a plain ``__dict__`` (read without the object's own ``__getattr__``/``__getattribute__``)."""
+    if _is(obj, type):
+        return True
+    try:
+        return type(object.__getattribute__(obj, "__dict__")) is dict
+    except Exception:  # noqa: BLE001 - no __dict__, or a descriptor of the checked code that raises
+        return False
+
+
+def _own_dict(owner: Any) -> Any:
+    """The namespace of a class or object that :func:`_has_own_dict` accepted."""
+    return _class_dict(owner) if _is(owner, type) else object.__getattribute__(owner, "__dict__")
+
+
 def _with_subclasses(cls: type) -> list[type]:
-    found, todo = [], [cls]
+    found: list[type] = []
+    todo = [cls]
     while todo:
         c = todo.pop()
-        if c not in found:
+        if all(c is not f for f in found):  # by identity: a metaclass's __eq__ is the checked code's
             found.append(c)
             with contextlib.suppress(TypeError):  # type.__subclasses__ needs the class itself
                 todo.extend(type.__subclasses__(c))
@@ -488,42 +593,42 @@ def _rank_local_containers(modules: Sequence[types.ModuleType]) -> list[Any]:
         scope = vars(module)
         for name in module_writes(module).mutated:
             value = scope.get(name)
-            if isinstance(value, _BOXES) and not name.startswith("__") and all(value is not b for b in out):
+            if _is(value, _BOXES) and not name.startswith("__") and all(value is not b for b in out):
                 out.append(value)
     return out
 
 
 def _contents(box: Any) -> Any:
-    return box.copy() if not isinstance(box, collections.deque) else collections.deque(box)
+    return box.copy() if not _is(box, collections.deque) else collections.deque(box)
 
 
 def _load(box: Any, contents: Any) -> None:
     """Make ``box``'s contents ``contents`` (the object stays the same: other names for it see them)."""
-    if isinstance(box, dict):
+    if _is(box, dict):
         box.clear()
         box.update(contents)
-    elif isinstance(box, list):
+    elif _is(box, list):
         box[:] = contents
     else:  # set, deque
         box.clear()
-        box.update(contents) if isinstance(box, set) else box.extend(contents)
+        box.update(contents) if _is(box, set) else box.extend(contents)
 
 
 def _get_attr(owner: Any, name: str) -> Any:
-    return owner.__dict__.get(name, _MISSING)
+    return _own_dict(owner).get(name, _MISSING)
 
 
 def _set_attr(owner: Any, name: str, is_type: bool, value: Any) -> None:
     if is_type:
         if value is _MISSING:
-            if name in owner.__dict__:
+            if name in _class_dict(owner):
                 type.__delattr__(owner, name)
         else:
             type.__setattr__(owner, name, value)
     elif value is _MISSING:
-        owner.__dict__.pop(name, None)
+        _own_dict(owner).pop(name, None)
     else:
-        owner.__dict__[name] = value
+        _own_dict(owner)[name] = value
 
 
 # -- the per-world state -------------------------------------------------------------------------------
@@ -533,12 +638,12 @@ _CONTAINERS = (tuple, list, dict, set, frozenset)
 
 def _plain(value: Any, depth: int = 3) -> bool:
     """Scalars, and small containers of them: values whose ``==`` is cheap and means "the same"."""
-    if isinstance(value, _SCALARS):
+    if _is(value, _SCALARS):
         return True
     if depth == 0 or type(value) not in _CONTAINERS or len(value) > 64:
         return False
-    items = list(value.items()) if isinstance(value, dict) else list(value)
-    flat = [x for item in items for x in (item if isinstance(value, dict) else (item,))]
+    items = list(value.items()) if _is(value, dict) else list(value)
+    flat = [x for item in items for x in (item if _is(value, dict) else (item,))]
     return all(_plain(x, depth - 1) for x in flat)
 
 
@@ -558,12 +663,165 @@ def _same_value(a: Any, b: Any) -> bool:
         return False
 
 
-def _own_copy(value: Any) -> Any:
-    """A rank's own copy of a global's starting value: plain containers are copied, the rest shared."""
+def _own_copy(value: Any, renew: dict[int, Any], memo: dict[Any, Any]) -> Any:
+    """A rank's own copy of a global's starting value: plain containers are copied, a process-level
+    cache or tensor in ``renew`` is made again for the rank (:func:`_renewed`; also one a copied list
+    or dict holds), the rest shared."""
     t = type(value)
-    if t is dict or t is list or t is set:
+    if t is dict:
+        if renew and any(id(v) in renew for v in value.values()):
+            return {k: _renewed(v, memo) if id(v) in renew else v for k, v in value.items()}
         return value.copy()
+    if t is list:
+        if renew and any(id(v) in renew for v in value):
+            return [_renewed(v, memo) if id(v) in renew else v for v in value]
+        return value.copy()
+    if t is set:
+        return value.copy()
+    if id(value) in renew:
+        return _renewed(value, memo)
     return value
+
+
+# -- process-level caches and tensors ------------------------------------------------------------------
+#
+# Each rank of a real job is a process with its own ``functools`` caches and its own module-level
+# tensors; on inproc one object would serve every rank (a cached workspace that one rank fills while
+# another reads it: a false failure). A rank gets its own: an empty cache around the same function
+# (a cache is transparent: it fills again as it would in a fresh process) and a copy of the tensor
+# (views of one storage stay views of one copy), made when its world starts and swapped at hand-offs
+# wherever the checked code's modules and classes hold them.
+
+
+def _renewable_tensor(value: Any) -> bool:
+    """A plain dense tensor (or parameter) that a rank may own a copy of."""
+    torch = sys.modules.get("torch")
+    if torch is None or type(value) not in (torch.Tensor, torch.nn.Parameter):
+        return False
+    return value.layout == torch.strided and value.grad_fn is None and not value.is_meta and not value.is_quantized
+
+
+def _cache_of(value: Any) -> Any:
+    """The ``functools`` cache ``value`` is, or wraps as a ``staticmethod``/``classmethod``; else None."""
+    if type(value) is _CACHE_TYPE:
+        return value
+    if type(value) in (staticmethod, classmethod) and type(value.__func__) is _CACHE_TYPE:
+        return value.__func__
+    return None
+
+
+def _renewed(value: Any, memo: dict[Any, Any]) -> Any:
+    """A rank's own cache or tensor for ``value`` (one per original per rank: ``memo``)."""
+    if id(value) in memo:
+        return memo[id(value)]
+    if type(value) in (staticmethod, classmethod):
+        fresh: Any = type(value)(_renewed(value.__func__, memo))
+    elif type(value) is _CACHE_TYPE:
+        params = value.cache_parameters()
+        fresh = functools.lru_cache(maxsize=params["maxsize"], typed=params["typed"])(value.__wrapped__)
+        fresh.__dict__.update(value.__dict__)  # what functools.wraps copied, and what was set on it since
+    else:
+        torch = sys.modules["torch"]
+        storage = value.untyped_storage()
+        key = ("storage", storage.data_ptr(), value.device)
+        copy = memo.get(key)
+        if copy is None:
+            copy = memo[key] = storage.clone()
+        fresh = torch.empty(0, dtype=value.dtype, device=value.device).set_(
+            copy, value.storage_offset(), value.size(), value.stride())
+        if type(value) is torch.nn.Parameter:
+            fresh = torch.nn.Parameter(fresh, requires_grad=value.requires_grad)
+        elif value.requires_grad:
+            fresh.requires_grad_(True)
+    memo[id(value)] = fresh
+    return fresh
+
+
+def _usage(value: Any) -> int:
+    """How often a cache was called (hits and misses), or a tensor written (its version counter)."""
+    if type(value) is _CACHE_TYPE:
+        info = value.cache_info()
+        return int(info.hits + info.misses)
+    return int(value._version)
+
+
+@dataclasses.dataclass
+class _ProcessLevel:
+    """What each rank owns besides globals and written attributes (:func:`_process_level`).
+
+    ``renew``: by id, the ``functools`` caches around the checked modules' own functions (also as a
+    class's ``staticmethod``/``classmethod``) and the module-level tensors, each rank getting its own
+    (:func:`_renewed`); ``originals``: ``(module, name, cache or tensor)``, the objects themselves, which
+    no rank should reach any more; ``slots``: ``(owner, name, is_type)`` where one of them is held outside the
+    rank-local modules' globals (which are copied per rank whole): a watched module's global, a class
+    attribute; ``cached``: ``(object, name)`` for the ``functools.cached_property`` values of
+    module-level objects (each rank computes its own)."""
+
+    renew: dict[int, Any] = dataclasses.field(default_factory=dict)
+    originals: list[tuple[str, str, Any]] = dataclasses.field(default_factory=list)
+    slots: list[tuple[Any, str, bool]] = dataclasses.field(default_factory=list)
+    cached: list[tuple[Any, str]] = dataclasses.field(default_factory=list)
+
+    def add(self, value: Any, module: str, name: str) -> None:
+        if id(value) not in self.renew:
+            self.renew[id(value)] = value
+            inner = _cache_of(value)
+            self.originals.append((module, name, inner if inner is not None else value))
+
+
+def _installed(module: types.ModuleType) -> bool:
+    """Whether ``module`` comes from an installed distribution (``site-packages``), not the checked project."""
+    path = getattr(module, "__file__", None)
+    return isinstance(path, str) and any(part in ("site-packages", "dist-packages") for part in path.split(os.sep))
+
+
+def _process_level(modules: Sequence[types.ModuleType], local: Sequence[types.ModuleType]) -> _ProcessLevel:
+    """The process-level caches and tensors of ``modules`` (rank-local ``local`` among them), found in
+    their globals, the classes they define and the ``__dict__`` of their module-level objects."""
+    dicts = {id(vars(m)) for m in modules}
+    local_ids = {id(m) for m in local}
+    found = _ProcessLevel()
+
+    def own_cache(value: Any) -> bool:
+        cache = _cache_of(value)
+        wrapped = cache.__dict__.get("__wrapped__") if cache is not None else None
+        return isinstance(wrapped, types.FunctionType) and id(wrapped.__globals__) in dicts
+
+    seen_objects: set[int] = set()
+    cached: dict[tuple[int, str], tuple[Any, str]] = {}  # by identity: no __hash__ of the checked code's
+    for module in modules:
+        in_local = id(module) in local_ids
+        if not in_local and _installed(module):
+            # An installed library's module that is only watched (a test's rank function that calls
+            # into it): its many caches (``is_torch_available``...) would cost every hand-off; its
+            # state is the preset's rank-local modules' or the library's own.
+            continue
+        for name, value in list(vars(module).items()):
+            if name.startswith("__"):
+                continue
+            try:
+                if own_cache(value) or _renewable_tensor(value):
+                    found.add(value, module.__name__, name)
+                    if not in_local:
+                        found.slots.append((module, name, False))
+                elif _is(value, type):
+                    if _module_of_class(value) != module.__name__:
+                        continue
+                    for attr, member in list(_class_dict(value).items()):
+                        if own_cache(member):
+                            found.add(member, module.__name__, f"{name}.{attr}")
+                            found.slots.append((value, attr, True))
+                elif id(value) not in seen_objects and not _is(value, (types.ModuleType, types.FunctionType)) \
+                        and not _is(value, _SCALARS) and _has_own_dict(value) and not _not_ours(value):
+                    seen_objects.add(id(value))
+                    for klass in type.__dict__["__mro__"].__get__(type(value)):
+                        for member in list(_class_dict(klass).values()):
+                            if type(member) is functools.cached_property and isinstance(member.attrname, str):
+                                cached[(id(value), member.attrname)] = (value, member.attrname)
+            except Exception:  # noqa: BLE001 - an object whose introspection raises is not made per rank
+                continue
+    found.cached = list(cached.values())
+    return found
 
 
 class ModuleGlobals:
@@ -576,13 +834,29 @@ class ModuleGlobals:
         self.start = tuple(d.copy() for d in self._local)
         # Attributes and containers the modules' functions write: per rank, from their values now.
         self._attrs = _rank_local_attributes((*self.local_modules, *watched))
+        # Process-level caches and tensors: each rank its own (see _process_level), also where they are
+        # held outside the rank-local modules' globals (appended to the attributes swapped per rank).
+        level = _process_level((*self.local_modules, *watched), self.local_modules)
+        self._renew = level.renew
+        have = {(id(o), n) for o, n, _ in self._attrs}
+        self._attrs += [slot for slot in level.slots if (id(slot[0]), slot[1]) not in have]
+        #: Indexes into the attributes of cached_property values: each rank starts without one.
+        self._uncached = frozenset(range(len(self._attrs), len(self._attrs) + len(level.cached)))
+        self._attrs += [(obj, name, False) for obj, name in level.cached]
+        #: The caches and tensors ranks got their own of: a rank that still reaches one (through a
+        #: reference tpsim could not swap) shares it with the others; two ranks using one is a conflict.
+        self._originals = level.originals
+        self._usage_in: list[int] = []
+        self._user: dict[int, int] = {}  # original -> the rank that used it last
         self._attr_start = tuple(_get_attr(o, n) for o, n, _ in self._attrs)
         self._boxes = _rank_local_containers(watched)  # a rank-local module's containers are copied with it
         self._box_start = tuple(_contents(b) for b in self._boxes)
         keys: list[tuple[str, dict[str, Any], str]] = []
+        swapped = {(id(o), n) for o, n, _ in self._attrs}  # a global each rank has its own of: nothing shared
         for module in watched:
             for name in rebound_names(module):
-                keys.append((module.__name__, vars(module), name))
+                if (id(module), name) not in swapped:
+                    keys.append((module.__name__, vars(module), name))
         self._keys = keys
         self._start_watched = [d.get(n, _MISSING) for _, d, n in keys]
         self._values_in: list[Any] = []
@@ -606,7 +880,8 @@ class ModuleGlobals:
     @property
     def rank_local_attributes(self) -> list[tuple[str, str]]:
         """``(owner, attribute)`` of the attributes made per rank (for messages and tests)."""
-        return [(getattr(o, "__qualname__", type(o).__qualname__), n) for o, n, _ in self._attrs]
+        return [(o.__qualname__ if _is(o, types.FunctionType) else _name_of(o if _is(o, type) else type(o)),
+                 n) for o, n, _ in self._attrs]
 
     @property
     def rank_local_containers(self) -> int:
@@ -615,8 +890,8 @@ class ModuleGlobals:
 
     @property
     def has_watch(self) -> bool:
-        """Whether watched globals are compared at hand-offs."""
-        return bool(self._keys)
+        """Whether watched globals (or the caches and tensors ranks got their own of) are compared at hand-offs."""
+        return bool(self._keys or self._originals)
 
     @property
     def watched(self) -> list[tuple[str, str]]:
@@ -628,8 +903,12 @@ class ModuleGlobals:
         """A new rank's own copy of the rank-local state as the world started."""
         if not self.has_local:
             return None
-        dicts = tuple({k: (v if k.startswith("__") else _own_copy(v)) for k, v in d.items()} for d in self.start)
-        return dicts, self._attr_start, self._box_start
+        renew, memo = self._renew, {}  # memo: one cache or tensor per original for this rank
+        dicts = tuple({k: (v if k.startswith("__") else _own_copy(v, renew, memo)) for k, v in d.items()}
+                      for d in self.start)
+        attrs = tuple(_MISSING if i in self._uncached else (_renewed(v, memo) if id(v) in renew else v)
+                      for i, v in enumerate(self._attr_start))
+        return dicts, attrs, self._box_start
 
     def save(self) -> tuple[Any, ...] | None:
         """The running rank's rank-local state, to restore when it runs again."""
@@ -677,6 +956,8 @@ class ModuleGlobals:
 
     def enter(self, rank: int) -> None:
         """``rank`` got the baton: note what it sees, and whether that is another rank's rebinding."""
+        if self._originals:
+            self._usage_in = [_usage(obj) for _, _, obj in self._originals]
         keys = self._keys
         if not keys:
             return
@@ -688,12 +969,16 @@ class ModuleGlobals:
         self._values_in = values
         if self.exposure is None and self._writer:
             for i, writer in self._writer.items():
-                if writer != rank and not isinstance(values[i], _SCALARS) and values[i] is not _MISSING:
+                if writer != rank and not _is(values[i], _SCALARS) and values[i] is not _MISSING:
                     self.exposure = (i, writer, rank)
                     break
 
     def leave(self, rank: int) -> SharedModuleState | None:
         """``rank`` hands the baton on: record what it rebound; return a conflict found now, if any."""
+        if self._usage_in:
+            shared = self._used_originals(rank)
+            if shared is not None:
+                return shared
         keys = self._keys
         if not keys or not self._values_in:
             return None
@@ -709,6 +994,28 @@ class ModuleGlobals:
             self._writer[i] = rank
             if previous is not None and previous != rank and self.conflict is None:
                 self.conflict = self.error(i, previous, rank, None, rebound_by_both=True)
+                return self.conflict
+        return None
+
+    def _used_originals(self, rank: int) -> SharedModuleState | None:
+        """Note the caches and tensors ``rank`` reached as they are (not its own copies); the conflict
+        when another rank reached the same one before it."""
+        for i, (module, name, obj) in enumerate(self._originals):
+            if _usage(obj) == self._usage_in[i]:
+                continue
+            previous = self._user.get(i)
+            self._user[i] = rank
+            if previous is not None and previous != rank and self.conflict is None:
+                label = f"{module}.{name}"
+                kind = "functools cache" if type(obj) is _CACHE_TYPE else "module-level tensor"
+                verb = "called" if type(obj) is _CACHE_TYPE else "wrote to"
+                self.conflict = SharedModuleState(
+                    f"rank {previous} {verb} the {kind} {label}, then rank {rank} {verb} it too, through a reference "
+                    f"other than {label} itself (which each rank has its own of). On the inproc backend every rank "
+                    f"is a thread of one process, so a {kind} a real job keeps once per process is shared by all "
+                    f"ranks here. Reach it through its module global or class (tpsim gives each rank its own), or "
+                    "run on --backend gloo (one process per rank).",
+                    module=module, attribute=name, ranks=(previous, rank))
                 return self.conflict
         return None
 

@@ -167,13 +167,15 @@ class _Pool:
     def _fork(self, store_path: str, bound: float, hints: dict[str, str]) -> bool:
         """Fork the ranks from the zygote, after it imported the modules ``hints`` names (a payload's:
         each rank would import them otherwise); False when it cannot serve this pool (then spawn)."""
-        z = zygote.shared()
-        if z is None:
+        if zygote.shared() is None:
             return False
         try:
+            if hints:
+                zygote.preload(import_hinted, (hints,), bound)
+            z = zygote.shared()  # a fresh one if that import left threads in the last one
+            if z is None:
+                return False
             z.wait_ready()
-            if hints and z.safe:
-                z.call(import_hinted, (hints,), bound)
             if not z.safe:
                 zygote.replace()  # a later pool gets a fresh one
                 return False
@@ -441,16 +443,11 @@ def preload(fn: Callable[..., Any], args: tuple[Any, ...], bound: float) -> str 
     """Run ``fn(*args)`` (top-level; e.g. resolve a target) in the zygote the ranks are forked from, so
     every rank of every later pool starts with what it imported; the error it raised as text, or
     None. Does nothing (None) where ranks are not forked from a zygote."""
-    z = zygote.shared()
-    if z is None or _torchrun.launched_world() is not None:
+    if _torchrun.launched_world() is not None:
         return None
-    try:
-        error = z.call(fn, args, bound)
-    except BackendUnavailable as err:
-        return str(err)
-    if not z.safe:  # the import left threads behind: ranks come from a fresh zygote without it
-        zygote.replace()
-    return error
+    # An import that leaves threads behind retires the zygote: ranks then come from a fresh one
+    # without it, and import it themselves (zygote.preload).
+    return zygote.preload(fn, args, bound)
 
 
 def _trim(pools: int, workers: int) -> None:

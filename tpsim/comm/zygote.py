@@ -54,7 +54,8 @@ from typing import Any
 
 from tpsim.errors import BackendUnavailable
 
-__all__ = ["START_BOUND", "Child", "Zygote", "kill_group", "own_group", "pid", "pids", "replace", "shared", "shutdown"]
+__all__ = ["START_BOUND", "Child", "Zygote", "kill_group", "own_group", "pid", "pids", "preload", "replace", "shared",
+           "shutdown"]
 
 #: Seconds the zygote may take to start (it imports torch: seconds on a loaded machine).
 START_BOUND = 120.0
@@ -316,7 +317,10 @@ def _main(sock: socket.socket, parent_pid: int, pdeathsig: bool, modules: Sequen
     os.set_blocking(wake[1], False)
     signal.set_wakeup_fd(wake[1])
     signal.signal(signal.SIGCHLD, lambda *_: None)  # the wake-up pipe makes select() return
-    _send(sock, ("ready", os.getpid(), failed, _safe()))
+    try:
+        _send(sock, ("ready", os.getpid(), failed, _safe()))
+    except OSError:  # the caller ended while this zygote started (a usage error): nothing to serve
+        os._exit(0)
     try:
         while True:
             ready, _, _ = select.select([sock, wake[0]], [], [], _WATCH_S)
@@ -529,8 +533,9 @@ class Zygote:
 
 _LOCK = threading.Lock()
 #: ``zygote``: the one that forks; ``retired``: former ones no longer safe to fork, kept alive while
-#: children they forked (pooled ranks, the isolated worker) still serve; ended at exit.
-_STATE: dict[str, Any] = {"zygote": None, "retired": [], "atexit": False}
+#: children they forked (pooled ranks, the isolated worker) still serve; ended at exit;
+#: ``unsafe``: the calls (:func:`preload`) that left a zygote unsafe to fork, never made again here.
+_STATE: dict[str, Any] = {"zygote": None, "retired": [], "atexit": False, "unsafe": set()}
 
 
 def shared(modules: Sequence[str] = ()) -> Zygote | None:
@@ -554,6 +559,36 @@ def shared(modules: Sequence[str] = ()) -> Zygote | None:
             loaded = sorted(n for n in sys.modules if n.startswith("tpsim."))
             zygote = _STATE["zygote"] = Zygote([*modules, *loaded])
         return zygote
+
+
+def preload(fn: Callable[..., Any], args: tuple[Any, ...], bound: float) -> str | None:
+    """Run ``fn(*args)`` (e.g. import a target) in this process's zygote, so that every child it forks
+    later starts with what that imported; the error it raised as text, or None (nothing is done where
+    no zygote serves).
+
+    A call that leaves the zygote unsafe to fork (the import started a thread, or initialised CUDA)
+    retires it (:func:`replace`): the next zygote is a fresh one without that import, and its children
+    import what they need themselves. Such a call is remembered and never made again in this process:
+    each try would cost another fresh zygote (an interpreter importing torch), for nothing.
+    """
+    z = shared()
+    if z is None:
+        return None
+    key = repr((_ref(fn), args))
+    if key in _STATE["unsafe"]:
+        return None
+    try:
+        z.wait_ready()
+        if not z.safe:  # unsafe before this call (its own start-up): not the call's doing
+            replace()
+            return None
+        error = z.call(fn, args, bound)
+    except BackendUnavailable as err:
+        return str(err)
+    if not z.safe:
+        _STATE["unsafe"].add(key)
+        replace()
+    return error
 
 
 def replace() -> None:

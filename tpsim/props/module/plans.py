@@ -310,6 +310,10 @@ def plan_variant(dense: Callable[..., nn.Module] | type, plan: Any, *, sizes: tu
 #: For each style, the styles a twin plan tries in its place, and what the finding is then called.
 _DUAL_STRINGS = {"colwise": "rowwise", "rowwise": "colwise", "colwise_rep": "rowwise_rep",
                  "rowwise_rep": "colwise_rep"}
+#: The packed style a twin plan tries for a style that cuts a weight as one block (``packed-shard-layout``).
+_PACKED_STRINGS = {"colwise": "packed_colwise", "rowwise": "packed_rowwise"}
+#: The prefix of a packed twin's key (``packed:PATH``).
+_PACKED = "packed"
 
 
 def _dual_style(style: Any) -> Any | None:
@@ -358,7 +362,8 @@ def twin_plans(plan: Any, seq_dim: int | None = None) -> list[tuple[str, str, st
     """Plans that differ from ``plan`` in one entry: ``(key, path, diagnosis, twin)``. The key names
     the twin in a variant's options (a worker resolves the same twin from it); the diagnosis is what
     the failure is called when only that twin passes: ``wrong-shard-dim`` (a linear entry planned
-    along its other dim) or ``plan-input-layout`` (a ``PrepareModuleInput`` that gathers a sequence
+    along its other dim), ``packed-shard-layout`` (a style string that cuts a packed weight as one
+    block, planned as its packed style: the shard of each part) or ``plan-input-layout`` (a ``PrepareModuleInput`` that gathers a sequence
     shard, ``seq_dim``, added on a module above planned layers). A callable plan has no twins."""
     if not isinstance(plan, Mapping):
         return []
@@ -367,12 +372,19 @@ def twin_plans(plan: Any, seq_dim: int | None = None) -> list[tuple[str, str, st
         dual = _dual_style(style)
         if dual is not None:
             twins.append((path, path, "wrong-shard-dim", {**plan, path: dual}))
+        packed = _PACKED_STRINGS.get(style) if isinstance(style, str) else None
+        if packed is not None:
+            twins.append((f"{_PACKED}:{path}", path, "packed-shard-layout", {**plan, path: packed}))
     if seq_dim is not None and not all(isinstance(s, str) for s in plan.values()):
         twins.extend(_prepare_twins(plan, seq_dim))
     return twins
 
 
 def _twin_reason(plan: Mapping[str, Any], twin: Mapping[str, Any], path: str) -> str:
+    if path in plan and twin[path] in _PACKED_STRINGS.values():
+        return (f"the plan entry {path!r} cuts a packed weight (gate/up, Q/K/V) as one block: planned "
+                f"{_style_label(plan[path])} the case fails, planned {_style_label(twin[path])} (the shard of each "
+                "packed part; nothing else changed) it passes")
     if path in plan:
         return (f"the plan entry {path!r} shards along the wrong dim: planned {_style_label(plan[path])} the case "
                 f"fails, planned {_style_label(twin[path])} (nothing else changed) it passes")
@@ -394,7 +406,7 @@ def twin_variant(variant: PlanVariant, key: str) -> PlanVariant:
     raise InvalidArgument(f"plan_twin={key!r}: the plan of {variant.name!r} has no such twin")
 
 
-@recogniser("wrong-shard-dim", "plan-input-layout")
+@recogniser("wrong-shard-dim", "plan-input-layout", "packed-shard-layout")
 def name_plan_entry(family: Any, variant: PlanVariant, case: Any, failures: list[Any], *, backend: str,
                     timeout: float, isolate: bool, properties: Any) -> list[Any]:
     """``failures`` of ``case`` named after the plan entry that explains them, when exactly one twin
