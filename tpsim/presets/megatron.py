@@ -13,8 +13,11 @@ preset
   strided, are checked. ``initialize_model_parallel`` itself is not run: it builds data, pipeline,
   context and expert groups these layers never use and fixes the tp groups to consecutive ranks.
   ``parallel_state`` is rank-local on inproc (each rank thread has its own, as each process does);
-- constructs the layer with its own init (overwritten with the master shards), weight
-  ``[out/tp, in]`` (column) / ``[out, in/tp]`` (row);
+- constructs the layer with its own init, then loads the case's full weights as a Megatron
+  checkpoint is loaded: the layer's own ``sharded_state_dict()`` places each tensor in the full one
+  (its ``global_offset``), and that slice is copied in (:func:`load_sharded`): Megatron's slicing, never
+  tpsim's; the declared layouts, weight ``[out/tp, in]`` (column) / ``[out, in/tp]`` (row), are only
+  how the pieces are read back and judged right after construction;
 - calls ``forward`` and adds the returned bias of ``skip_bias_add`` (``(output, bias)`` tuples).
 
 Input limits, from the layers' docstrings and code: inputs are 2-D ``[s, h]`` or 3-D ``[s, b, h]``,
@@ -177,8 +180,27 @@ def megatron_config(tp_size: int, dtype: torch.dtype, **options: Any) -> Any:
 
 
 def init_method() -> Any:
-    """Megatron's default init (normal, std ``init_method_std``); overwritten with the master anyway."""
+    """Megatron's default init (normal, std ``init_method_std``); the case's weights are loaded over it."""
     return functools.partial(torch.nn.init.normal_, mean=0.0, std=_INIT_STD)
+
+
+def load_sharded(module: Any, masters: dict[str, torch.Tensor | None]) -> None:
+    """Load the full ``masters`` into ``module`` as a Megatron checkpoint is loaded: the layer's own
+    ``sharded_state_dict()`` says where each of its tensors sits in the full one (``global_offset``,
+    its local shape), and that slice of the master is copied in. Megatron's slicing, as its
+    ``dist_checkpointing`` uses it; tpsim cuts nothing itself."""
+    # No data-parallel group: every tensor is this rank's only replica (replica ids are not read here).
+    sharded = module.sharded_state_dict(prefix="", metadata={"dp_cp_group": None})
+    with torch.no_grad():
+        for key, master in masters.items():
+            entry = sharded.get(key)
+            if master is None or entry is None or getattr(entry, "data", None) is None:
+                continue
+            if tuple(entry.global_shape) != tuple(master.shape):
+                raise RuntimeError(f"Megatron's sharded_state_dict says {key} is a piece of a tensor of shape "
+                                   f"{list(entry.global_shape)}; the dense {key} has shape {list(master.shape)}")
+            index = tuple(slice(o, o + n) for o, n in zip(entry.global_offset, entry.data.shape, strict=True))
+            entry.data.copy_(master[index])
 
 
 def _builder(cls: type, options: dict[str, Any]):
@@ -188,8 +210,10 @@ def _builder(cls: type, options: dict[str, Any]):
         init_parallel_state(group)
         config = megatron_config(world_size, dtype, sequence_parallel=sequence_parallel)
         layer_options = {k: v for k, v in options.items() if k != "sequence_parallel"}
-        return cls(in_features, out_features, config=config, init_method=init_method(), bias=bias, tp_group=group,
-                   **layer_options)
+        layer = cls(in_features, out_features, config=config, init_method=init_method(), bias=bias, tp_group=group,
+                    **layer_options)
+        load_sharded(layer, {"weight": master_weight, "bias": master_bias})
+        return layer
 
     return build
 
@@ -248,7 +272,8 @@ def _linear_variants(cls: type, kind: str, rank_local: tuple[str, ...], descript
                 output="gathered" if opts["gather_output"] else "sharded",
                 # disable_grad_reduce: the replicated input's grad is left to the caller (LoRA adapters fuse it).
                 input_grad="partial" if opts["disable_grad_reduce"] else "complete",
-                params=(ParamSpec("weight", "weight", Shard(0)), ParamSpec("bias", "bias", Shard(0))),
+                params=(ParamSpec("weight", "weight", Shard(0), load=False),
+                        ParamSpec("bias", "bias", Shard(0), load=False)),
                 description=description,
                 min_batch_dims=1,
                 max_batch_dims=2,
@@ -274,7 +299,8 @@ def _linear_variants(cls: type, kind: str, rank_local: tuple[str, ...], descript
                 output="sequence-sharded" if sp else "reduced",
                 # Under sequence parallelism the bias grad is a summand the trainer sums; the layer
                 # marks it bias.sequence_parallel = True, which tpsim reads as trainer-reduced.
-                params=(ParamSpec("weight", "weight", Shard(1)), ParamSpec("bias", "bias", Replicate())),
+                params=(ParamSpec("weight", "weight", Shard(1), load=False),
+                        ParamSpec("bias", "bias", Replicate(), load=False)),
                 description=description,
                 min_batch_dims=1,
                 max_batch_dims=2,

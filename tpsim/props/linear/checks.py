@@ -539,9 +539,32 @@ def accepted(family: Any, variant: Variant, obs: Observation, wanted: Sequence[s
     )]
 
 
+def _construction(ctx: LinearContext) -> Failure | None:
+    """What the layer loaded itself (``load=False``), against the masters right after construction: a
+    mis-slice is named where the library made it, before any forward."""
+    if ctx.heads is not None:
+        return None  # replicated key/value heads: the pieces are read through the expanded view only
+    for spec in ctx.variant.params or ():
+        pieces = [x.loaded.get(spec.master) for x in ctx.values]
+        full = ctx.ref.weight if spec.master == "weight" else ctx.ref.bias
+        if full is None or any(p is None for p in pieces):  # not loaded by the layer, or held by rank 0 only
+            continue
+        found = ctx.judged(FORWARD, Placed(
+            f"the {spec.master} right after construction (as the layer loaded it, read through {spec.placement})",
+            pieces, full, ctx.tol(full.abs(), 1), spec.placement, param=spec.master))
+        if found is not None:
+            found.details = {**found.details, "construction": True}
+            return found
+    return None
+
+
+def _forward_from_construction(ctx: LinearContext) -> Failure | None:
+    return _construction(ctx) or _forward(ctx)
+
+
 #: The registry: the linear family's check of each property on one tp group, in report order.
 LINEAR_CHECKS: dict[str, Check] = {
-    FORWARD: _forward,
+    FORWARD: _forward_from_construction,
     INPUT_GRAD: _input_grad,
     WEIGHT_GRAD: lambda ctx: _param_grad(ctx, "weight", WEIGHT_GRAD),
     BIAS_GRAD: lambda ctx: _param_grad(ctx, "bias", BIAS_GRAD),

@@ -86,6 +86,8 @@ class RankResult(RankOutput):
     - ``final``: the parameters after ``TRAIN_STEPS`` SGD steps, by master name, in master layout;
     - ``init``: the layer's own values of its replicated parameters right after construction, by
       parameter name (before the master values are loaded);
+    - ``loaded``: the parameters the layer loaded itself (a spec with ``load=False``: its builder cut
+      the masters), by master name, in master layout, as it held them right after construction;
     - ``partial``: master names of the parameters whose grad the trainer sums (declared partial, or
       marked ``sequence_parallel`` by the built module);
     - ``absent``: master names of the parameters this rank's layer does not hold (a parameter held by
@@ -98,6 +100,7 @@ class RankResult(RankOutput):
     summed_grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
     final: dict[str, torch.Tensor | None] = field(default_factory=dict)
     init: dict[str, torch.Tensor] = field(default_factory=dict)
+    loaded: dict[str, torch.Tensor] = field(default_factory=dict)
     partial: tuple[str, ...] = ()
     absent: tuple[str, ...] = ()
     #: The layer's forward returned a bias for the caller to add (``skip_bias_add``), which tpsim added.
@@ -367,7 +370,16 @@ def rank_main(payload: dict[str, Any]) -> RankResult:
     with rank_phase("build", passthrough=(LayoutError,)):  # a LayoutError: the parent diagnoses the shape
         module = variant.instantiate(case.in_features, case.out_features, case.bias, **kwargs,
                                      on_built=_replicated_init(variant, case, init))
-    return _train(me, variant, case, m, module, init, layout)
+    # What the layer loaded itself (load=False: its builder sliced the masters), as it holds it right
+    # after construction: judged against the masters (tpsim.props.linear.checks).
+    loaded = {}
+    for spec in variant.params or ():
+        p = get_param(module, spec.name) if not spec.load and (spec.master == "weight" or case.bias) else None
+        if p is not None:
+            loaded[spec.master] = _master_layout(p, spec.transposed)
+    result = _train(me, variant, case, m, module, init, layout)
+    result.loaded = loaded
+    return result
 
 
 def _uneven_rank(me: Any, variant: Variant, case: Case, m: Masters, kwargs: dict[str, Any], layout: str,
