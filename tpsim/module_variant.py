@@ -36,7 +36,8 @@ Fields:
 - ``params``: :class:`~tpsim.variant.ParamSpec` overrides by dotted name. ``placement`` is in the
   coordinates of the parameter as the dense module stores it (``transposed=True``: in the
   transposed coordinates of a 2-D parameter); ``master`` (``"weight"`` or ``"bias"``) says which
-  property its grad counts under. Parameters without a spec are inferred; every parameter is loaded.
+  property its grad counts under. Parameters without a spec are inferred. A declaration describes how
+  the pieces are laid out; it never changes what a library loaded (see ``load``).
 - ``input``: ``"replicated"`` (default; every rank gets the whole input), ``"sharded"`` (its slice
   of the last dim) or ``"sequence-sharded"`` (its slice of ``sequence_dim``, sequence parallelism).
 - ``output``: ``"replicated"`` (default; ``"reduced"`` and ``"gathered"`` mean the same), ``"partial"``
@@ -245,8 +246,8 @@ class ModuleVariant:
             if not spec.load:
                 raise InvalidArgument(
                     f"ModuleVariant {self.name!r}: ParamSpec({spec.name!r}, load=False) is not supported for a "
-                    "module: the harness loads every parameter from the dense module's master values, so the "
-                    "reference and the ranks hold the same numbers"
+                    "module: a module's own loader is named by ModuleVariant(load=...), which loads every parameter "
+                    "(its builder, a loader method, or each parameter's weight_loader)"
                 )
         names = [s.name for s in specs]
         dupes = sorted({n for n in names if names.count(n) > 1})

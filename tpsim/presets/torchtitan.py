@@ -126,7 +126,8 @@ def _block_config(cls: type, hidden: int, ffn: int, heads: int, kv_heads: int) -
     from torchtitan.models.llama3.sharding import _set_llama3_layer_sharding
 
     # As torchtitan.models.llama3's _build_llama3_layers builds every layer (its param inits aside: the
-    # masters overwrite them), with the attention of _attention_config.
+    # case's weights are loaded into the dense module before the plan shards it), with the attention of
+    # _attention_config.
     attention = _attention_config(cls, hidden, heads, kv_heads)
     config = cls.Config(attention_norm=RMSNorm.Config(normalized_shape=hidden),
                         ffn_norm=RMSNorm.Config(normalized_shape=hidden), attention=attention,

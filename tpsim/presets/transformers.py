@@ -21,7 +21,8 @@ What each rank gets:
   rotary tables from the model's own rotary embedding for positions ``0..seq-1``, computed in the
   module's forward (:func:`_with_rotary`), with no mask: the tensor-parallel question is the same
   with or without one;
-- the model's own init, overwritten with the master values (every parameter is loaded).
+- the dense module built holding the case's weights, sharded by the plan's own code and each piece
+  loaded as ``from_pretrained`` loads it (:mod:`tpsim.props.module.plans`): tpsim writes none.
 """
 
 from __future__ import annotations
