@@ -15,7 +15,7 @@ Per-case properties (all fed by one world run, :meth:`tpsim.props.linear.family.
 - :func:`replica_consistency` — every replicated tensor (gathered/reduced output, complete input
   grad, grads and values of replicated parameters) is bit-identical across ranks;
 - :func:`training_equivalence` — trained as people train (:func:`tpsim.props.rank.schedule`: two
-  ``torch.optim.SGD`` steps, the first accumulating the case's ``micro_batches``, ``zero_grad`` in the
+  SGD steps, the first accumulating the case's ``micro_batches``, ``zero_grad`` in the
   case's mode after each; a partial grad summed over the tp group once per step, as the trainer
   does), the grads accumulated over the first step equal the dense ones and the re-assembled
   parameters equal dense training: it catches state bugs such as a cached weight copy that stops

@@ -5,7 +5,7 @@ run per case (:meth:`tpsim.props.linear.family.LinearFamily.world`), in which ea
 rank builds the variant from the master values and trains it as people train
 (:func:`tpsim.props.rank.schedule`): two optimizer steps, the first accumulating the case's
 ``micro_batches`` micro-batches (plain ``backward()`` per micro-batch, no clearing in between, so grad
-hooks fire as they do in training), the second one; ``torch.optim.SGD`` steps after the last
+hooks fire as they do in training), the second one; SGD steps (:class:`tpsim.props.rank.SGD`) after the last
 micro-batch of each, then ``zero_grad`` in the case's mode (``set_to_none``). It returns (as tensors)
 its first micro-batch's output, input grad and parameter grads, the grads accumulated over the first
 step's micro-batches and its final parameters, as one typed :class:`RankResult`. The comparison happens in the parent process

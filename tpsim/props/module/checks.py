@@ -13,7 +13,7 @@ The same properties as for one linear layer (:data:`tpsim.props.linear.checks.PR
   parameters right after construction, their grads and values after training) is bit-identical
   across the ranks of a tp group;
 - ``training-equivalence``: trained as people train (:func:`tpsim.props.rank.schedule`: two
-  ``torch.optim.SGD`` steps, the first accumulating the case's ``micro_batches`` micro-batches,
+  SGD steps, the first accumulating the case's ``micro_batches`` micro-batches,
   ``zero_grad`` in the case's mode after each, the target's clip where it has one), every grad
   accumulated over the first step, the clip's total norm, and every parameter after training,
   re-assembled, equal dense training's (evaluated when the single-step properties hold);

@@ -17,7 +17,7 @@ it does); a sequence-sharded input gets the batch dims its ``sequence_dim`` need
 few tokens per rank. Input layout (shrinking toward contiguous): every rank's input and
 upstream grads are contiguous, a sequence-first buffer viewed batch-first (``transposed``) or a
 strided slice (``strided``), as real callers pass them (:mod:`tpsim.props.layouts`). Last, the
-training fields (:func:`tpsim.props.strategies.training`: 2 or 3 micro-batches, ``zero_grad``'s mode).
+training fields (:func:`tpsim.props.strategies.training`: 2 micro-batches, 3 one case in four, ``zero_grad``'s mode).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ builds the module on its one-rank group in float64 — every collective is then 
 for every tp group and micro-batch the input ``[*batch, sizes[0]]`` and, after the forward, the
 upstream grad in the output's shape (scaled so that an SGD step moves each weight by about a tenth
 of its scale) — all float32 normal draws, in the case's dtype. Per tp group it trains from the
-masters as people train (:func:`tpsim.props.module.steps.step_plan`: two ``torch.optim.SGD`` steps,
+masters as people train (:func:`tpsim.props.module.steps.step_plan`: two SGD steps (:class:`tpsim.props.rank.SGD`),
 the first accumulating the case's ``micro_batches`` micro-batches, ``zero_grad`` in the case's mode
 after each, clipped by ``torch.nn.utils.clip_grad_norm_`` to half the first step's total norm where
 the variant has a ``clip``), recording the first micro-batch's output, input grad and parameter
@@ -20,7 +20,7 @@ group, reads how each parameter is sharded (:mod:`tpsim.props.module.sharding`),
 every master, runs one forward under ``torch.no_grad()`` on the first micro-batch's input (the
 inference path), then trains the same way on the group's data: plain ``backward()`` per
 micro-batch, so the module's grad hooks fire as in training; the trainer's sum of partial grads
-once per step; the variant's ``clip`` (given the reference's ``max_norm``); ``torch.optim.SGD``.
+once per step; the variant's ``clip`` (given the reference's ``max_norm``); SGD.
 Ranks return tensors, as a :class:`ModuleRankResult`; everything is compared in the parent
 (:mod:`tpsim.props.module.checks`).
 
@@ -193,6 +193,7 @@ def reference_main(payload: dict[str, Any]) -> Reference:
     set_to_none = zero_grad_of(case)
     for _g in range(_n_groups(case)):
         assign(dense, {n: t.to(_F64, copy=True) for n, t in masters.items()})
+        _drop_grads(dense)  # every group starts as a freshly built module (zero_grad may have left zeros)
         optimizer = None if forward_only else optimizer_of(dense)
         xs, gs, group_tapes = [], [], []
         first: tuple[Any, ...] = ()
@@ -343,6 +344,7 @@ def _magnitudes(variant: ModuleVariant, case: ModuleCase, dense: nn.Module, mast
     computed in ``dtype``; parameter magnitudes are returned in float32 (they are as large as the
     weights)."""
     current = {n: t.to(dtype, copy=True).abs_() for n, t in masters.items()}
+    _drop_grads(dense)  # the reference's last zero_grad may have left zeros of its dtype
     first: tuple[Any, ...] = ()
     accumulated: dict[str, torch.Tensor | None] = {}
     measured = None
@@ -402,6 +404,11 @@ def _magnitudes(variant: ModuleVariant, case: ModuleCase, dense: nn.Module, mast
             p.grad = None
     final = {} if forward_only else {n: t.float() for n, t in current.items()}
     return StepTensors(*first, final=final, accumulated=accumulated), measured
+
+
+def _drop_grads(module: nn.Module) -> None:
+    for p in module.parameters():
+        p.grad = None
 
 
 def clipped_magnitude(mags: list[torch.Tensor], norm: float, max_norm: float, k: int, tp: int) -> float:
