@@ -425,7 +425,7 @@ def scale_markdown(result: dict[str, Any], images: dict[str, str]) -> list[str]:
            f"before each check; {sc['rounds']} round{'s' if sc['rounds'] != 1 else ''} per size, each in a fresh "
            "process, the fastest of each kept. *CPU*: the same ratio in this process's CPU time (every thread), "
            "less disturbed by other jobs on the machine. The module check trains "
-           f"{_train_steps()} SGD steps and runs each of them three times (float64 reference, magnitude run, tp "
+           f"{_train_steps()} and runs each of them three times (float64 reference, magnitude run, tp "
            "world): a floor of several dense forward+backwards before anything is compared. MLP: ffn = hidden x "
            f"11008/4096 (the lab note's proportion), tokens {sc['tokens']}; embedding: width "
            f"{sc['embedding_dim']}, tokens {sc['tokens']}; cross-entropy: logits of {sc['ce_tokens']} tokens. "
@@ -458,12 +458,15 @@ def scale_markdown(result: dict[str, Any], images: dict[str, str]) -> list[str]:
     return out + [""]
 
 
-def _train_steps() -> int:
+def _train_steps() -> str:
+    """What the module check trains, in words (the default micro-batches of its two optimizer steps)."""
     try:
-        from tpsim.props.rank import TRAIN_STEPS
+        from tpsim.props.module.case import ModuleCase
+        from tpsim.props.rank import schedule
     except ImportError:
-        return 3
-    return TRAIN_STEPS
+        return "3 SGD steps"
+    plan = schedule(ModuleCase(world_size=1, sizes=(1,)))
+    return f"{sum(plan)} micro-batches ({' then '.join(str(n) for n in plan)}, one SGD step after each group)"
 
 
 def _scale_plot(plt: Any, sc: dict[str, Any], who: str, out_dir: str, prefix: str) -> str | None:

@@ -549,6 +549,35 @@ NONDETERMINISTIC = register(DiagnosisSpec(
     consequences=(_INPUT_GRAD, _WEIGHT_GRAD, _BIAS_GRAD, _REPLICA, _TRAINING),
 ))
 
+# Training as people train: gradient accumulation and clipping (recognisers: tpsim/props/training.py).
+GRAD_REDUCED_AFTER_ACCUMULATION = register(DiagnosisSpec(
+    "grad-reduced-after-accumulation", (_TRAINING,),
+    "a grad accumulated over several micro-batches counts an earlier micro-batch again: it is reduced over "
+    "the tp group after every backward (a register_post_accumulate_grad_hook that all-reduces param.grad), so "
+    "what earlier micro-batches accumulated is reduced again; after two micro-batches the grad is off by "
+    "exactly (tp-1) times the first micro-batch's grad. Reduce once per optimizer step, after the "
+    "accumulation, or reduce only the fresh micro-batch's grad (a Tensor.register_hook on the parameter)",
+    "the first micro-batch's grad matches the dense one, while the grad accumulated over the first optimizer "
+    "step's micro-batches equals the dense accumulated grad plus c times the dense first micro-batch's grad "
+    "(c != 0 fitted by least squares, within the bound of each), in a tensor of at least two elements whose "
+    "first micro-batch's grad is not proportional to the later micro-batches' (so no constant scaling of "
+    "every micro-batch explains it); the factor c is reported (tp - 1 for an all-reduce after each of two "
+    "micro-batches)",
+    "sequence-bias-grad-hook-reduce",
+))
+NORM_COUNTS_REPLICAS = register(DiagnosisSpec(
+    "norm-counts-replicas", (_TRAINING,),
+    "the total grad norm a distributed clip computes counts every replicated parameter once per rank: "
+    "norm^2 = dense norm^2 + (tp-1) * sum of the replicated parameters' grad^2, so the grads are clipped "
+    "too hard; count a replicated parameter on one rank only (Megatron's "
+    "param_is_not_tensor_parallel_duplicate), or sum the squares of sharded parameters only across ranks",
+    "the target supplies a clip function, tp >= 2, some replicated parameter has a non-zero grad, and the "
+    "total norm it returned on a rank differs from the dense total norm of the same grads beyond its bound "
+    "while it equals sqrt(dense norm^2 + (tp-1) * sum over the replicated parameters of their dense grad's "
+    "squared norm) within that bound",
+    "module-clip-counts-replicas",
+))
+
 # --- diagnoses and failures ----------------------------------------------------------------------
 
 

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from tpsim.errors import InvalidArgument
-from tpsim.props.case import MAX_TENSOR_ELEMENTS, CaseBase
+from tpsim.props.case import MAX_TENSOR_ELEMENTS, CaseBase, check_training, describe_training
 from tpsim.props.layouts import needs_batch
+from tpsim.props.rank import MICRO_BATCHES
 
 __all__ = ["MODULE_INPUT_LAYOUTS", "ModuleCase"]
 
@@ -40,8 +41,14 @@ class ModuleCase(CaseBase):
     #: How every rank's input and upstream grads sit in memory (:data:`MODULE_INPUT_LAYOUTS`, see
     #: :mod:`tpsim.props.layouts`): real callers pass sequence-first buffers viewed batch-first, slices.
     input_layout: str = "contiguous"
+    #: Micro-batches the first of the two optimizer steps of training equivalence accumulates, and
+    #: ``optimizer.zero_grad``'s mode (:func:`tpsim.props.rank.schedule`); a case file without them
+    #: (written before they existed) reads as ``micro_batches=2, set_to_none=True``.
+    micro_batches: int = MICRO_BATCHES
+    set_to_none: bool = True
 
     family: ClassVar[str] = "module"
+    WRITTEN_WHEN_SET: ClassVar[tuple[str, ...]] = ("faults", "micro_batches", "set_to_none")
     REQUIRED: ClassVar[tuple[str, ...] | None] = ("world_size", "sizes")
     TUPLES: ClassVar[tuple[str, ...]] = ("sizes", "batch_shape", "size_names")
 
@@ -58,6 +65,7 @@ class ModuleCase(CaseBase):
             raise InvalidArgument(f"size_names={list(names)!r} must name each of the {len(sizes)} sizes")
         object.__setattr__(self, "size_names", names)
         self._check_layout()
+        check_training(self)
 
     def _check_layout(self) -> None:
         if self.input_layout not in MODULE_INPUT_LAYOUTS:
@@ -76,7 +84,7 @@ class ModuleCase(CaseBase):
 
     def _describe_sizes(self) -> list[str]:
         # Sizes by name when the case has them; a layout other than contiguous is said.
-        layout = [] if self.input_layout == "contiguous" else [f"input_layout={self.input_layout}"]
+        layout = ([] if self.input_layout == "contiguous" else [f"input_layout={self.input_layout}"]) + describe_training(self)
         if len(self.size_names) == len(self.sizes):
             return [f"{n}={s}" for n, s in zip(self.size_names, self.sizes, strict=True)] + layout
         return [f"sizes={list(self.sizes)}"] + layout

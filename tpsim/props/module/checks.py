@@ -12,8 +12,11 @@ The same properties as for one linear layer (:data:`tpsim.props.linear.checks.PR
 - ``replica-consistency``: everything replicated (the output, a complete input grad, replicated
   parameters right after construction, their grads and values after training) is bit-identical
   across the ranks of a tp group;
-- ``training-equivalence``: after ``TRAIN_STEPS`` SGD steps every parameter, re-assembled, equals
-  dense training (evaluated when the single-step properties hold);
+- ``training-equivalence``: trained as people train (:func:`tpsim.props.rank.schedule`: two
+  SGD steps, the first accumulating the case's ``micro_batches`` micro-batches,
+  ``zero_grad`` in the case's mode after each, the target's clip where it has one), every grad
+  accumulated over the first step, the clip's total norm, and every parameter after training,
+  re-assembled, equal dense training's (evaluated when the single-step properties hold);
 - ``divisibility``: when a size (or a sequence-sharded input's length) does not divide by the tp
   size, every rank refuses it with an error naming a size or divisibility, or every rank accepts it
   with parameters that are consistent pieces of the dense ones (``torch.tensor_split`` pieces for
@@ -49,6 +52,7 @@ tokens, where a packed out-projection's permuted heads fail even with one key/va
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -64,9 +68,11 @@ from tpsim.diagnosis import (
     EXCEPTION,
     GRAD_MISSING,
     GRAD_NOT_REDUCED,
+    GRAD_REDUCED_AFTER_ACCUMULATION,
     GRAD_SCALED,
     MISMATCH,
     MISSING_REDUCTION,
+    NORM_COUNTS_REPLICAS,
     OUTPUT_DETACHED,
     PACKED_SHARD_LAYOUT,
     QKV_HEAD_MISMATCH,
@@ -100,7 +106,7 @@ from tpsim.props.module.world import (
     output_placement,
 )
 from tpsim.props.observation import DETACHED, OUTPUT_SHAPE, Observation
-from tpsim.props.placed import Placed, holds_fast, verdict
+from tpsim.props.placed import Placed, Recogniser, holds_fast, verdict
 from tpsim.props.property_names import (
     BIAS_GRAD,
     DIVISIBILITY,
@@ -110,7 +116,10 @@ from tpsim.props.property_names import (
     TRAINING,
     WEIGHT_GRAD,
 )
-from tpsim.props.rank import LR, TRAIN_STEPS
+from tpsim.props.rank import LR, schedule, zero_grad_of
+from tpsim.props.tolerance import FACTOR
+from tpsim.props.tolerance import eps as eps_of
+from tpsim.props.training import accumulated_what, norm_counts_replicas, reduced_after_accumulation
 from tpsim.variant import ParamSpec
 
 __all__ = ["MODULE_CHECKS", "NUMERIC_PATTERNS", "ModuleContext", "grad_property", "layout_failure", "localise",
@@ -190,24 +199,25 @@ class ModuleContext(GroupContext):
                                             [v.summed_grads.get(name) for v in self.values], name))
                 else:
                     items.append(Replicated(f"the {name} grad", [v.grads.get(name) for v in self.values], name))
-                items.append(Replicated(f"{name} after {TRAIN_STEPS} SGD steps", [v.final.get(name) for v in self.values],
-                                        name))
+                items.append(Replicated(f"{name} after training", [v.final.get(name) for v in self.values], name))
         return items
 
 
 # --- the properties on one tp group ---------------------------------------------------------------
 
 
-def judged(ctx: ModuleContext, prop: str, placed: Placed, fast_mag: torch.Tensor | None = None) -> Failure | None:
-    """The failure of ``prop`` on ``placed`` (:func:`tpsim.props.placed.verdict`), named with the sublayer
-    that owns its parameter. ``fast_mag``: the magnitude to try the chunked comparison with first (a
-    lab-scale tensor is compared without being assembled or converted)."""
+def judged(ctx: ModuleContext, prop: str, placed: Placed, fast_mag: torch.Tensor | None = None,
+           recognisers: Sequence[Recogniser] = ()) -> Failure | None:
+    """The failure of ``prop`` on ``placed`` (:func:`tpsim.props.placed.verdict`, with the family's
+    ``recognisers`` first), named with the sublayer that owns its parameter. ``fast_mag``: the magnitude
+    to try the chunked comparison with first (a lab-scale tensor is compared without being assembled or
+    converted)."""
     if fast_mag is not None and holds_fast(placed.pieces, placed.full, fast_mag, ctx.bound, placed.placement,
                                            placed.summed, placed.uneven):
         return None
     if fast_mag is not None:
         placed.tol = ctx.bound(fast_mag)
-    found = verdict(placed, ctx.dtype)
+    found = verdict(placed, ctx.dtype, recognisers)
     if found is None:
         return None
     diag, rank = found
@@ -230,8 +240,28 @@ def _forward(ctx: ModuleContext) -> Failure | None:
     what = "the output" + (" (rank pieces assembled)" if isinstance(placement, Shard) else
                            " (summed over ranks)" if summed else "")
     # A module's replicated or partial output is a reduction's (or the caller's): reduced twice is a name there.
-    return judged(ctx, FORWARD, Placed(what, [v.output for v in ctx.values], y, ctx.bound(ctx.mag.y), placement,
-                                       summed=summed, reduced=not isinstance(placement, Shard),
+    found = judged(ctx, FORWARD, Placed(what, [v.output for v in ctx.values], y, ctx.bound(ctx.mag.y), placement,
+                                        summed=summed, reduced=not isinstance(placement, Shard),
+                                        sequence_dim=ctx.variant.sequence_dim_of(y.dim())))
+    return found if found is not None else _no_grad_forward(ctx, what, placement, summed)
+
+
+def _no_grad_forward(ctx: ModuleContext, what: str, placement: Placement, summed: bool) -> Failure | None:
+    """The output of the forward every rank ran under ``torch.no_grad()`` before training (on the first
+    micro-batch's input, from the same parameters), judged like the training forward's: a module may
+    take another code path with grad disabled (transformers' ColwiseParallel runs a local kernel then)."""
+    if ctx.variant.forward_only or all(v.no_grad_type is None for v in ctx.values):
+        return None  # forward-only: its one forward is under torch.no_grad() already
+    for r, v in enumerate(ctx.values):
+        if v.no_grad_output is None:
+            return ctx.fail(FORWARD, Diagnosis(SHAPE_ERROR, f"under torch.no_grad() (the inference path) the forward on "
+                                               f"rank {r} returned {v.no_grad_type}, not a tensor"), r)
+    y = ctx.ref.y
+    return judged(ctx, FORWARD, Placed(f"{what.replace('the output', 'the output under torch.no_grad()', 1)} (the "
+                                       "inference path: one forward with grad disabled, before training, on the first "
+                                       "micro-batch's input)", [v.no_grad_output for v in ctx.values], y,
+                                       ctx.bound(ctx.mag.y), placement, summed=summed,
+                                       reduced=not isinstance(placement, Shard),
                                        sequence_dim=ctx.variant.sequence_dim_of(y.dim())))
 
 
@@ -269,18 +299,80 @@ def _param_grads(ctx: ModuleContext, prop: str) -> Failure | None:
     return None
 
 
+def _accumulated(ctx: ModuleContext) -> Failure | None:
+    """Every parameter's grad accumulated over the first optimizer step's micro-batches, as the trainer
+    sees it, against the dense accumulated grad; an earlier micro-batch counted again is named
+    (:func:`tpsim.props.training.reduced_after_accumulation`). The bound is that of the sum of the
+    micro-batches' magnitudes (the tolerance is linear in the magnitude)."""
+    micro = schedule(ctx.case)[0]
+    for name in ctx.layouts:
+        full = ctx.ref.accumulated.get(name)
+        mag = ctx.mag.accumulated.get(name)
+        if full is None or mag is None:
+            continue  # the parameter takes no part in the dense forward
+        placed = param_placed(ctx, name, [v.accumulated.get(name) for v in ctx.values], full)
+        placed.what = accumulated_what(name, micro) + (" summed over ranks" if placed.summed else "")
+        first, first_mag = ctx.ref.grads.get(name), ctx.mag.grads.get(name)
+        found = judged(ctx, TRAINING, placed, mag, [reduced_after_accumulation(
+            None if first is None else first.to(_F64), None if first_mag is None else ctx.bound(first_mag), ctx.tp,
+            micro)])
+        if found is not None:
+            return found
+    return None
+
+
+def _clip_norm(ctx: ModuleContext) -> Failure | None:
+    """Where the target clips by global norm: the total norm its clip returned on every rank at the first
+    optimizer step against the dense total norm of the same (accumulated, trainer-summed) grads.
+
+    The bound: each grad errs within the bound of its magnitude, which moves the norm by at most the
+    2-norm of those bounds; the sum of ``n`` squares rounds like any reduction of length ``n``
+    (:mod:`tpsim.props.tolerance`'s model, relative to the norm). A norm that counts replicated
+    parameters once per rank is ``norm-counts-replicas``."""
+    if ctx.variant.clip is None or ctx.ref.max_norm is None or not ctx.ref.norms:
+        return None
+    dense = ctx.ref.norms[0]
+    bounds = [ctx.bound(m) for n, m in ctx.mag.accumulated.items() if m is not None and n in ctx.layouts]
+    n = sum(b.numel() for b in bounds)
+    bound = (float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b) for b in bounds]))) if bounds
+             else 0.0) + FACTOR * eps_of(ctx.dtype) * math.sqrt(n + ctx.tp) * dense
+    replicated = [name for name, lay in ctx.layouts.items() if isinstance(lay.placement, Replicate)
+                  and ctx.ref.accumulated.get(name) is not None]
+    replicated_sq = sum(float(ctx.ref.accumulated[name].to(_F64).square().sum()) for name in replicated)  # type: ignore[union-attr]
+    for r, v in enumerate(ctx.values):
+        got = v.norms[0] if v.norms else None
+        if not isinstance(got, float):
+            raise InvalidArgument(
+                f"the clip function of {ctx.variant.name!r} returned {'no norm' if got is None else f'a {got}'} on "
+                f"rank {r}; clip(parameters, max_norm) must return the total grad norm over the tp group (a tensor, a "
+                "DTensor or a float), as torch.nn.utils.clip_grad_norm_ does")
+        if abs(got - dense) <= bound:
+            continue
+        diag = norm_counts_replicas(got, dense, replicated_sq, ctx.tp, bound, replicated)
+        if diag is None:
+            diag = Diagnosis(MISMATCH, f"the total grad norm the clip returned on rank {r} is {got:.9g}, the dense total "
+                             f"norm of the same grads (torch.nn.utils.clip_grad_norm_ in float64) is {dense:.9g}: off by "
+                             f"{abs(got - dense):.3g}, beyond its bound {bound:.3g}",
+                             {"norm": got, "dense_norm": dense, "bound": bound})
+        return ctx.fail(TRAINING, diag, r)
+    return None
+
+
 def _training(ctx: ModuleContext) -> Failure | None:
     if not ctx.grads_bounded:
         return None
+    found = _accumulated(ctx) or _clip_norm(ctx)
+    if found is not None:
+        return found
     for name, layout in ctx.layouts.items():
         want = ctx.ref.final[name]
         summed = isinstance(layout.placement, Partial)  # the ranks' copies add up to the parameter
-        found = judged(ctx, TRAINING, Placed(f"{name} after {TRAIN_STEPS} SGD steps (lr {LR})"
+        found = judged(ctx, TRAINING, Placed(f"{name} after training ({trained(ctx.case, ctx.ref.max_norm)}, lr {LR})"
                                              + (" summed over ranks" if summed else ""),
                                              [v.final.get(name) for v in ctx.values], want, want, layout.placement,
                                              summed=summed, uneven=layout.uneven, param=name), ctx.mag.final[name])
         if found is not None:
-            return (drift_failure(ctx, name, layout, _initial(ctx, name, layout), TRAIN_STEPS) if summed else None) \
+            return (drift_failure(ctx, name, layout, _initial(ctx, name, layout), len(schedule(ctx.case))) if summed else None) \
                 or found
     return None
 
@@ -292,6 +384,12 @@ def _initial(ctx: ModuleContext, name: str, layout: ParamLayout) -> list[torch.T
         return [v[name] for v in ctx.loaded]
     master = ctx.obs.data.masters[name]  # type: ignore[union-attr]
     return [piece(master, layout.placement, r, ctx.tp, layout.uneven) for r in range(ctx.tp)]
+def trained(case: Any, max_norm: float | None = None) -> str:
+    """How a case's training is described in messages."""
+    plan = schedule(case)
+    zero = "set_to_none" if zero_grad_of(case) else "zeroed in place"
+    clip = "" if max_norm is None else f", clipped to max_norm {max_norm:.4g}"
+    return f"{len(plan)} SGD steps of {'+'.join(str(n) for n in plan)} micro-batches{clip}, grads {zero} after each"
 
 
 # --- whole-run outcomes ---------------------------------------------------------------------------
@@ -653,7 +751,7 @@ def _layout_hint(layouts: dict[str, ParamLayout], suspects: Sequence[str], loade
 #: (:func:`tpsim.diagnosis.confirm`, the family's ``confirmed_in_float64``).
 NUMERIC_PATTERNS = frozenset({BIAS_DUPLICATION, BIAS_MISSING, MISSING_REDUCTION, DOUBLE_REDUCTION, GRAD_SCALED,
                               GRAD_NOT_REDUCED, WRONG_SHARD_ORDER, PACKED_SHARD_LAYOUT, BIAS_GRAD_RANK0_ONLY,
-                              QKV_HEAD_MISMATCH})
+                              QKV_HEAD_MISMATCH, GRAD_REDUCED_AFTER_ACCUMULATION, NORM_COUNTS_REPLICAS})
 
 
 #: The packings a contiguous-looking packed weight is tried with (gate/up; Q/K/V of equal sizes).

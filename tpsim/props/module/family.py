@@ -208,7 +208,8 @@ class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=Mod
         rows of masters made equal (:data:`tpsim.props.module.world.Ties`)."""
         if ref is None:
             ref = reference_run(variant, case, timeout=timeout, capture=capture, isolate=isolate, tie=tie)
-        data = ModuleData(ref.shapes, ref.masters, ref.inputs, ref.grads)
+        data = ModuleData(ref.shapes, ref.masters, ref.inputs, ref.grads,
+                          max_norms=[group.value.max_norm for group in ref.groups])
         return World(rank_main, {"case": case, "data": data, "capture": capture}, ref)
 
     def offending(self, variant: ModuleVariant, case: ModuleCase) -> tuple[str, list[int]]:

@@ -10,8 +10,9 @@ from the float64 reference measures how much rounding this very computation ampl
 its operations are; the tensor-parallel run does the same operations in another reduction order,
 so its error must be of the same size.
 
-For every compared tensor ``T`` (the output, the input grad, every parameter grad, every parameter
-after the training steps, every recorded sublayer boundary) with float64 reference ``T64`` and twin
+For every compared tensor ``T`` (the output, the input grad, every parameter grad of the first
+micro-batch and accumulated over the first optimizer step, every parameter after training, every
+recorded sublayer boundary) with float64 reference ``T64`` and twin
 ``TL``, in a case of dtype ``d`` on a tp group of ``tp`` ranks:
 
     s = max |T64|,   e = max(rho * s, max |TL - T64|),   r = eps(d) / eps(L)
@@ -85,8 +86,8 @@ import torch.distributed as dist
 from tpsim.module_variant import ModuleVariant
 from tpsim.props.module.boundary import Capture
 from tpsim.props.module.case import ModuleCase
-from tpsim.props.module.steps import StepTensors, assign
-from tpsim.props.rank import sgd_step
+from tpsim.props.module.steps import StepTensors, assign, dense_step, step_plan
+from tpsim.props.rank import optimizer_of, zero_grad_of
 from tpsim.props.tolerance import FACTOR
 from tpsim.props.tolerance import eps as eps_of
 from tpsim.seeding import manual_seed
@@ -172,36 +173,46 @@ def _equivalent(ref: torch.Tensor | None, low: torch.Tensor | None, rho: float, 
 
 def twin_run(variant: ModuleVariant, case: ModuleCase, masters: dict[str, torch.Tensor],
              inputs: list[torch.Tensor], grads: list[torch.Tensor], capture_on: bool,
-             precision: torch.dtype | None = None) -> Any:
-    """One tp group's steps on the dense twin in :func:`twin_dtype` of ``precision`` (the case's
+             precision: torch.dtype | None = None, max_norm: float | None = None) -> Any:
+    """One tp group's training on the dense twin in :func:`twin_dtype` of ``precision`` (the case's
     dtype unless the module narrows it; returned as :class:`~tpsim.props.module.steps.StepTensors`,
-    in the twin's dtype)."""
-
+    in the twin's dtype): the same micro-batches, accumulation, ``zero_grad`` mode and clipping
+    (``max_norm``: the reference's) as the reference world (:mod:`tpsim.props.module.world`)."""
     low = twin_dtype(precision or case.torch_dtype)
     manual_seed(case.seed)
     dense = variant.reference(case.sizes, group=dist.group.WORLD, dtype=low)
     assign(dense, {n: t.to(low, copy=True) for n, t in masters.items()})
     first: tuple[Any, ...] = ()
-    # A forward-only variant: the one forward the reference ran (``inputs`` holds one step), under
-    # torch.no_grad(), with no backward and no SGD step (tpsim.props.module.world).
+    accumulated: dict[str, torch.Tensor | None] = {}
+    # A forward-only variant: the one forward the reference ran (``inputs`` holds one), under
+    # torch.no_grad(), with no backward and no optimizer step (tpsim.props.module.world).
     forward_only = variant.forward_only
-    for step in range(len(inputs)):
-        x = inputs[step].to(low, copy=True).requires_grad_(not forward_only)
-        capture = Capture().install(dense) if capture_on and step == 0 else None
-        with torch.no_grad() if forward_only else contextlib.nullcontext():
-            y = variant.call(dense, x)
-        if not forward_only:
-            y.backward(grads[step].to(y.dtype))
-        if capture is not None:
-            capture.remove()
+    optimizer = None if forward_only else optimizer_of(dense)
+    set_to_none = zero_grad_of(case)
+    micro = 0
+    for step, count in enumerate(step_plan(variant, case)):
+        for _ in range(count):
+            x = inputs[micro].to(low, copy=True).requires_grad_(not forward_only)
+            capture = Capture().install(dense) if capture_on and micro == 0 else None
+            with torch.no_grad() if forward_only else contextlib.nullcontext():
+                y = variant.call(dense, x)
+            if not forward_only:
+                y.backward(grads[micro].to(y.dtype))
+            if capture is not None:
+                capture.remove()
+            if micro == 0:
+                first = (y.detach(), None if x.grad is None else x.grad.detach(),
+                         {} if forward_only else {n: None if p.grad is None else p.grad.detach().clone()
+                                                  for n, p in dense.named_parameters()},
+                         None if capture is None else capture.as_payload())
+            micro += 1
+        if forward_only:
+            break
         if step == 0:
-            first = (y.detach(), None if x.grad is None else x.grad.detach(),
-                     {} if forward_only else {n: None if p.grad is None else p.grad.detach().clone()
-                                              for n, p in dense.named_parameters()},
-                     None if capture is None else capture.as_payload())
-        if not forward_only:
-            sgd_step(dense)
-    return StepTensors(*first, final={} if forward_only else {n: p.detach() for n, p in dense.named_parameters()})
+            accumulated = {n: None if p.grad is None else p.grad.detach().clone() for n, p in dense.named_parameters()}
+        dense_step(dense, optimizer, set_to_none=set_to_none, max_norm=max_norm)
+    return StepTensors(*first, final={} if forward_only else {n: p.detach() for n, p in dense.named_parameters()},
+                       accumulated=accumulated)
 
 
 def twin_magnitudes(value: Any, twin: Any, case: ModuleCase, precision: torch.dtype | None = None) -> Any:
@@ -212,7 +223,8 @@ def twin_magnitudes(value: Any, twin: Any, case: ModuleCase, precision: torch.dt
     dtype, tp, rows = case.torch_dtype, case.tp_size or case.world_size, case.rows
     at = precision or dtype
     pairs = [(value.y, twin.y), (value.dx, twin.dx), *((g, twin.grads.get(n)) for n, g in value.grads.items()),
-             *((t, twin.final.get(n)) for n, t in value.final.items())]
+             *((t, twin.final.get(n)) for n, t in value.final.items()),
+             *((g, twin.accumulated.get(n)) for n, g in value.accumulated.items())]
     ref_c = low_c = None
     if value.capture is not None:
         ref_c = Capture.from_payload(value.capture)
@@ -232,4 +244,5 @@ def twin_magnitudes(value: Any, twin: Any, case: ModuleCase, precision: torch.dt
         capture = capture.as_payload()
     return StepTensors(eq(value.y, twin.y), eq(value.dx, twin.dx),
                        {n: eq(g, twin.grads.get(n)) for n, g in value.grads.items()}, capture,
-                       final={n: eq(t, twin.final.get(n)) for n, t in value.final.items()})  # type: ignore[misc]
+                       final={n: eq(t, twin.final.get(n)) for n, t in value.final.items()},  # type: ignore[misc]
+                       accumulated={n: eq(g, twin.accumulated.get(n)) for n, g in value.accumulated.items()})
