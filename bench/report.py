@@ -663,10 +663,11 @@ def readme_performance(md: str) -> str:
     waits for, then the terms the tables use, then the tables."""
     worst = [line for line in _md_section(md, "Headline").splitlines() if line.startswith("Furthest from the floor")]
     wait = _md_section(md, "What you wait for")
+    reruns = "".join(f" {line}" for line in md.splitlines()[:12] if line.startswith("Sections re-run"))
     return f"""{wait}
 
 Measured by `python -m bench` (or `tox -e bench`), which regenerates [docs/bench.md](docs/bench.md),
-the plots and this section; every ratio compares runs taken side by side in one run. {md.splitlines()[2]}
+the plots and this section; every ratio compares runs taken side by side in one run. {md.splitlines()[2]}{reruns}
 
 Terms used below:
 
@@ -684,7 +685,8 @@ Terms used below:
   In the goals: a scale goal's *floor* is drawing the case's random values plus one float64 dense
   forward+backward (the oracle) plus the layer run once, against the dense forward+backward; the
   per-collective goal's is a thread hand-off per rank (the cheaper of a plain ring of locks and the
-  same ring placed as inproc places its rank threads) plus torch's own `dist.all_reduce` wrapper.
+  same ring placed as inproc places its rank threads) plus torch's own `dist.all_reduce` wrapper as
+  one of as many threads taking turns runs it (see docs/bench.md, "Per-collective cost").
   A goal below its floor cannot be met by this design (see docs/bench.md, "Scale").
 - *s* in the step table: seconds for the whole loop (the slowest rank), fastest of several runs;
   *a / b*: how many times longer a takes than b.
