@@ -578,6 +578,19 @@ NORM_COUNTS_REPLICAS = register(DiagnosisSpec(
     "module-clip-counts-replicas",
 ))
 
+NORM_NOT_REDUCED = register(DiagnosisSpec(
+    "norm-not-reduced", (_TRAINING,),
+    "the total grad norm a clip computes is each rank's own: the squares of its local pieces are never "
+    "summed over the tp group (a norm of plain local tensors: torch.nn.utils.clip_grad_norm_ reduces only "
+    "DTensor grads), so every rank clips by its own coefficient and replicated parameters drift apart; "
+    "all-reduce the sum of squares of the sharded parameters' grads before the square root",
+    "the target supplies a clip function, tp >= 2, and the total norm it returned on a rank differs from the "
+    "dense total norm of the same grads beyond its bound while it equals, within that bound, the 2-norm of "
+    "that rank's own accumulated grads (its local pieces, replicated parameters counted once)",
+    "module-clip-local-norm",
+    consequences=(_REPLICA,),
+))
+
 # --- diagnoses and failures ----------------------------------------------------------------------
 
 

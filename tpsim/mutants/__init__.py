@@ -50,6 +50,7 @@ from tpsim.diagnosis import (
     MISSING_REDUCTION,
     NONDETERMINISTIC,
     NORM_COUNTS_REPLICAS,
+    NORM_NOT_REDUCED,
     OUTPUT_DETACHED,
     PACKED_SHARD_LAYOUT,
     PRECISION_LOSS,
@@ -63,7 +64,12 @@ from tpsim.diagnosis import (
 from tpsim.layers import LayerNorm, RMSNorm
 from tpsim.module_variant import ModuleVariant
 from tpsim.mutants.attention import ATTENTION_MUTANTS
-from tpsim.mutants.clip import clip_grad_norm, clip_grad_norm_counting_replicas, marked_mlp
+from tpsim.mutants.clip import (
+    clip_grad_norm,
+    clip_grad_norm_counting_replicas,
+    clip_grad_norm_local,
+    marked_mlp,
+)
 from tpsim.mutants.column import (
     ColumnBackwardAverage,
     ColumnBiasDefaultDtype,
@@ -306,6 +312,7 @@ TPSIM_MODULES = CORRECT_NORMS
 #: tpsim's MLP trained with a distributed clip by global norm that counts each parameter once: it must pass.
 correct_module_clip = _clipped_mlp("correct_module_clip", clip_grad_norm)
 module_clip_counts_replicas = _clipped_mlp("module_clip_counts_replicas", clip_grad_norm_counting_replicas)
+module_clip_local_norm = _clipped_mlp("module_clip_local_norm", clip_grad_norm_local)
 
 # --- the catalog ---------------------------------------------------------------------------------
 
@@ -364,6 +371,8 @@ _ENTRIES = [
         _module_dropout_in_train_mode()),
     (lambda v: (Mutant("module-clip-counts-replicas", v.target or "", v, NORM_COUNTS_REPLICAS, v.description,
                        "tp size >= 2"), v))(module_clip_counts_replicas),
+    (lambda v: (Mutant("module-clip-local-norm", v.target or "", v, NORM_NOT_REDUCED, v.description,
+                       "tp size >= 2"), v))(module_clip_local_norm),
     # The gallery of published bugs (tpsim/mutants/gallery.py); each docstring cites its report.
     _mutant("row-wrong-group", RowWrongGroup, "row", WRONG_GROUP, needs="tp_size < world_size"),
     _mutant("row-contiguous-copy-reduce", RowContiguousCopyReduce, "row", MISSING_REDUCTION,

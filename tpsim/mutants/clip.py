@@ -20,10 +20,10 @@ from torch import nn
 
 from tpsim.layers import ParallelMLP
 
-__all__ = ["clip_grad_norm", "clip_grad_norm_counting_replicas", "marked_mlp"]
+__all__ = ["clip_grad_norm", "clip_grad_norm_counting_replicas", "clip_grad_norm_local", "marked_mlp"]
 
 
-def _clip(parameters: Any, max_norm: float, group: Any, counted: Any) -> torch.Tensor:
+def _clip(parameters: Any, max_norm: float, group: Any, counted: Any, reduce: bool = True) -> torch.Tensor:
     params = [p for p in parameters if p.grad is not None]
     if not params:
         return torch.zeros(())
@@ -32,7 +32,8 @@ def _clip(parameters: Any, max_norm: float, group: Any, counted: Any) -> torch.T
     for p in params:
         if counted(p):
             total = total + p.grad.detach().pow(2).sum()
-    dist.all_reduce(total, group=group)
+    if reduce:
+        dist.all_reduce(total, group=group)
     norm = total.sqrt()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in params:
@@ -55,6 +56,15 @@ def clip_grad_norm_counting_replicas(parameters: Any, max_norm: float, *, group:
     an all-reduce of the squares, without Megatron's ``param_is_not_tensor_parallel_duplicate``
     filter). Diagnosis: ``norm-counts-replicas``."""
     return _clip(parameters, max_norm, group, lambda p: True)
+
+
+def clip_grad_norm_local(parameters: Any, max_norm: float, *, group: Any) -> torch.Tensor:
+    """The clip without the all-reduce: each rank's norm is that of its own pieces, and it clips by its
+    own coefficient (``torch.nn.utils.clip_grad_norm_`` on plain local tensors, as a tp layer's parameters
+    are unless they are DTensors). Diagnosis: ``norm-not-reduced``."""
+    rank = dist.get_rank(group)
+    return _clip(parameters, max_norm, None, lambda p: getattr(p, "tensor_model_parallel", False) or rank == 0,
+                 reduce=False)
 
 
 def marked_mlp(hidden: int, ffn: int, *, group: Any, dtype: Any) -> nn.Module:

@@ -33,11 +33,17 @@ import math
 
 import torch
 
-from tpsim.diagnosis import GRAD_REDUCED_AFTER_ACCUMULATION, NORM_COUNTS_REPLICAS, Diagnosis, recogniser
+from tpsim.diagnosis import (
+    GRAD_REDUCED_AFTER_ACCUMULATION,
+    NORM_COUNTS_REPLICAS,
+    NORM_NOT_REDUCED,
+    Diagnosis,
+    recogniser,
+)
 from tpsim.patterns import close
 from tpsim.props.placed import Placed, Recogniser
 
-__all__ = ["accumulated_what", "norm_counts_replicas", "reduced_after_accumulation"]
+__all__ = ["accumulated_what", "norm_counts_replicas", "norm_not_reduced", "reduced_after_accumulation"]
 
 _F64 = torch.float64
 #: Above this ``|cos|`` between the first micro-batch's grad and the later ones', an earlier micro-batch
@@ -116,3 +122,19 @@ def norm_counts_replicas(got: float, dense: float, replicated_sq: float, tp: int
         "counted once per rank and the grads are clipped too hard; count a replicated parameter on one rank only "
         "(Megatron's param_is_not_tensor_parallel_duplicate), or sum only sharded parameters' squares across ranks",
         {"norm": got, "dense_norm": dense, "counted_norm": counted, "tp": tp, "replicated": replicated})
+
+
+@recogniser(NORM_NOT_REDUCED)
+def norm_not_reduced(got: float, dense: float, local: float, tp: int, bound: float, rank: int) -> Diagnosis | None:
+    """``norm-not-reduced`` when the total norm ``got`` rank ``rank``'s clip returned is ``local``, the
+    2-norm of that rank's own accumulated grads, within ``bound`` (that of the dense norm), and not
+    within ``bound`` of ``dense``."""
+    if tp < 2 or not math.isfinite(got) or abs(got - dense) <= bound or abs(got - local) > bound:
+        return None
+    return Diagnosis(
+        NORM_NOT_REDUCED,
+        f"the clip's total grad norm on rank {rank} is {got:.6g}, the dense one {dense:.6g}: it is the norm of that "
+        f"rank's own grads ({local:.6g}), never summed over the tp group, so each rank clips by its own coefficient "
+        "(the sharded parameters' squares must be all-reduced before the square root; torch.nn.utils.clip_grad_norm_ "
+        "does so only for DTensor grads)",
+        {"norm": got, "dense_norm": dense, "local_norm": local, "tp": tp})

@@ -73,6 +73,7 @@ from tpsim.diagnosis import (
     MISMATCH,
     MISSING_REDUCTION,
     NORM_COUNTS_REPLICAS,
+    NORM_NOT_REDUCED,
     OUTPUT_DETACHED,
     PACKED_SHARD_LAYOUT,
     QKV_HEAD_MISMATCH,
@@ -119,7 +120,12 @@ from tpsim.props.property_names import (
 from tpsim.props.rank import LR, schedule, zero_grad_of
 from tpsim.props.tolerance import FACTOR
 from tpsim.props.tolerance import eps as eps_of
-from tpsim.props.training import accumulated_what, norm_counts_replicas, reduced_after_accumulation
+from tpsim.props.training import (
+    accumulated_what,
+    norm_counts_replicas,
+    norm_not_reduced,
+    reduced_after_accumulation,
+)
 from tpsim.variant import ParamSpec
 
 __all__ = ["MODULE_CHECKS", "NUMERIC_PATTERNS", "ModuleContext", "grad_property", "layout_failure", "localise",
@@ -321,6 +327,12 @@ def _accumulated(ctx: ModuleContext) -> Failure | None:
     return None
 
 
+def _local_norm(v: ModuleRankResult) -> float:
+    """The 2-norm of one rank's own accumulated grads (its local pieces) after the trainer's sum."""
+    grads = {**v.accumulated, **v.summed_grads}
+    return math.sqrt(sum(float(g.to(_F64).square().sum()) for g in grads.values() if g is not None))
+
+
 def _clip_norm(ctx: ModuleContext) -> Failure | None:
     """Where the target clips by global norm: the total norm its clip returned on every rank at the first
     optimizer step against the dense total norm of the same (accumulated, trainer-summed) grads.
@@ -348,7 +360,8 @@ def _clip_norm(ctx: ModuleContext) -> Failure | None:
                 "DTensor or a float), as torch.nn.utils.clip_grad_norm_ does")
         if abs(got - dense) <= bound:
             continue
-        diag = norm_counts_replicas(got, dense, replicated_sq, ctx.tp, bound, replicated)
+        diag = norm_counts_replicas(got, dense, replicated_sq, ctx.tp, bound, replicated) or norm_not_reduced(
+            got, dense, _local_norm(v), ctx.tp, bound, r)
         if diag is None:
             diag = Diagnosis(MISMATCH, f"the total grad norm the clip returned on rank {r} is {got:.9g}, the dense total "
                              f"norm of the same grads (torch.nn.utils.clip_grad_norm_ in float64) is {dense:.9g}: off by "
@@ -751,7 +764,8 @@ def _layout_hint(layouts: dict[str, ParamLayout], suspects: Sequence[str], loade
 #: (:func:`tpsim.diagnosis.confirm`, the family's ``confirmed_in_float64``).
 NUMERIC_PATTERNS = frozenset({BIAS_DUPLICATION, BIAS_MISSING, MISSING_REDUCTION, DOUBLE_REDUCTION, GRAD_SCALED,
                               GRAD_NOT_REDUCED, WRONG_SHARD_ORDER, PACKED_SHARD_LAYOUT, BIAS_GRAD_RANK0_ONLY,
-                              QKV_HEAD_MISMATCH, GRAD_REDUCED_AFTER_ACCUMULATION, NORM_COUNTS_REPLICAS})
+                              QKV_HEAD_MISMATCH, GRAD_REDUCED_AFTER_ACCUMULATION, NORM_COUNTS_REPLICAS,
+                              NORM_NOT_REDUCED})
 
 
 #: The packings a contiguous-looking packed weight is tried with (gate/up; Q/K/V of equal sizes).
