@@ -10,7 +10,9 @@ variants (:meth:`Family.resolve`, :meth:`Family.declared`; the TARGET forms, ``-
 ``--param-grad`` are :mod:`tpsim.target`'s), planning a search (:meth:`Family.plan`), one world run
 per case (:meth:`Family.observe`: data drawn from the seed, the rank function on the world, one
 :class:`~tpsim.props.observation.Observation`), judging it (:meth:`Family.judge`: what every family
-shares, then the family's properties) and case files (:meth:`Family.case_from_dict`).
+shares, then the family's properties), holding every name a failure gives to its confirmation rule
+(:meth:`Family.confirm_claims`: a numeric pattern to the float64 re-run of a narrower case, a factor
+of the tp size to the same case on one rank) and case files (:meth:`Family.case_from_dict`).
 
 **Adding a family** (the recipe of docs/design.md): a variant type (a frozen dataclass with ``name``,
 ``target``, ``options``, ``rank_local``, ``notes``, ``kind``/``input``/``output``/``input_grad``/``bias``,
@@ -520,8 +522,11 @@ class Family:
         single, why_not = self.one_rank_case(variant, case)
         found = None
         if single is not None:
-            obs = self.observe(variant, single, backend=backend, timeout=timeout, isolate=isolate)
-            found = self.judge(variant, obs, tuple(dict.fromkeys(g.property for g in claimed)))
+            try:
+                obs = self.observe(variant, single, backend=backend, timeout=timeout, isolate=isolate)
+                found = self.judge(variant, obs, tuple(dict.fromkeys(g.property for g in claimed)))
+            except InvalidArgument as err:  # the variant's own limits refuse it: no confirmation, no harness error
+                why_not = f"the case on one rank is refused: {err}"
         confirm_on_one_rank(failures, found, why_not)
         return failures
 
