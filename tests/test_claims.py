@@ -217,6 +217,17 @@ def test_a_bias_added_twice_on_any_number_of_ranks_is_no_bias_duplication(dtype:
             ("forward-equivalence", BIAS_DUPLICATION)]
 
 
+def test_where_one_rank_cannot_run_a_tp_factor_must_grow_with_the_tp_size() -> None:
+    # A variant that declares tp groups of at least 2 ranks (Megatron's sequence-parallel layers do) is run
+    # at twice the tp size, its sizes doubled: a bias added before the reduction is off by 3*bias there.
+    case = _linear_case("float64")
+    true = _target("bias_before_reduce_row").replace(min_tp_size=2)
+    assert _labels(LINEAR.check_case(true, case)) == [("forward-equivalence", BIAS_DUPLICATION)]
+    (forward, *_) = LINEAR.check_case(_target("bias_twice_row").replace(min_tp_size=2), case)
+    assert (forward.diagnosis, forward.details["unconfirmed"]) == (MISMATCH, BIAS_DUPLICATION)
+    assert "the same case at tp size 4" in forward.message and "min_tp_size=2" in forward.message
+
+
 @pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
 @pytest.mark.parametrize("name, label", [
     ("DeferredReduceMLP", "fc2: bias-duplication"),      # the parent (the MLP) reduces after fc2's bias
@@ -272,6 +283,12 @@ def test_a_tp_factor_is_confirmed_on_one_rank_or_given_as_the_facts() -> None:
     unknown = [claim()]
     confirm_on_one_rank(unknown, None, "v declares min_tp_size=2")
     assert unknown[0].diagnosis == MISMATCH and "min_tp_size=2" in unknown[0].message
+    grown = [claim()]
+    confirm_on_one_rank(grown, None, "v declares min_tp_size=2", (4, [claim()]))
+    assert grown[0].diagnosis == DOUBLE_REDUCTION
+    not_grown = [claim()]
+    confirm_on_one_rank(not_grown, None, "v declares min_tp_size=2", (4, [Failure("forward-equivalence", MISMATCH, "")]))
+    assert not_grown[0].diagnosis == MISMATCH and "at tp size 4" in not_grown[0].message
     # A returned bias added again is +1*bias at any tp: the layer's own evidence, no factor of the tp size.
     returned = [Failure("forward-equivalence", BIAS_DUPLICATION, "off by +1*bias", details={"returned": True})]
     confirm_on_one_rank(returned, None, "")

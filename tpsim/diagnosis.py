@@ -122,8 +122,9 @@ class Confirmed(enum.Enum):
     #: the same property and sublayer; otherwise the float64 name, or ``mismatch`` with what was measured.
     FLOAT64 = "float64"
     #: A factor of the tp size (``tp x``, ``(tp-1) x bias``): as :attr:`FLOAT64`, and the same case on one
-    #: rank (in float64) must pass that property, where such a factor vanishes. At tp 2 the factor is 2 (or
-    #: 1*bias): what a bug that ignores the tp size (a forward that is simply 2x, a bias added twice) shows too.
+    #: rank (in float64) must pass that property, where such a factor vanishes (a variant that cannot run on
+    #: one rank: the same name at twice the tp size). At tp 2 the factor is 2 (or 1*bias): what a bug that
+    #: ignores the tp size (a forward that is simply 2x, a bias added twice) shows too.
     ONE_RANK = "float64 + one rank"
     #: As :attr:`FLOAT64`; in a whole module named only when a changed re-run (the layout or plan entry it
     #: names, every key/value head made one) passes the failing case and a larger one the module fails.
@@ -149,7 +150,8 @@ CONFIRMATIONS: dict[Confirmed, str] = {
              "the facts)",
     ONE_RANK: "as float64, and the same case on one rank (float64) passes that property: a factor of the tp size "
               "vanishes there, while at tp 2 its factor (2x, 1*bias) is also what a bug that ignores the tp size "
-              "shows (else mismatch with the facts)",
+              "shows; a variant that cannot run on one rank (min_tp_size) must show the same name at twice the tp "
+              "size, its sizes doubled (else mismatch with the facts)",
     RERUN: "as float64; in a whole module, named only when a re-run with the change it names passes the failing "
            "case and a larger one that the module as declared fails",
     FALLBACK: "the fallback: no mechanism is claimed, the message gives the measured facts",
@@ -826,24 +828,35 @@ def tp_factor_claim(failure: Failure) -> bool:
     return REGISTRY[failure.diagnosis].confirmed_by == ONE_RANK and not failure.details.get("returned")
 
 
-def confirm_on_one_rank(failures: Sequence[Failure], one_rank: Sequence[Failure] | None, why_not: str = "") -> None:
+def confirm_on_one_rank(failures: Sequence[Failure], one_rank: Sequence[Failure] | None, why_not: str = "",
+                        more_ranks: tuple[int, Sequence[Failure]] | None = None) -> None:
     """Hold the tp-factor claims among ``failures`` (:func:`tp_factor_claim`) to the same case on one rank
     (``one_rank``: its failures, float64): a factor of the tp size vanishes there, so a claim whose property
     fails on one rank too is renamed ``mismatch``, with the facts and what one rank showed. ``one_rank``
-    None: the case could not run on one rank (``why_not`` says why), and the claim is not confirmed. In place."""
+    None: the case could not run on one rank (``why_not`` says why); the claim then stands only where
+    ``more_ranks`` — ``(tp, failures)`` of the same case grown to a larger tp size, float64 — shows the same
+    name for the same property, its factor grown with the tp size (the recognisers check the factor of the
+    case's own tp size). In place."""
     seen = {} if one_rank is None else {g.property: g for f in one_rank for g in (f, *f.consequences)}
+    grown = set() if more_ranks is None else {(g.property, g.diagnosis) for f in more_ranks[1]
+                                              for g in (f, *f.consequences)}
     for f in failures:
         for g in (f, *f.consequences):
             if not tp_factor_claim(g):
                 continue
             if one_rank is not None and g.property not in seen:
                 continue  # vanished on one rank: a factor of the tp size
-            if one_rank is None:
-                why = f"it could not be confirmed on one rank, where a factor of the tp size vanishes ({why_not})"
-            else:
+            if one_rank is None and (g.property, g.diagnosis) in grown:
+                continue  # grew with the tp size
+            if one_rank is not None:
                 other = seen[g.property]
                 why = (f"the same case on one rank (float64) fails {g.property} too ({other.label}: "
                        f"{other.message}), so the difference does not come from the tp size")
+            elif more_ranks is not None:
+                why = (f"it could not run on one rank ({why_not}), and the same case at tp size {more_ranks[0]} "
+                       f"(float64, sizes grown with it) does not show it: the factor does not grow with the tp size")
+            else:
+                why = f"it could not be confirmed on one rank, where a factor of the tp size vanishes ({why_not})"
             g.details = {**g.details, "unconfirmed": g.diagnosis}
             g.message = f"{g.message} — not named {g.diagnosis}: {why}"
             g.diagnosis = MISMATCH

@@ -504,6 +504,18 @@ class Family:
         except InvalidArgument as err:
             return None, f"the case on one rank is refused: {err}"
 
+    def more_ranks_case(self, variant: Any, case: Any) -> Any | None:
+        """Where one rank cannot run (:meth:`one_rank_case`): the same case, float64, on twice the ranks,
+        with twice the tp size and every size and batch dim doubled (each stays divisible by the tp size,
+        a sequence dim included); None when no such case can be made. A factor of the tp size grows with it."""
+        tp = case.tp_size or case.world_size
+        try:
+            return case.replace(world_size=case.world_size * 2, tp_size=tp * 2, dtype="float64", faults=(),
+                                batch_shape=tuple(b * 2 for b in case.batch_shape),
+                                **{n: getattr(case, n) * 2 for n in case.SIZES})
+        except (InvalidArgument, TypeError):
+            return None
+
     def one_rank_informative(self, variant: Any) -> bool:
         """Whether a run on one rank can fail where a factor of the tp size is claimed (default: yes; a
         family whose dense reference is the variant itself on one rank says no: it passes by construction)."""
@@ -513,21 +525,32 @@ class Family:
                             isolate: bool) -> list[Any]:
         """Run the same case on one rank (float64) where ``failures`` claim a factor of the tp size
         (:func:`tpsim.diagnosis.tp_factor_claim`): such a factor vanishes there, so a claim whose property
-        fails on one rank too is not confirmed (:func:`tpsim.diagnosis.confirm_on_one_rank`)."""
+        fails on one rank too is not confirmed (:func:`tpsim.diagnosis.confirm_on_one_rank`). A variant that
+        cannot run on one rank (``min_tp_size``) is run on twice the ranks instead (:meth:`more_ranks_case`),
+        where the same name must show with the factor of that tp size."""
         from tpsim.diagnosis import confirm_on_one_rank, tp_factor_claim
 
         claimed = [g for f in failures for g in (f, *f.consequences) if tp_factor_claim(g)]
         if not claimed or not self.one_rank_informative(variant):
             return failures
+        wanted = tuple(dict.fromkeys(g.property for g in claimed))
+
+        def run(other: Any) -> list[Any]:
+            return self.judge(variant, self.observe(variant, other, backend=backend, timeout=timeout, isolate=isolate),
+                              wanted)
+
         single, why_not = self.one_rank_case(variant, case)
-        found = None
-        if single is not None:
-            try:
-                obs = self.observe(variant, single, backend=backend, timeout=timeout, isolate=isolate)
-                found = self.judge(variant, obs, tuple(dict.fromkeys(g.property for g in claimed)))
-            except InvalidArgument as err:  # the variant's own limits refuse it: no confirmation, no harness error
-                why_not = f"the case on one rank is refused: {err}"
-        confirm_on_one_rank(failures, found, why_not)
+        found, more = None, None
+        try:
+            if single is not None:
+                found = run(single)
+            else:
+                larger = self.more_ranks_case(variant, case)
+                if larger is not None:
+                    more = (larger.tp_size, run(larger))
+        except InvalidArgument as err:  # the variant's own limits refuse it: no confirmation, no harness error
+            why_not = f"{why_not + '; ' if why_not else ''}the case is refused: {err}"
+        confirm_on_one_rank(failures, found, why_not, more)
         return failures
 
 
