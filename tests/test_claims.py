@@ -221,6 +221,10 @@ def test_where_one_rank_cannot_run_a_tp_factor_must_grow_with_the_tp_size() -> N
     # A variant that declares tp groups of at least 2 ranks (Megatron's sequence-parallel layers do) is run
     # at twice the tp size, its sizes doubled: a bias added before the reduction is off by 3*bias there.
     case = _linear_case("float64")
+    larger = LINEAR.more_ranks_case(None, case.replace(world_size=4, tp_size=2, batch_shape=(2, 3)))
+    assert (larger.world_size, larger.tp_size, larger.in_features, larger.out_features, larger.batch_shape) == (
+        8, 4, 12, 6, (4, 6))
+    assert MODULE.more_ranks_case(None, _module_case("bfloat16")).sizes == (8, 8)
     true = _target("bias_before_reduce_row").replace(min_tp_size=2)
     assert _labels(LINEAR.check_case(true, case)) == [("forward-equivalence", BIAS_DUPLICATION)]
     (forward, *_) = LINEAR.check_case(_target("bias_twice_row").replace(min_tp_size=2), case)

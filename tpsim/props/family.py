@@ -509,10 +509,12 @@ class Family:
         with twice the tp size and every size and batch dim doubled (each stays divisible by the tp size,
         a sequence dim included); None when no such case can be made. A factor of the tp size grows with it."""
         tp = case.tp_size or case.world_size
+        doubled = {n: getattr(case, n) * 2 for n in case.SIZES}
+        if isinstance(getattr(case, "sizes", None), tuple):  # a module's sizes, by position
+            doubled["sizes"] = tuple(n * 2 for n in case.sizes)
         try:
             return case.replace(world_size=case.world_size * 2, tp_size=tp * 2, dtype="float64", faults=(),
-                                batch_shape=tuple(b * 2 for b in case.batch_shape),
-                                **{n: getattr(case, n) * 2 for n in case.SIZES})
+                                batch_shape=tuple(b * 2 for b in case.batch_shape), **doubled)
         except (InvalidArgument, TypeError):
             return None
 
