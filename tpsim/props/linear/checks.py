@@ -241,23 +241,28 @@ def _returned_bias(ctx: LinearContext) -> Recogniser:
 
 
 def _missing_reduction(ctx: LinearContext) -> Recogniser:
-    """``missing-reduction``: a row layer's rank returned only its own summand (with or without the bias)."""
+    """``missing-reduction``: every rank of a row layer returned only its own summand ``x_r W_rᵀ`` (with or
+    without the bias), and the ranks' outputs differ. One rank's output that happens to equal its summand
+    says nothing of the others (every rank holding the same garbage, rank 0's summand, is no missing
+    reduction)."""
 
     @recogniser(MISSING_REDUCTION)
     def recognise(placed: Placed, actual: torch.Tensor, pieces: list[torch.Tensor]) -> Diagnosis | None:
         v = ctx.variant
-        if not (v.output == "reduced" and v.kind == "row" and ctx.ws > 1):
+        if not (v.output == "reduced" and v.kind == "row" and ctx.ws > 1 and len(pieces) == ctx.ws):
             return None
         summands = _row_summands(ctx)
         bias = ctx.ref.bias if ctx.ref.bias is not None else torch.zeros((), dtype=_F64)
         for r, out in enumerate(pieces):
-            if out.shape == placed.full.shape and (close(out, summands[r], placed.tol)
-                                                   or close(out, summands[r] + bias, placed.tol)):
-                return Diagnosis(MISSING_REDUCTION,
-                                 f"{placed.what}: rank {r} returned only its own summand x_r W_r^T (the ranks' outputs "
-                                 "differ and add up to the dense output): the all-reduce over the tp group is missing",
-                                 {"rank": r})
-        return None
+            if out.shape != placed.full.shape or not (close(out, summands[r], placed.tol)
+                                                      or close(out, summands[r] + bias, placed.tol)):
+                return None
+        if all(close(out, pieces[0], placed.tol) for out in pieces[1:]):
+            return None  # every rank holds the same values: no rank's own summand shows
+        return Diagnosis(MISSING_REDUCTION,
+                         f"{placed.what}: every rank returned only its own summand x_r W_r^T (the ranks' outputs "
+                         "differ and add up to the dense output): the all-reduce over the tp group is missing",
+                         {"ranks": list(range(len(pieces)))})
 
     return recognise
 

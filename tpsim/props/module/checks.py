@@ -86,7 +86,7 @@ from tpsim.diagnosis import (
 from tpsim.diagnosis import spec as diagnosis_spec
 from tpsim.errors import InvalidArgument
 from tpsim.module_variant import ModuleVariant
-from tpsim.patterns import close
+from tpsim.patterns import close, is_bias_multiple
 from tpsim.placement import Partial, Placement, Replicate, Shard, assemble_pieces, part_sizes, piece
 from tpsim.props.case import MAX_SEED
 from tpsim.props.groups import tp_groups
@@ -246,8 +246,10 @@ def _forward(ctx: ModuleContext) -> Failure | None:
     what = "the output" + (" (rank pieces assembled)" if isinstance(placement, Shard) else
                            " (summed over ranks)" if summed else "")
     # A module's replicated or partial output is a reduction's (or the caller's): reduced twice is a name there.
+    # Every bias of the module may have been added before the last reduction (a parent's included): the
+    # output is then off by (tp-1) times it, named where the bias is added (its owner).
     found = judged(ctx, FORWARD, Placed(what, [v.output for v in ctx.values], y, ctx.bound(ctx.mag.y), placement,
-                                        summed=summed, reduced=not isinstance(placement, Shard),
+                                        summed=summed, reduced=_reduces(placement, y.dim()), biases=_biases(ctx),
                                         sequence_dim=ctx.variant.sequence_dim_of(y.dim())))
     return found if found is not None else _no_grad_forward(ctx, what, placement, summed)
 
@@ -267,8 +269,14 @@ def _no_grad_forward(ctx: ModuleContext, what: str, placement: Placement, summed
                                        "inference path: one forward with grad disabled, before training, on the first "
                                        "micro-batch's input)", [v.no_grad_output for v in ctx.values], y,
                                        ctx.bound(ctx.mag.y), placement, summed=summed,
-                                       reduced=not isinstance(placement, Shard),
+                                       reduced=_reduces(placement, y.dim()), biases=_biases(ctx),
                                        sequence_dim=ctx.variant.sequence_dim_of(y.dim())))
+
+
+def _biases(ctx: ModuleContext) -> list[tuple[str, torch.Tensor]]:
+    """Every bias of the module (a one-dim master named ``bias``), as the dense module holds it."""
+    masters = getattr(ctx.obs.data, "masters", None) or {}
+    return [(n, t.to(_F64)) for n, t in masters.items() if t.dim() == 1 and n.rpartition(".")[2] == "bias"]
 
 
 def _input_grad(ctx: ModuleContext) -> Failure | None:
@@ -591,11 +599,30 @@ class _Boundaries:
         return _boundary_match(pieces, full, tol, self.hints(key[0]))
 
     def biases(self, name: str) -> list[tuple[str, torch.Tensor]]:
-        """The biases of sublayer ``name`` and of every sublayer inside it: one added on every rank
-        before a reduction shows at the output of the module that reduces (its parent's, maybe)."""
+        """The biases of sublayer ``name`` and of every sublayer inside it first, then every other bias of the
+        module: one added on every rank before a reduction shows at the output of the sublayer that adds it
+        (its summands are off by it), or after the module that reduces (its parent, maybe)."""
         inside = f"{name}."
-        return [(p, t.to(_F64)) for p, t in self.masters.items()
-                if t.dim() == 1 and p.rpartition(".")[2] == "bias" and (owner(p) == name or p.startswith(inside))]
+        every = [(p, t.to(_F64)) for p, t in self.masters.items() if t.dim() == 1 and p.rpartition(".")[2] == "bias"]
+        own = [(p, t) for p, t in every if owner(p) == name or p.startswith(inside)]
+        return own + [(p, t) for p, t in every if (p, t) not in own]
+
+    def reduced_after(self, key: tuple[str, str]) -> bool:
+        """Whether the ranks' values are reduced after the forward boundary ``key``: a later boundary, or
+        the module's output, that every rank holds whole and alike (summands that differ become the same
+        only through a reduction), or an output sharded along the sequence (a reduce-scatter's)."""
+        events = [k for k in self.ref.events if k[1] in ("in", "out")]
+        later = events[events.index(key) + 1:] if key in events else []
+        candidates = [self.tensors(k)[:2] for k in later]
+        candidates.append(([v.output for v in self.ctx.values], self.ctx.ref.y))
+        for pieces, full in candidates:
+            if full is None or any(not isinstance(p, torch.Tensor) or p.shape != full.shape for p in pieces):
+                continue
+            first = pieces[0].to(_F64)  # type: ignore[union-attr]
+            tol = self.ctx.bound(full.abs().to(_F64))
+            if all(close(p.to(_F64), first, tol) for p in pieces[1:]):  # type: ignore[union-attr]
+                return True
+        return self.ctx.variant.output == "sequence-sharded"
 
     def diagnose(self, key: tuple[str, str], what: str) -> Diagnosis:
         pieces, full, mag = self.tensors(key)
@@ -605,8 +632,10 @@ class _Boundaries:
         tol = self.ctx.bound(mag if mag is not None and mag.shape == full.shape else full.abs())
         placement = _piece_placement(pieces, full)  # type: ignore[arg-type]
         grad = key[1] in ("gin", "gout")
-        found = verdict(Placed(what, pieces, full, tol, placement, grad=grad, reduced=not grad,
-                               biases=self.biases(key[0]) if key[1] == "out" else ()), self.ctx.dtype)
+        biases = () if grad else self.biases(key[0])
+        found = verdict(Placed(what, pieces, full, tol, placement, grad=grad, reduced=not grad and _reduces(placement, full.dim()),
+                               biases=biases), self.ctx.dtype,
+                        [] if grad else [_summed_bias(key[0], biases, lambda: self.reduced_after(key))])
         return found[0] if found is not None else Diagnosis(MISMATCH, f"{what} differs from the reference")
 
     def param_culprit(self, name: str) -> _Culprit | None:
@@ -629,6 +658,49 @@ def _piece_placement(pieces: list[torch.Tensor], full: torch.Tensor) -> Placemen
         if sum(p.shape[d] for p in pieces) == full.shape[d]:
             return Shard(d)
     return Replicate()
+
+
+def _reduces(placement: Placement, ndim: int) -> bool:
+    """Whether pieces in ``placement`` (of a tensor of ``ndim`` dims) can be a reduction's result: whole on
+    every rank, or sharded along another dim than the features (a reduce-scatter's); a shard of the
+    features is a column split's, which reduces nothing (a forward that is 2x there is no double reduction)."""
+    return not isinstance(placement, Shard) or ndim == 0 or placement.dim % ndim != ndim - 1
+
+
+def _summed_bias(sublayer: str, biases: Sequence[tuple[str, torch.Tensor]], reduced_after: Callable[[], bool]) -> Any:
+    """The summands of a sublayer's output, each carrying a whole bias: every rank holds a tensor of the
+    full shape, they differ, and their sum is the dense one plus exactly ``(tp-1)`` times one of the
+    ``biases``. A reduction after it (``reduced_after``: the sublayer's parent's, or any later one) adds
+    them: ``bias-duplication``, named where the bias is added; with no reduction after it,
+    ``missing-reduction`` (each rank's summand, with the bias)."""
+
+    @recogniser(BIAS_DUPLICATION, MISSING_REDUCTION)
+    def recognise(placed: Placed, actual: torch.Tensor, pieces: list[torch.Tensor]) -> Diagnosis | None:
+        tp, full = placed.tp, placed.full
+        if placed.sharded or placed.summed or tp < 2 or any(p.shape != full.shape for p in pieces):
+            return None
+        if all(close(p, pieces[0], placed.tol) for p in pieces[1:]):
+            return None  # the ranks hold the same values: no summands
+        total = pieces[0]
+        for p in pieces[1:]:
+            total = total + p
+        for name, bias in biases:
+            if not is_bias_multiple(total - full, bias, tp - 1, placed.tol * tp):
+                continue
+            if reduced_after():
+                return Diagnosis(BIAS_DUPLICATION,
+                                 f"{placed.what}: every rank's summand carries the whole {name}, so the reduction "
+                                 f"after {sublayer} (its parent's, or a later one) adds it world_size times: their sum is "
+                                 f"off by exactly (world_size-1)*{name} = {tp - 1}*{name} (tp size {tp}); add it "
+                                 "once, after the reduction", {"factor": float(tp - 1), "bias": name, "summed": True})
+            return Diagnosis(MISSING_REDUCTION,
+                             f"{placed.what}: each rank holds only its own summand plus the whole {name} (the "
+                             f"ranks' values differ and add up to the dense one plus {tp - 1}*{name}), and nothing "
+                             "after it reduces them: the all-reduce over the tp group is missing (and the bias must "
+                             "be added once, after it)", {"bias": name})
+        return None
+
+    return recognise
 
 
 _UNREDUCED = {"out": "the output of {s}", "gin": "the input grad of {s}", "gout": "the output grad of {s}",
@@ -733,6 +805,18 @@ def _apply(failures: list[Failure], fwd: _Culprit | None, bwd: _Culprit | None,
             continue
         told.add(id(culprit))
         d = culprit.diagnosis
+        bias = f.details.get("bias") if f.property == FORWARD and f.diagnosis == BIAS_DUPLICATION else None
+        if bias is not None and d.name != BIAS_DUPLICATION:
+            # The module's output is off by (tp-1) times a bias: it was added before a reduction, named where
+            # it is added (its owner; None: the module itself), whatever the boundaries before that reduction
+            # show (summands that sum right until the bias joins them in the parent's code).
+            f.sublayer = owner(bias)
+            if d.name in (MISSING_REDUCTION, GRAD_NOT_REDUCED):
+                f.message = (f"{f.message} (the output of {culprit.sublayer} is each rank's own summand, right for "
+                             "the reduction after it; the bias joins the summands before that reduction)")
+            else:
+                f.message = f"{f.message} (the values first diverge {culprit.sublayer}: {d.message})"
+            continue
         if d.name != MISMATCH and f.property in diagnosis_spec(d.name).properties:
             f.details = {**f.details, **d.details, "module_diagnosis": f.diagnosis, "module_message": f.message}
             f.diagnosis, f.message = d.name, d.message

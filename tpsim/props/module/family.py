@@ -225,6 +225,11 @@ class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=Mod
     def layout_failure(self, variant: ModuleVariant, obs: Observation) -> Any:
         return layout_failure(variant, obs)
 
+    def one_rank_informative(self, variant: ModuleVariant) -> bool:
+        # The dense reference is the module itself on a tp group of one rank (unless a dense builder is given):
+        # on one rank it passes by construction, so only a factor that grows with the tp size fails at all.
+        return variant.dense is not None
+
     def follow_up(self, variant: ModuleVariant, case: ModuleCase, obs: Observation, failures: list[Any], *,
                   backend: str, timeout: float, isolate: bool, properties: Sequence[str] | None) -> list[Any]:
         def traced() -> Observation:
