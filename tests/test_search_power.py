@@ -68,9 +68,13 @@ def test_the_cover_phase_checks_every_world_size_with_and_without_bias_and_every
         assert {cover_bucket(c.input_layout, c.batch_shape) for c in first} == {
             "contiguous", "transposed matrix", "transposed", "strided", "expanded"}, seed
         assert any(c.tp_size < c.world_size for c in first), seed
-        # Taking turns: a bias, none, sizes that do not divide, all within the first few cases.
-        assert seen[0].bias and not seen[1].bias and seen[0].world_size == seen[1].world_size == 3, seed
-        assert seen[2].world_size == 2 and seen[2].in_features % 2 + seen[2].out_features % 2, seed
+        # Taking turns: a bias (on the most ranks first), a layout, sizes that do not divide, no bias, all
+        # within the first four cases (a case first in two buckets is checked once, at the earlier).
+        assert seen[0].bias and seen[0].world_size == 3, seed
+        head = seen[:4]
+        assert any(c.input_layout != "contiguous" for c in head), seed
+        assert any(c.in_features % c.world_size + c.out_features % c.world_size for c in head), seed
+        assert any(not c.bias and c.world_size > 1 for c in head), seed
     # Deterministic: the same seed, the same cover cases; another seed, other cases.
     strategy = cases(variant, world_sizes=(1, 2, 3), subgroups=True,
                      layouts=("contiguous", "transposed", "strided", "expanded"))
@@ -90,9 +94,11 @@ def test_the_cover_phase_checks_every_world_size_with_and_without_bias_and_every
 def test_the_cover_order_takes_turns_between_kinds_from_the_largest_world_down() -> None:
     keys = [("world", w, b) for w in (1, 2, 4) for b in (False, True)] + [("not divisible", w) for w in (2, 4)]
     keys += [("layout", "strided"), ("layout", "expanded"), SUBGROUPS]
+    keys += [("layout", "contiguous"), ("layout", "transposed matrix")]
     assert cover_order(keys) == [
-        ("world", 4, True), ("world", 4, False), ("not divisible", 2), ("layout", "expanded"), SUBGROUPS,
-        ("world", 2, True), ("world", 2, False), ("not divisible", 4), ("layout", "strided"),
+        ("world", 4, True), ("layout", "transposed matrix"), ("not divisible", 2), ("world", 4, False), SUBGROUPS,
+        ("world", 2, True), ("layout", "strided"), ("not divisible", 4), ("world", 2, False),
+        ("layout", "expanded"), ("layout", "contiguous"),
         ("world", 1, False), ("world", 1, True)]
     # A family without biases: its world buckets are one kind.
     assert cover_order([("world", 2, None), ("world", 3, None), ("not divisible", 3)]) == [

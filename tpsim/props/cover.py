@@ -56,7 +56,7 @@ from typing import Any
 from hypothesis import HealthCheck, Phase, Verbosity, find, settings
 from hypothesis.errors import NoSuchExample, Unsatisfiable
 
-__all__ = ["SUBGROUPS", "CoverCase", "cover_cases", "cover_order", "shrink_cover"]
+__all__ = ["LAYOUT_ORDER", "SUBGROUPS", "CoverCase", "cover_cases", "cover_order", "shrink_cover"]
 
 #: Candidates the cover phase may draw to fill its buckets (a bucket the variant cannot fill, such as
 #: a world size its tp groups do not fit, stays empty once these are spent).
@@ -87,38 +87,55 @@ class CoverCase:
 SUBGROUPS = ("tp groups", "smaller than the world")
 
 
+#: The order of the layout buckets (:func:`tpsim.props.layouts.cover_bucket`) within their kind: the
+#: non-contiguous layouts as :data:`~tpsim.props.layouts.INPUT_LAYOUTS` lists them (a transposed
+#: activation, the commonest view real training hands a layer, in both its buckets; a slice; a
+#: broadcast, whose identical rows make some wrong grads look merely scaled), contiguous last: it is the
+#: layout most cases of the other kinds have already.
+LAYOUT_ORDER = ("transposed", "transposed matrix", "strided", "expanded", "contiguous")
+
+
 def _kind(key: tuple[Any, ...]) -> tuple[int, str]:
-    """The kind of a bucket, as :func:`cover_order` takes turns between them: several ranks with a bias
-    (or of a family without biases), several ranks without one, sizes that do not divide, then the
-    other kinds by name (memory layouts, key/value-head regimes, tp groups, ...); one rank last."""
+    """The kind of a bucket, in the order :func:`cover_order` takes turns between them: several ranks
+    with a bias (or of a family without biases), memory layouts, sizes that do not divide, several
+    ranks without a bias, then the other kinds by name (a family's own, tp groups); one rank last."""
     if key[0] == "world":
         _, world, bias = key
-        return (4, "") if world == 1 else (0, "") if bias is not False else (1, "")
+        return (5, "") if world == 1 else (0, "") if bias is not False else (3, "")
+    if key[0] == "layout":
+        return (1, "")
     if key[0] == "not divisible":
         return (2, "")
-    return (3, str(key[0]))
+    return (4, str(key[0]))
+
+
+def _within(key: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The order of a kind's buckets (see :func:`cover_order`)."""
+    if key[0] == "world":
+        return (-key[1], repr(key))
+    if key[0] == "not divisible":
+        return (key[1], repr(key))
+    if key[0] == "layout":
+        return (LAYOUT_ORDER.index(key[1]) if key[1] in LAYOUT_ORDER else len(LAYOUT_ORDER), repr(key))
+    return (0, repr(key))
 
 
 def cover_order(keys: Iterable[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
     """``keys`` (buckets) in the order their cases are checked, which is also what a budget smaller than
     the buckets keeps: taking turns between the kinds of bucket (:func:`_kind`), so that whatever a bug
-    needs (a bias, none, sizes that do not divide, a layout, ...) comes within the first few cases.
+    needs (a bias, a layout, sizes that do not divide, no bias, ...) comes within the first few cases.
     Within a kind: world sizes from the largest down (a bug that shows on some number of ranks mostly
     shows on more, so the first cases show the most), but sizes that do not divide from the smallest
     world up (the fewer the ranks, the likelier a size that does not divide still lets parts or sums
-    of it divide, the near misses a layer's own check gets wrong); the others by name; one rank last."""
-    def within(key: tuple[Any, ...]) -> tuple[Any, ...]:
-        if key[0] == "world":
-            return (-key[1], repr(key))
-        return (key[1], repr(key)) if key[0] == "not divisible" else (0, repr(key))
-
+    of it divide, the near misses a layer's own check gets wrong); layouts in :data:`LAYOUT_ORDER`;
+    the others by name; one rank last."""
     kinds: dict[tuple[int, str], list[tuple[Any, ...]]] = {}
-    for key in sorted(keys, key=lambda k: (_kind(k), within(k))):
+    for key in sorted(keys, key=lambda k: (_kind(k), _within(k))):
         kinds.setdefault(_kind(key), []).append(key)
-    several = [kind for kind in sorted(kinds) if kind[0] < 4]
+    several = [kind for kind in sorted(kinds) if kind[0] < 5]
     turns = max((len(kinds[kind]) for kind in several), default=0)
     out = [kinds[kind][i] for i in range(turns) for kind in several if i < len(kinds[kind])]
-    return out + [key for kind in sorted(kinds) if kind[0] == 4 for key in kinds[kind]]
+    return out + [key for kind in sorted(kinds) if kind[0] == 5 for key in kinds[kind]]
 
 
 def _run_settings(*, shrink: bool) -> settings:
