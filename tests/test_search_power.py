@@ -211,6 +211,14 @@ def test_the_database_keeps_minimal_failures_and_drops_what_passes_now() -> None
     again = search(mutant.variant, world_sizes=(1, 2), max_examples=20, seed=1, database=db)
     assert set(db.fetch(key)) == {value}
     assert again.failures[0].found_after <= 2 and again.failures[0].case == hit.case
+    # A saved case that now fails otherwise is reported as replayed, with a note: it is not minimal for that.
+    other_key = json.dumps(dict(saved, diagnosis="mismatch")).encode()
+    db.delete(key, value)
+    db.save(key, other_key)
+    third = search(mutant.variant, world_sizes=(1, 2), max_examples=20, seed=1, database=db)
+    assert third.failures[0].found_after == 1 and third.failures[0].diagnosis == "bias-duplication"
+    assert any("saved by a previous search for forward-equivalence: mismatch now fails with "
+               "forward-equivalence: bias-duplication" in n for n in third.notes), third.notes
     # shrink=False saves nothing: what it reports is not minimal.
     other = _KeysSeen()
     search(mutant.variant, world_sizes=(1, 2), max_examples=20, seed=0, database=other, shrink=False)
