@@ -129,8 +129,13 @@ def test_a_shrink_run_replays_the_draw_run_up_to_the_cover_case() -> None:
     strategy = cases(variant, world_sizes=(1, 2, 3), subgroups=True,
                      layouts=("contiguous", "transposed", "strided", "expanded"))
     family = family_of(variant)
-    covers = cover_cases(strategy, lambda case: family.cover_keys(variant, case, (1, 2, 3)), seed=1, limit=20)
+    layouts = [("layout", b) for b in ("transposed matrix", "transposed", "strided", "expanded")]
+    covers = cover_cases(strategy, lambda case: family.cover_keys(variant, case, (1, 2, 3)), seed=1, limit=20,
+                         wanted=layouts)
     assert len(covers) >= 10
+    # Every layout the search asks for is covered, the rare ones (a transposed matrix) included, each by
+    # a case that really is non-contiguous (shrunk below by its own draw run like any other).
+    assert set(layouts) <= {b for cover in covers for b in cover.buckets}
     for cover in covers:
         asked = []
 
@@ -284,3 +289,23 @@ def test_every_mutant_is_caught_within_100_examples_at_every_seed(mutant, first_
     _TABLE.setdefault(mutant.name, []).extend(counts.values())
     missed = [seed for seed, n in counts.items() if n is None]
     assert not missed, f"{mutant.name} passed {BUDGET} examples at seeds {missed}"
+
+
+def test_a_drawn_non_contiguous_layout_is_never_contiguous_memory() -> None:
+    # A transposed input with a dim of one element, or a one-row expand, is contiguous memory: a case
+    # that names the layout but tests nothing of it (it once filled the cover bucket of the layout).
+    from hypothesis import given
+    from hypothesis import settings as hsettings
+
+    from tpsim.props.layouts import layout_info
+
+    strategy = cases(correct_row, world_sizes=(1, 2, 4), subgroups=True,
+                     layouts=("contiguous", "transposed", "strided", "expanded"))
+
+    @hsettings(max_examples=200, database=None, derandomize=True)
+    @given(strategy)
+    def check(case) -> None:
+        info = layout_info((*case.batch_shape, case.in_features), case.input_layout)
+        assert info["contiguous"] == (case.input_layout == "contiguous"), (case.describe(), info)
+
+    check()

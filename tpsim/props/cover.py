@@ -42,6 +42,14 @@ Why not the alternatives: ``@example`` cases are never shrunk; Hypothesis's exam
 its own serialisation of a run's choices, which only its internals write, and a seeded run
 (``hypothesis.seed``, ``derandomize``) uses no database at all.
 
+**Topping up.** A bucket the search names as wanted (each memory layout it draws) that the draws
+above left empty is rare in the strategy (a transposed matrix needs exactly one batch dim of more
+than one row, about one candidate in 150): more draw runs of the same kind look for it, up to
+:data:`TOP_UP_DRAWS` candidates, and the first that names it fills it (shrunk as above). (One long
+run would not do: past its first examples Hypothesis grows cases from earlier ones, mostly the
+simplest choices.) A bucket no case of the strategy can fill (a layout the variant's batch dims
+exclude) costs those draws and stays empty.
+
 Which case fills a bucket depends on the search's seed (the same seed, the same cases), so searches
 at different seeds still check different cases; every bucket is checked at each.
 """
@@ -63,6 +71,8 @@ __all__ = ["LAYOUT_ORDER", "SUBGROUPS", "CoverCase", "cover_cases", "cover_order
 MAX_DRAWS = 300
 #: Candidates after the last new bucket was filled before the cover phase stops looking.
 PATIENCE = 50
+#: Candidates drawn for each wanted bucket the others left empty (see the module docstring).
+TOP_UP_DRAWS = 600
 #: Examples of each draw run: its first (the strategy's simplest case) and the candidates. Small, so
 #: that Hypothesis draws every case of the run at random (a long run starts with cases grown from the
 #: simplest one) and that a shrink run checks few cases before it reaches the cover case.
@@ -170,11 +180,11 @@ def _draw_run(strategy: Any, run_seed: int) -> list[Any]:
 
 
 def cover_cases(strategy: Any, keys_of: Callable[[Any], list[Hashable]], *, seed: int,
-                limit: int) -> list[CoverCase]:
+                limit: int, wanted: Iterable[Hashable] = ()) -> list[CoverCase]:
     """Up to ``limit`` cases of ``strategy``, one per bucket ``keys_of(case)`` (a list of buckets;
     several for a case that fills several) names, in :func:`cover_order`: drawn from ``seed`` (the
     module docstring says how); a case fills every bucket it names that is still empty, and is
-    checked once."""
+    checked once. A ``wanted`` bucket still empty after the draws is looked for by a longer run."""
     rng = random.Random(f"tpsim-cover-{seed}")
     filled: dict[Hashable, tuple[Any, int]] = {}
     drawn = since_new = 0
@@ -190,6 +200,17 @@ def cover_cases(strategy: Any, keys_of: Callable[[Any], list[Hashable]], *, seed
                 filled[k] = (case, run_seed)
             if drawn >= MAX_DRAWS or since_new >= PATIENCE:
                 break
+    for want in wanted:
+        drawn = 0
+        while want not in filled and drawn < TOP_UP_DRAWS:
+            run_seed = rng.getrandbits(64)
+            for case in _draw_run(strategy, run_seed)[1:]:
+                drawn += 1
+                if want in keys_of(case):
+                    filled[want] = (case, run_seed)
+                    break
+            else:
+                drawn += 1  # a run of invalid cases only still counts
     by_case: dict[str, CoverCase] = {}
     for key in cover_order(filled):
         case, run_seed = filled[key]

@@ -28,7 +28,6 @@ plus one line in :data:`_BUILTIN`. The other hooks have defaults that fit most f
 from __future__ import annotations
 
 import importlib
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -36,7 +35,7 @@ from typing import Any, ClassVar
 
 from tpsim.errors import InvalidArgument, RankError
 from tpsim.props.judging import GroupContext, judge
-from tpsim.props.layouts import cover_bucket
+from tpsim.props.layouts import cover_bucket, shows
 from tpsim.props.observation import DenseReferenceFailed, Observation
 from tpsim.props.property_names import DIVISIBILITY
 from tpsim.props.sizes import DEFAULT_MAX_SIZE
@@ -287,9 +286,11 @@ class Family:
         keys: list[tuple[Any, ...]] = [("world", case.world_size, getattr(case, "bias", None))]
         layout = getattr(case, "input_layout", None)
         batch = getattr(case, "batch_shape", ())
-        # A layout counts where it shows: several ranks, and (non-contiguous) more than one row.
-        shows = layout == "contiguous" or math.prod(batch) > 1
-        if layout is not None and shows and (case.world_size > 1 or max(world_sizes) == 1):
+        # A layout counts where it shows: several ranks, and a view that is really not contiguous (a
+        # transposed input whose swapped dims include a size 1, or a one-row expand, is contiguous memory:
+        # it must not fill the bucket a layer that mishandles non-contiguous inputs fails in).
+        features = getattr(case, "in_features", None) or 2
+        if layout is not None and shows(layout, (*batch, features)) and (case.world_size > 1 or max(world_sizes) == 1):
             keys.append(("layout", cover_bucket(layout, tuple(batch))))
         return keys
 

@@ -35,6 +35,7 @@ import torch
 from tpsim.diagnosis import (
     EXCEPTION,
     NONDETERMINISTIC,
+    REGISTRY,
     REPLICA_DIVERGENCE,
     SHAPE_ERROR,
     WRONG_GROUP,
@@ -246,7 +247,8 @@ def judge_groups(family: Family, variant: Any, obs: Observation, wanted: Sequenc
             # the trained parameters differ by consequence, whichever sublayer owns them.
             trained = [f for f in failures if f.property == TRAINING]
             others = [f for f in failures if f.property != TRAINING]
-            if trained and others and all(follows_from(trained[0], f) for f in others):
+            if trained and others and REGISTRY[trained[0].diagnosis].properties == (TRAINING,) and all(
+                    follows_from(trained[0], f) for f in others):
                 # ... unless the training step itself explains them (a clip whose norm each rank computes
                 # alone makes the replicas diverge): then it is the cause.
                 trained[0].consequences.extend(others)

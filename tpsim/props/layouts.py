@@ -27,6 +27,7 @@ stays valid; :func:`layout_info` reports the strides that were really used.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ import torch
 from tpsim.errors import InvalidArgument
 
 __all__ = ["INPUT_LAYOUTS", "NON_CONTIGUOUS", "apply_layout", "cover_bucket", "expand_values", "layout_info",
-           "needs_batch"]
+           "needs_batch", "shows"]
 
 #: Every layout, contiguous first (the strategies shrink toward it).
 INPUT_LAYOUTS = ("contiguous", "transposed", "strided", "expanded")
@@ -46,6 +47,20 @@ _NEEDS_BATCH = ("transposed", "expanded")
 def needs_batch(layout: str) -> bool:
     """Whether ``layout`` needs at least one leading batch dim."""
     return layout in _NEEDS_BATCH
+
+
+def shows(layout: str, shape: tuple[int, ...]) -> bool:
+    """Whether a tensor of ``shape`` in ``layout`` is really laid out so (:func:`apply_layout` gives a
+    non-contiguous view; contiguous: always): ``transposed`` swaps two dims of more than one element,
+    ``expanded`` broadcasts more than one row, ``strided`` spaces more than one element. Elsewhere the
+    layout's tensor is contiguous memory, which a layer that mishandles the layout reads right."""
+    if layout == "contiguous":
+        return True
+    if layout == "transposed":
+        return len(shape) >= 2 and shape[0] > 1 and shape[1] > 1
+    if layout == "expanded":
+        return len(shape) >= 2 and shape[0] > 1
+    return math.prod(shape) > 1
 
 
 def cover_bucket(layout: str, batch_shape: tuple[int, ...]) -> str:

@@ -75,7 +75,7 @@ from tpsim.errors import InvalidArgument
 from tpsim.props.case import DTYPES
 from tpsim.props.cover import SUBGROUPS, cover_cases, shrink_cover
 from tpsim.props.family import Family, family_of
-from tpsim.props.layouts import INPUT_LAYOUTS
+from tpsim.props.layouts import INPUT_LAYOUTS, cover_bucket
 from tpsim.props.linear.case import Case
 from tpsim.props.property_names import BIAS_GRAD, DIVISIBILITY, PROPERTIES
 from tpsim.props.strategies import DEFAULT_MAX_SIZE, DEFAULT_WORLD_SIZES
@@ -502,7 +502,8 @@ def search(
         if shrink or not found:
             found += _cover(strategy, lambda case: _cover_keys(family, variant, case, tuple(world_sizes)),
                             run_case, found_on, notes, unsaved, seed=0 if seed is None else seed,
-                            limit=max_examples, shrink=shrink, known={f.key for f in found})
+                            limit=max_examples, shrink=shrink, known={f.key for f in found},
+                            wanted=_layout_buckets(layouts, world_sizes))
         if not found and calls < max_examples:
             found = _generate(strategy, check_one, notes, unsaved, max_examples=max_examples - calls,
                               seed=seed, shrink=shrink)
@@ -568,9 +569,20 @@ def _replay(store: FailureStore, run_case: Callable[[Any], list[Failure]],
     return out
 
 
+def _layout_buckets(layouts: Sequence[str], world_sizes: Sequence[int]) -> list[tuple[str, str]]:
+    """The cover buckets of the non-contiguous ``layouts`` asked for (each looked for until found, see
+    :mod:`tpsim.props.cover`): a layout shows its bugs on several ranks."""
+    if max(world_sizes) < 2:
+        return []
+    names = [b for name in layouts if name != "contiguous"
+             for b in ((cover_bucket(name, (2,)), cover_bucket(name, (2, 2))) if name == "transposed" else (name,))]
+    return [("layout", name) for name in names]
+
+
 def _cover(strategy: Any, keys_of: Callable[[Any], list[Any]], run_case: Callable[[Any], list[Failure]],
            found_on: Callable[[Any, list[Failure]], _Found], notes: list[str], unsaved: set[int], *,
-           seed: int, limit: int, shrink: bool, known: set[tuple[str, str]]) -> list[_Found]:
+           seed: int, limit: int, shrink: bool, known: set[tuple[str, str]],
+           wanted: Sequence[Any] = ()) -> list[_Found]:
     """The second phase (:mod:`tpsim.props.cover`): one case per bucket, each run once; the first
     failing case of each (property, diagnosis) not ``known`` yet is shrunk (``shrink=False``: the
     phase stops at the first failing case)."""
@@ -583,7 +595,7 @@ def _cover(strategy: Any, keys_of: Callable[[Any], list[Any]], run_case: Callabl
         return results[key]
 
     failing: dict[tuple[str, str], tuple[Any, _Found]] = {}
-    for cover in cover_cases(strategy, keys_of, seed=seed, limit=limit):
+    for cover in cover_cases(strategy, keys_of, seed=seed, limit=limit, wanted=wanted):
         failures = run_once(cover.case)
         if failures and (failures[0].property, failures[0].diagnosis) not in failing:
             exc = found_on(cover.case, failures)
