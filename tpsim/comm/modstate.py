@@ -884,11 +884,6 @@ class ModuleGlobals:
                  n) for o, n, _ in self._attrs]
 
     @property
-    def rank_local_containers(self) -> int:
-        """How many module-level containers have per-rank contents."""
-        return len(self._boxes)
-
-    @property
     def has_watch(self) -> bool:
         """Whether watched globals (or the caches and tensors ranks got their own of) are compared at hand-offs."""
         return bool(self._keys or self._originals)

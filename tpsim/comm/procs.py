@@ -160,8 +160,6 @@ class _Pool:
             slot, progress = rank_memory(self.memory, rank)
             self.slots.append(slot)
             self.progress.append(RankProgress(progress))
-        #: Whether the ranks were forked from the forker (else spawned).
-        self.forked = False
 
     # -- life cycle ------------------------------------------------------------------------
     def _fork(self, store_path: str, bound: float, hints: dict[str, str]) -> bool:
@@ -189,7 +187,6 @@ class _Pool:
             return False
         self.procs = list(children)
         self.conns = [c.conn for c in children]
-        self.forked = True
         return True
 
     def _spawn(self, store_path: str, bound: float) -> None:

@@ -23,7 +23,7 @@ in the other layout — and names that set (diagnosis ``wrong-group``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -156,35 +156,33 @@ def wrong_group(
     return None
 
 
+def _per_rank(groups: Sequence[Sequence[int]], world_size: int,
+              piece: Callable[[int, int, int], torch.Tensor]) -> list[torch.Tensor]:
+    """``piece(group index, tp rank, tp size)`` of every global rank, in global rank order."""
+    tp = len(groups[0])
+    out: list[torch.Tensor] = [torch.empty(0)] * world_size
+    for index, ranks in enumerate(groups):
+        for t, r in enumerate(ranks):
+            out[r] = piece(index, t, tp)
+    return out
+
+
 def row_summands(x_by_group: Sequence[torch.Tensor], weight: torch.Tensor, groups: Sequence[Sequence[int]],
                  world_size: int) -> list[torch.Tensor]:
     """Each global rank's row-layer summand ``x_r W_rᵀ`` (its group's input, its tp shard)."""
-    tp = len(groups[0])
-    out: list[torch.Tensor] = [torch.empty(0)] * world_size
-    for index, ranks in enumerate(groups):
-        for t, r in enumerate(ranks):
-            out[r] = shard_tensor(x_by_group[index], Shard(-1), t, tp) @ shard_tensor(weight, Shard(1), t, tp).t()
-    return out
+    return _per_rank(groups, world_size, lambda index, t, tp: (
+        shard_tensor(x_by_group[index], Shard(-1), t, tp) @ shard_tensor(weight, Shard(1), t, tp).t()))
 
 
-def column_grad_summands(g_by_group: Sequence[torch.Tensor], weight: torch.Tensor, groups: Sequence[Sequence[int]],
-                         world_size: int) -> list[torch.Tensor]:
+def column_grad_summands(grad_by_group: Sequence[torch.Tensor], weight: torch.Tensor,
+                         groups: Sequence[Sequence[int]], world_size: int) -> list[torch.Tensor]:
     """Each global rank's column-layer input-grad summand ``g_r W_r`` (its group's upstream grad,
     its tp shard of the output features)."""
-    tp = len(groups[0])
-    out: list[torch.Tensor] = [torch.empty(0)] * world_size
-    for index, ranks in enumerate(groups):
-        for t, r in enumerate(ranks):
-            out[r] = shard_tensor(g_by_group[index], Shard(-1), t, tp) @ shard_tensor(weight, Shard(0), t, tp)
-    return out
+    return _per_rank(groups, world_size, lambda index, t, tp: (
+        shard_tensor(grad_by_group[index], Shard(-1), t, tp) @ shard_tensor(weight, Shard(0), t, tp)))
 
 
 def column_output_shards(y_by_group: Sequence[torch.Tensor], groups: Sequence[Sequence[int]],
                          world_size: int) -> list[torch.Tensor]:
     """Each global rank's column-layer output shard (its group's dense output, its tp slice)."""
-    tp = len(groups[0])
-    out: list[torch.Tensor] = [torch.empty(0)] * world_size
-    for index, ranks in enumerate(groups):
-        for t, r in enumerate(ranks):
-            out[r] = shard_tensor(y_by_group[index], Shard(-1), t, tp)
-    return out
+    return _per_rank(groups, world_size, lambda index, t, tp: shard_tensor(y_by_group[index], Shard(-1), t, tp))
