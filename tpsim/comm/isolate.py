@@ -777,6 +777,14 @@ def _pin_thread(cpu: int | None) -> set[int] | None:
     return before
 
 
+def _answer(worker: _Worker, plain_data: bool) -> Any:
+    """The answer waiting on ``worker``'s pipe; None at its end (the worker died)."""
+    try:
+        return (plain.loads if plain_data else pickle.loads)(worker.conn.recv_bytes())
+    except (EOFError, OSError):
+        return None
+
+
 def _await(worker: _Worker, run_id: int, world_size: int, timeout: float, plain_data: bool = False) -> tuple[Any, ...]:
     """The worker's answer to run ``run_id``; raises the error of a death or a hang (never waits unboundedly).
 
@@ -794,10 +802,7 @@ def _await(worker: _Worker, run_id: int, world_size: int, timeout: float, plain_
     while True:
         ready = mpc.wait([worker.conn, worker.proc.sentinel], _POLL_S)
         if worker.conn in ready:
-            try:
-                answer = (plain.loads if plain_data else pickle.loads)(worker.conn.recv_bytes())
-            except (EOFError, OSError):
-                answer = None
+            answer = _answer(worker, plain_data)
             if answer is not None:
                 if answer[0] == run_id:
                     return answer
@@ -939,12 +944,7 @@ def call(fn: Callable[..., Any], *args: Any, timeout: float, slot: str = "ranks"
                     raise TimeoutError(f"the isolated worker did not finish within {timeout:g} s; it was killed "
                                        "and replaced")
                 ready = mpc.wait([worker.conn, worker.proc.sentinel], min(left, _POLL_S))
-                got = None
-                if worker.conn in ready:
-                    try:
-                        got = (plain.loads if plain_data else pickle.loads)(worker.conn.recv_bytes())
-                    except (EOFError, OSError):
-                        got = None
+                got = _answer(worker, plain_data) if worker.conn in ready else None
                 if got is not None:
                     if got[0] == run_id:
                         answer = got
