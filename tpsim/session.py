@@ -127,6 +127,18 @@ def safe_text(obj: Any, limit: int | None = None) -> str:
     return text
 
 
+def raised_at(err: BaseException, basename: bool = False) -> str:
+    """`` at FILE:LINE`` of the innermost frame ``err`` was raised in (only the file's name with
+    ``basename``), or ``""`` when it carries no traceback."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return ""
+    path = tb.tb_frame.f_code.co_filename
+    return f" at {os.path.basename(path) if basename else path}:{tb.tb_lineno}"
+
+
 # --- the channel: JSON lines from the worker to the supervisor -------------------------------------
 
 
