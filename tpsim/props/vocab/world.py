@@ -171,8 +171,8 @@ class EmbeddingRankResult(RankOutput):
 def embedding_rank(payload: dict[str, Any]) -> EmbeddingRankResult:
     """What every rank runs for one embedding case: build, load (``load=True``), forward, backward."""
     this_rank = enter_rank(payload)
-    case, variant, data = this_rank.case, this_rank.variant, this_rank.data
-    group_index, rank, tp = this_rank.g, this_rank.rank, this_rank.tp
+    case, variant, data, group_index, rank, tp = (this_rank.case, this_rank.variant, this_rank.data, this_rank.g,
+                                                  this_rank.rank, this_rank.tp)
     with rank_phase("build"):
         module = variant.build(case.vocab_size, case.embedding_dim, group=this_rank.group, dtype=case.torch_dtype,
                                weight=data.table.clone())
@@ -276,8 +276,8 @@ class CrossEntropyRankResult(RankOutput):
 def cross_entropy_rank(payload: dict[str, Any]) -> CrossEntropyRankResult:
     """What every rank runs for one cross-entropy case: call it on its shard, backward."""
     this_rank = enter_rank(payload)
-    case, variant, data = this_rank.case, this_rank.variant, this_rank.data
-    group_index, rank, tp = this_rank.g, this_rank.rank, this_rank.tp
+    case, variant, data, group_index, rank, tp = (this_rank.case, this_rank.variant, this_rank.data, this_rank.g,
+                                                  this_rank.rank, this_rank.tp)
     target = data.targets[group_index]
     if variant.input == "hidden":
         hidden = data.hidden[group_index].clone().requires_grad_()
