@@ -373,22 +373,22 @@ def test_the_cache_tpsim_cannot_make_per_rank_passes_and_fails_on_gloo(tmp_path:
 
 
 @pytest.mark.slow
-def test_an_import_that_leaves_a_thread_in_the_zygote_is_not_tried_again(tmp_path: Path) -> None:
-    # Preloading it retires the zygote (a thread makes forking unsafe) for a fresh one without it; a
-    # second try would cost another fresh zygote (an interpreter importing torch) for nothing.
-    from tpsim.comm import _payload, zygote
+def test_an_import_that_leaves_a_thread_in_the_forker_is_not_tried_again(tmp_path: Path) -> None:
+    # Preloading it retires the forker (a thread makes forking unsafe) for a fresh one without it; a
+    # second try would cost another fresh forker (an interpreter importing torch) for nothing.
+    from tpsim.comm import _payload, forker
 
     file = tmp_path / f"threads_{uuid.uuid4().hex[:8]}.py"
     file.write_text(THREAD_MODULE)
     hints = {file.stem: str(file)}
     try:
-        zygote.shared().wait_ready()
-        first = zygote.pid()
-        assert zygote.preload(_payload.import_hinted, (hints,), 120) is None
-        fresh = zygote.shared()
+        forker.shared().wait_ready()
+        first = forker.pid()
+        assert forker.preload(_payload.import_hinted, (hints,), 120) is None
+        fresh = forker.shared()
         fresh.wait_ready()
-        assert fresh.safe and zygote.pid() not in (None, first)
-        assert zygote.preload(_payload.import_hinted, (hints,), 120) is None
-        assert zygote.shared() is fresh and fresh.safe  # not tried again: the fresh zygote serves on
+        assert fresh.safe and forker.pid() not in (None, first)
+        assert forker.preload(_payload.import_hinted, (hints,), 120) is None
+        assert forker.shared() is fresh and fresh.safe  # not tried again: the fresh forker serves on
     finally:
-        zygote.shutdown()
+        forker.shutdown()

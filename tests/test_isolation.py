@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 import tpsim
 from tpsim.comm import isolate, limits
-from tpsim.comm.board import PHASES, mark_phase
+from tpsim.comm.rank_progress import PHASES, mark_phase
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -177,8 +177,8 @@ def _descendants(pid: int) -> list[int]:
 
 
 def _ranks(pids: list[int]) -> list[int]:
-    """The processes among ``pids`` that are gloo ranks: forked from tpsim's zygote (named
-    ``tpsim-gloo-rN``) or, where no zygote serves, spawned by multiprocessing."""
+    """The processes among ``pids`` that are gloo ranks: forked from tpsim's forker (named
+    ``tpsim-gloo-rN``) or, where no forker serves, spawned by multiprocessing."""
     out = []
     for pid in pids:
         try:
@@ -714,7 +714,7 @@ def test_gloo_workers_die_with_a_checker_killed_while_they_start(tmp_path: Path)
         assert _readline(parent, 300).strip() == "starting"
         deadline = time.monotonic() + 300  # a bound, not a delay: the loop ends when the ranks exist
         family: list[int] = []
-        # the four ranks are being started (forked from the zygote: at once; spawned: importing torch)
+        # the four ranks are being started (forked from the forker: at once; spawned: importing torch)
         while time.monotonic() < deadline and len(_ranks(family)) < 4:
             time.sleep(0.05)
             family = _descendants(parent.pid)

@@ -1,4 +1,4 @@
-"""gloo worker pools that live: ranks forked from the zygote, pools kept through clean refusals and
+"""gloo worker pools that live: ranks forked from the forker, pools kept through clean refusals and
 replaced (and counted) only when the world is no longer sound."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import tpsim
-from tpsim.comm import procs, zygote
+from tpsim.comm import forker, procs
 
 pytestmark = pytest.mark.gloo
 
@@ -64,8 +64,8 @@ def fresh_pool() -> list[int]:
     return procs.live_worker_pids()[("gloo", WS)]
 
 
-def test_ranks_are_forked_from_the_zygote(fresh_pool: list[int]) -> None:
-    z = zygote.pid()
+def test_ranks_are_forked_from_the_forker(fresh_pool: list[int]) -> None:
+    z = forker.pid()
     assert z is not None and z != os.getpid()
     assert [_ppid(p) for p in fresh_pool] == [z] * WS
     for rank, pid in enumerate(fresh_pool):
@@ -120,7 +120,7 @@ def test_a_dead_rank_is_counted_as_a_death(fresh_pool: list[int]) -> None:
     os.kill(fresh_pool[1], 9)
     deadline = time.monotonic() + 10
     while os.path.exists(f"/proc/{fresh_pool[1]}") and time.monotonic() < deadline:
-        time.sleep(0.05)  # reaped by the zygote
+        time.sleep(0.05)  # reaped by the forker
     assert tpsim.run(rank_sum, WS, backend="gloo") == [3.0, 3.0]  # a fresh pool
     assert procs.replacements().get(procs.DEATH, 0) == before.get(procs.DEATH, 0) + 1
 
@@ -129,18 +129,18 @@ def start_a_thread() -> None:
     threading.Thread(target=time.sleep, args=(3600,), daemon=True, name="left-behind").start()
 
 
-def test_a_zygote_left_multi_threaded_is_replaced_and_never_forks_again() -> None:
+def test_a_forker_left_multi_threaded_is_replaced_and_never_forks_again() -> None:
     procs.shutdown_pools()
-    old = zygote.shared()
+    old = forker.shared()
     assert old is not None
     old.wait_ready()
     assert procs.preload(start_a_thread, (), 30.0) is None  # ran without error...
     assert not old.safe  # ...but left a thread behind: forking it is no longer safe
-    assert zygote.pid() != old.proc.pid  # it was retired...
-    assert old.proc.pid in zygote.pids()  # ...not killed: children it forked may still serve
+    assert forker.pid() != old.proc.pid  # it was retired...
+    assert old.proc.pid in forker.pids()  # ...not killed: children it forked may still serve
     assert tpsim.run(rank_sum, WS, backend="gloo") == [3.0, 3.0]
     pids = procs.live_worker_pids()[("gloo", WS)]
-    assert all(_ppid(p) == zygote.pid() for p in pids)  # forked from the new zygote
+    assert all(_ppid(p) == forker.pid() for p in pids)  # forked from the new forker
 
 
 def test_unmatched_collectives_and_sends_are_found_in_the_traces() -> None:
@@ -161,22 +161,22 @@ def test_unmatched_collectives_and_sends_are_found_in_the_traces() -> None:
         outcomes([call(0, "send", 1, peer=1)], []).values(), 2)
 
 
-def test_a_zygote_child_reports_its_exit_status_and_takes_the_callers_context(tmp_path) -> None:
-    z = zygote.shared()
+def test_a_forker_child_reports_its_exit_status_and_takes_the_callers_context(tmp_path) -> None:
+    z = forker.shared()
     assert z is not None
     [child] = z.fork(child_reports_its_context, [("probe",)], ["tpsim-probe"])
     try:
-        os.environ["TPSIM_ZYGOTE_PROBE"] = "1"  # too late for this child: it has its context already
+        os.environ["TPSIM_FORKER_PROBE"] = "1"  # too late for this child: it has its context already
         assert child.conn.recv() == ("probe", os.getcwd(), None)
         child.conn.send(5)
         child.join(10)
         assert child.exitcode == 5
     finally:
-        os.environ.pop("TPSIM_ZYGOTE_PROBE", None)
+        os.environ.pop("TPSIM_FORKER_PROBE", None)
         child.kill()
         child.close()
 
 
 def child_reports_its_context(conn, tag: str) -> None:
-    conn.send((tag, os.getcwd(), os.environ.get("TPSIM_ZYGOTE_PROBE")))
+    conn.send((tag, os.getcwd(), os.environ.get("TPSIM_FORKER_PROBE")))
     os._exit(conn.recv())

@@ -6,7 +6,7 @@ The public API is re-exported here; the modules behind it are private to the pac
 
 from tpsim import faults
 from tpsim.attention_variant import AttentionVariant
-from tpsim.comm.board import mark_phase
+from tpsim.comm.rank_progress import mark_phase
 from tpsim.comm.trace import CollectiveCall, Trace
 from tpsim.errors import (
     BackendUnavailable,

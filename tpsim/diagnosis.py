@@ -81,6 +81,7 @@ __all__ = [
     "confirm_on_one_rank",
     "confirmation_table",
     "diagnosis_table",
+    "each_failure",
     "follows_from",
     "group_causes",
     "mismatch",
@@ -818,6 +819,13 @@ def follows_from(cause: Failure, other: Failure) -> bool:
     return other.property in spec(cause.diagnosis).consequences
 
 
+def each_failure(causes: Sequence[Failure]) -> Iterator[Failure]:
+    """Every failure of ``causes``: each cause, then the consequences listed under it."""
+    for cause in causes:
+        yield cause
+        yield from cause.consequences
+
+
 def group_causes(failures: Sequence[Failure]) -> list[Failure]:
     """Fold the failures of one case into causes: each failure that :func:`follows_from` an earlier
     cause is moved into that cause's ``consequences`` (listed there, never dropped); the rest are
@@ -833,7 +841,7 @@ def group_causes(failures: Sequence[Failure]) -> list[Failure]:
             f.consequences = []
     order = {p: i for i, p in enumerate((*_PER_CASE, _DIVISIBILITY))}
     for c in causes:  # in the order properties are evaluated, however they were attached
-        c.consequences.sort(key=lambda g: order.get(g.property, len(order)))
+        c.consequences.sort(key=lambda f: order.get(f.property, len(order)))
     return causes
 
 
@@ -846,28 +854,26 @@ def confirm(failures: Sequence[Failure], float64: Sequence[Failure], patterns: f
     sublayer; renamed to the diagnosis float64 shows for that property and sublayer, if it names
     one; otherwise ``mismatch``, with what was measured and what float64 showed. In place."""
     seen: dict[tuple[str, str | None], Failure] = {}
-    for f in float64:
-        for g in (f, *f.consequences):
-            seen.setdefault((g.property, g.sublayer), g)
-    names = {(g.property, g.sublayer, g.diagnosis) for f in float64 for g in (f, *f.consequences)}
-    for f in failures:
-        for g in (f, *f.consequences):
-            if g.diagnosis not in patterns and g.diagnosis != MISMATCH or (g.property, g.sublayer, g.diagnosis) in names:
-                continue
-            twin = seen.get((g.property, g.sublayer))
-            if g.diagnosis == MISMATCH and (twin is None or twin.diagnosis not in patterns):
-                continue  # nothing named here, nothing better named in float64
-            g.details = {**g.details, "unconfirmed": g.diagnosis}
-            if twin is not None and twin.diagnosis != MISMATCH:
-                g.message = (f"{twin.message} (named from the same case in float64; in {dtype} the pattern looked "
-                             f"like {g.diagnosis}, which rounding can fake)")
-                g.details = {**g.details, **twin.details, "unconfirmed": g.diagnosis}
-                g.diagnosis = twin.diagnosis
-                continue
-            shown = ", ".join(sorted({x.label for x in float64})) or "no failure"
-            g.message = (f"{g.message} — not named {g.diagnosis}: the same case in float64 shows {shown}, so the "
-                         "pattern is not confirmed where rounding cannot fake it")
-            g.diagnosis = MISMATCH
+    for f in each_failure(float64):
+        seen.setdefault((f.property, f.sublayer), f)
+    names = {(f.property, f.sublayer, f.diagnosis) for f in each_failure(float64)}
+    for f in each_failure(failures):
+        if f.diagnosis not in patterns and f.diagnosis != MISMATCH or (f.property, f.sublayer, f.diagnosis) in names:
+            continue
+        twin = seen.get((f.property, f.sublayer))
+        if f.diagnosis == MISMATCH and (twin is None or twin.diagnosis not in patterns):
+            continue  # nothing named here, nothing better named in float64
+        f.details = {**f.details, "unconfirmed": f.diagnosis}
+        if twin is not None and twin.diagnosis != MISMATCH:
+            f.message = (f"{twin.message} (named from the same case in float64; in {dtype} the pattern looked "
+                         f"like {f.diagnosis}, which rounding can fake)")
+            f.details = {**f.details, **twin.details, "unconfirmed": f.diagnosis}
+            f.diagnosis = twin.diagnosis
+            continue
+        shown = ", ".join(sorted({x.label for x in float64})) or "no failure"
+        f.message = (f"{f.message} — not named {f.diagnosis}: the same case in float64 shows {shown}, so the "
+                     "pattern is not confirmed where rounding cannot fake it")
+        f.diagnosis = MISMATCH
 
 
 def claims(*rules: Confirmed) -> frozenset[str]:
@@ -892,29 +898,27 @@ def confirm_on_one_rank(failures: Sequence[Failure], one_rank: Sequence[Failure]
     ``more_ranks`` — ``(tp, failures)`` of the same case grown to a larger tp size, float64 — shows the same
     name for the same property, its factor grown with the tp size (the recognisers check the factor of the
     case's own tp size). In place."""
-    seen = {} if one_rank is None else {g.property: g for f in one_rank for g in (f, *f.consequences)}
-    grown = set() if more_ranks is None else {(g.property, g.diagnosis) for f in more_ranks[1]
-                                              for g in (f, *f.consequences)}
-    for f in failures:
-        for g in (f, *f.consequences):
-            if not tp_factor_claim(g):
-                continue
-            if one_rank is not None and g.property not in seen:
-                continue  # vanished on one rank: a factor of the tp size
-            if one_rank is None and (g.property, g.diagnosis) in grown:
-                continue  # grew with the tp size
-            if one_rank is not None:
-                other = seen[g.property]
-                why = (f"the same case on one rank (float64) fails {g.property} too ({other.label}: "
-                       f"{other.message}), so the difference does not come from the tp size")
-            elif more_ranks is not None:
-                why = (f"it could not run on one rank ({why_not}), and the same case at tp size {more_ranks[0]} "
-                       f"(float64, sizes grown with it) does not show it: the factor does not grow with the tp size")
-            else:
-                why = f"it could not be confirmed on one rank, where a factor of the tp size vanishes ({why_not})"
-            g.details = {**g.details, "unconfirmed": g.diagnosis}
-            g.message = f"{g.message} — not named {g.diagnosis}: {why}"
-            g.diagnosis = MISMATCH
+    seen = {} if one_rank is None else {f.property: f for f in each_failure(one_rank)}
+    grown = set() if more_ranks is None else {(f.property, f.diagnosis) for f in each_failure(more_ranks[1])}
+    for f in each_failure(failures):
+        if not tp_factor_claim(f):
+            continue
+        if one_rank is not None and f.property not in seen:
+            continue  # vanished on one rank: a factor of the tp size
+        if one_rank is None and (f.property, f.diagnosis) in grown:
+            continue  # grew with the tp size
+        if one_rank is not None:
+            other = seen[f.property]
+            why = (f"the same case on one rank (float64) fails {f.property} too ({other.label}: "
+                   f"{other.message}), so the difference does not come from the tp size")
+        elif more_ranks is not None:
+            why = (f"it could not run on one rank ({why_not}), and the same case at tp size {more_ranks[0]} "
+                   f"(float64, sizes grown with it) does not show it: the factor does not grow with the tp size")
+        else:
+            why = f"it could not be confirmed on one rank, where a factor of the tp size vanishes ({why_not})"
+        f.details = {**f.details, "unconfirmed": f.diagnosis}
+        f.message = f"{f.message} — not named {f.diagnosis}: {why}"
+        f.diagnosis = MISMATCH
 
 
 def confirmation_table() -> list[tuple[str, str, str]]:

@@ -181,7 +181,7 @@ class RankDied(RankError):
     process that dies instead of the caller. Declared fields besides :class:`RankError`'s:
 
     - ``phase``: the phase the rank had marked last (``build``, ``forward``, ``backward``, ``step``;
-      see :func:`tpsim.comm.board.mark_phase`), None when it marked none or it is unknown;
+      see :func:`tpsim.mark_phase`), None when it marked none or it is unknown;
     - ``step``: the 0-based SGD step of that phase, None when not given;
     - ``cause``: one line saying what ended it (``os._exit(0) or exit(0) from native code``,
       ``sys.exit(3)``, ``signal SIGSEGV (segmentation fault)``, ``out of memory: ...``);

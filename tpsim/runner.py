@@ -110,7 +110,7 @@ def run_world(
         raise InvalidArgument(f"isolate={isolate!r} must be True or False")
     if not isinstance(plain, bool):
         raise InvalidArgument(f"plain={plain!r} must be True or False")
-    from tpsim.comm import _torchrun, deaths
+    from tpsim.comm import _torchrun, rank_death
     from tpsim.comm.limits import check_world_size
 
     if backend == "inproc" or _torchrun.launched_world() is None:  # a launched world exists already
@@ -158,7 +158,7 @@ def run_world(
             checksum=checksum, plain_data=plain,
         )
     except RankError as err:
-        death = deaths.classify(err)  # a rank's sys.exit / MemoryError: a death, as on an isolated world
+        death = rank_death.classify(err)  # a rank's sys.exit / MemoryError: a death, as on an isolated world
         if death is err:
             raise
         raise death from err

@@ -10,7 +10,7 @@ Three kinds of process take part:
   (:mod:`tpsim.props.described`), and everything that runs the checked code — its ranks, a module's
   dense reference — runs in worker processes (:mod:`tpsim.comm.isolate`, :mod:`tpsim.comm.procs`)
   that send back plain data (:mod:`tpsim.comm.plain`);
-- those **workers**, forked from the zygote (:mod:`tpsim.comm.zygote`).
+- those **workers**, forked from the forker (:mod:`tpsim.comm.forker`).
 
 Nothing the checked code does can change the report or the exit code:
 
@@ -39,7 +39,7 @@ Nothing the checked code does can change the report or the exit code:
 
 The session worker is a fork of the supervisor, which has imported torch and tpsim already (a fork
 costs milliseconds, not an interpreter's start-up); where the supervisor runs other threads (a test
-process), it is forked from the zygote instead.
+process), it is forked from the forker instead.
 """
 
 from __future__ import annotations
@@ -125,6 +125,18 @@ def safe_text(obj: Any, limit: int | None = None) -> str:
     if limit is not None and len(text) > limit:
         text = text[:limit] + f"... [{len(text) - limit} more characters]"
     return text
+
+
+def raised_at(err: BaseException, basename: bool = False) -> str:
+    """`` at FILE:LINE`` of the innermost frame ``err`` was raised in (only the file's name with
+    ``basename``), or ``""`` when it carries no traceback."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return ""
+    path = tb.tb_frame.f_code.co_filename
+    return f" at {os.path.basename(path) if basename else path}:{tb.tb_lineno}"
 
 
 # --- the channel: JSON lines from the worker to the supervisor -------------------------------------
@@ -241,9 +253,9 @@ def _sweep(pgid: int | None, keep: set[int], bound: float = 10.0) -> None:
         with contextlib.suppress(OSError):
             os.killpg(pgid, signal.SIGKILL)
     deadline = time.monotonic() + bound
-    me = os.getpid()
+    this_pid = os.getpid()
     while time.monotonic() < deadline:
-        strays = [p for p in _children(me) if p not in keep]
+        strays = [p for p in _children(this_pid) if p not in keep]
         if not strays:
             return
         for pid in strays:
@@ -281,7 +293,7 @@ def _worker_main(fd: int, argv: Sequence[str], tty: tuple[bool, bool], superviso
                  runner: tuple[str, str]) -> None:
     """Body of the session worker: run the command (``runner(argv, out, err)``, named by module and
     name), send its exit code, end without atexit hooks."""
-    from tpsim.comm import lifeline, zygote
+    from tpsim.comm import forker, lifeline
 
     real_exit = _WORKER["exit"]
     code = 3
@@ -309,7 +321,7 @@ def _worker_main(fd: int, argv: Sequence[str], tty: tuple[bool, bool], superviso
         # Whether tpsim runs under a launcher (torchrun mode) is the environment's as tpsim was started
         # with, not what the target sets when it is imported (RANK, WORLD_SIZE, MASTER_ADDR, ...).
         _torchrun.pin_launcher_env()
-        run = zygote._resolve(runner)
+        run = forker._resolve(runner)
         out, err = _Stream(channel, "out", tty[0]), _Stream(channel, "err", tty[1])
         channel.send(phase="run")
         try:
@@ -337,19 +349,19 @@ def _worker_main(fd: int, argv: Sequence[str], tty: tuple[bool, bool], superviso
 
 
 def _cleanup() -> None:
-    """End what the worker started (its pools, isolated worker, zygote), without the atexit hooks the
+    """End what the worker started (its pools, isolated worker, forker), without the atexit hooks the
     checked code may have registered; the supervisor kills what is left."""
-    from tpsim.comm import isolate, procs, zygote
+    from tpsim.comm import forker, isolate, procs
 
-    for stop in (isolate.shutdown, procs.shutdown_pools, zygote.shutdown):
+    for stop in (isolate.shutdown, procs.shutdown_pools, forker.shutdown):
         with contextlib.suppress(BaseException):
             stop()
     _sweep(None, set(), bound=2.0)
 
 
-def _zygote_entry(conn: Any, argv: Sequence[str], tty: tuple[bool, bool], supervisor: int,
+def _forker_entry(conn: Any, argv: Sequence[str], tty: tuple[bool, bool], supervisor: int,
                   runner: tuple[str, str]) -> None:
-    """A session worker forked from the zygote (see :func:`_start`): its channel is the zygote's socket."""
+    """A session worker forked from the forker (see :func:`_start`): its channel is the forker's socket."""
     _worker_main(conn.fileno(), argv, tty, os.getppid(), runner)
 
 
@@ -362,7 +374,7 @@ class _Handle:
     def __init__(self, pid: int, fd: int, child: Any = None) -> None:
         self.pid = pid
         self.fd = fd
-        self.child = child  # a zygote.Child when forked from the zygote
+        self.child = child  # a forker.Child when forked from the forker
         self.status: int | None = None
         self._pidfd: int | None = None
         if child is None:
@@ -404,7 +416,7 @@ class _Handle:
 
 
 def _start(argv: Sequence[str], tty: tuple[bool, bool], runner: tuple[str, str]) -> _Handle:
-    """Fork the session worker: from this process when it runs one thread, else from the zygote."""
+    """Fork the session worker: from this process when it runs one thread, else from the forker."""
     supervisor = os.getpid()
     if threading.active_count() == 1 and threading.current_thread() is threading.main_thread():
         read, write = os.pipe()
@@ -420,19 +432,19 @@ def _start(argv: Sequence[str], tty: tuple[bool, bool], runner: tuple[str, str])
                 _WORKER["exit"](3)
         os.close(write)
         return _Handle(pid, read)
-    from tpsim.comm import zygote
+    from tpsim.comm import forker
 
-    z = zygote.shared()
+    z = forker.shared()
     if z is None:
         raise OSError("no way to fork a session worker here")
     try:
-        [child] = z.fork(_zygote_entry, [(list(argv), tty, supervisor, runner)], ["tpsim-session"])
+        [child] = z.fork(_forker_entry, [(list(argv), tty, supervisor, runner)], ["tpsim-session"])
     except Exception:
-        zygote.replace()
-        z = zygote.shared()
+        forker.replace()
+        z = forker.shared()
         if z is None:
             raise
-        [child] = z.fork(_zygote_entry, [(list(argv), tty, supervisor, runner)], ["tpsim-session"])
+        [child] = z.fork(_forker_entry, [(list(argv), tty, supervisor, runner)], ["tpsim-session"])
     fd = os.dup(child.conn.fileno())
     child.conn.close()
     return _Handle(child.pid, fd, child)
@@ -548,13 +560,13 @@ def supervise(argv: Sequence[str], out: TextIO | None, err: TextIO | None, *, ru
     ``replay``; ``subject``: the target or case file (messages name it); ``json_report``: whether
     stdout must hold a JSON report (one is written here when the worker could not write its own).
     """
-    from tpsim.comm import zygote
-    from tpsim.comm.zygote import _ref
+    from tpsim.comm import forker
+    from tpsim.comm.forker import _ref
 
     _ensure_std_fds()
     writer = _Writer(out, err)
     session = _Session(writer)
-    keep = set(_children(os.getpid())) | zygote.pids()
+    keep = set(_children(os.getpid())) | forker.pids()
     was_reaper = _prctl(_PR_GET_CHILD_SUBREAPER)
     if was_reaper == 0:
         _prctl(_PR_SET_CHILD_SUBREAPER, 1)
@@ -563,8 +575,8 @@ def supervise(argv: Sequence[str], out: TextIO | None, err: TextIO | None, *, ru
     sent_at: float | None = None
     try:
         handle = _start(argv, (_isatty(out), _isatty(err)), _ref(runner))
-        # What starting it started here (a zygote, multiprocessing's resource tracker) is this process's own.
-        keep |= (set(_children(os.getpid())) | zygote.pids()) - {handle.pid}
+        # What starting it started here (a forker, multiprocessing's resource tracker) is this process's own.
+        keep |= (set(_children(os.getpid())) | forker.pids()) - {handle.pid}
         while True:
             try:
                 now = time.monotonic()

@@ -150,9 +150,7 @@ def _check_introspection(cls: type) -> None:
     """Refuse a class whose basic facts cannot be read: a metaclass whose ``__getattribute__`` or
     properties raise (or answer ``__module__ = 42``) would otherwise fail deep inside a check, where it
     looks like tpsim's bug. :class:`TargetError` names the attribute and what reading it did."""
-    import os
-
-    from tpsim.session import safe_text
+    from tpsim.session import raised_at, safe_text
 
     facts = ", ".join(n for n, _ in _CLASS_FACTS)
     label = f"class {type.__dict__['__name__'].__get__(cls)}"  # type's own field: no metaclass code runs
@@ -161,15 +159,9 @@ def _check_introspection(cls: type) -> None:
             value = getattr(cls, name)
             ok = isinstance(value, expected)
         except Exception as err:  # noqa: BLE001 - the class's own code (its metaclass): anything may come out
-            where = ""
-            tb = err.__traceback__
-            while tb is not None and tb.tb_next is not None:
-                tb = tb.tb_next
-            if tb is not None:
-                where = f" at {os.path.basename(tb.tb_frame.f_code.co_filename)}:{tb.tb_lineno}"
             raise TargetError(
-                f"reading {name} of {label} raised {type(err).__name__}{where}: {safe_text(err, 500)}; tpsim reads "
-                f"a class's {facts} to check it") from None
+                f"reading {name} of {label} raised {type(err).__name__}{raised_at(err, basename=True)}: "
+                f"{safe_text(err, 500)}; tpsim reads a class's {facts} to check it") from None
         if not ok:
             kinds = expected if isinstance(expected, tuple) else (expected,)
             raise TargetError(

@@ -52,7 +52,6 @@ EMBEDDING_KIND = "embedding"
 CROSS_ENTROPY_KIND = "cross-entropy"
 #: What a cross-entropy takes: its logits shard, or hidden states and its classifier rows.
 CROSS_ENTROPY_INPUTS = ("logits", "hidden")
-_REDUCTIONS = ("none", "mean", "sum")
 
 
 def _name_ok(name: Any, what: str) -> None:

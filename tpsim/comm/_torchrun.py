@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from tpsim.comm._payload import dumps
 from tpsim.comm._tracing import BACKEND_NAMES, register_backends
-from tpsim.comm._verdict import Unfinished, margin, settle
+from tpsim.comm._verdict import Unfinished, margin, values_or_raise
 from tpsim.comm._worker import Outcome, execute, failure_outcome
 from tpsim.comm.limits import nccl_unavailable_reason
 from tpsim.comm.result import WorldResult
@@ -173,7 +173,7 @@ def run_launched(
         else:
             unfinished[r] = Unfinished(state="unknown")
     fired = sorted((item for o in outcomes.values() for item in o.fired), key=lambda item: item[1].rank)
-    values, trace = settle(
+    values, trace = values_or_raise(
         world_size=world_size,
         backend=backend,
         outcomes=outcomes,

@@ -613,18 +613,23 @@ class TracingProcessGroup(dist.ProcessGroup):
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> TracedWork:
         opts = _opts("AllgatherOptions") if opts is None else opts
+        return self._coalesced("all_gather_into_tensor", "allgather_into_tensor_coalesced", self.inner._allgather_base,
+                               outputs, inputs, opts)
 
+    def _coalesced(self, op: str, native: str, one: Callable[..., Any], outputs: list[torch.Tensor],
+                   inputs: list[torch.Tensor], opts: Any, reduce_op: Any = None) -> TracedWork:
+        """The coalesced form of ``op``: the backend's own (its method ``native``) where it has one, else
+        ``one(output, input, opts)`` per tensor, in the same order on every rank (gloo has no coalesced form)."""
         def issue() -> Any:
-            native = getattr(self.inner, "allgather_into_tensor_coalesced", None)
-            if native is not None:
-                return native(outputs, inputs, opts)
-            # gloo has no coalesced form: one op per tensor, in the same order on every rank.
-            return _AllWork([self.inner._allgather_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)])
+            coalesced = getattr(self.inner, native, None)
+            if coalesced is not None:
+                return coalesced(outputs, inputs, opts)
+            return _AllWork([one(o, i, opts) for o, i in zip(outputs, inputs, strict=True)])
 
         problem = next((q for o, i in zip(outputs, inputs, strict=False)
-                        if (q := self._problem("all_gather_into_tensor", i, o)) is not None), None)
-        return self._collective("all_gather_into_tensor", inputs, issue, problem=problem,
-                                strided=ops.strided_view("all_gather_into_tensor", inputs, outputs))
+                        if (q := self._problem(op, i, o)) is not None), None)
+        return self._collective(op, inputs, issue, reduce_op=reduce_op, problem=problem,
+                                strided=ops.strided_view(op, inputs, outputs))
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
@@ -653,17 +658,8 @@ class TracingProcessGroup(dist.ProcessGroup):
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> TracedWork:
         opts = dist.ReduceScatterOptions() if opts is None else opts
-
-        def issue() -> Any:
-            native = getattr(self.inner, "reduce_scatter_tensor_coalesced", None)
-            if native is not None:
-                return native(outputs, inputs, opts)
-            return _AllWork([self.inner._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)])
-
-        problem = next((q for o, i in zip(outputs, inputs, strict=False)
-                        if (q := self._problem("reduce_scatter_tensor", i, o)) is not None), None)
-        return self._collective("reduce_scatter_tensor", inputs, issue, reduce_op=opts.reduceOp, problem=problem,
-                                strided=ops.strided_view("reduce_scatter_tensor", inputs, outputs))
+        return self._coalesced("reduce_scatter_tensor", "reduce_scatter_tensor_coalesced",
+                               self.inner._reduce_scatter_base, outputs, inputs, opts, reduce_op=opts.reduceOp)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 

@@ -18,7 +18,7 @@ from tpsim.comm.ops import describe_exit
 from tpsim.comm.trace import CollectiveCall, Trace
 from tpsim.errors import CollectiveError, RankError
 
-__all__ = ["Unfinished", "describe_exit", "margin", "settle"]
+__all__ = ["Unfinished", "describe_exit", "margin", "values_or_raise"]
 
 
 def margin(timeout: float) -> float:
@@ -65,7 +65,7 @@ def _load_error(outcome: Outcome) -> BaseException | None:
     return exc if isinstance(exc, BaseException) else None
 
 
-def settle(
+def values_or_raise(
     *,
     world_size: int,
     backend: str,

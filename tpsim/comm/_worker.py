@@ -33,7 +33,7 @@ import torch.distributed as dist
 from tpsim.comm import _wire, lifeline, plain
 from tpsim.comm._payload import dumps, load_call
 from tpsim.comm._tracing import BACKEND_NAMES, RankSession, StatusSlot, activate, register_backends
-from tpsim.comm.board import Board, install
+from tpsim.comm.rank_progress import RankProgress, install
 from tpsim.comm.trace import CollectiveCall
 from tpsim.errors import CollectiveError
 from tpsim.seeding import manual_seed
@@ -173,18 +173,18 @@ def execute(
 
 #: Bytes of each rank's status slot (see tpsim.comm._tracing.StatusSlot).
 _STATUS_BYTES = 192
-_BOARD_WORDS = Board.length(1)
-#: Bytes of shared memory per rank: its status slot, then its board (one rank), 64-byte aligned.
-RANK_MEMORY_BYTES = -(-(_STATUS_BYTES + 8 * _BOARD_WORDS) // 64) * 64
+_PROGRESS_WORDS = RankProgress.length(1)
+#: Bytes of shared memory per rank: its status slot, then its progress record (one rank), 64-byte aligned.
+RANK_MEMORY_BYTES = -(-(_STATUS_BYTES + 8 * _PROGRESS_WORDS) // 64) * 64
 
 
 def rank_memory(buffer: Any, rank: int) -> tuple[Any, Any]:
-    """Rank ``rank``'s status slot (a ``c_char`` array) and board (``c_int64``) in ``buffer``, the
+    """Rank ``rank``'s status slot (a ``c_char`` array) and progress (``c_int64``) in ``buffer``, the
     pool's shared memory (an mmap of ``world_size * RANK_MEMORY_BYTES`` bytes)."""
     offset = rank * RANK_MEMORY_BYTES
     slot = (ctypes.c_char * _STATUS_BYTES).from_buffer(buffer, offset)
-    board = (ctypes.c_int64 * _BOARD_WORDS).from_buffer(buffer, offset + _STATUS_BYTES)
-    return slot, board
+    progress = (ctypes.c_int64 * _PROGRESS_WORDS).from_buffer(buffer, offset + _STATUS_BYTES)
+    return slot, progress
 
 
 def _map(path: str, size: int) -> mmap.mmap:
@@ -250,22 +250,22 @@ def worker_main(
     """Body of one pool process: join the world once, then serve runs until told to stop.
 
     ``memory_path``: the pool's shared memory (:func:`rank_memory`: this rank's status slot, and its
-    :class:`~tpsim.comm.board.Board`, the phase it marks, read by the pool if the process dies);
+    :class:`~tpsim.comm.rank_progress.RankProgress`, the phase it marks, read by the pool if the process dies);
     ``pdeathsig``: the parent thread lives as long as the parent, so the kernel's parent-death signal
     may be armed (see :mod:`tpsim.comm.lifeline`); ``threads``: torch's intra-op threads (0: this
     machine's cores shared among the ranks; 1 for a process forked from one whose OpenMP pool may
     have started, which a forked process cannot use).
     """
     # First, before anything that takes time: a worker must never outlive the parent.
-    from tpsim.comm.zygote import own_group
+    from tpsim.comm.forker import own_group
 
     own_group()  # what this rank forks ends with it (procs kills the group)
     lifeline.arm(parent_pid=parent_pid, pdeathsig=pdeathsig)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     shared = _map(memory_path, world_size * RANK_MEMORY_BYTES)
-    status_buffer, board_buffer = rank_memory(shared, rank)
-    board = Board(board_buffer)
-    install(board)
+    status_buffer, progress_buffer = rank_memory(shared, rank)
+    progress = RankProgress(progress_buffer)
+    install(progress)
     status = StatusSlot(status_buffer)
     try:
         # Ranks share this machine's cores; one pool of threads each would oversubscribe them.
@@ -305,8 +305,8 @@ def worker_main(
                 _exit(0)
             continue
         _, payload, hints, timeout, faults, checksum, plain_data = message
-        board.begin(0, 1)  # this process runs one rank: slot 0 of its board
-        board.handoff(0)
+        progress.begin(0, 1)  # this process runs one rank: slot 0 of its progress record
+        progress.handoff(0)
         before = set(dist.distributed_c10d._world.pg_map)
         try:
             fn, args, kwargs = load_call(payload, hints)

@@ -235,10 +235,10 @@ class _Message:
 class _Posted:
     """One posted ``recv``; ``msg`` is the send it matched (None until then)."""
 
-    __slots__ = ("index", "me", "msg", "src", "tag")
+    __slots__ = ("group_rank", "index", "msg", "src", "tag")
 
-    def __init__(self, me: int, src: int | None, tag: int, index: int) -> None:
-        self.me = me
+    def __init__(self, group_rank: int, src: int | None, tag: int, index: int) -> None:
+        self.group_rank = group_rank
         self.src = src
         self.tag = tag
         self.index = index
@@ -253,10 +253,10 @@ class _P2PWait(Wait):
     a deadlock here too.
     """
 
-    def __init__(self, op: str, group: _GroupState, me: int, peer: int | None, tag: int, index: int) -> None:
+    def __init__(self, op: str, group: _GroupState, group_rank: int, peer: int | None, tag: int, index: int) -> None:
         self.op = op
         self.group = group
-        self.me = me
+        self.group_rank = group_rank
         self.peer = peer  # group rank; None: a recv from any rank
         self.tag = tag
         self.index = index
@@ -282,7 +282,7 @@ class _P2PWait(Wait):
         """The ranks that wait on each other point to point, starting here, when they form a cycle."""
         chain: list[tuple[int, _P2PWait]] = []
         seen: set[int] = set()
-        rank = self.group.ranks[self.me]
+        rank = self.group.ranks[self.group_rank]
         while rank not in seen:
             seen.add(rank)
             slot = slots[rank]
@@ -297,19 +297,19 @@ class _P2PWait(Wait):
         return self.blamed if self.blamed is not None else self.missing_ranks()
 
     def describe_stuck(self, slots: list) -> str:
-        me = self.group.ranks[self.me]
+        rank = self.group.ranks[self.group_rank]
         cycle = self._cycle(slots)
         if cycle:
             self.blamed = tuple(sorted(r for r, _ in cycle))
             who = ", ".join(f"rank {r} in {w.describe_wait(r)}" for r, w in cycle)
-            text = f"{self.describe_wait(me)}: deadlock: every rank of the cycle waits for the next one: {who}"
+            text = f"{self.describe_wait(rank)}: deadlock: every rank of the cycle waits for the next one: {who}"
             if any(w.op == "send" for _, w in cycle):
                 text += (". A blocking send completes only once its recv is posted (on gloo and NCCL alike): "
                          "post the recv first on one side, or use dist.isend/dist.irecv (or "
                          "dist.batch_isend_irecv) and wait after both are posted")
             return text
-        others = [slots[g].doing() for g in self.missing_ranks()]
-        return f"{self.describe_wait(me)}: rank {me} waiting; " + ("; ".join(others) or "no sender")
+        others = [slots[r].doing() for r in self.missing_ranks()]
+        return f"{self.describe_wait(rank)}: rank {rank} waiting; " + ("; ".join(others) or "no sender")
 
 
 class _GroupState:
@@ -567,7 +567,7 @@ class InprocProcessGroup(dist.ProcessGroup):
         if slot.thread_ident != _get_ident():
             self._check_helper_thread(op)
         state = self._state
-        me = self._group_rank
+        group_rank = self._group_rank
         if len(tensors) == 1:  # the common case, without _sig's list comprehensions
             t = tensors[0]
             dtype = t.dtype
@@ -576,7 +576,7 @@ class InprocProcessGroup(dist.ProcessGroup):
         else:
             shapes, dtypes = _sig(tensors)
         numbered = state.numbered
-        number = numbered[me] = numbered[me] + 1
+        number = numbered[group_rank] = numbered[group_rank] + 1
         if op_name is None and reduce_op is not None:
             op_name = ops.reduce_op_name(reduce_op)
         if peer is not None:
@@ -588,7 +588,7 @@ class InprocProcessGroup(dist.ProcessGroup):
         if self._sched.broken is not None or problem is not None or strided is not None:
             self._refuse(call, problem, strided)
         seq = state.seq
-        index = seq[me] = seq[me] + 1
+        index = seq[group_rank] = seq[group_rank] + 1
         signature = (shapes, dtypes, op_name, peer) if op not in _SPECIAL_SIGNATURES else ops.signature(
             op, shapes, dtypes, op_name, peer)
         world = self._world
@@ -611,20 +611,20 @@ class InprocProcessGroup(dist.ProcessGroup):
         elif inst.sigs is None and (inst.op != op or inst.signature != signature):
             inst.sigs = {m: (inst.op, inst.signature) for m in inst.payloads}
         if inst.sigs is not None:
-            inst.sigs[me] = (op, signature)
+            inst.sigs[group_rank] = (op, signature)
         if crc is not None:
             if note is not None:
                 if inst.notes is None:
                     inst.notes = {}
-                inst.notes[me] = note
+                inst.notes[group_rank] = note
             if world.checksum:
                 if inst.contrib is None:
                     inst.contrib, inst.crc = {}, {}
-                inst.contrib[me] = tensors
-                inst.crc[me] = crc  # type: ignore[index]
+                inst.contrib[group_rank] = tensors
+                inst.crc[group_rank] = crc  # type: ignore[index]
         payloads = inst.payloads
-        payloads[me] = payload
-        inst.calls[me] = call
+        payloads[group_rank] = payload
+        inst.calls[group_rank] = call
         if len(payloads) == state.size:
             self._complete(inst, call)
         if opts is not None and opts.asyncOp is False:
@@ -998,8 +998,8 @@ class InprocProcessGroup(dist.ProcessGroup):
             raise RankDropped()
         if slot.thread_ident != threading.get_ident():
             self._check_helper_thread(op)
-        me = self._group_rank
-        index = state.numbered[me] = state.numbered[me] + 1
+        group_rank = self._group_rank
+        index = state.numbered[group_rank] = state.numbered[group_rank] + 1
         shapes, dtypes = _sig(tensors)
         call = CollectiveCall(rank=self._global_rank, op=op, group=state.name,
                               group_ranks=state.ranks, call_index=index, shapes=shapes,
@@ -1018,7 +1018,7 @@ class InprocProcessGroup(dist.ProcessGroup):
         return index, fault
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> _Work:
-        state, me = self._state, self._group_rank
+        state, group_rank = self._state, self._group_rank
         index, fault = self._p2p_call("send", tensors, dst)
         sent = [t.detach().clone() for t in tensors]  # the data as it was at send time
         if isinstance(fault, Mismatch):  # at a send, a mismatch changes what is sent
@@ -1027,18 +1027,18 @@ class InprocProcessGroup(dist.ProcessGroup):
             else:
                 sent = [torch.cat([t.reshape(-1), t.reshape(-1)[:1]]) if t.numel() else torch.zeros(1) for t in sent]
         state.posted += 1
-        msg = _Message(me, dst, tag, index, sent, state.posted)
+        msg = _Message(group_rank, dst, tag, index, sent, state.posted)
         waiting = state.recvs.get((dst, tag))
-        posted = next((p for p in waiting if p.src is None or p.src == me), None) if waiting else None
+        posted = next((p for p in waiting if p.src is None or p.src == group_rank), None) if waiting else None
         if posted is not None:  # the receiver is there already: matched now
             waiting.remove(posted)  # type: ignore[union-attr]
             posted.msg, msg.recv = msg, posted
             self._sched.wake(state.ranks[dst])
         else:
-            state.sends.setdefault((me, dst, tag), deque()).append(msg)
+            state.sends.setdefault((group_rank, dst, tag), deque()).append(msg)
         if self._world.buffered_sends:  # TPSIM_BUFFERED_SENDS=1: eager sends, complete at once
             return _done_work(self, tensors)
-        return _Work(self, lambda: msg.recv is not None, _P2PWait("send", state, me, dst, tag, index), tensors)
+        return _Work(self, lambda: msg.recv is not None, _P2PWait("send", state, group_rank, dst, tag, index), tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> _Work:
         return self._recv(tensors, src, tag)
@@ -1047,18 +1047,18 @@ class InprocProcessGroup(dist.ProcessGroup):
         return self._recv(tensors, None, tag)
 
     def _recv(self, tensors: list[torch.Tensor], src: int | None, tag: int) -> _Work:
-        state, me = self._state, self._group_rank
+        state, group_rank = self._state, self._group_rank
         index, _ = self._p2p_call("recv", tensors, -1 if src is None else src)
-        posted = _Posted(me, src, tag, index)
+        posted = _Posted(group_rank, src, tag, index)
         sources = range(state.size) if src is None else (src,)
-        queues = [q for s in sources if (q := state.sends.get((s, me, tag)))]
+        queues = [q for s in sources if (q := state.sends.get((s, group_rank, tag)))]
         if queues:  # a send is there already: the oldest one (any source: the first posted)
             queue = min(queues, key=lambda q: q[0].order)
             msg = queue.popleft()
             posted.msg, msg.recv = msg, posted
             self._sched.wake(state.ranks[msg.src])
         else:
-            state.recvs.setdefault((me, tag), deque()).append(posted)
+            state.recvs.setdefault((group_rank, tag), deque()).append(posted)
 
         def finish() -> None:
             msg = posted.msg
@@ -1073,7 +1073,7 @@ class InprocProcessGroup(dist.ProcessGroup):
                         faulty_ranks=(state.ranks[msg.src],))  # type: ignore[union-attr]
                 dst.copy_(data)
 
-        return _Work(self, lambda: posted.msg is not None, _P2PWait("recv", state, me, src, tag, index), tensors,
+        return _Work(self, lambda: posted.msg is not None, _P2PWait("recv", state, group_rank, src, tag, index), tensors,
                      finish)
 
 

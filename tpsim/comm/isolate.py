@@ -5,22 +5,22 @@ in-process world (threads as ranks, the baton, bit-identical results), run in a 
 instead of the caller's. The caller only waits for the worker's answer, so:
 
 * **deaths are named.** A rank's ``os._exit``, segfault, ``abort()`` or out-of-memory kill ends the
-  worker, not the caller; the caller reads the :mod:`rank board <tpsim.comm.board>` (shared memory:
+  worker, not the caller; the caller reads the :mod:`rank progress record <tpsim.comm.rank_progress>` (shared memory:
   the rank holding the baton, each rank's last marked phase) and raises
   :class:`tpsim.RankExited`/:class:`tpsim.RankCrashed` naming the rank, its phase and the cause
-  (:mod:`tpsim.comm.deaths`); a rank's ``sys.exit`` and ``MemoryError`` become the same errors.
+  (:mod:`tpsim.comm.rank_death`); a rank's ``sys.exit`` and ``MemoryError`` become the same errors.
 * **hangs are bounded.** A rank that stops handing the baton on is declared stuck by the world
   itself after ``timeout`` (+2 s); if even that cannot run (native code holding the interpreter
   lock), the caller gives up :func:`stall_bound` seconds after the last hand-off. Either way the
   worker, with the abandoned rank and all its memory, is killed and replaced: nothing piles up.
 * **the worker is reused** between runs (a run costs a pipe round trip and pickling its arguments
   and results: tensors travel as raw bytes, :mod:`tpsim.comm._wire`), and a replacement is cheap:
-  a worker is forked from the zygote (:mod:`tpsim.comm.zygote`), which imported torch, tpsim and
-  the target already. Where no zygote serves, it is a fork of the caller (single-threaded) or comes
+  a worker is forked from the forker (:mod:`tpsim.comm.forker`), which imported torch, tpsim and
+  the target already. Where no forker serves, it is a fork of the caller (single-threaded) or comes
   from ``multiprocessing``'s fork server, started once with torch and tpsim preloaded (see
   :func:`_context`).
 * **no worker outlives the caller** (:mod:`tpsim.comm.lifeline`: the kernel's parent-death signal,
-  plus a pipe or the parent pid the worker watches; the zygote dies with the caller), and an atexit
+  plus a pipe or the parent pid the worker watches; the forker dies with the caller), and an atexit
   hook ends it.
 * **output is forwarded**: a worker's stdout goes to a file the caller copies to its own
   ``sys.stdout`` after each run, so rank output lands where the caller's does (a capture included).
@@ -58,9 +58,9 @@ from typing import Any
 
 import torch
 
-from tpsim.comm import _wire, deaths, lifeline, limits, plain, zygote
+from tpsim.comm import _wire, forker, lifeline, limits, plain, rank_death
 from tpsim.comm._payload import dump_call, load_call
-from tpsim.comm.board import Board, BoardView, install
+from tpsim.comm.rank_progress import RankProgress, RankProgressView, install
 from tpsim.comm.result import WorldResult
 from tpsim.comm.runclock import RunClock, backstop, process_paths
 from tpsim.comm.scheduler import text_of
@@ -75,9 +75,9 @@ START_BOUND = 120.0
 #: under memory pressure the kernel kills the worker (reported as a crash) before the caller, which
 #: would lose the report, while a much larger unrelated process still goes first.
 OOM_SCORE_ADJ = 200
-#: A board of at least this many ranks is allocated per worker (a larger world gets a new worker).
+#: A progress record of at least this many ranks is allocated per worker (a larger world gets a new worker).
 _MIN_CAPACITY = 256
-#: How often the caller looks at the board while it waits (seconds); answers wake it at once.
+#: How often the caller looks at the progress record while it waits (seconds); answers wake it at once.
 _POLL_S = 0.2
 #: Seconds the worker may take to pickle and send the results of a finished world, at least.
 _REPORT_BOUND = 60.0
@@ -188,10 +188,10 @@ def _unpicklable_value(values: list[Any]) -> RankError:
     return RankError("the world's values cannot be pickled back from the isolated worker process", rank=0)
 
 
-def _note_abandoned(err: RankError, view: BoardView) -> None:
+def _note_abandoned(err: RankError, view: RankProgressView) -> None:
     """Say in ``err`` (a world that timed out) what its stuck ranks were doing, and that they are gone."""
     stuck = [r for r in (getattr(err, "faulty_ranks", ()) or (view.running,)) if r is not None]
-    doing = "; ".join(f"rank {r} was stuck {deaths.where(*view.phase_of(r))}" for r in stuck)
+    doing = "; ".join(f"rank {r} was stuck {rank_death.where(*view.phase_of(r))}" for r in stuck)
     note = (f" [{doing + ' when abandoned; ' if doing else ''}the isolated worker process was replaced, "
             "so nothing the abandoned ranks hold lingers]")
     first, _, rest = err.summary.partition("\n")
@@ -201,14 +201,14 @@ def _note_abandoned(err: RankError, view: BoardView) -> None:
     err.summary = summary
 
 
-def _run_one(board: Board, memory_note: str, message: tuple[Any, ...]) -> tuple[bytes, bool]:
+def _run_one(progress: RankProgress, memory_note: str, message: tuple[Any, ...]) -> tuple[bytes, bool]:
     """Run one world; return the pickled answer and whether the worker must be replaced."""
     from tpsim.comm.inproc import run_inproc
     from tpsim.comm.modstate import expand_watch, resolve_modules
 
     _, run_id, payload, hints, world_size, timeout, faults, checksum, modules, context, plain_data = message
     dumps = plain.dumps if plain_data else _wire.dumps
-    board.begin(run_id, world_size)
+    progress.begin(run_id, world_size)
     _take_context(context)
     before = set(threading.enumerate())
     answer: tuple[Any, ...]
@@ -229,14 +229,14 @@ def _run_one(board: Board, memory_note: str, message: tuple[Any, ...]) -> tuple[
             result = run_inproc(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, faults=faults,
                                 checksum=checksum, rank_local=rank_local, watch=watch)
         except RankError as err:
-            board.reporting()
-            view = board.view(world_size)
-            answer = ("error", _portable(deaths.classify(err, view.phase_of, memory_note=memory_note), plain_data))
+            progress.reporting()
+            view = progress.view(world_size)
+            answer = ("error", _portable(rank_death.classify(err, view.phase_of, memory_note=memory_note), plain_data))
         except BaseException as exc:  # refused arguments or a harness bug: the caller raises it as it is
-            board.reporting()
+            progress.reporting()
             answer = ("raise", _portable(exc, plain_data))
         else:
-            board.reporting()
+            progress.reporting()
             try:  # each rank's value on its own: one the caller cannot load is named by its rank
                 values = [dumps(v) for v in result.values]
             except Exception:
@@ -246,12 +246,12 @@ def _run_one(board: Board, memory_note: str, message: tuple[Any, ...]) -> tuple[
     # A rank thread (or a thread a rank started) still running was abandoned: replace this worker.
     tainted = any(t.is_alive() for t in threading.enumerate() if t not in before)
     if tainted and answer[0] == "error" and isinstance(answer[1], RankError):
-        _note_abandoned(answer[1], board.view(world_size))
+        _note_abandoned(answer[1], progress.view(world_size))
     try:
         data = dumps((run_id, tainted) + answer)
     except Exception as exc:
         data = _wire.dumps((run_id, True, "raise", RuntimeError(f"the isolated worker could not send its answer: {exc}")))
-    board.idle()
+    progress.idle()
     return data, tainted
 
 
@@ -383,23 +383,23 @@ def _flush_stdout() -> None:
         pass
 
 
-def _serve_forked(conn: Any, board_path: str, capacity: int, memory_limit: int | None, out_path: str,
+def _serve_forked(conn: Any, progress_path: str, capacity: int, memory_limit: int | None, out_path: str,
                   parent_pid: int) -> None:
-    """Body of a worker forked from the zygote (:mod:`tpsim.comm.zygote`): its board is a file both
-    sides map, and it dies with the zygote (which dies with the caller)."""
-    buf = (ctypes.c_int64 * Board.length(capacity)).from_buffer(_map(board_path, capacity))
+    """Body of a worker forked from the forker (:mod:`tpsim.comm.forker`): its progress record is a file both
+    sides map, and it dies with the forker (which dies with the caller)."""
+    buf = (ctypes.c_int64 * RankProgress.length(capacity)).from_buffer(_map(progress_path, capacity))
     _serve(conn, None, buf, memory_limit, True, out_path, parent_pid=parent_pid)
 
 
 def _map(path: str, capacity: int) -> mmap.mmap:
     fd = os.open(path, os.O_RDWR)
     try:
-        return mmap.mmap(fd, Board.length(capacity) * ctypes.sizeof(ctypes.c_int64))
+        return mmap.mmap(fd, RankProgress.length(capacity) * ctypes.sizeof(ctypes.c_int64))
     finally:
         os.close(fd)
 
 
-def _serve(conn: Any, lifeline_end: Any, board_buf: Any, memory_limit: int | None, pdeathsig: bool,
+def _serve(conn: Any, lifeline_end: Any, progress_buf: Any, memory_limit: int | None, pdeathsig: bool,
            out_path: str | None = None, parents: tuple[Any, ...] = (), parent_pid: int | None = None) -> None:
     """Body of the worker process: arm the parent-death watch, then run worlds until told to stop.
 
@@ -410,7 +410,7 @@ def _serve(conn: Any, lifeline_end: Any, board_buf: Any, memory_limit: int | Non
     """
     for end in parents:
         end.close()
-    zygote.own_group()  # what the ranks fork dies with this worker (kill_group)
+    forker.own_group()  # what the ranks fork dies with this worker (kill_group)
     lifeline.arm(lifeline=lifeline_end, parent_pid=parent_pid, pdeathsig=pdeathsig)
     torch.set_num_threads(1)  # a forked worker: OpenMP's pool did not survive the fork (ranks use one anyway)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to handle (it kills us)
@@ -423,8 +423,8 @@ def _serve(conn: Any, lifeline_end: Any, board_buf: Any, memory_limit: int | Non
     sys.stdout = _RankFramedStdout(open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False))  # noqa: SIM115
     sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", buffering=1, closefd=False)  # noqa: SIM115
     _limit_memory(memory_limit)
-    board = Board(board_buf)
-    install(board)
+    progress = RankProgress(progress_buf)
+    install(progress)
     note = _memory_note(memory_limit)
     import tpsim.comm.inproc  # before "ready": the first run must not pay for it
 
@@ -442,7 +442,7 @@ def _serve(conn: Any, lifeline_end: Any, board_buf: Any, memory_limit: int | Non
             _exit(0)
         if message[0] == "stop":
             _exit(0)
-        data, tainted = _call_one(conn, message) if message[0] == "call" else _run_one(board, note, message)
+        data, tainted = _call_one(conn, message) if message[0] == "call" else _run_one(progress, note, message)
         _flush_stdout()  # before the answer: the caller forwards the output when it gets it
         try:
             conn.send_bytes(data)
@@ -500,7 +500,7 @@ def _context(preload: Sequence[str] = ()) -> tuple[Any, bool]:
 
 
 class _Worker:
-    """One worker process: its pipe, its board and whether it said it is ready."""
+    """One worker process: its pipe, its progress record and whether it said it is ready."""
 
     def __init__(self, capacity: int, preload: Sequence[str] = ()) -> None:
         self.owner = os.getpid()
@@ -516,32 +516,32 @@ class _Worker:
             self._start(preload)
 
     def _fork(self) -> bool:
-        """Fork the worker from the zygote (pre-imported: torch, tpsim, the target); False where none
+        """Fork the worker from the forker (pre-imported: torch, tpsim, the target); False where none
         can serve (then :meth:`_start`)."""
-        z = zygote.shared()
+        z = forker.shared()
         if z is None:
             return False
-        fd, self.board_path = tempfile.mkstemp(prefix="tpsim-isolated-", suffix=".board")
+        fd, self.progress_path = tempfile.mkstemp(prefix="tpsim-isolated-", suffix=".progress")
         try:
-            os.ftruncate(fd, Board.length(self.capacity) * ctypes.sizeof(ctypes.c_int64))
+            os.ftruncate(fd, RankProgress.length(self.capacity) * ctypes.sizeof(ctypes.c_int64))
             with os.fdopen(fd, "r+b") as fh:
-                self.board = Board((ctypes.c_int64 * Board.length(self.capacity)).from_buffer(
+                self.progress = RankProgress((ctypes.c_int64 * RankProgress.length(self.capacity)).from_buffer(
                     mmap.mmap(fh.fileno(), 0)))
             z.wait_ready()
             if not z.safe:
-                zygote.replace()
-                raise BackendUnavailable(_BACKEND_LABEL, "the zygote is no longer safe to fork")
-            [self.proc] = z.fork(_serve_forked, [(self.board_path, self.capacity, limits.worker_memory_limit(),
+                forker.replace()
+                raise BackendUnavailable(_BACKEND_LABEL, "the forker is no longer safe to fork")
+            [self.proc] = z.fork(_serve_forked, [(self.progress_path, self.capacity, limits.worker_memory_limit(),
                                                   self.out_path, z.pid)], ["tpsim-isolated"])
         except BackendUnavailable:
-            self._unlink_board()
+            self._unlink_progress()
             return False
         self.conn = self.proc.conn
         return True
 
-    def _unlink_board(self) -> None:
-        """Remove the board's file once both sides mapped it (the mapping outlives the name)."""
-        path, self.board_path = getattr(self, "board_path", None), None
+    def _unlink_progress(self) -> None:
+        """Remove the progress record's file once both sides mapped it (the mapping outlives the name)."""
+        path, self.progress_path = getattr(self, "progress_path", None), None
         if path is not None:
             try:
                 os.unlink(path)
@@ -551,8 +551,8 @@ class _Worker:
     def _start(self, preload: Sequence[str]) -> None:
         """Start the worker as a fork of this process or from ``multiprocessing``'s fork server."""
         ctx, pdeathsig = _context(preload)
-        buf = ctx.RawArray(ctypes.c_int64, Board.length(self.capacity))
-        self.board = Board(buf)
+        buf = ctx.RawArray(ctypes.c_int64, RankProgress.length(self.capacity))
+        self.progress = RankProgress(buf)
         self.conn, child_end = ctx.Pipe(duplex=True)
         reader, writer = _lifeline(ctx)
         _flush_stdout()  # a forked child must not inherit unwritten output (it would be written twice)
@@ -577,7 +577,7 @@ class _Worker:
                 kind = None
             if kind == "ready":
                 self.ready = True
-                self._unlink_board()  # the worker maps it first thing: it has it now
+                self._unlink_progress()  # the worker maps it first thing: it has it now
                 return
         self.kill()
         if not ready:
@@ -627,12 +627,12 @@ class _Worker:
         if os.getpid() != self.owner:
             return  # inherited through fork: not ours
         if self.proc.is_alive():
-            zygote.kill_group(self.proc.pid)  # with whatever its ranks forked
+            forker.kill_group(self.proc.pid)  # with whatever its ranks forked
         self.proc.join(5.0)  # SIGKILL cannot be ignored; the bound only guards a wedged kernel
         self.conn.close()
-        if isinstance(self.proc, zygote.Child):
+        if isinstance(self.proc, forker.Child):
             self.proc.close()
-        self._unlink_board()
+        self._unlink_progress()
         self.forward_output()
         try:
             os.unlink(self.out_path)
@@ -644,7 +644,7 @@ def _describe_exit(code: int | None) -> str:
     if code is None:
         return "an unknown exit status"
     if code < 0:
-        return f"signal {deaths.describe_signal(-code)}"
+        return f"signal {rank_death.describe_signal(-code)}"
     return f"exit status {code}"
 
 
@@ -677,10 +677,10 @@ def shutdown() -> None:
 
 def helper_pids() -> set[int]:
     """PIDs of the processes tpsim keeps alive between runs besides pooled gloo/nccl ranks: the isolated
-    worker, the fork server it was forked from, and the zygote (:mod:`tpsim.comm.zygote`). They
+    worker, the fork server it was forked from, and the forker (:mod:`tpsim.comm.forker`). They
     outlive a run on purpose; checks for processes a run left behind skip them."""
     pids = {pid for slot in SLOTS if (pid := live_worker_pid(slot)) is not None}
-    pids |= zygote.pids()
+    pids |= forker.pids()
     if _SERVER and _SERVER[0][0].get_start_method() == "forkserver":
         from multiprocessing import forkserver
 
@@ -731,7 +731,7 @@ def _worker_for(world_size: int, slot: str, preload: Sequence[str] = ()) -> _Wor
     return worker
 
 
-def _died(worker: _Worker, view: BoardView) -> RankError:
+def _died(worker: _Worker, view: RankProgressView) -> RankError:
     worker.proc.join(5.0)
     code = worker.proc.exitcode
     notes = []
@@ -743,11 +743,11 @@ def _died(worker: _Worker, view: BoardView) -> RankError:
         notes.append(_memory_note(limits.worker_memory_limit()))
     rank = view.running if view.running is not None else 0
     phase, step = view.phase_of(view.running)
-    return deaths.from_exit(rank, code, phase=phase, step=step, context="the isolated worker process",
+    return rank_death.from_exit(rank, code, phase=phase, step=step, context="the isolated worker process",
                             note="; ".join(notes))
 
 
-def _hung(view: BoardView, idle: float, timeout: float) -> RankError:
+def _hung(view: RankProgressView, idle: float, timeout: float) -> RankError:
     rank = view.running
     if view.state == "reporting":
         return RankError(
@@ -757,7 +757,7 @@ def _hung(view: BoardView, idle: float, timeout: float) -> RankError:
         return RankError(
             f"the isolated worker did not start the world within {idle:.0f} s (it was loading fn and its "
             "arguments: does importing their module block?); it was killed and replaced", rank=0)
-    at = deaths.where(*view.phase_of(rank))
+    at = rank_death.where(*view.phase_of(rank))
     return CollectiveError(
         f"the in-process world made no progress for {idle:.1f} s of the worker's own run time (timeout {timeout:g} s): rank {rank} kept "
         f"running {at} without handing on the baton or returning to Python (native code holding the "
@@ -777,6 +777,14 @@ def _pin_thread(cpu: int | None) -> set[int] | None:
     return before
 
 
+def _answer(worker: _Worker, plain_data: bool) -> Any:
+    """The answer waiting on ``worker``'s pipe; None at its end (the worker died)."""
+    try:
+        return (plain.loads if plain_data else pickle.loads)(worker.conn.recv_bytes())
+    except (EOFError, OSError):
+        return None
+
+
 def _await(worker: _Worker, run_id: int, world_size: int, timeout: float, plain_data: bool = False) -> tuple[Any, ...]:
     """The worker's answer to run ``run_id``; raises the error of a death or a hang (never waits unboundedly).
 
@@ -788,33 +796,30 @@ def _await(worker: _Worker, run_id: int, world_size: int, timeout: float, plain_
     clock = RunClock(_POLL_S)
     paths = process_paths(worker.proc.pid)
     clock.start(paths)
-    last = worker.board.handoffs()
+    last = worker.progress.handoffs()
     since = time.monotonic()
     reporting_since: float | None = None
     while True:
         ready = mpc.wait([worker.conn, worker.proc.sentinel], _POLL_S)
         if worker.conn in ready:
-            try:
-                answer = (plain.loads if plain_data else pickle.loads)(worker.conn.recv_bytes())
-            except (EOFError, OSError):
-                answer = None
+            answer = _answer(worker, plain_data)
             if answer is not None:
                 if answer[0] == run_id:
                     return answer
                 continue  # an answer to an earlier run (cannot happen: one run at a time)
         if ready:  # end of file, or the process ended: the worker is dead
-            err = _died(worker, worker.board.view(world_size))
+            err = _died(worker, worker.progress.view(world_size))
             _replace(worker)
             raise err
         now = time.monotonic()
-        handoffs = worker.board.handoffs()
+        handoffs = worker.progress.handoffs()
         if handoffs != last:
             last, since = handoffs, now
             paths = process_paths(worker.proc.pid)  # its threads come and go with the worlds
             clock.start(paths)
             continue
         own = clock.sample(paths)
-        view = worker.board.view(world_size)
+        view = worker.progress.view(world_size)
         if now - since > backstop(max(stall, START_BOUND)):
             pass  # the machine never let the worker run: end the wait all the same
         elif view.state == "reporting":
@@ -939,12 +944,7 @@ def call(fn: Callable[..., Any], *args: Any, timeout: float, slot: str = "ranks"
                     raise TimeoutError(f"the isolated worker did not finish within {timeout:g} s; it was killed "
                                        "and replaced")
                 ready = mpc.wait([worker.conn, worker.proc.sentinel], min(left, _POLL_S))
-                got = None
-                if worker.conn in ready:
-                    try:
-                        got = (plain.loads if plain_data else pickle.loads)(worker.conn.recv_bytes())
-                    except (EOFError, OSError):
-                        got = None
+                got = _answer(worker, plain_data) if worker.conn in ready else None
                 if got is not None:
                     if got[0] == run_id:
                         answer = got

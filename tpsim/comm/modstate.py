@@ -119,7 +119,7 @@ def resolve_modules(items: Any, argument: str) -> tuple[types.ModuleType, ...]:
             if item.startswith(_TARGET_PREFIX):
                 # A target file's module (``--rank-local path/to/layers.py``, the module of a class in a
                 # target file): importable by its name through the target-file finder, which a worker
-                # process that has not imported a target file yet (forked from a zygote that never
+                # process that has not imported a target file yet (forked from a forker that never
                 # imported it, or spawned) must install first.
                 from tpsim._target_files import install_finder
 
@@ -882,11 +882,6 @@ class ModuleGlobals:
         """``(owner, attribute)`` of the attributes made per rank (for messages and tests)."""
         return [(o.__qualname__ if _is(o, types.FunctionType) else _name_of(o if _is(o, type) else type(o)),
                  n) for o, n, _ in self._attrs]
-
-    @property
-    def rank_local_containers(self) -> int:
-        """How many module-level containers have per-rank contents."""
-        return len(self._boxes)
 
     @property
     def has_watch(self) -> bool:

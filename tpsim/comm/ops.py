@@ -250,31 +250,31 @@ def buffer_problem(op: str, group_size: int, group_rank: int, root: int | None, 
     return check(group_size, group_rank, root, inputs, outputs, splits)
 
 
-def _all_gather_rule(n: int, me: int, root: int | None, ins: Any, out_lists: Any, splits: Any) -> str | None:
+def _all_gather_rule(n: int, group_rank: int, root: int | None, ins: Any, out_lists: Any, splits: Any) -> str | None:
     if len(ins) != 1 or len(out_lists) != 1:
         return None  # the coalesced form: checked by torch's own wrapper
     return _list_problem("the output list", out_lists[0], n, ins[0], "input")
 
 
-def _reduce_scatter_rule(n: int, me: int, root: int | None, in_lists: Any, outs: Any, splits: Any) -> str | None:
+def _reduce_scatter_rule(n: int, group_rank: int, root: int | None, in_lists: Any, outs: Any, splits: Any) -> str | None:
     if len(outs) != 1 or len(in_lists) != 1:
         return None
     return _list_problem("the input list", in_lists[0], n, outs[0], "output")
 
 
-def _scatter_rule(n: int, me: int, root: int | None, in_lists: Any, outs: Any, splits: Any) -> str | None:
-    if me != root or not in_lists or not outs:
+def _scatter_rule(n: int, group_rank: int, root: int | None, in_lists: Any, outs: Any, splits: Any) -> str | None:
+    if group_rank != root or not in_lists or not outs:
         return None  # only the root passes the list
     return _list_problem("the scatter list", in_lists[0], n, outs[0], "output")
 
 
-def _gather_rule(n: int, me: int, root: int | None, ins: Any, out_lists: Any, splits: Any) -> str | None:
-    if me != root or not out_lists or not ins:
+def _gather_rule(n: int, group_rank: int, root: int | None, ins: Any, out_lists: Any, splits: Any) -> str | None:
+    if group_rank != root or not out_lists or not ins:
         return None  # only the root passes the list
     return _list_problem("the gather list", out_lists[0], n, ins[0], "input")
 
 
-def _all_to_all_rule(n: int, me: int, root: int | None, ins: Any, outs: Any, splits: Any) -> str | None:
+def _all_to_all_rule(n: int, group_rank: int, root: int | None, ins: Any, outs: Any, splits: Any) -> str | None:
     if len(ins) != n:
         return f"the input list has {len(ins)} tensors, expected {n} (one per member of the group)"
     if len(outs) != n:
@@ -287,7 +287,7 @@ def _all_to_all_rule(n: int, me: int, root: int | None, ins: Any, outs: Any, spl
     return None
 
 
-def _all_to_all_single_rule(n: int, me: int, root: int | None, inp: Any, out: Any, splits: Any) -> str | None:
+def _all_to_all_single_rule(n: int, group_rank: int, root: int | None, inp: Any, out: Any, splits: Any) -> str | None:
     if out.dtype != inp.dtype:
         return f"the output has dtype {dtype_name(out.dtype)}, expected the input's {dtype_name(inp.dtype)}"
     out_splits, in_splits = splits or ((), ())
@@ -307,10 +307,10 @@ def _all_to_all_single_rule(n: int, me: int, root: int | None, inp: Any, out: An
 
 _BUFFER_RULES: dict[str, Any] = {
     "all_gather": _all_gather_rule,
-    "all_gather_into_tensor": lambda n, me, root, inp, out, splits: _flat_problem(
+    "all_gather_into_tensor": lambda n, group_rank, root, inp, out, splits: _flat_problem(
         "the output tensor", out, inp, n, "input"),
     "reduce_scatter": _reduce_scatter_rule,
-    "reduce_scatter_tensor": lambda n, me, root, inp, out, splits: _flat_problem(
+    "reduce_scatter_tensor": lambda n, group_rank, root, inp, out, splits: _flat_problem(
         "the input tensor", inp, out, n, "output"),
     "scatter": _scatter_rule,
     "gather": _gather_rule,

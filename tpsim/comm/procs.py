@@ -9,9 +9,9 @@ world of ``world_size`` processes and returns a :class:`tpsim.WorldResult`.
   then runs one submitted function after another. At most :data:`MAX_POOLS` pools and
   :data:`MAX_POOL_WORKERS` idle worker processes live at once (least recently used pools go first;
   a single pool larger than the worker bound is still kept, alone); an atexit hook ends them all.
-* **Start-up paid once.** Ranks are forked from the :mod:`zygote <tpsim.comm.zygote>`, a process
+* **Start-up paid once.** Ranks are forked from the :mod:`forker <tpsim.comm.forker>`, a process
   that imported torch and tpsim once (and the target, see :func:`preload`): a world of N ranks
-  starts in tens of milliseconds, not N imports of torch. Where no zygote can serve (no ``fork`` on
+  starts in tens of milliseconds, not N imports of torch. Where no forker can serve (no ``fork`` on
   this platform, an import left it multi-threaded, CUDA initialised in it) ranks are spawned.
 * **Pools live through refusals.** A run in which every rank raised its own exception (a clean
   refusal, e.g. a shape that does not divide) keeps its pool: every rank destroys the run's
@@ -48,14 +48,14 @@ from collections.abc import Callable, Sequence
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from tpsim.comm import _torchrun, deaths, zygote
+from tpsim.comm import _torchrun, forker, rank_death
 from tpsim.comm._payload import dump_call, import_hinted
 from tpsim.comm._tracing import parse_status
-from tpsim.comm._verdict import Unfinished, describe_exit, margin, settle
+from tpsim.comm._verdict import Unfinished, describe_exit, margin, values_or_raise
 from tpsim.comm._worker import RANK_MEMORY_BYTES, Outcome, rank_memory, worker_main
-from tpsim.comm.board import Board
 from tpsim.comm.limits import nccl_unavailable_reason
 from tpsim.comm.ops import P2P_OPS
+from tpsim.comm.rank_progress import RankProgress
 from tpsim.comm.result import WorldResult
 from tpsim.errors import BackendUnavailable, InvalidArgument, RankError
 
@@ -130,7 +130,7 @@ def replacements() -> dict[str, int]:
 def startup_bound(world_size: int) -> float:
     """Seconds a fresh pool may take to start its processes and join the world.
 
-    Starting is not part of a run's ``timeout``: ranks forked from the zygote start in milliseconds,
+    Starting is not part of a run's ``timeout``: ranks forked from the forker start in milliseconds,
     but a spawned rank imports torch, which takes a few seconds per process on a small machine.
     """
     return 60.0 + 5.0 * world_size
@@ -146,10 +146,10 @@ class _Pool:
         self.procs: list[Any] = []
         self.conns: list[Any] = []
         self.slots: list[Any] = []
-        #: Each rank's board (its marked phase), read when its process dies (tpsim.comm.board).
-        self.boards: list[Board] = []
+        #: Each rank's progress record (its marked phase), read when its process dies (tpsim.comm.rank_progress).
+        self.progress: list[RankProgress] = []
         self.tmpdir = tempfile.mkdtemp(prefix=f"tpsim-{backend}-w{world_size}-")
-        # Every rank's status slot and board, shared with the ranks through a file both sides map.
+        # Every rank's status slot and progress, shared with the ranks through a file both sides map.
         self.memory_path = os.path.join(self.tmpdir, "ranks")
         size = world_size * RANK_MEMORY_BYTES
         with open(self.memory_path, "wb") as fh:
@@ -157,30 +157,28 @@ class _Pool:
         with open(self.memory_path, "r+b") as fh:
             self.memory = mmap.mmap(fh.fileno(), size)
         for rank in range(world_size):
-            slot, board = rank_memory(self.memory, rank)
+            slot, progress = rank_memory(self.memory, rank)
             self.slots.append(slot)
-            self.boards.append(Board(board))
-        #: Whether the ranks were forked from the zygote (else spawned).
-        self.forked = False
+            self.progress.append(RankProgress(progress))
 
     # -- life cycle ------------------------------------------------------------------------
     def _fork(self, store_path: str, bound: float, hints: dict[str, str]) -> bool:
-        """Fork the ranks from the zygote, after it imported the modules ``hints`` names (a payload's:
+        """Fork the ranks from the forker, after it imported the modules ``hints`` names (a payload's:
         each rank would import them otherwise); False when it cannot serve this pool (then spawn)."""
-        if zygote.shared() is None:
+        if forker.shared() is None:
             return False
         try:
             if hints:
-                zygote.preload(import_hinted, (hints,), bound)
-            z = zygote.shared()  # a fresh one if that import left threads in the last one
+                forker.preload(import_hinted, (hints,), bound)
+            z = forker.shared()  # a fresh one if that import left threads in the last one
             if z is None:
                 return False
             z.wait_ready()
             if not z.safe:
-                zygote.replace()  # a later pool gets a fresh one
+                forker.replace()  # a later pool gets a fresh one
                 return False
-            # A child of the zygote: its parent is the zygote's single thread, so the parent-death
-            # signal may be armed; the zygote in turn dies with this process.
+            # A child of the forker: its parent is the forker's single thread, so the parent-death
+            # signal may be armed; the forker in turn dies with this process.
             children = z.fork(worker_main, [
                 (rank, self.world_size, self.backend, store_path, self.memory_path, z.pid, bound, True,
                  1 if z.inherited else 0)
@@ -189,7 +187,6 @@ class _Pool:
             return False
         self.procs = list(children)
         self.conns = [c.conn for c in children]
-        self.forked = True
         return True
 
     def _spawn(self, store_path: str, bound: float) -> None:
@@ -210,7 +207,7 @@ class _Pool:
             self.conns.append(parent_end)
 
     def start(self, hints: dict[str, str] | None = None) -> None:
-        """Start the ranks (forked from the zygote, else spawned) and wait (bounded) until every one
+        """Start the ranks (forked from the forker, else spawned) and wait (bounded) until every one
         has joined the world. ``hints``: the modules of the first payload (see :meth:`_fork`)."""
         store_path = os.path.join(self.tmpdir, "store")
         bound = startup_bound(self.world_size)
@@ -266,16 +263,16 @@ class _Pool:
             return  # a forked copy of the registry: these processes are not ours to kill
         for proc in self.procs:
             if proc.is_alive():
-                zygote.kill_group(proc.pid)  # with whatever the rank forked (its own process group)
+                forker.kill_group(proc.pid)  # with whatever the rank forked (its own process group)
         for proc in self.procs:
             proc.join(5.0)  # SIGKILL cannot be ignored; the bound only guards a wedged kernel
         for conn in self.conns:
             conn.close()
         for proc in self.procs:
-            if isinstance(proc, zygote.Child):
+            if isinstance(proc, forker.Child):
                 proc.close()
         shutil.rmtree(self.tmpdir, ignore_errors=True)
-        # The boards stay readable (a death is named from them after the kill); the mapping goes with them.
+        # The progress records stay readable (a death is named from them after the kill); the mapping goes with them.
         self.procs, self.conns, self.slots = [], [], []
 
     def reset(self, timeout: float) -> str | None:
@@ -321,7 +318,7 @@ class _Pool:
         self, payload: bytes, hints: dict[str, str], timeout: float, faults: tuple[Any, ...],
         checksum: bool = False, plain_data: bool = False,
     ) -> tuple[dict[int, Outcome], dict[int, int | None], dict[int, Unfinished], float, bool]:
-        """Run one call on every rank; return what settle() needs. Never waits unboundedly.
+        """Run one call on every rank; return what values_or_raise() needs. Never waits unboundedly.
 
         For ranks whose process ended, ``unfinished`` also holds what their status slot said
         last (e.g. ``dropped`` by the fault plan, and in which call).
@@ -440,14 +437,14 @@ def _discard(key: tuple[str, int], reason: str) -> None:
 
 
 def preload(fn: Callable[..., Any], args: tuple[Any, ...], bound: float) -> str | None:
-    """Run ``fn(*args)`` (top-level; e.g. resolve a target) in the zygote the ranks are forked from, so
+    """Run ``fn(*args)`` (top-level; e.g. resolve a target) in the forker the ranks are forked from, so
     every rank of every later pool starts with what it imported; the error it raised as text, or
-    None. Does nothing (None) where ranks are not forked from a zygote."""
+    None. Does nothing (None) where ranks are not forked from a forker."""
     if _torchrun.launched_world() is not None:
         return None
-    # An import that leaves threads behind retires the zygote: ranks then come from a fresh one
-    # without it, and import it themselves (zygote.preload).
-    return zygote.preload(fn, args, bound)
+    # An import that leaves threads behind retires the forker: ranks then come from a fresh one
+    # without it, and import it themselves (forker.preload).
+    return forker.preload(fn, args, bound)
 
 
 def _trim(pools: int, workers: int) -> None:
@@ -552,7 +549,7 @@ def run_processes(
         fired = [item for o in outcomes.values() for item in o.fired]
         fired += _fired_in_dead_ranks(faults, exits, unfinished)
         fired.sort(key=lambda item: item[1].rank)
-        boards = list(pool.boards)
+        progress = list(pool.progress)
         reason, detail = _after_run(outcomes, exits, unfinished, timed_out, world_size)
         if detail == "refused":  # every rank refused with its own error: reuse the pool if its world is sound
             why = pool.reset(timeout)
@@ -560,7 +557,7 @@ def run_processes(
         if reason is not None:
             _discard(key, reason)  # kill and reap now, before building the report
         try:
-            values, trace = settle(
+            values, trace = values_or_raise(
                 world_size=world_size,
                 backend=backend,
                 outcomes=outcomes,
@@ -572,7 +569,7 @@ def run_processes(
                 timeout=timeout,
             )
         except RankError as err:
-            death = _named_death(err, exits, unfinished, boards)
+            death = _named_death(err, exits, unfinished, progress)
             if death is err:
                 raise
             raise death from err
@@ -628,20 +625,20 @@ def _unmatched(outcomes: Any, world_size: int) -> str | None:
 
 
 def _named_death(err: RankError, exits: dict[int, int | None], unfinished: dict[int, Unfinished],
-                 boards: list[Board]) -> RankError:
+                 progress: list[RankProgress]) -> RankError:
     """``err`` as a :class:`tpsim.RankExited`/:class:`tpsim.RankCrashed` when it blames a rank whose
     process ended on its own (not one a fault plan dropped), naming the phase the rank marked."""
     def phase_of(rank: int) -> tuple[str | None, int | None]:
-        return boards[rank].view(1).phase_of(0) if rank < len(boards) else (None, None)
+        return progress[rank].view(1).phase_of(0) if rank < len(progress) else (None, None)
 
     rank = err.rank
     if type(err) is not RankError or rank not in exits:
-        return deaths.classify(err, phase_of)  # a rank's sys.exit / MemoryError, with its phase
+        return rank_death.classify(err, phase_of)  # a rank's sys.exit / MemoryError, with its phase
     state = unfinished.get(rank)
     if state is not None and state.state == "dropped":
         return err
     phase, step = phase_of(rank)
-    death = deaths.from_exit(rank, exits[rank], phase=phase, step=step)
+    death = rank_death.from_exit(rank, exits[rank], phase=phase, step=step)
     return type(death)(f"{death.summary}\n{err.summary}", rank=rank, phase=phase, step=step, cause=death.cause,
                        exitcode=death.exitcode, signal=death.signal, errors=err.errors, trace=err.trace,
                        faults_fired=err.faults_fired)

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from tpsim.comm import board, ops, runclock
+from tpsim.comm import ops, rank_progress, runclock
 from tpsim.comm.modstate import ModuleGlobals
 from tpsim.comm.threadworld import ProcessLocalState
 from tpsim.comm.trace import CollectiveCall
@@ -156,9 +156,9 @@ class Scheduler:
         self._watched = -1  # the hand-off count the run clock was started at
         self._clock: runclock.RunClock | None = None
         self._lock = threading.Lock()  # only contended after a timeout (two threads awake)
-        #: The rank board of an isolated worker (None elsewhere): told of every hand-off, so the
+        #: The rank progress record of an isolated worker (None elsewhere): told of every hand-off, so the
         #: worker's supervisor can name the running rank if the process dies.
-        self.board = board.installed()
+        self.progress = rank_progress.installed()
 
     # -- entering and leaving --------------------------------------------------------
     def start(self) -> None:
@@ -245,8 +245,8 @@ class Scheduler:
         self.holder = r
         self.last_handoff = _monotonic()
         self.handoffs += 1
-        if self.board is not None:
-            self.board.handoff(r)
+        if self.progress is not None:
+            self.progress.handoff(r)
         try:
             nxt.baton.release()
         except RuntimeError:  # already released: only after a timeout broke the world
@@ -300,8 +300,8 @@ class Scheduler:
         self.holder = rank
         self.last_handoff = time.monotonic()
         self.handoffs += 1
-        if self.board is not None:
-            self.board.handoff(rank)
+        if self.progress is not None:
+            self.progress.handoff(rank)
         try:
             slot.baton.release()
         except RuntimeError:  # already released: only after a timeout broke the world
@@ -418,11 +418,11 @@ class Scheduler:
         if nxt is not None:
             self._give(nxt)
 
-    def _declare_stuck(self, me: RankSlot | None) -> None:
+    def _declare_stuck(self, current: RankSlot | None) -> None:
         """No rank can proceed: explain the first unfinished wait and what every rank does."""
         blocked = [s for s in self.slots if s.state == BLOCKED]
-        if me is not None and me not in blocked:
-            blocked.insert(0, me)
+        if current is not None and current not in blocked:
+            blocked.insert(0, current)
         first = min(blocked, key=lambda s: s.rank)
         waiting = first.waiting_on
         if waiting is None:

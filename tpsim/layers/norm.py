@@ -46,6 +46,11 @@ def _copy_affine(src: nn.Module, dst: nn.Module) -> None:
                 target.copy_(value)
 
 
+def _factory_of(param: torch.Tensor | None) -> dict[str, Any]:
+    """The ``dtype`` and ``device`` of a copy of a norm whose weight is ``param`` (None: the defaults)."""
+    return {"dtype": None if param is None else param.dtype, "device": None if param is None else param.device}
+
+
 class _SequenceParallelNorm(nn.Module):
     """Shared set-up: replicated affine parameters whose grads are all-reduced when sequence-parallel."""
 
@@ -104,8 +109,31 @@ class _SequenceParallelNorm(nn.Module):
                 f"got input shape {tuple(x.shape)}"
             )
 
-    def _copy_into(self, dense: nn.Module) -> None:
+    #: The dense ``torch.nn`` norm this class copies (:meth:`from_dense`, :meth:`to_dense`).
+    DENSE: type[nn.Module]
+
+    @staticmethod
+    def _dense_args(norm: Any) -> tuple[Any, ...]:
+        """The positional constructor arguments ``norm`` (this class or :attr:`DENSE`) was built with."""
+        return norm.normalized_shape, norm.eps, norm.elementwise_affine
+
+    @classmethod
+    def from_dense(cls, norm: nn.Module, *, group: Group = None, **options: Any) -> Any:
+        """A copy of a dense norm of class :attr:`DENSE` (replicated: no communication); ``options``:
+        :attr:`OPTIONS`."""
+        if not isinstance(norm, cls.DENSE):
+            raise TypeError(f"{cls.__name__}.from_dense: norm must be a torch.nn.{cls.DENSE.__name__}, "
+                            f"got {type(norm).__name__}")
+        check_options(options, cls.OPTIONS, cls.__name__)
+        layer = cls(*cls._dense_args(norm), group=group, **_factory_of(norm.weight), **options)
+        _copy_affine(norm, layer)
+        return layer
+
+    def to_dense(self) -> nn.Module:
+        """An equal norm of class :attr:`DENSE` (no communication: the parameters are replicated)."""
+        dense = self.DENSE(*self._dense_args(self), **_factory_of(self.weight))
         _copy_affine(self, dense)
+        return dense
 
     def extra_repr(self) -> str:
         return (
@@ -123,6 +151,8 @@ class LayerNorm(_SequenceParallelNorm):
     docstring). ``sequence_dim`` is recorded for tools describing the layer; the norm itself
     works on the last dims and does not depend on it.
     """
+
+    DENSE = nn.LayerNorm
 
     def __init__(
         self,
@@ -145,39 +175,9 @@ class LayerNorm(_SequenceParallelNorm):
         self._check(input_)
         return F.layer_norm(input_, self.normalized_shape, self._param(self.weight), self._param(self.bias), self.eps)
 
-    @classmethod
-    def from_dense(cls, norm: nn.LayerNorm, *, group: Group = None, **options: Any) -> LayerNorm:
-        """A copy of a dense ``nn.LayerNorm`` (replicated: no communication)."""
-        if not isinstance(norm, nn.LayerNorm):
-            raise TypeError(f"{cls.__name__}.from_dense: norm must be a torch.nn.LayerNorm, got {type(norm).__name__}")
-        check_options(options, cls.OPTIONS, cls.__name__)
-        ref = norm.weight
-        layer = cls(
-            norm.normalized_shape,
-            norm.eps,
-            norm.elementwise_affine,
-            norm.bias is not None,
-            group=group,
-            dtype=None if ref is None else ref.dtype,
-            device=None if ref is None else ref.device,
-            **options,
-        )
-        _copy_affine(norm, layer)
-        return layer
-
-    def to_dense(self) -> nn.LayerNorm:
-        """An equal ``nn.LayerNorm`` (no communication: the parameters are replicated)."""
-        ref = self.weight
-        dense = nn.LayerNorm(
-            self.normalized_shape,
-            self.eps,
-            self.elementwise_affine,
-            bias=self.bias is not None,
-            dtype=None if ref is None else ref.dtype,
-            device=None if ref is None else ref.device,
-        )
-        self._copy_into(dense)
-        return dense
+    @staticmethod
+    def _dense_args(norm: Any) -> tuple[Any, ...]:
+        return norm.normalized_shape, norm.eps, norm.elementwise_affine, norm.bias is not None
 
 
 class RMSNorm(_SequenceParallelNorm):
@@ -186,6 +186,8 @@ class RMSNorm(_SequenceParallelNorm):
     Same arguments as ``nn.RMSNorm`` (``eps=None``: ``torch.finfo(dtype).eps``; weight ones), plus
     ``group``, ``sequence_parallel`` (default True) and ``sequence_dim`` as for :class:`LayerNorm`.
     """
+
+    DENSE = nn.RMSNorm
 
     def __init__(
         self,
@@ -206,35 +208,3 @@ class RMSNorm(_SequenceParallelNorm):
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         self._check(input_)
         return F.rms_norm(input_, self.normalized_shape, self._param(self.weight), self.eps)
-
-    @classmethod
-    def from_dense(cls, norm: nn.RMSNorm, *, group: Group = None, **options: Any) -> RMSNorm:
-        """A copy of a dense ``nn.RMSNorm`` (replicated: no communication)."""
-        if not isinstance(norm, nn.RMSNorm):
-            raise TypeError(f"{cls.__name__}.from_dense: norm must be a torch.nn.RMSNorm, got {type(norm).__name__}")
-        check_options(options, cls.OPTIONS, cls.__name__)
-        ref = norm.weight
-        layer = cls(
-            norm.normalized_shape,
-            norm.eps,
-            norm.elementwise_affine,
-            group=group,
-            dtype=None if ref is None else ref.dtype,
-            device=None if ref is None else ref.device,
-            **options,
-        )
-        _copy_affine(norm, layer)
-        return layer
-
-    def to_dense(self) -> nn.RMSNorm:
-        """An equal ``nn.RMSNorm`` (no communication: the parameters are replicated)."""
-        ref = self.weight
-        dense = nn.RMSNorm(
-            self.normalized_shape,
-            self.eps,
-            self.elementwise_affine,
-            dtype=None if ref is None else ref.dtype,
-            device=None if ref is None else ref.device,
-        )
-        self._copy_into(dense)
-        return dense

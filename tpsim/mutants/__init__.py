@@ -154,20 +154,7 @@ def master_weight_variant(cls: type[nn.Module], kind: str, *, name: str, output:
     def build(in_features: int, out_features: int, bias: bool, *, group: Any, master_weight: Any, **_: Any) -> nn.Module:
         return cls(in_features, out_features, bias, master_weight.clone(), group=group)
 
-    shard = Shard(0) if kind == "column" else Shard(1)
-    params = (
-        ParamSpec("weight", "weight", shard, load=False),
-        ParamSpec("bias", "bias", Shard(0) if kind == "column" else Replicate()),
-    )
-    return Variant(
-        name=name,
-        kind=kind,
-        build=build,
-        output=output,
-        params=params,
-        description=_first_paragraph(cls.__doc__),
-        target=f"{_MODULE}:{name}",
-    )
+    return _linear_variant(cls, kind, name, build, {"load": False}, output=output)
 
 
 def tp_rank_variant(cls: type[nn.Module], kind: str, *, name: str) -> Variant:
@@ -177,19 +164,19 @@ def tp_rank_variant(cls: type[nn.Module], kind: str, *, name: str) -> Variant:
               dtype: Any, **_: Any) -> nn.Module:
         return cls(in_features, out_features, world_size, rank, tp_group=group, bias=bias).to(dtype)
 
-    shard = Shard(0) if kind == "column" else Shard(1)
+    return _linear_variant(cls, kind, name, build, {"transposed": True})
+
+
+def _linear_variant(cls: type[nn.Module], kind: str, name: str, build: Any, weight: dict[str, bool],
+                    output: str | None = None) -> Variant:
+    """The variant of a mutant linear class: its weight sharded by ``kind`` (``weight``: how it is stored
+    and loaded), its bias by its placement (column ``S(0)``, row ``R``)."""
     params = (
-        ParamSpec("weight", "weight", shard, transposed=True),
+        ParamSpec("weight", "weight", Shard(0) if kind == "column" else Shard(1), **weight),
         ParamSpec("bias", "bias", Shard(0) if kind == "column" else Replicate()),
     )
-    return Variant(
-        name=name,
-        kind=kind,
-        build=build,
-        params=params,
-        description=_first_paragraph(cls.__doc__),
-        target=f"{_MODULE}:{name}",
-    )
+    return Variant(name=name, kind=kind, build=build, output=output, params=params,
+                   description=_first_paragraph(cls.__doc__), target=f"{_MODULE}:{name}")
 
 
 def norm_variant(cls: type[nn.Module], *, name: str, **options: Any) -> ModuleVariant:

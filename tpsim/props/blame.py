@@ -144,11 +144,11 @@ def rank_errors(error: RankError | None) -> dict[int, BaseException]:
     if error is None:
         return {}
     if error.errors or isinstance(error, CollectiveError):
-        return {r: _own(e) for r, e in error.errors.items()}
-    return {error.rank: _own(error)}
+        return {r: _unwrap_variant_error(e) for r, e in error.errors.items()}
+    return {error.rank: _unwrap_variant_error(error)}
 
 
-def _own(err: BaseException) -> BaseException:
+def _unwrap_variant_error(err: BaseException) -> BaseException:
     """A rank's own :class:`VariantRaised`, where a process backend wrapped it in the
     :class:`~tpsim.CollectiveError` of the call it failed in (its ``__cause__``): the phase and the
     collective's verdict are the variant's, as on inproc."""

@@ -118,7 +118,7 @@ def importing() -> Iterator[None]:
     """
     from tpsim._target_files import TargetError
     from tpsim.comm import isolate
-    from tpsim.session import safe_text
+    from tpsim.session import raised_at, safe_text
 
     cwd = os.getcwd()
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGCHLD)}
@@ -143,13 +143,7 @@ def importing() -> Iterator[None]:
     except Exception as exc:
         if not _frames_outside_tpsim(exc.__traceback__):
             raise
-        where = ""
-        tb = exc.__traceback__
-        while tb is not None and tb.tb_next is not None:
-            tb = tb.tb_next
-        if tb is not None:
-            where = f" at {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
-        raise TargetError(f"the target's code raised {type(exc).__name__}{where} while it was resolved: "
+        raise TargetError(f"the target's code raised {type(exc).__name__}{raised_at(exc)} while it was resolved: "
                           f"{safe_text(exc, 2000)}") from None
     finally:
         os._exit = real_exit

@@ -317,22 +317,28 @@ class Family:
         """Whether ``variant`` can shard the sizes of ``case`` (default: always)."""
         return True
 
-    def world(self, variant: Any, case: Any, **how: Any) -> World:
+    def world(self, variant: Any, case: Any, *, timeout: float = DEFAULT_TIMEOUT, isolate: bool = False,
+              layout: str | None = None, pieces: str | None = None, capture: bool = False, tie: Any = ()) -> World:
         """The world run of ``case``: the data drawn from its seed and the rank function. A family whose
         dense reference is itself a run raises :class:`~tpsim.props.observation.DenseReferenceFailed`
-        when that reference fails."""
+        when that reference fails. The other options are those of a family's re-runs, each read by the
+        family that has it: ``layout`` and ``pieces`` (linear: the contiguous twin of a case, the
+        ``torch.chunk`` pieces of a non-divisible one), ``capture`` and ``tie`` (module: every sublayer's
+        boundaries recorded, rows of masters made equal)."""
         raise NotImplementedError
 
     def observe(self, variant: Any, case: Any, *, backend: str = "inproc", timeout: float = DEFAULT_TIMEOUT,
-                isolate: bool = False, **how: Any) -> Observation:
+                isolate: bool = False, layout: str | None = None, pieces: str | None = None, capture: bool = False,
+                tie: Any = ()) -> Observation:
         """Run ``case`` once on a world of ``case.world_size`` ranks of ``backend`` (``isolate``: an
-        inproc world in a supervised worker process, :func:`tpsim.run`); ``how``: the family's own
-        options of the run (:meth:`world`)."""
+        inproc world in a supervised worker process, :func:`tpsim.run`); the other options go to
+        :meth:`world`."""
         from tpsim.props.launch import launch
 
         divisible = self.divisible(variant, case)
         try:
-            world = self.world(variant, case, timeout=timeout, isolate=isolate, **how)
+            world = self.world(variant, case, timeout=timeout, isolate=isolate, layout=layout, pieces=pieces,
+                               capture=capture, tie=tie)
         except DenseReferenceFailed as failed:
             return Observation(case, divisible=divisible, reference_error=failed)
         try:
@@ -372,9 +378,9 @@ class Family:
         applies = self.applicable(variant)
         return tuple(p for p in asked if p in applies)
 
-    def context(self, variant: Any, obs: Observation, g: int, ranks: Sequence[int], values: list[Any]) -> Any:
-        """The :attr:`context_type` of tp group ``g`` (global ``ranks``, ``values`` in tp rank order)."""
-        return self.context_type(variant, obs, g, ranks, values)
+    def context(self, variant: Any, obs: Observation, group_index: int, ranks: Sequence[int], values: list[Any]) -> Any:
+        """The :attr:`context_type` of tp group ``group_index`` (global ``ranks``, ``values`` in tp rank order)."""
+        return self.context_type(variant, obs, group_index, ranks, values)
 
     def offending(self, variant: Any, case: Any) -> tuple[str, list[int]]:
         """What does not divide in ``case`` (``"out_features=3 is not divisible by world_size=2"``) and
@@ -436,8 +442,8 @@ class Family:
         numbers (:mod:`tpsim.props.groups`; default: not recognised)."""
         return {}
 
-    def follow_up(self, variant: Any, case: Any, obs: Observation, failures: list[Any], *, backend: str,
-                  timeout: float, isolate: bool, properties: Sequence[str] | None) -> list[Any]:
+    def explain_failures(self, variant: Any, case: Any, obs: Observation, failures: list[Any], *, backend: str,
+                         timeout: float, isolate: bool, properties: Sequence[str] | None) -> list[Any]:
         """A failing case run again to say more about its failures (default: nothing more)."""
         return failures
 
@@ -452,8 +458,8 @@ class Family:
         obs = self.observe(variant, case, backend=backend, timeout=timeout, isolate=isolate)
         failures = self.judge(variant, obs, properties)
         if failures:
-            failures = self.follow_up(variant, case, obs, failures, backend=backend, timeout=timeout, isolate=isolate,
-                                      properties=properties)
+            failures = self.explain_failures(variant, case, obs, failures, backend=backend, timeout=timeout,
+                                             isolate=isolate, properties=properties)
             failures = self.confirm_claims(variant, case, failures, backend=backend, timeout=timeout,
                                            isolate=isolate, properties=properties)
         return group_causes(failures)
@@ -484,18 +490,18 @@ class Family:
                            isolate: bool, properties: Sequence[str] | None) -> list[Any]:
         """Run the float64 twin of a narrower ``case`` whose failures name one of :meth:`float64_claims`,
         and hold those names to what it shows (:func:`tpsim.diagnosis.confirm`)."""
-        from tpsim.diagnosis import confirm
+        from tpsim.diagnosis import confirm, each_failure
 
         patterns = self.float64_claims()
         if getattr(case, "dtype", "float64") == "float64" or not any(
-                g.diagnosis in patterns for f in failures for g in (f, *f.consequences)):
+                f.diagnosis in patterns for f in each_failure(failures)):
             return failures
         twin = case.replace(dtype="float64")
         obs = self.observe(variant, twin, backend=backend, timeout=timeout, isolate=isolate)
         found = self.judge(variant, obs, properties)
         if found:
-            found = self.follow_up(variant, twin, obs, found, backend=backend, timeout=timeout, isolate=isolate,
-                                   properties=properties)
+            found = self.explain_failures(variant, twin, obs, found, backend=backend, timeout=timeout,
+                                          isolate=isolate, properties=properties)
         confirm(failures, found, patterns, case.dtype)
         return failures
 
@@ -536,12 +542,12 @@ class Family:
         fails on one rank too is not confirmed (:func:`tpsim.diagnosis.confirm_on_one_rank`). A variant that
         cannot run on one rank (``min_tp_size``) is run on twice the ranks instead (:meth:`more_ranks_case`),
         where the same name must show with the factor of that tp size."""
-        from tpsim.diagnosis import confirm_on_one_rank, tp_factor_claim
+        from tpsim.diagnosis import confirm_on_one_rank, each_failure, tp_factor_claim
 
-        claimed = [g for f in failures for g in (f, *f.consequences) if tp_factor_claim(g)]
+        claimed = [f for f in each_failure(failures) if tp_factor_claim(f)]
         if not claimed or not self.one_rank_informative(variant):
             return failures
-        wanted = tuple(dict.fromkeys(g.property for g in claimed))
+        wanted = tuple(dict.fromkeys(f.property for f in claimed))
 
         def run(other: Any) -> list[Any]:
             return self.judge(variant, self.observe(variant, other, backend=backend, timeout=timeout, isolate=isolate),

@@ -208,7 +208,7 @@ def _leftovers() -> list[str]:
     from tpsim.comm import isolate, procs
 
     pooled = {p for pids in procs.live_worker_pids().values() for p in pids} | isolate.helper_pids()
-    me, left = os.getpid(), []
+    this_pid, left = os.getpid(), []
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
         if not entry.isdigit() or int(entry) in pooled:
             continue
@@ -220,7 +220,7 @@ def _leftovers() -> list[str]:
         except OSError:
             continue
         # A live child that is neither a pooled worker nor multiprocessing's own resource tracker.
-        if len(parts) > 1 and int(parts[1]) == me and parts[0] != "Z" and b"resource_tracker" not in cmd:
+        if len(parts) > 1 and int(parts[1]) == this_pid and parts[0] != "Z" and b"resource_tracker" not in cmd:
             left.append(f"process {entry}")
     left += [t.name for t in threading.enumerate() if t.name.startswith("tpsim-rank-") and t.is_alive()]
     return left

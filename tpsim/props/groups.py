@@ -23,7 +23,7 @@ in the other layout — and names that set (diagnosis ``wrong-group``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -59,10 +59,10 @@ def tp_group(case: Any, global_rank: int) -> tuple[Any, int, int, int]:
     if tp == case.world_size:
         return dist.group.WORLD, 0, global_rank, tp
     mine = None
-    for g, ranks in enumerate(tp_groups(case.world_size, tp, case.tp_layout)):
+    for index, ranks in enumerate(tp_groups(case.world_size, tp, case.tp_layout)):
         pg = dist.new_group(ranks)
         if global_rank in ranks:
-            mine = (pg, g, ranks.index(global_rank), tp)
+            mine = (pg, index, ranks.index(global_rank), tp)
     if mine is None:  # unreachable: the groups partition the world
         raise InvalidArgument(f"rank {global_rank} is in no tp group of {case.describe()}")
     return mine
@@ -70,9 +70,9 @@ def tp_group(case: Any, global_rank: int) -> tuple[Any, int, int, int]:
 
 def group_index(rank: int, groups: Sequence[Sequence[int]]) -> tuple[int, int]:
     """``(group, tp_rank)`` of global ``rank``."""
-    for g, ranks in enumerate(groups):
+    for index, ranks in enumerate(groups):
         if rank in ranks:
-            return g, list(ranks).index(rank)
+            return index, list(ranks).index(rank)
     raise InvalidArgument(f"rank={rank} is in none of the tp groups {groups}")
 
 
@@ -156,35 +156,33 @@ def wrong_group(
     return None
 
 
+def _per_rank(groups: Sequence[Sequence[int]], world_size: int,
+              piece: Callable[[int, int, int], torch.Tensor]) -> list[torch.Tensor]:
+    """``piece(group index, tp rank, tp size)`` of every global rank, in global rank order."""
+    tp = len(groups[0])
+    out: list[torch.Tensor] = [torch.empty(0)] * world_size
+    for index, ranks in enumerate(groups):
+        for t, r in enumerate(ranks):
+            out[r] = piece(index, t, tp)
+    return out
+
+
 def row_summands(x_by_group: Sequence[torch.Tensor], weight: torch.Tensor, groups: Sequence[Sequence[int]],
                  world_size: int) -> list[torch.Tensor]:
     """Each global rank's row-layer summand ``x_r W_rᵀ`` (its group's input, its tp shard)."""
-    tp = len(groups[0])
-    out: list[torch.Tensor] = [torch.empty(0)] * world_size
-    for g, ranks in enumerate(groups):
-        for t, r in enumerate(ranks):
-            out[r] = shard_tensor(x_by_group[g], Shard(-1), t, tp) @ shard_tensor(weight, Shard(1), t, tp).t()
-    return out
+    return _per_rank(groups, world_size, lambda index, t, tp: (
+        shard_tensor(x_by_group[index], Shard(-1), t, tp) @ shard_tensor(weight, Shard(1), t, tp).t()))
 
 
-def column_grad_summands(g_by_group: Sequence[torch.Tensor], weight: torch.Tensor, groups: Sequence[Sequence[int]],
-                         world_size: int) -> list[torch.Tensor]:
+def column_grad_summands(grad_by_group: Sequence[torch.Tensor], weight: torch.Tensor,
+                         groups: Sequence[Sequence[int]], world_size: int) -> list[torch.Tensor]:
     """Each global rank's column-layer input-grad summand ``g_r W_r`` (its group's upstream grad,
     its tp shard of the output features)."""
-    tp = len(groups[0])
-    out: list[torch.Tensor] = [torch.empty(0)] * world_size
-    for g, ranks in enumerate(groups):
-        for t, r in enumerate(ranks):
-            out[r] = shard_tensor(g_by_group[g], Shard(-1), t, tp) @ shard_tensor(weight, Shard(0), t, tp)
-    return out
+    return _per_rank(groups, world_size, lambda index, t, tp: (
+        shard_tensor(grad_by_group[index], Shard(-1), t, tp) @ shard_tensor(weight, Shard(0), t, tp)))
 
 
 def column_output_shards(y_by_group: Sequence[torch.Tensor], groups: Sequence[Sequence[int]],
                          world_size: int) -> list[torch.Tensor]:
     """Each global rank's column-layer output shard (its group's dense output, its tp slice)."""
-    tp = len(groups[0])
-    out: list[torch.Tensor] = [torch.empty(0)] * world_size
-    for g, ranks in enumerate(groups):
-        for t, r in enumerate(ranks):
-            out[r] = shard_tensor(y_by_group[g], Shard(-1), t, tp)
-    return out
+    return _per_rank(groups, world_size, lambda index, t, tp: shard_tensor(y_by_group[index], Shard(-1), t, tp))

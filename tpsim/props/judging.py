@@ -81,12 +81,13 @@ class Replicated:
 
 class GroupContext:
     """One tp group of one observation, as every check of the registry sees it: the variant, the
-    case, the observation, the group's index ``g`` and global ``ranks``, every rank's result in tp
+    case, the observation, the group's index ``g`` (``group_index``) and global ``ranks``, every rank's result in tp
     rank order (``values``), and the one tolerance model of the case (:meth:`tol`). A family's
     context adds its dense reference and says what is replicated (:meth:`replicated`)."""
 
-    def __init__(self, variant: Any, obs: Observation, g: int, ranks: Sequence[int], values: list[Any]) -> None:
-        self.variant, self.obs, self.case, self.g = variant, obs, obs.case, g
+    def __init__(self, variant: Any, obs: Observation, group_index: int, ranks: Sequence[int],
+                 values: list[Any]) -> None:
+        self.variant, self.obs, self.case, self.g = variant, obs, obs.case, group_index
         self.ranks = list(ranks)
         self.values = values
         self.tp = len(values)
@@ -195,14 +196,14 @@ def reference_failure(variant: Any, obs: Observation, failed: DenseReferenceFail
                    details={"phase": "reference"})
 
 
-def relabel(failures: list[Failure], g: int, ranks: Sequence[int]) -> list[Failure]:
-    """``failures`` of tp group ``g`` (global ``ranks``) with their ranks made global and the group named."""
+def relabel(failures: list[Failure], group_index: int, ranks: Sequence[int]) -> list[Failure]:
+    """``failures`` of tp group ``group_index`` (global ``ranks``) with their ranks made global and the group named."""
     for f in failures:
         if f.rank is not None:
             f.details = dict(f.details, tp_rank=f.rank)
             f.rank = ranks[f.rank]
-        f.details = dict(f.details, group=g, group_ranks=list(ranks))
-        f.message = f"in tp group {g} (global ranks {list(ranks)}; rank numbers below are tp ranks): {f.message}"
+        f.details = dict(f.details, group=group_index, group_ranks=list(ranks))
+        f.message = f"in tp group {group_index} (global ranks {list(ranks)}; rank numbers below are tp ranks): {f.message}"
     return failures
 
 
@@ -235,8 +236,8 @@ def judge_groups(family: Family, variant: Any, obs: Observation, wanted: Sequenc
     """Each tp group of a run every rank finished, judged on its own; the first that fails is reported."""
     case, values = obs.case, obs.values or []
     groups = tp_groups(case.world_size, case.tp_size or case.world_size, case.tp_layout)
-    for g, ranks in enumerate(groups):
-        ctx = family.context(variant, obs, g, ranks, [values[r] for r in ranks])
+    for group_index, ranks in enumerate(groups):
+        ctx = family.context(variant, obs, group_index, ranks, [values[r] for r in ranks])
         if ctx.unusable:  # no backward ran: only the forward can be judged
             found = family.checks[FORWARD](ctx)
             failures = [found or ctx.fail(FORWARD, Diagnosis(SHAPE_ERROR, "the output shape does not match the "
@@ -264,5 +265,5 @@ def judge_groups(family: Family, variant: Any, obs: Observation, wanted: Sequenc
         return [Failure(f.property, WRONG_GROUP, wrong[f.property]["message"], case=case, rank=0,
                         variant=variant.name, details={"used": wrong[f.property]["used"],
                                                        "used_ranks": wrong[f.property]["ranks"], "groups": groups})
-                if f.property in wrong else relabel([f], g, ranks)[0] for f in failures]
+                if f.property in wrong else relabel([f], group_index, ranks)[0] for f in failures]
     return []

@@ -5,8 +5,8 @@ Every family's world run goes through :func:`launch`. In this process (``inproc`
 inproc worker) get its target string, name and options and resolve it again (:func:`variant_of`),
 so a variant needs a target string there (:func:`target_ref` says so otherwise).
 
-Importing a target is not part of a case: :func:`warm_workers` imports it once in the zygote the
-worker processes are forked from (:mod:`tpsim.comm.zygote`), so every worker starts with it, and
+Importing a target is not part of a case: :func:`warm_workers` imports it once in the forker the
+worker processes are forked from (:mod:`tpsim.comm.forker`), so every worker starts with it, and
 then resolves it in the worker processes once, before the first case of that world size, so that a
 slow import (Megatron-core takes seconds per process, many on a loaded machine) is never counted
 against a case's timeout — or against the grace the ranks of a failed run get to report their own
@@ -42,7 +42,7 @@ __all__ = [
 #: Seconds worker processes get to import a target the first time.
 WARM_TIMEOUT = 300.0
 _warmed: set[tuple[Any, ...]] = set()
-#: Targets (and options) the zygote was asked to import, with the zygote's pid at the time.
+#: Targets (and options) the forker was asked to import, with the forker's pid at the time.
 _preloaded: set[tuple[Any, ...]] = set()
 
 #: ``(target, name, options, changes)``: a variant as worker processes resolve it (``changes``: the
@@ -224,12 +224,12 @@ def warm_workers(ref: Ref, world_size: int, *, backend: str, isolate: bool, slot
 
 
 def _preload(ref: Ref, backend: str, isolate: bool) -> None:
-    """Import the target in the zygote the workers are forked from (once per zygote)."""
-    from tpsim.comm import procs, zygote
+    """Import the target in the forker the workers are forked from (once per forker)."""
+    from tpsim.comm import forker, procs
 
     if backend not in procs.PROCESS_BACKENDS and not isolate:
         return
-    key = (ref[0], repr(ref[2]), zygote.pid())  # the target's import: its changes need no preload
+    key = (ref[0], repr(ref[2]), forker.pid())  # the target's import: its changes need no preload
     if key in _preloaded:
         return
     _preloaded.add(key)

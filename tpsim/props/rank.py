@@ -5,11 +5,11 @@ worker can run it) starts with :func:`enter_rank` — the case, the variant (the
 resolved again from its target in a worker process), the data the parent drew, this rank's tp
 group — and runs each piece of the variant's code inside :class:`rank_phase`::
 
-    me = enter_rank(payload)
+    this_rank = enter_rank(payload)
     with rank_phase("build"):
-        module = me.variant.build(...)
+        module = this_rank.variant.build(...)
     with rank_phase("forward", step):
-        out = me.variant.call(module, x)
+        out = this_rank.variant.call(module, x)
 
 :class:`rank_phase` marks the phase (an isolated worker names the phase of a rank that dies or
 hangs, :func:`tpsim.mark_phase`) and turns whatever the variant raises into the
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tpsim.comm.board import mark_phase
+from tpsim.comm.rank_progress import mark_phase
 from tpsim.props.blame import variant_raised
 from tpsim.props.groups import tp_group
 from tpsim.props.launch import variant_of
@@ -123,8 +123,8 @@ def kept_grad(p: torch.Tensor | None) -> torch.Tensor | None:
     """A copy of ``p.grad`` (detached), as a rank records it: later micro-batches accumulate into the grad,
     the trainer's sum, a clip and ``zero_grad(set_to_none=False)`` change it in place, and a module may
     keep it in a buffer it reuses (a ``main_grad``)."""
-    g = None if p is None else p.grad
-    return None if g is None else g.detach().clone()
+    grad = None if p is None else p.grad
+    return None if grad is None else grad.detach().clone()
 
 
 @dataclass

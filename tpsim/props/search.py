@@ -68,6 +68,7 @@ from tpsim.diagnosis import (
     MISMATCH,
     SHAPE_ERROR,
     Failure,
+    each_failure,
     follows_from,
     group_causes,
 )
@@ -474,9 +475,8 @@ def search(
         if failures:
             # One cause, one report (a family's checks may return its failures ungrouped).
             failures = group_causes(failures)
-            for f in failures:
-                for g in (f, *f.consequences):
-                    first_seen.setdefault((g.property, g.diagnosis), calls)
+            for f in each_failure(failures):
+                first_seen.setdefault((f.property, f.diagnosis), calls)
             seen_failing[key] = failures
         return failures
 
@@ -744,10 +744,9 @@ def _merge(found: list[_Found], first_seen: dict[tuple[str, str], int]) -> list[
         owner.consequences.append(f)
         owner.consequences.extend(f.consequences)
         f.consequences = []
-    for f in causes:
-        for g in (f, *f.consequences):
-            g.case = g.case.replace(property=g.property) if isinstance(g.case, Case) else g.case
-            g.found_after = first_seen.get((g.property, g.diagnosis))
+    for f in each_failure(causes):
+        f.case = f.case.replace(property=f.property) if isinstance(f.case, Case) else f.case
+        f.found_after = first_seen.get((f.property, f.diagnosis))
     causes.sort(key=lambda f: (order.get(f.property, len(order)), f.found_after or 0))
     return causes
 

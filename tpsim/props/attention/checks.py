@@ -91,16 +91,17 @@ def _piece(case: AttentionCase, variant: AttentionVariant, name: str, full: torc
     return full  # proj.bias: replicated
 
 
-def _reference(case: AttentionCase, obs: Observation, g: int, **changes: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """The float64 reference of tp group ``g`` with its twin's bounds; with ``changes`` (``scale``,
+def _reference(case: AttentionCase, obs: Observation, group_index: int,
+               **changes: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The float64 reference of tp group ``group_index`` with its twin's bounds; with ``changes`` (``scale``,
     ``kv_map``: :func:`tpsim.props.attention.reference.attention_run`), the output a buggy block gives,
     with the correct output's bound."""
     data = obs.data
+    drawn = (case, data.masters, data.inputs[group_index], data.grads[group_index])
     if not changes:
-        return attention_reference(case, data.masters, data.inputs[g], data.grads[g])
-    tol = attention_reference(case, data.masters, data.inputs[g], data.grads[g])["y"][1]
-    return {"y": (attention_run(case, data.masters, data.inputs[g], data.grads[g], **changes)["y"].to(torch.float64),
-                  tol)}
+        return attention_reference(*drawn)
+    tol = attention_reference(*drawn)["y"][1]
+    return {"y": (attention_run(*drawn, **changes)["y"].to(torch.float64), tol)}
 
 
 def _outputs_match(variant: AttentionVariant, case: AttentionCase, values: list[AttentionRankResult], group: list[int],
@@ -117,13 +118,14 @@ def _outputs_match(variant: AttentionVariant, case: AttentionCase, values: list[
 
 @recogniser(ATTENTION_SCALE)
 def _attention_scale(variant: AttentionVariant, case: AttentionCase, obs: Observation, values: list[AttentionRankResult],
-                     group: list[int], g: int) -> Failure | None:
+                     group: list[int], group_index: int) -> Failure | None:
     tp = len(group)
     if tp < 2:
         return None
     for label, c in ((f"sqrt(tp) = sqrt({tp})", math.sqrt(tp)), (f"1/sqrt(tp) = 1/sqrt({tp})", 1 / math.sqrt(tp)),
                      (f"tp = {tp}", float(tp)), (f"1/tp = 1/{tp}", 1.0 / tp)):
-        if _outputs_match(variant, case, values, group, _reference(case, obs, g, scale=c / math.sqrt(case.head_dim))):
+        scaled = _reference(case, obs, group_index, scale=c / math.sqrt(case.head_dim))
+        if _outputs_match(variant, case, values, group, scaled):
             return failure(variant, case, FORWARD, ATTENTION_SCALE,
                            f"the output is the attention with its softmax scale multiplied by {label}: the scale "
                            f"{c:.6g}/sqrt(head_dim) was computed from a per-rank size (e.g. the local projection "
@@ -154,7 +156,7 @@ def _held_kv_heads(case: AttentionCase, stored: torch.Tensor, masters: dict[str,
 
 @recogniser(QKV_HEAD_MISMATCH, KV_HEADS_NOT_REPLICATED)
 def _kv_pairing(variant: AttentionVariant, case: AttentionCase, obs: Observation, values: list[AttentionRankResult],
-                group: list[int], g: int) -> Failure | None:
+                group: list[int], group_index: int) -> Failure | None:
     """Read which key/value heads every rank holds; if a rank's differ from its query heads' groups,
     recompute the attention with that pairing and name it when the output matches."""
     tp, h, kv = len(group), case.num_heads, case.num_kv_heads
@@ -181,7 +183,7 @@ def _kv_pairing(variant: AttentionVariant, case: AttentionCase, obs: Observation
         per_kv = len(q_heads) // len(held)
         for j, head in enumerate(q_heads):
             kv_map[head] = held[j // per_kv]  # the local grouping: local query head j uses local K/V head j // per_kv
-    if not wrong or not _outputs_match(variant, case, values, group, _reference(case, obs, g, kv_map=kv_map)):
+    if not wrong or not _outputs_match(variant, case, values, group, _reference(case, obs, group_index, kv_map=kv_map)):
         return None
     name = KV_HEADS_NOT_REPLICATED if kv < tp else QKV_HEAD_MISMATCH
     canonical = [i // (h // kv) for i in range(h)]
@@ -204,10 +206,10 @@ _PROPERTY = {"y": FORWARD, "x": INPUT_GRAD, "qkv.weight": WEIGHT_GRAD, "proj.wei
 class AttentionContext(GroupContext):
     """One tp group of an attention case: the float64 reference of its data and the bounds."""
 
-    def __init__(self, variant: AttentionVariant, obs: Observation, g: int, ranks: Sequence[int],
+    def __init__(self, variant: AttentionVariant, obs: Observation, group_index: int, ranks: Sequence[int],
                  values: list[AttentionRankResult]) -> None:
-        super().__init__(variant, obs, g, ranks, values)
-        self.ref = _reference(self.case, obs, g)
+        super().__init__(variant, obs, group_index, ranks, values)
+        self.ref = _reference(self.case, obs, group_index)
         self.group = list(range(self.tp))
 
     def replicated(self) -> list[Replicated]:

@@ -39,12 +39,12 @@ class AttentionData:
 
 def attention_data(case: AttentionCase) -> AttentionData:
     """Draw the parameters, then per group the input and the upstream grad (see the module docstring)."""
-    g = torch.Generator().manual_seed(case.seed)
+    gen = torch.Generator().manual_seed(case.seed)
     dt = case.torch_dtype
     h, kv, d, hid = case.num_heads, case.num_kv_heads, case.head_dim, case.hidden
 
     def draw(*shape: int, scale: float = 1.0) -> torch.Tensor:
-        return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dt)
+        return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(dt)
 
     rows = (h + 2 * kv) * d
     masters: dict[str, torch.Tensor | None] = {
@@ -82,17 +82,18 @@ def _sequence_slice(t: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
 
 def attention_rank(payload: dict[str, Any]) -> AttentionRankResult:
     """What every rank runs for one attention case: build from the masters, forward, backward."""
-    me = enter_rank(payload)
-    case, variant, data, g, rank, tp = me.case, me.variant, me.data, me.g, me.rank, me.tp
+    this_rank = enter_rank(payload)
+    case, variant, data, group_index, rank, tp = (this_rank.case, this_rank.variant, this_rank.data, this_rank.g,
+                                                  this_rank.rank, this_rank.tp)
     with rank_phase("build"):
         module = variant.build(case.hidden, case.num_heads, case.num_kv_heads, case.head_dim, bias=case.bias,
-                               causal=case.causal, sequence_parallel=variant.sequence_parallel, group=me.group,
+                               causal=case.causal, sequence_parallel=variant.sequence_parallel, group=this_rank.group,
                                dtype=case.torch_dtype,
                                masters={k: None if v is None else v.clone() for k, v in data.masters.items()})
     params = {ours: get_param(module, theirs) for ours, theirs in zip(ATTENTION_PARAMS, variant.params, strict=True)}
-    result = AttentionRankResult(group=g, tp_rank=rank,
+    result = AttentionRankResult(group=group_index, tp_rank=rank,
                                  values={k: None if p is None else p.detach().clone() for k, p in params.items()})
-    x, upstream = data.inputs[g], data.grads[g]
+    x, upstream = data.inputs[group_index], data.grads[group_index]
     if variant.sequence_parallel:
         x, upstream = _sequence_slice(x, tp, rank), _sequence_slice(upstream, tp, rank)
     x = x.clone().requires_grad_()

@@ -132,10 +132,11 @@ class LinearContext(GroupContext):
     while ``variant``/``case`` are the replica-expanded view the checks compare with
     (:func:`tpsim.props.linear.world.expanded_view`)."""
 
-    def __init__(self, variant: Variant, obs: Observation, g: int, ranks: Sequence[int], values: list[RankResult]):
-        super().__init__(variant, obs, g, ranks, values)
+    def __init__(self, variant: Variant, obs: Observation, group_index: int, ranks: Sequence[int],
+                 values: list[RankResult]):
+        super().__init__(variant, obs, group_index, ranks, values)
         declared = (variant, obs.case)
-        drawn = obs.data.for_group(g)
+        drawn = obs.data.for_group(group_index)
         self.variant, self.case, masters = expanded_view(variant, obs.case, drawn)
         self.ref: Reference = reference(self.case, masters)
         self.ws = self.tp
@@ -360,18 +361,18 @@ def _sequence_grad_split(ctx: LinearContext) -> Recogniser:
     def recognise(placed: Placed, actual: torch.Tensor, pieces: list[torch.Tensor]) -> Diagnosis | None:
         v, ws, ref = ctx.variant, ctx.ws, ctx.ref
         weight = v.param("weight")
-        if v.kind != "column" or v.input != "sequence-sharded" or ws < 2 or weight is None or ref.g is None:
+        if v.kind != "column" or v.input != "sequence-sharded" or ws < 2 or weight is None or ref.upstream is None:
             return None
         in_place = v.input_placement
         if not isinstance(in_place, Shard):
             return None
         features = Shard(-1, parts=v.packed) if v.packed else Shard(-1)  # rank r's output features, however returned
-        for r, g in enumerate(pieces):
-            own = shard_tensor(ref.g, features, r, ws) @ shard_tensor(ref.weight, weight.placement, r, ws)
-            own_mag = shard_tensor(ref.g.abs(), features, r, ws) @ shard_tensor(ref.weight.abs(), weight.placement, r, ws)
+        for r, piece in enumerate(pieces):
+            own = shard_tensor(ref.upstream, features, r, ws) @ shard_tensor(ref.weight, weight.placement, r, ws)
+            own_mag = shard_tensor(ref.upstream.abs(), features, r, ws) @ shard_tensor(ref.weight.abs(), weight.placement, r, ws)
             expected = shard_tensor(own, in_place, r, ws)
-            if g.shape != expected.shape or not close(g, expected, ctx.tol(shard_tensor(own_mag, in_place, r, ws),
-                                                                         ctx.case.out_features)):
+            bound = ctx.tol(shard_tensor(own_mag, in_place, r, ws), ctx.case.out_features)
+            if piece.shape != expected.shape or not close(piece, expected, bound):
                 return None
         return Diagnosis(
             GRAD_NOT_REDUCED,
@@ -391,7 +392,7 @@ def _input_grad(ctx: LinearContext) -> Failure | None:
     # output features), which precision-loss can recompute in a narrower dtype.
     summands = None
     if not sharded and v.kind == "column" and ws > 1:
-        summands = [shard_tensor(ref.g, Shard(-1), r, ws) @ shard_tensor(ref.weight, Shard(0), r, ws) for r in range(ws)]
+        summands = [shard_tensor(ref.upstream, Shard(-1), r, ws) @ shard_tensor(ref.weight, Shard(0), r, ws) for r in range(ws)]
     placed = Placed("the input grad" + (" summed over ranks" if summed else ""), [x.input_grad for x in ctx.values],
                     ref.dx, ctx.tol(ref.mag["dx"], ctx.case.out_features),
                     v.input_placement if sharded else Replicate(), summed=summed, grad=True,

@@ -204,21 +204,27 @@ class LinearFamily(Family, name="linear", kinds=KINDS, variant_type=Variant, cas
     def divisible(self, variant: Variant, case: Case) -> bool:
         return is_divisible(variant, case)
 
-    def observe(self, variant: Variant, case: Case, **how: Any) -> Observation:
+    def observe(self, variant: Variant, case: Case, *, backend: str = "inproc", timeout: float = DEFAULT_TIMEOUT,
+                isolate: bool = False, layout: str | None = None, pieces: str | None = None, capture: bool = False,
+                tie: Any = ()) -> Observation:
         """The world run of ``case``; a non-divisible case whose ranks' parameters all have
         ``torch.chunk``'s pieces, and not all ``torch.tensor_split``'s, runs again with every rank
         loaded and fed by chunk's (a rank whose piece has the same size in both layouts cannot tell
         alone which one the layer uses: its peers' shapes say)."""
-        obs = super().observe(variant, case, **how)
+        def run(pieces: str | None) -> Observation:
+            return super(LinearFamily, self).observe(variant, case, backend=backend, timeout=timeout, isolate=isolate,
+                                                     layout=layout, pieces=pieces, capture=capture, tie=tie)
+
+        obs = run(pieces)
         values = obs.values or []
-        if (not obs.divisible and how.get("pieces") is None and values
+        if (not obs.divisible and pieces is None and values
                 and all("chunk" in getattr(v, "fits", ()) for v in values)
                 and not all("tensor_split" in getattr(v, "fits", ()) for v in values)):
-            return super().observe(variant, case, **how, pieces="chunk")
+            return run("chunk")
         return obs
 
-    def world(self, variant: Variant, case: Case, *, layout: str | None = None, pieces: str | None = None,
-              **_: Any) -> World:
+    def world(self, variant: Variant, case: Case, *, timeout: float = DEFAULT_TIMEOUT, isolate: bool = False,
+              layout: str | None = None, pieces: str | None = None, capture: bool = False, tie: Any = ()) -> World:
         """``layout`` overrides the memory layout of the case's tensors (same values): ``"contiguous"``
         runs the contiguous twin of a non-contiguous case; ``pieces`` (``"chunk"``) the layout every
         rank of a non-divisible case is loaded and fed by (see :meth:`observe`)."""
@@ -245,8 +251,8 @@ class LinearFamily(Family, name="linear", kinds=KINDS, variant_type=Variant, cas
     def wrong_group(self, variant: Variant, obs: Observation, groups: list[list[int]]) -> dict[str, dict[str, Any]]:
         return wrong_group(variant, obs, groups)
 
-    def follow_up(self, variant: Variant, case: Case, obs: Observation, failures: list[Any], *, backend: str,
-                  timeout: float, isolate: bool, properties: Sequence[str] | None) -> list[Any]:
+    def explain_failures(self, variant: Variant, case: Case, obs: Observation, failures: list[Any], *, backend: str,
+                         timeout: float, isolate: bool, properties: Sequence[str] | None) -> list[Any]:
         """A failing case with a non-contiguous ``input_layout`` is run again as its contiguous twin
         (same values, contiguous tensors): a failure the twin does not show appears only for
         non-contiguous layouts, and says so."""
@@ -307,7 +313,8 @@ def check_case(
     return LINEAR.check_case(variant, case, backend=backend, timeout=timeout, properties=properties, isolate=isolate)
 
 
-def _one(prop: str) -> Callable[..., None]:
+def _property_check(prop: str, doc: str) -> Callable[..., None]:
+    """The public function that checks property ``prop`` on one case (raises :class:`PropertyFailed`)."""
     def check(variant: Variant, case: Case, *, backend: str = "inproc", timeout: float = DEFAULT_TIMEOUT) -> None:
         obs = _observation(variant, case, backend, timeout)
         if prop == DIVISIBILITY and obs.divisible:
@@ -318,22 +325,22 @@ def _one(prop: str) -> Callable[..., None]:
         for failure in LINEAR.judge(variant, obs, (prop,)):
             raise PropertyFailed(failure)
 
-    check.__name__ = prop.replace("-", "_")
+    check.__name__, check.__doc__ = prop.replace("-", "_"), doc
     return check
 
 
-forward_equivalence = _one(FORWARD)
-forward_equivalence.__doc__ = "The output (assembled by the output placement) equals the dense float64 output."
-input_grad_equivalence = _one(INPUT_GRAD)
-input_grad_equivalence.__doc__ = "Each rank's input grad matches the dense input grad (complete/partial/sharded)."
-weight_grad_equivalence = _one(WEIGHT_GRAD)
-weight_grad_equivalence.__doc__ = "Each rank's weight grad equals its slice of the dense weight grad (layout honoured)."
-bias_grad_equivalence = _one(BIAS_GRAD)
-bias_grad_equivalence.__doc__ = "Each rank's bias grad equals its slice (column) or the whole (row) dense bias grad."
-replica_consistency = _one(REPLICA)
-replica_consistency.__doc__ = "Replicated outputs, input grads and replicated parameters agree bit for bit across ranks."
-training_equivalence = _one(TRAINING)
-training_equivalence.__doc__ = ("Trained as people train (micro-batches accumulated, then an SGD step), the accumulated "
-                                "grads and the re-assembled parameters match dense training.")
-divisibility = _one(DIVISIBILITY)
-divisibility.__doc__ = "A non-divisible case raises on every rank (no hang, no silent truncation)."
+forward_equivalence = _property_check(
+    FORWARD, "The output (assembled by the output placement) equals the dense float64 output.")
+input_grad_equivalence = _property_check(
+    INPUT_GRAD, "Each rank's input grad matches the dense input grad (complete/partial/sharded).")
+weight_grad_equivalence = _property_check(
+    WEIGHT_GRAD, "Each rank's weight grad equals its slice of the dense weight grad (layout honoured).")
+bias_grad_equivalence = _property_check(
+    BIAS_GRAD, "Each rank's bias grad equals its slice (column) or the whole (row) dense bias grad.")
+replica_consistency = _property_check(
+    REPLICA, "Replicated outputs, input grads and replicated parameters agree bit for bit across ranks.")
+training_equivalence = _property_check(
+    TRAINING, "Trained as people train (micro-batches accumulated, then an SGD step), the accumulated grads and "
+    "the re-assembled parameters match dense training.")
+divisibility = _property_check(
+    DIVISIBILITY, "A non-divisible case raises on every rank (no hang, no silent truncation).")

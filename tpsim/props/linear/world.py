@@ -144,11 +144,11 @@ class Masters:
     #: ``inputs``/``grads`` are group 0's. Every group shares the master weight and bias.
     groups: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=list)
 
-    def for_group(self, g: int) -> Masters:
-        """The masters tp group ``g`` sees (its own inputs and grads, the shared parameters)."""
-        if g == 0:
+    def for_group(self, group_index: int) -> Masters:
+        """The masters tp group ``group_index`` sees (its own inputs and grads, the shared parameters)."""
+        if group_index == 0:
             return Masters(self.weight, self.bias, self.inputs, self.grads)
-        inputs, grads = self.groups[g - 1]
+        inputs, grads = self.groups[group_index - 1]
         return Masters(self.weight, self.bias, inputs, grads)
 
 
@@ -274,13 +274,13 @@ def replica_trained(variant: Variant, case: Case, masters: Masters, expanded: Ma
     placement, _, _, tp = _kv_layout(variant, case)
     index = torch.cat([shard_tensor(torch.arange(case.out_features), placement, r, tp) for r in range(tp)])
 
-    def collapse(g: torch.Tensor) -> torch.Tensor:
-        g = g.to(torch.float64)
-        return torch.zeros(*g.shape[:-1], case.out_features, dtype=torch.float64).index_add_(-1, index, g)
+    def collapse(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.to(torch.float64)
+        return torch.zeros(*grad.shape[:-1], case.out_features, dtype=torch.float64).index_add_(-1, index, grad)
 
-    dense = reference(case, Masters(masters.weight, masters.bias, expanded.inputs, [collapse(g) for g in expanded.grads]))
+    dense = reference(case, Masters(masters.weight, masters.bias, expanded.inputs, [collapse(grad) for grad in expanded.grads]))
     mags = reference(case, Masters(masters.weight, masters.bias, expanded.inputs,
-                                   [collapse(g.abs()) for g in expanded.grads]))
+                                   [collapse(grad.abs()) for grad in expanded.grads]))
     out = {f"final_{k}": replica_expanded(v, placement, tp) for k, v in dense.final.items()}
     mag = {f"final_{k}": replica_expanded(mags.mag[f"final_{k}"], placement, tp) for k in dense.final}
     for name, t in (("dweight", dense.dweight), ("dbias", dense.dbias), ("acc_dweight", dense.acc_dweight),
@@ -373,11 +373,11 @@ def _partial_params(variant: Variant, module: Any, specs: list[Any]) -> tuple[st
 
 def rank_main(payload: dict[str, Any]) -> RankResult:
     """What every rank runs for one case (see the module docstring)."""
-    me = enter_rank(payload)
-    case, variant = me.case, me.variant
+    this_rank = enter_rank(payload)
+    case, variant = this_rank.case, this_rank.variant
     # rank/ws below are the tp rank and tp size: the layer sees its own tp group only.
-    group, rank, ws = me.group, me.rank, me.tp
-    m: Masters = me.data.for_group(me.g)
+    group, rank, ws = this_rank.group, this_rank.rank, this_rank.tp
+    m: Masters = this_rank.data.for_group(this_rank.g)
     layout = payload.get("layout") or case.input_layout
     kwargs = dict(group=group, rank=rank, world_size=ws, master_weight=m.weight, master_bias=m.bias, dtype=case.torch_dtype)
 
@@ -385,7 +385,7 @@ def rank_main(payload: dict[str, Any]) -> RankResult:
         # The layer must refuse the case on every rank (before or in its forward), or compute it right
         # with uneven pieces. Refusing is raising, on every rank: exceptions propagate so that a rank that
         # refuses while another goes on into a collective shows up as exactly that.
-        return _uneven_rank(me, variant, case, m, kwargs, layout, payload.get("pieces"))
+        return _uneven_rank(this_rank, variant, case, m, kwargs, layout, payload.get("pieces"))
 
     init: dict[str, Any] = {}
     with rank_phase("build", passthrough=(LayoutError,)):  # a LayoutError: the parent diagnoses the shape
@@ -398,12 +398,12 @@ def rank_main(payload: dict[str, Any]) -> RankResult:
         p = get_param(module, spec.name) if not spec.load and (spec.master == "weight" or case.bias) else None
         if p is not None:
             loaded[spec.master] = _master_layout(p, spec.transposed)
-    result = _train(me, variant, case, m, module, init, layout)
+    result = _train(this_rank, variant, case, m, module, init, layout)
     result.loaded = loaded
     return result
 
 
-def _uneven_rank(me: Any, variant: Variant, case: Case, m: Masters, kwargs: dict[str, Any], layout: str,
+def _uneven_rank(this_rank: Any, variant: Variant, case: Case, m: Masters, kwargs: dict[str, Any], layout: str,
                  style: str | None = None) -> RankResult:
     """A case whose sharded sizes do not divide: the layer may refuse it (raise on every rank, while it
     is built or in its first forward), or shard it unevenly and compute it right. The layer is built,
@@ -414,7 +414,7 @@ def _uneven_rank(me: Any, variant: Variant, case: Case, m: Masters, kwargs: dict
     a second run, when every rank's shapes fit chunk's pieces and not all fit tensor_split's (a rank
     whose piece has the same size in both layouts cannot tell them apart alone). Every rank runs the
     same steps whatever its shapes, so the ranks' collectives stay in step."""
-    rank, ws = me.rank, me.tp
+    rank, ws = this_rank.rank, this_rank.tp
     init: dict[str, Any] = {}
     with rank_phase("build"):
         module = variant.build(case.in_features, case.out_features, case.bias, **kwargs,
@@ -433,7 +433,7 @@ def _uneven_rank(me: Any, variant: Variant, case: Case, m: Masters, kwargs: dict
     with uneven_pieces(used or "tensor_split"):
         if used is not None:
             load_master(module, variant, rank=rank, world_size=ws, masters=masters)
-        result = _train(me, variant, case, m, module, init, layout)
+        result = _train(this_rank, variant, case, m, module, init, layout)
     result.uneven = used is not None
     result.pieces, result.fits = used, fits
     if result.output is not None:
@@ -459,14 +459,14 @@ def _holds_pieces(module: Any, variant: Variant, rank: int, ws: int, masters: di
     return True
 
 
-def _train(me: Any, variant: Variant, case: Case, m: Masters, module: Any, init: dict[str, Any],
+def _train(this_rank: Any, variant: Variant, case: Case, m: Masters, module: Any, init: dict[str, Any],
            layout: str) -> RankResult:
     """The training steps of one rank on a built, loaded layer (see the module docstring)."""
-    group, rank, ws = me.group, me.rank, me.tp
+    group, rank, ws = this_rank.group, this_rank.rank, this_rank.tp
     specs = [s for s in variant.params or () if s.master == "weight" or case.bias]
     absent = tuple(s.master for s in specs if s.absent_ok(rank) and get_param(module, s.name) is None)
     specs = [s for s in specs if s.master not in absent]
-    result = RankResult(OK, init=init, group=me.g, tp_rank=rank, partial=_partial_params(variant, module, specs),
+    result = RankResult(OK, init=init, group=this_rank.g, tp_rank=rank, partial=_partial_params(variant, module, specs),
                         absent=absent)
     by_master = {spec.master: spec for spec in specs}
     kv_replicas = expanded_out_features(variant, case) is not None
@@ -561,7 +561,7 @@ class Reference:
     mag: dict[str, torch.Tensor] = field(default_factory=dict)
     rows: int = 1
     #: The first micro-batch's upstream grad ``[*batch, out]`` (float64).
-    g: torch.Tensor | None = None
+    upstream: torch.Tensor | None = None
     acc_dweight: torch.Tensor | None = None
     acc_dbias: torch.Tensor | None = None
     #: Micro-batches of the first optimizer step (the accumulated grads' reduction spans their rows).
@@ -609,7 +609,7 @@ def reference(case: Case, masters: Masters) -> Reference:
             if micro == 0:
                 out = dict(
                     x=x,
-                    g=g,
+                    upstream=g,
                     y=y,
                     dx=dx,
                     dweight=dw,

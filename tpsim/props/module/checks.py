@@ -869,19 +869,19 @@ def corroborating_case(case: ModuleCase) -> ModuleCase | None:
         return None
 
 
-#: ``confirm(changed, **how)``: whether a re-run with the variant ``changed`` (or run ``how``, e.g.
-#: ``tie=``) passes the failing case and the corroborating one, which the variant as declared fails.
+#: ``confirm(changed, tie=())``: whether a re-run with the variant ``changed`` (or with rows of masters
+#: tied, ``tie=``) passes the failing case and the corroborating one, which the variant as declared fails.
 Confirm = Callable[..., bool]
 
 
 def confirmer(variant: ModuleVariant, case: ModuleCase, rerun: Callable[..., list[Failure]]) -> Confirm:
-    """The :data:`Confirm` of ``variant`` failing ``case``; ``rerun(variant, case=None, **how)``: the
+    """The :data:`Confirm` of ``variant`` failing ``case``; ``rerun(variant, case=None, tie=())``: the
     forward failures of a re-run (of ``case`` by default). The declared variant's run of the
     corroborating case is made once, when a change first passes the failing case."""
     declared: list[bool] = []
 
-    def confirm(changed: ModuleVariant, **how: Any) -> bool:
-        if rerun(changed, **how):
+    def confirm(changed: ModuleVariant, tie: Ties = ()) -> bool:
+        if rerun(changed, tie=tie):
             return False
         other = corroborating_case(case)
         if other is None:
@@ -891,7 +891,7 @@ def confirmer(variant: ModuleVariant, case: ModuleCase, rerun: Callable[..., lis
                 declared.append(bool(rerun(variant, case=other)))
             except Exception:  # noqa: BLE001 - a run the harness could not make is no evidence
                 declared.append(False)
-        return declared[0] and not rerun(changed, case=other, **how)
+        return declared[0] and not rerun(changed, case=other, tie=tie)
 
     return confirm
 
@@ -1040,7 +1040,7 @@ def localise(variant: ModuleVariant, case: ModuleCase, obs: Observation, failure
              rerun: Callable[..., list[Failure]] | None = None) -> list[Failure]:
     """Name the sublayer of every value failure of ``case``: the case is run again with every sublayer's
     boundaries recorded (``traced_run``, the family's observation with capture on; the module
-    docstring's "where a failure comes from"). ``rerun(variant, case=None, **how)``: the forward
+    docstring's "where a failure comes from"). ``rerun(variant, case=None, tie=())``: the forward
     failures of the same case (or of ``case``) with another variant (or run another way: ``tie=``), to
     confirm a diagnosis (:func:`_confirm_packed`, :func:`_confirm_head_pairing`, through
     :func:`confirmer`)."""

@@ -230,13 +230,13 @@ class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=Mod
         # on one rank it passes by construction, so only a factor that grows with the tp size fails at all.
         return variant.dense is not None
 
-    def follow_up(self, variant: ModuleVariant, case: ModuleCase, obs: Observation, failures: list[Any], *,
+    def explain_failures(self, variant: ModuleVariant, case: ModuleCase, obs: Observation, failures: list[Any], *,
                   backend: str, timeout: float, isolate: bool, properties: Sequence[str] | None) -> list[Any]:
         def traced() -> Observation:
             return self.observe(variant, case, backend=backend, timeout=timeout, capture=True, isolate=isolate)
 
-        def rerun(other: ModuleVariant, case: ModuleCase = case, **how: Any) -> list[Any]:
-            seen = self.observe(other, case, backend=backend, timeout=timeout, isolate=isolate, **how)
+        def rerun(other: ModuleVariant, case: ModuleCase = case, tie: Ties = ()) -> list[Any]:
+            seen = self.observe(other, case, backend=backend, timeout=timeout, isolate=isolate, tie=tie)
             if any(getattr(v, "problems", None) for v in seen.values or []):
                 # A re-run that could not lay out every parameter was not judged: it is no evidence.
                 raise InvalidArgument(f"the re-run of {other.name!r} could not lay out every parameter")

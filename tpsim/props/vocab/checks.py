@@ -145,10 +145,10 @@ class EmbeddingContext(GroupContext):
     """One tp group of an embedding case: its ids and upstream grad, the float64 dense lookup, and
     how many rows of the table each rank stores."""
 
-    def __init__(self, variant: EmbeddingVariant, obs: Observation, g: int, ranks: Sequence[int],
+    def __init__(self, variant: EmbeddingVariant, obs: Observation, group_index: int, ranks: Sequence[int],
                  values: list[EmbeddingRankResult]) -> None:
-        super().__init__(variant, obs, g, ranks, values)
-        self.ids, self.upstream = obs.data.ids[g], obs.data.grads[g].to(_F64)
+        super().__init__(variant, obs, group_index, ranks, values)
+        self.ids, self.upstream = obs.data.ids[group_index], obs.data.grads[group_index].to(_F64)
         # A lookup copies rows: widening the rows looked up equals looking up in the widened table
         # (which, at a realistic vocabulary, is a [V, D] float64 copy).
         self.ref = F.embedding(self.ids, obs.data.table).to(_F64)
@@ -284,31 +284,31 @@ def _embedding_layout_failure(variant: Any, case: EmbeddingCase, v: EmbeddingRan
 class _CrossEntropyReference:
     """F.cross_entropy in float64 for one tp group, its grads and the bounds of the module docstring."""
 
-    def __init__(self, variant: CrossEntropyVariant, case: CrossEntropyCase, obs: Observation, g: int) -> None:
+    def __init__(self, variant: CrossEntropyVariant, case: CrossEntropyCase, obs: Observation, group_index: int) -> None:
         data = obs.data
         self.case, self.tp = case, case.tp_size or case.world_size
-        self.target = data.targets[g]
+        self.target = data.targets[group_index]
         self.ignored = self.target == case.ignore_index
         dt, vocab, ls = case.torch_dtype, case.vocab_size, case.label_smoothing
         u = eps(dt)
         if variant.input == "hidden":
-            self.hidden = data.hidden[g].to(_F64, copy=True).requires_grad_()
+            self.hidden = data.hidden[group_index].to(_F64, copy=True).requires_grad_()
             self.weight = data.weight.to(_F64, copy=True).requires_grad_()
             x = F.linear(self.hidden, self.weight)
             x.retain_grad()  # the logits' grad bounds the hidden states' and the classifier's
             # logits as the ranks hold them: the classifier padded with zero rows
             self._padded = partial(F.pad, x.detach(), (0, data.width - vocab))
-            mag_x = data.hidden[g].to(_F64).abs() @ data.weight.to(_F64).abs().T
+            mag_x = data.hidden[group_index].to(_F64).abs() @ data.weight.to(_F64).abs().T
             dx = tolerance(dt, mag_x, reduction_length=case.hidden, world_size=self.tp).amax(-1)
         else:
             # copy=True: one float64 copy, whatever the case's dtype (a [tokens, V] copy is not cheap)
-            x = data.logits[g][..., :vocab].to(_F64, copy=True).requires_grad_()
-            self._padded = partial(data.logits[g].to, _F64)
+            x = data.logits[group_index][..., :vocab].to(_F64, copy=True).requires_grad_()
+            self._padded = partial(data.logits[group_index].to, _F64)
             dx = torch.zeros(self.target.shape, dtype=_F64)
         self.x = x
         loss = dense_cross_entropy(x, self.target, label_smoothing=ls, ignore_index=case.ignore_index,
                                    reduction=case.reduction)
-        upstream = data.grads[g].to(_F64)
+        upstream = data.grads[group_index].to(_F64)
         loss.backward(upstream)
         self.loss = loss.detach()
         xs = x.detach()
@@ -351,7 +351,7 @@ class _CrossEntropyReference:
         del p
         if variant.input == "hidden":
             w_abs = data.weight.to(_F64).abs()
-            h_abs = data.hidden[g].to(_F64).abs().reshape(-1, case.hidden)
+            h_abs = data.hidden[group_index].to(_F64).abs().reshape(-1, case.hidden)
             self.hidden_grad = self.hidden.grad
             # tolerance() is linear in the magnitude: one product of |W| (|h|) per bound, not two
             unit = torch.ones((), dtype=_F64)
@@ -656,10 +656,10 @@ class CrossEntropyContext(GroupContext):
     """One tp group of a cross-entropy case: ``F.cross_entropy`` in float64, its grads and their bounds
     (:class:`_CrossEntropyReference`)."""
 
-    def __init__(self, variant: CrossEntropyVariant, obs: Observation, g: int, ranks: Sequence[int],
+    def __init__(self, variant: CrossEntropyVariant, obs: Observation, group_index: int, ranks: Sequence[int],
                  values: list[CrossEntropyRankResult]) -> None:
-        super().__init__(variant, obs, g, ranks, values)
-        self.ref = _CrossEntropyReference(variant, self.case, obs, g)
+        super().__init__(variant, obs, group_index, ranks, values)
+        self.ref = _CrossEntropyReference(variant, self.case, obs, group_index)
         self.group = list(range(self.tp))  # the recognisers read every rank of the group, in tp rank order
 
     def replicated(self) -> list[Replicated]:

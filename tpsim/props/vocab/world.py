@@ -98,8 +98,8 @@ def boundary_ids(vocab: int, tp: int, multiple: int = 1) -> list[int]:
     return seen
 
 
-def _ids(g: torch.Generator, shape: tuple[int, ...], vocab: int, first: list[int]) -> torch.Tensor:
-    ids = torch.randint(0, vocab, shape, generator=g, dtype=torch.long)
+def _ids(gen: torch.Generator, shape: tuple[int, ...], vocab: int, first: list[int]) -> torch.Tensor:
+    ids = torch.randint(0, vocab, shape, generator=gen, dtype=torch.long)
     flat = ids.view(-1)
     n = min(len(first), flat.numel())
     if n:
@@ -107,13 +107,13 @@ def _ids(g: torch.Generator, shape: tuple[int, ...], vocab: int, first: list[int
     return ids
 
 
-def _draw(g: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+def _draw(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
     # Drawn in float32 for float32 and narrower cases (half the work of a float64 draw at a realistic
     # vocabulary), then rounded to the case's dtype: the ranks and the reference see the same values.
     # Scaled in place, and not at all by 1 (the same values: at a realistic vocabulary each full-size
     # temporary is a pass over the table's memory).
     wide = torch.promote_types(dtype, torch.float32)
-    drawn = torch.randn(shape, generator=g, dtype=wide)
+    drawn = torch.randn(shape, generator=gen, dtype=wide)
     return (drawn if scale == 1.0 else drawn.mul_(scale)).to(dtype)
 
 
@@ -135,14 +135,14 @@ class EmbeddingData:
 
 def embedding_data(case: EmbeddingCase, padding_multiple: int = 1) -> EmbeddingData:
     """Draw the table, then per group the ids (group 0: the shard boundaries first) and upstream grads."""
-    g = torch.Generator().manual_seed(case.seed)
+    gen = torch.Generator().manual_seed(case.seed)
     dt = case.torch_dtype
-    table = _draw(g, (case.vocab_size, case.embedding_dim), dt)
+    table = _draw(gen, (case.vocab_size, case.embedding_dim), dt)
     first = boundary_ids(case.vocab_size, case.tp_size or case.world_size, padding_multiple)
     ids, grads = [], []
     for group in range(_groups(case)):
-        ids.append(_ids(g, case.batch_shape, case.vocab_size, first if group == 0 else []))
-        grads.append(_draw(g, (*case.batch_shape, case.embedding_dim), dt))
+        ids.append(_ids(gen, case.batch_shape, case.vocab_size, first if group == 0 else []))
+        grads.append(_draw(gen, (*case.batch_shape, case.embedding_dim), dt))
     return EmbeddingData(table, ids, grads)
 
 
@@ -170,13 +170,14 @@ class EmbeddingRankResult(RankOutput):
 
 def embedding_rank(payload: dict[str, Any]) -> EmbeddingRankResult:
     """What every rank runs for one embedding case: build, load (``load=True``), forward, backward."""
-    me = enter_rank(payload)
-    case, variant, data, g, rank, tp = me.case, me.variant, me.data, me.g, me.rank, me.tp
+    this_rank = enter_rank(payload)
+    case, variant, data, group_index, rank, tp = (this_rank.case, this_rank.variant, this_rank.data, this_rank.g,
+                                                  this_rank.rank, this_rank.tp)
     with rank_phase("build"):
-        module = variant.build(case.vocab_size, case.embedding_dim, group=me.group, dtype=case.torch_dtype,
+        module = variant.build(case.vocab_size, case.embedding_dim, group=this_rank.group, dtype=case.torch_dtype,
                                weight=data.table.clone())
     weight = get_param(module, variant.weight)
-    result = EmbeddingRankResult(group=g, tp_rank=rank)
+    result = EmbeddingRankResult(group=group_index, tp_rank=rank)
     if weight is None:
         result.status = NO_WEIGHT
         return result
@@ -187,7 +188,7 @@ def embedding_rank(payload: dict[str, Any]) -> EmbeddingRankResult:
     if variant.load:
         # Every rank's stored size decides the layout (uneven or padded): exchange them first.
         sizes = [torch.zeros(1, dtype=torch.long) for _ in range(tp)]
-        dist.all_gather(sizes, torch.tensor([rows]), group=me.group)
+        dist.all_gather(sizes, torch.tensor([rows]), group=this_rank.group)
         where = vocab_rows(rows, case.vocab_size, tp, rank, [int(s) for s in sizes])
         if where is None:
             result.status, result.shape = WEIGHT_SHAPE, tuple(weight.shape)
@@ -198,10 +199,10 @@ def embedding_rank(payload: dict[str, Any]) -> EmbeddingRankResult:
             weight[: real.shape[0]].copy_(real)
             weight[real.shape[0]:].zero_()  # padding rows (zeroing only them: the table is large)
     result.weight = weight.detach()  # the module is dropped after the run: no copy needed
-    ids = data.ids[g]
+    ids = data.ids[group_index]
     with rank_phase("forward"):
         out = result.read(variant.call(module, ids))
-    upstream = data.grads[g]
+    upstream = data.grads[group_index]
     if result.unusable(out, upstream.shape):
         return result
     result.output = out.detach()
@@ -231,26 +232,26 @@ def cross_entropy_data(case: CrossEntropyCase, ignores: bool = True) -> CrossEnt
     """Draw the classifier (with hidden states), then per group the targets (group 0: the shard
     boundaries first; the last position ``ignore_index`` when ``ignores``: the variant takes one),
     logits or hidden states, upstream grads."""
-    g = torch.Generator().manual_seed(case.seed)
+    gen = torch.Generator().manual_seed(case.seed)
     dt, vocab, tp = case.torch_dtype, case.vocab_size, case.tp_size or case.world_size
     width = padded_width(vocab, tp)
     data = CrossEntropyData(width=width, targets=[], grads=[])
     if case.hidden:
-        data.weight = _draw(g, (vocab, case.hidden), dt, case.hidden**-0.5)
+        data.weight = _draw(gen, (vocab, case.hidden), dt, case.hidden**-0.5)
     for group in range(_groups(case)):
-        target = _ids(g, case.batch_shape, vocab, boundary_ids(vocab, tp) if group == 0 else [])
+        target = _ids(gen, case.batch_shape, vocab, boundary_ids(vocab, tp) if group == 0 else [])
         if ignores and target.numel() >= 2:
             target.view(-1)[-1] = case.ignore_index
         data.targets.append(target)
         if case.hidden:
-            data.hidden.append(_draw(g, (*case.batch_shape, case.hidden), dt))
+            data.hidden.append(_draw(gen, (*case.batch_shape, case.hidden), dt))
         else:
             # scale 3: the ranks' maxima differ, so a missing MAX all-reduce shows
-            logits = _draw(g, (*case.batch_shape, width), dt, 3.0)
+            logits = _draw(gen, (*case.batch_shape, width), dt, 3.0)
             logits[..., vocab:] = PADDING_LOGIT
             data.logits.append(logits)
         shape = case.batch_shape if case.reduction == "none" else ()
-        data.grads.append((torch.rand(shape, generator=g, dtype=torch.float64) + 0.5).to(dt))
+        data.grads.append((torch.rand(shape, generator=gen, dtype=torch.float64) + 0.5).to(dt))
     return data
 
 
@@ -274,21 +275,22 @@ class CrossEntropyRankResult(RankOutput):
 
 def cross_entropy_rank(payload: dict[str, Any]) -> CrossEntropyRankResult:
     """What every rank runs for one cross-entropy case: call it on its shard, backward."""
-    me = enter_rank(payload)
-    case, variant, data, g, rank, tp = me.case, me.variant, me.data, me.g, me.rank, me.tp
-    target = data.targets[g]
+    this_rank = enter_rank(payload)
+    case, variant, data, group_index, rank, tp = (this_rank.case, this_rank.variant, this_rank.data, this_rank.g,
+                                                  this_rank.rank, this_rank.tp)
+    target = data.targets[group_index]
     if variant.input == "hidden":
-        hidden = data.hidden[g].clone().requires_grad_()
+        hidden = data.hidden[group_index].clone().requires_grad_()
         weight = _rows(data.weight, data.width, tp, rank).clone().requires_grad_()  # type: ignore[arg-type]
         leaves: tuple[torch.Tensor, ...] = (hidden, weight)
     else:
-        logits = data.logits[g].chunk(tp, dim=-1)[rank].clone().requires_grad_()
+        logits = data.logits[group_index].chunk(tp, dim=-1)[rank].clone().requires_grad_()
         leaves = (logits,)
     with rank_phase("forward"):
         loss = variant.call(leaves, target, label_smoothing=case.label_smoothing, ignore_index=case.ignore_index,
-                            vocab_size=case.vocab_size, reduction=case.reduction, group=me.group)
-    upstream = data.grads[g]
-    result = CrossEntropyRankResult(group=g, tp_rank=rank)
+                            vocab_size=case.vocab_size, reduction=case.reduction, group=this_rank.group)
+    upstream = data.grads[group_index]
+    result = CrossEntropyRankResult(group=group_index, tp_rank=rank)
     loss = result.read(loss)
     if result.unusable(loss, upstream.shape):
         return result

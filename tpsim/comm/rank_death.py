@@ -108,7 +108,7 @@ def classify(err: RankError, phase_of: PhaseOf | None = None, *, memory_note: st
     """``err`` as a :class:`tpsim.RankExited`/:class:`tpsim.RankCrashed` when its rank raised
     ``SystemExit`` or ran out of memory; ``err`` itself otherwise.
 
-    ``phase_of(rank)`` gives the ``(phase, step)`` that rank marked (an isolated worker's board);
+    ``phase_of(rank)`` gives the ``(phase, step)`` that rank marked (an isolated worker's progress);
     ``memory_note`` is added to an out-of-memory message (the limit that applied).
     """
     if isinstance(err, RankDied) or type(err) is not RankError:

@@ -1,7 +1,7 @@
-"""The rank board: which rank is running and in which phase, readable after the process died.
+"""The rank progress record: which rank is running and in which phase, readable after the process died.
 
 A worker process that runs ranks may die at any instant (a segfault, ``os._exit``, the OOM killer)
-or stop answering (native code holding the interpreter lock). Its supervisor then reads the board,
+or stop answering (native code holding the interpreter lock). Its supervisor then reads the progress record,
 a small array in memory shared with it, to say *which rank* did it and *in which phase*:
 
 - the in-process scheduler writes the running rank at every hand-off of the baton (one rank runs at
@@ -21,7 +21,7 @@ from typing import Any
 
 from tpsim.errors import InvalidArgument
 
-__all__ = ["PHASES", "Board", "BoardView", "install", "installed", "mark_phase"]
+__all__ = ["PHASES", "RankProgress", "RankProgressView", "install", "installed", "mark_phase"]
 
 #: The phases a rank function may mark, in the order a training step goes through them.
 PHASES = ("build", "forward", "backward", "step")
@@ -37,8 +37,8 @@ _HEADER = 4
 
 
 @dataclass(frozen=True)
-class BoardView:
-    """A copy of the board at one moment (see :meth:`Board.view`)."""
+class RankProgressView:
+    """A copy of the progress record at one moment (see :meth:`RankProgress.view`)."""
 
     run_id: int
     handoffs: int
@@ -53,7 +53,7 @@ class BoardView:
         return self.phases[rank]
 
 
-class Board:
+class RankProgress:
     """The shared array (``ctypes`` ``c_int64``); see the module docstring."""
 
     __slots__ = ("buf", "capacity", "_size")
@@ -65,7 +65,7 @@ class Board:
 
     @staticmethod
     def length(capacity: int) -> int:
-        """Slots of a board for worlds of up to ``capacity`` ranks."""
+        """Slots of a progress record for worlds of up to ``capacity`` ranks."""
         return _HEADER + 2 * capacity
 
     # -- the worker's side -----------------------------------------------------------------
@@ -102,8 +102,8 @@ class Board:
     def handoffs(self) -> int:
         return int(self.buf[_HANDOFFS])
 
-    def view(self, world_size: int) -> BoardView:
-        """What the board says now about a world of ``world_size`` ranks."""
+    def view(self, world_size: int) -> RankProgressView:
+        """What the progress record says now about a world of ``world_size`` ranks."""
         b = list(self.buf)
         n = min(world_size, self.capacity)
         phases = []
@@ -112,20 +112,20 @@ class Board:
             phases.append((PHASES[code - 1], step - 1 if step > 0 else None) if 0 < code <= len(PHASES)
                           else (None, None))
         holder = b[_HOLDER]
-        return BoardView(run_id=b[_RUN], handoffs=b[_HANDOFFS], running=holder if 0 <= holder < n else None,
+        return RankProgressView(run_id=b[_RUN], handoffs=b[_HANDOFFS], running=holder if 0 <= holder < n else None,
                          state=_STATES.get(b[_STATE], "idle"), phases=tuple(phases))
 
 
-_INSTALLED: list[Board | None] = [None]
+_INSTALLED: list[RankProgress | None] = [None]
 
 
-def install(board: Board | None) -> None:
-    """Make ``board`` the one this process's scheduler and :func:`mark_phase` write to (None: off)."""
-    _INSTALLED[0] = board
+def install(progress: RankProgress | None) -> None:
+    """Make ``progress`` the one this process's scheduler and :func:`mark_phase` write to (None: off)."""
+    _INSTALLED[0] = progress
 
 
-def installed() -> Board | None:
-    """The installed board, or None outside a worker."""
+def installed() -> RankProgress | None:
+    """The installed progress, or None outside a worker."""
     return _INSTALLED[0]
 
 
@@ -135,12 +135,12 @@ def mark_phase(phase: str, step: int | None = None) -> None:
     Cheap, and a no-op outside an isolated worker. When the rank then dies or hangs, the failure
     names this phase.
     """
-    board = _INSTALLED[0]
+    progress = _INSTALLED[0]
     code = _CODE.get(phase)
     if code is None:
         raise InvalidArgument(f"phase={phase!r} is not one of {', '.join(PHASES)}")
-    if board is None:
+    if progress is None:
         return
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise InvalidArgument(f"step={step!r} must be None or an int >= 0")
-    board.mark(code, 0 if step is None else step + 1)
+    progress.mark(code, 0 if step is None else step + 1)

@@ -1,36 +1,36 @@
-"""The zygote: one pre-imported, single-threaded process from which worker processes are forked.
+"""The forker: one pre-imported, single-threaded process from which worker processes are forked.
 
 A worker process that imports torch costs seconds on a small machine (a library such as
-Megatron-core adds seconds more), and a gloo world of N ranks needs N of them. The zygote pays
-that once per caller, and forks a worker for every request (:meth:`Zygote.fork`): a world of 4
+Megatron-core adds seconds more), and a gloo world of N ranks needs N of them. The forker pays
+that once per caller, and forks a worker for every request (:meth:`Forker.fork`): a world of 4
 ranks starts in tens of milliseconds.
 
-* **Born pre-imported.** When the caller runs no thread but its main one, the zygote is a fork of
+* **Born pre-imported.** When the caller runs no thread but its main one, the forker is a fork of
   the caller (``multiprocessing``'s *fork*, as the isolated inproc worker is): it has everything the
   caller imported — torch, tpsim, the target — at no cost. Otherwise it is *spawned* (a fresh
   interpreter, none of the caller's threads or locks) and imports torch, what every rank's first
   backward imports, tpsim's modules the caller had loaded, and the target's modules when asked
-  (:meth:`Zygote.call`).
-* **Fork-safe.** The zygote runs no thread of its own and no torch op: a child starts as a copy of a
-  quiet, single-threaded process. If code the zygote ran (a target's import) left a Python thread
-  running, or initialised CUDA, :attr:`Zygote.safe` turns False and callers start their workers
-  another way (and a fresh zygote replaces this one). A zygote forked from the caller may carry the
+  (:meth:`Forker.call`).
+* **Fork-safe.** The forker runs no thread of its own and no torch op: a child starts as a copy of a
+  quiet, single-threaded process. If code the forker ran (a target's import) left a Python thread
+  running, or initialised CUDA, :attr:`Forker.safe` turns False and callers start their workers
+  another way (and a fresh forker replaces this one). A forker forked from the caller may carry the
   caller's OpenMP thread pool, which no forked process can use: its children then run torch's
-  intra-op work on one thread (:attr:`Zygote.inherited`), as the isolated inproc worker does.
-* **A child sees the caller's present, not the zygote's past.** Every fork request carries the
+  intra-op work on one thread (:attr:`Forker.inherited`), as the isolated inproc worker does.
+* **A child sees the caller's present, not the forker's past.** Every fork request carries the
   caller's current standard output and error (so a capture of the caller's stdout catches the
   child's prints, as it would a spawned process's), working directory, environment and
   ``sys.path``, which the child takes before it runs anything.
 * **Children are watched like ``multiprocessing`` processes.** :class:`Child` has the API the
-  pools use (``pid``, ``sentinel``, ``is_alive``, ``join``, ``kill``, ``exitcode``): the zygote
+  pools use (``pid``, ``sentinel``, ``is_alive``, ``join``, ``kill``, ``exitcode``): the forker
   reaps each child as it ends (``SIGCHLD``) and writes its exit status to a pipe whose read end is
   the child's sentinel, as ``multiprocessing``'s fork server does.
-* **Nothing outlives the caller.** The zygote watches the caller (end of file on its control
+* **Nothing outlives the caller.** The forker watches the caller (end of file on its control
   socket, the kernel's parent-death signal when the caller's main thread started it, and the
-  parent pid) and kills its children before it exits; each child dies with the zygote
-  (:mod:`tpsim.comm.lifeline`). An atexit hook ends the zygote with the caller.
+  parent pid) and kills its children before it exits; each child dies with the forker
+  (:mod:`tpsim.comm.lifeline`). An atexit hook ends the forker with the caller.
 
-The zygote runs user code only through :meth:`Zygote.call` (a target's import), never a world:
+The forker runs user code only through :meth:`Forker.call` (a target's import), never a world:
 it is a worker, not the process that decides a check's verdict.
 """
 
@@ -54,17 +54,17 @@ from typing import Any
 
 from tpsim.errors import BackendUnavailable
 
-__all__ = ["START_BOUND", "Child", "Zygote", "kill_group", "own_group", "pid", "pids", "preload", "replace", "shared",
+__all__ = ["START_BOUND", "Child", "Forker", "kill_group", "own_group", "pid", "pids", "preload", "replace", "shared",
            "shutdown"]
 
-#: Seconds the zygote may take to start (it imports torch: seconds on a loaded machine).
+#: Seconds the forker may take to start (it imports torch: seconds on a loaded machine).
 START_BOUND = 120.0
 #: Largest request or reply (bytes): one packet, within a Unix socket's default buffer. Requests hold
 #: names, small arguments and the caller's environment, never tensors.
 _MAX_MESSAGE = 200_000
-#: How often the zygote checks that its parent still lives, when nothing else wakes it (seconds).
+#: How often the forker checks that its parent still lives, when nothing else wakes it (seconds).
 _WATCH_S = 0.5
-#: Modules every zygote imports before it says it is ready: torch, what every rank's first backward
+#: Modules every forker imports before it says it is ready: torch, what every rank's first backward
 #: imports (``Tensor.backward(grad)`` imports symbolic shapes, hence sympy: seconds per process), and
 #: tpsim's worker side.
 BASE_MODULES = ("torch", "torch.distributed", "torch.fx.experimental.symbolic_shapes", "tpsim",
@@ -106,7 +106,7 @@ def kill_group(pid: int) -> None:
 def _send(sock: socket.socket, obj: Any, fds: Sequence[int] = ()) -> None:
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     if len(data) > _MAX_MESSAGE:
-        raise ValueError(f"a zygote message of {len(data)} bytes exceeds {_MAX_MESSAGE} bytes")
+        raise ValueError(f"a forker message of {len(data)} bytes exceeds {_MAX_MESSAGE} bytes")
     if fds:
         socket.send_fds(sock, [data], list(fds))
     else:
@@ -119,14 +119,14 @@ def _recv(sock: socket.socket) -> tuple[Any, list[int]]:
     if not data:
         for fd in fds:
             os.close(fd)
-        raise EOFError("the zygote's peer closed its socket")
+        raise EOFError("the forker's peer closed its socket")
     return pickle.loads(data), list(fds)
 
 
 def _ref(fn: Callable[..., Any]) -> tuple[str, str]:
     module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
     if not module or not name or "<" in name:
-        raise ValueError(f"fn={fn!r} must be a top-level function (the zygote imports it by name)")
+        raise ValueError(f"fn={fn!r} must be a top-level function (the forker imports it by name)")
     return module, name
 
 
@@ -141,7 +141,7 @@ def _context() -> tuple[str, dict[str, str], list[str]]:
     return os.getcwd(), dict(os.environ), list(sys.path)
 
 
-# --- the zygote process ------------------------------------------------------------------------------
+# --- the forker process ------------------------------------------------------------------------------
 
 
 def _safe() -> bool:
@@ -164,8 +164,8 @@ def _set_name(name: str) -> None:
 def _child(sock: socket.socket, wake: tuple[int, int], statuses: dict[int, int], end: socket.socket,
            stdio: tuple[int, int], context: tuple[str, dict[str, str], list[str]], ref: tuple[str, str],
            args: tuple[Any, ...], name: str) -> None:
-    """In a freshly forked child: drop the zygote's descriptors and signal set-up, take the caller's
-    stdio and context, run ``fn(conn, *args)``, and exit (never return into the zygote's loop)."""
+    """In a freshly forked child: drop the forker's descriptors and signal set-up, take the caller's
+    stdio and context, run ``fn(conn, *args)``, and exit (never return into the forker's loop)."""
     code = 1
     try:
         own_group()
@@ -226,7 +226,7 @@ def _fork(sock: socket.socket, wake: tuple[int, int], statuses: dict[int, int], 
     """Fork one child per spec; send the caller each child's pid, socket end and sentinel."""
     try:
         if not _safe():
-            _send(sock, ("refused", "the zygote is no longer single-threaded"))
+            _send(sock, ("refused", "the forker is no longer single-threaded"))
             return
         _send(sock, ("forking", len(specs)))
         for ref, args, name in specs:
@@ -246,7 +246,7 @@ def _fork(sock: socket.socket, wake: tuple[int, int], statuses: dict[int, int], 
                 _child(sock, wake, statuses, theirs, (stdio[0], stdio[1]), context, ref, args, name)
             theirs.close()
             try:
-                os.setpgid(child, child)  # also here: no kill may find it still in the zygote's group
+                os.setpgid(child, child)  # also here: no kill may find it still in the forker's group
             except OSError:
                 pass
             statuses[child] = status_w
@@ -268,7 +268,7 @@ def _call(sock: socket.socket, ref: tuple[str, str], args: tuple[Any, ...], stdi
         os.dup2(stdio[0], 1)
         os.dup2(stdio[1], 2)
         _resolve(ref)(*args)
-    except BaseException as exc:  # noqa: BLE001 - the caller decides; the zygote lives on
+    except BaseException as exc:  # noqa: BLE001 - the caller decides; the forker lives on
         error = f"{type(exc).__name__}: {exc}"
     finally:
         try:
@@ -285,20 +285,20 @@ def _call(sock: socket.socket, ref: tuple[str, str], args: tuple[Any, ...], stdi
 
 def _main(sock: socket.socket, parent_pid: int, pdeathsig: bool, modules: Sequence[str],
           callers: socket.socket | None = None) -> None:
-    """Body of the zygote: import, say ready, then serve fork and call requests until the caller goes.
+    """Body of the forker: import, say ready, then serve fork and call requests until the caller goes.
 
-    ``callers``: the caller's end of the control socket, which a zygote forked from the caller
-    inherited: closed here, or the zygote would never see end of file when the caller dies."""
+    ``callers``: the caller's end of the control socket, which a forker forked from the caller
+    inherited: closed here, or the forker would never see end of file when the caller dies."""
     from tpsim.comm import lifeline
 
     if callers is not None:
         callers.close()
-    _set_name("tpsim-zygote")
+    _set_name("tpsim-forker")
     lifeline.arm(pdeathsig=pdeathsig)  # the kernel's signal only: a watch thread would make forking unsafe
     if os.getppid() != parent_pid:
         os._exit(lifeline.ORPHANED_EXIT)  # the caller died before the signal was armed
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to handle (it kills us)
-    # A zygote forked from the caller inherited its sys.stdout/stderr objects, which may be a capture
+    # A forker forked from the caller inherited its sys.stdout/stderr objects, which may be a capture
     # of the caller's (tpsim check's, pytest's): writing there would be lost. Use the descriptors.
     sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", buffering=1, closefd=False)  # noqa: SIM115
@@ -319,7 +319,7 @@ def _main(sock: socket.socket, parent_pid: int, pdeathsig: bool, modules: Sequen
     signal.signal(signal.SIGCHLD, lambda *_: None)  # the wake-up pipe makes select() return
     try:
         _send(sock, ("ready", os.getpid(), failed, _safe()))
-    except OSError:  # the caller ended while this zygote started (a usage error): nothing to serve
+    except OSError:  # the caller ended while this forker started (a usage error): nothing to serve
         os._exit(0)
     try:
         while True:
@@ -366,7 +366,7 @@ def _flush() -> None:
 
 
 class Child:
-    """A process the zygote forked: the part of ``multiprocessing.Process``'s API the pools use, plus
+    """A process the forker forked: the part of ``multiprocessing.Process``'s API the pools use, plus
     ``conn``, the caller's end of a duplex connection to it."""
 
     def __init__(self, pid: int, conn: mpc.Connection, sentinel: int) -> None:
@@ -383,7 +383,7 @@ class Child:
         return self._exitcode
 
     def _poll(self, timeout: float) -> bool:
-        """Whether the child has ended (its exit status read from the sentinel, if the zygote sent one)."""
+        """Whether the child has ended (its exit status read from the sentinel, if the forker sent one)."""
         if self._ended:
             return True
         if not mpc.wait([self.sentinel], timeout):
@@ -395,7 +395,7 @@ class Child:
         self._ended = True
         if len(data) == _STATUS.size:
             self._exitcode = _STATUS.unpack(data)[0]
-        else:  # the zygote died first: the child died with it (parent-death signal)
+        else:  # the forker died first: the child died with it (parent-death signal)
             self._exitcode = -signal.SIGKILL
         return True
 
@@ -418,27 +418,27 @@ class Child:
             self.sentinel = -1
 
 
-class Zygote:
-    """The caller's handle on one zygote process (see the module docstring)."""
+class Forker:
+    """The caller's handle on one forker process (see the module docstring)."""
 
     def __init__(self, modules: Sequence[str] = ()) -> None:
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         main = threading.current_thread() is threading.main_thread()
-        #: The zygote is a fork of the caller (see the module docstring): its children run torch's
+        #: The forker is a fork of the caller (see the module docstring): its children run torch's
         #: intra-op work on one thread.
         self.inherited = main and threading.active_count() == 1
         ctx = mp.get_context("fork" if self.inherited else "spawn")
         self.owner = os.getpid()
         self.modules = tuple(dict.fromkeys([*BASE_MODULES, *modules]))
-        _flush()  # a forked zygote must not inherit unwritten output (it would be written twice)
-        self.proc = ctx.Process(target=_main, name="tpsim-zygote", daemon=False,  # its children may start processes
+        _flush()  # a forked forker must not inherit unwritten output (it would be written twice)
+        self.proc = ctx.Process(target=_main, name="tpsim-forker", daemon=False,  # its children may start processes
                                 args=(theirs, os.getpid(), main, self.modules, self._sock if self.inherited else None))
         self.proc.start()
         theirs.close()
         self.pid: int | None = None
-        #: Whether forking the zygote is still safe (one Python thread, CUDA untouched).
+        #: Whether forking the forker is still safe (one Python thread, CUDA untouched).
         self.safe = True
-        #: Modules of ``modules`` the zygote could not import (workers import them again and report).
+        #: Modules of ``modules`` the forker could not import (workers import them again and report).
         self.failed: list[str] = []
         self._lock = threading.Lock()
         self._ready = False
@@ -455,10 +455,10 @@ class Zygote:
                f"it ended with exit status {self.proc.exitcode} (its stderr says why; a script that calls tpsim at "
                "import time must guard its entry point with `if __name__ == '__main__':`, because worker processes "
                "import the main module)")
-        raise BackendUnavailable("gloo", f"tpsim's zygote process (the parent of its worker processes) failed: {why}")
+        raise BackendUnavailable("gloo", f"tpsim's forker process (the parent of its worker processes) failed: {why}")
 
     def wait_ready(self, bound: float = START_BOUND) -> None:
-        """Wait (bounded) until the zygote has imported its modules; raise :class:`tpsim.BackendUnavailable`
+        """Wait (bounded) until the forker has imported its modules; raise :class:`tpsim.BackendUnavailable`
         when it cannot start."""
         with self._lock:
             if self._ready:
@@ -475,7 +475,7 @@ class Zygote:
         picklable), ``conn`` its end of the connection whose other end is :attr:`Child.conn`.
         ``names``: each child's process name (``/proc/PID/comm``; default ``tpsim-worker``).
 
-        Raises :class:`tpsim.BackendUnavailable` when the zygote cannot fork (dead, or no longer safe:
+        Raises :class:`tpsim.BackendUnavailable` when the forker cannot fork (dead, or no longer safe:
         :attr:`safe` then says so)."""
         self.wait_ready()
         ref = _ref(fn)
@@ -483,15 +483,15 @@ class Zygote:
                  for i, args in enumerate(args_per_child)]
         with self._lock:
             if not self.safe:
-                raise BackendUnavailable("gloo", "tpsim's zygote process is no longer single-threaded")
+                raise BackendUnavailable("gloo", "tpsim's forker process is no longer single-threaded")
             try:
                 _send(self._sock, ("fork", specs, _context()), [1, 2])
             except (OSError, ValueError) as exc:  # gone, or a request too large for one packet
-                raise BackendUnavailable("gloo", f"tpsim's zygote process cannot fork ({exc})") from exc
+                raise BackendUnavailable("gloo", f"tpsim's forker process cannot fork ({exc})") from exc
             (kind, detail), _ = self._await(START_BOUND)
             if kind == "refused":
                 self.safe = False
-                raise BackendUnavailable("gloo", f"tpsim's zygote process refused to fork: {detail}")
+                raise BackendUnavailable("gloo", f"tpsim's forker process refused to fork: {detail}")
             children = []
             for _ in range(detail):
                 (kind, child_pid), fds = self._await(START_BOUND)
@@ -500,29 +500,29 @@ class Zygote:
                         child.kill()
                         child.join(5.0)
                         child.close()
-                    raise BackendUnavailable("gloo", f"tpsim's zygote process could not fork: {child_pid}")
+                    raise BackendUnavailable("gloo", f"tpsim's forker process could not fork: {child_pid}")
                 children.append(Child(child_pid, mpc.Connection(fds[0]), fds[1]))
             return children
 
     def call(self, fn: Callable[..., Any], args: tuple[Any, ...], bound: float) -> str | None:
-        """Run ``fn(*args)`` in the zygote (e.g. import a target, so every child starts with it); the
-        error it raised as text, or None. Waits at most ``bound`` seconds: past it the zygote is killed
+        """Run ``fn(*args)`` in the forker (e.g. import a target, so every child starts with it); the
+        error it raised as text, or None. Waits at most ``bound`` seconds: past it the forker is killed
         (a :class:`tpsim.BackendUnavailable` says so)."""
         self.wait_ready()
         with self._lock:
             try:
                 _send(self._sock, ("call", _ref(fn), tuple(args)), [1, 2])
             except (OSError, ValueError) as exc:
-                raise BackendUnavailable("gloo", f"tpsim's zygote process cannot run {fn.__name__} ({exc})") from exc
+                raise BackendUnavailable("gloo", f"tpsim's forker process cannot run {fn.__name__} ({exc})") from exc
             (_, error, self.safe), _ = self._await(bound)
             return error  # type: ignore[no-any-return]
 
     def kill(self) -> None:
-        """End the zygote (its children die with it) and reap it (bounded)."""
+        """End the forker (its children die with it) and reap it (bounded)."""
         if os.getpid() != self.owner:
             return  # inherited through fork: not ours
         try:
-            self._sock.close()  # end of file: the zygote kills its children and exits
+            self._sock.close()  # end of file: the forker kills its children and exits
         except OSError:
             pass
         self.proc.join(2.0)
@@ -532,44 +532,44 @@ class Zygote:
 
 
 _LOCK = threading.Lock()
-#: ``zygote``: the one that forks; ``retired``: former ones no longer safe to fork, kept alive while
+#: ``forker``: the one that forks; ``retired``: former ones no longer safe to fork, kept alive while
 #: children they forked (pooled ranks, the isolated worker) still serve; ended at exit;
-#: ``unsafe``: the calls (:func:`preload`) that left a zygote unsafe to fork, never made again here.
-_STATE: dict[str, Any] = {"zygote": None, "retired": [], "atexit": False, "unsafe": set()}
+#: ``unsafe``: the calls (:func:`preload`) that left a forker unsafe to fork, never made again here.
+_STATE: dict[str, Any] = {"forker": None, "retired": [], "atexit": False, "unsafe": set()}
 
 
-def shared(modules: Sequence[str] = ()) -> Zygote | None:
-    """This process's zygote, started (not waited for) on first use and after it died; None where
+def shared(modules: Sequence[str] = ()) -> Forker | None:
+    """This process's forker, started (not waited for) on first use and after it died; None where
     ``fork`` does not exist (callers then spawn). ``modules``: more modules to import at its start
-    (only a fresh zygote takes them; :meth:`Zygote.call` imports into a running one)."""
+    (only a fresh forker takes them; :meth:`Forker.call` imports into a running one)."""
     if "fork" not in mp.get_all_start_methods() or not hasattr(socket, "send_fds"):
         return None
     with _LOCK:
-        zygote: Zygote | None = _STATE["zygote"]
-        if zygote is not None and zygote.owner != os.getpid():  # inherited through fork: not ours
+        forker: Forker | None = _STATE["forker"]
+        if forker is not None and forker.owner != os.getpid():  # inherited through fork: not ours
             _STATE["retired"] = []
-            zygote = None
-        elif zygote is not None and not zygote.alive():
-            zygote.kill()
-            zygote = None
-        if zygote is None:
+            forker = None
+        elif forker is not None and not forker.alive():
+            forker.kill()
+            forker = None
+        if forker is None:
             if not _STATE["atexit"]:
                 atexit.register(shutdown)
                 _STATE["atexit"] = True
             loaded = sorted(n for n in sys.modules if n.startswith("tpsim."))
-            zygote = _STATE["zygote"] = Zygote([*modules, *loaded])
-        return zygote
+            forker = _STATE["forker"] = Forker([*modules, *loaded])
+        return forker
 
 
 def preload(fn: Callable[..., Any], args: tuple[Any, ...], bound: float) -> str | None:
-    """Run ``fn(*args)`` (e.g. import a target) in this process's zygote, so that every child it forks
+    """Run ``fn(*args)`` (e.g. import a target) in this process's forker, so that every child it forks
     later starts with what that imported; the error it raised as text, or None (nothing is done where
-    no zygote serves).
+    no forker serves).
 
-    A call that leaves the zygote unsafe to fork (the import started a thread, or initialised CUDA)
-    retires it (:func:`replace`): the next zygote is a fresh one without that import, and its children
+    A call that leaves the forker unsafe to fork (the import started a thread, or initialised CUDA)
+    retires it (:func:`replace`): the next forker is a fresh one without that import, and its children
     import what they need themselves. Such a call is remembered and never made again in this process:
-    each try would cost another fresh zygote (an interpreter importing torch), for nothing.
+    each try would cost another fresh forker (an interpreter importing torch), for nothing.
     """
     z = shared()
     if z is None:
@@ -592,32 +592,32 @@ def preload(fn: Callable[..., Any], args: tuple[Any, ...], bound: float) -> str 
 
 
 def replace() -> None:
-    """Retire this process's zygote (once it is no longer safe to fork): the next use starts a fresh
+    """Retire this process's forker (once it is no longer safe to fork): the next use starts a fresh
     one; the retired one lives on, unused, for the children it forked, until :func:`shutdown`."""
     with _LOCK:
-        zygote = _STATE["zygote"]
-        _STATE["zygote"] = None
-        if zygote is not None and zygote.owner == os.getpid():
-            _STATE["retired"].append(zygote)
+        forker = _STATE["forker"]
+        _STATE["forker"] = None
+        if forker is not None and forker.owner == os.getpid():
+            _STATE["retired"].append(forker)
 
 
 def shutdown() -> None:
-    """Kill this process's zygotes and their children (also run at interpreter exit)."""
+    """Kill this process's forkers and their children (also run at interpreter exit)."""
     with _LOCK:
-        ended = [z for z in [_STATE["zygote"], *_STATE["retired"]] if z is not None]
-        _STATE["zygote"], _STATE["retired"] = None, []
-    for zygote in ended:
-        zygote.kill()
+        ended = [z for z in [_STATE["forker"], *_STATE["retired"]] if z is not None]
+        _STATE["forker"], _STATE["retired"] = None, []
+    for forker in ended:
+        forker.kill()
 
 
 def pid() -> int | None:
-    """PID of this process's zygote while it lives (it outlives runs on purpose)."""
-    zygote = _STATE["zygote"]
-    return zygote.proc.pid if zygote is not None and zygote.alive() else None
+    """PID of this process's forker while it lives (it outlives runs on purpose)."""
+    forker = _STATE["forker"]
+    return forker.proc.pid if forker is not None and forker.alive() else None
 
 
 def pids() -> set[int]:
-    """PIDs of this process's live zygotes, the current one and retired ones."""
+    """PIDs of this process's live forkers, the current one and retired ones."""
     with _LOCK:
-        found = [z for z in [_STATE["zygote"], *_STATE["retired"]] if z is not None]
+        found = [z for z in [_STATE["forker"], *_STATE["retired"]] if z is not None]
     return {z.proc.pid for z in found if z.owner == os.getpid() and z.alive()}
