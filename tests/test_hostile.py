@@ -133,8 +133,11 @@ def test_a_rank_that_ends_the_session_worker_is_a_failure_with_a_json_report(tmp
     run = _run("os-exit-in-forward-no-isolate", tmp_path)  # --no-isolate: the ranks run in the session worker
     assert run.code == 1, run
     doc = json.loads(run.out)
-    assert doc["passed"] is False and "ended tpsim's session worker process (exit status 0)" in doc["error"]
-    assert "tpsim check: error: the checked code ended tpsim's session worker process" in run.err
+    # The judge runs apart from the session worker the ranks ran in: the rank's exit is the layer's failure.
+    assert doc["passed"] is False
+    (failure,) = doc["failures"]
+    assert (failure["property"], failure["diagnosis"], failure["rank"]) == ("forward-equivalence", "rank-exited", 0)
+    assert "exit status 0" in failure["message"] and "during forward" in failure["message"]
 
 
 # --- no internal error from the checked code ----------------------------------------------------------

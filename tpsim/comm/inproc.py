@@ -1285,6 +1285,9 @@ def run_inproc(fn: Callable[..., Any], world_size: int, *, args: tuple = (), kwa
     # about 2x slower (measured). Restored afterwards.
     parent_threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    # The interpreter's recursion limit is the process's: a rank that lowers it (each rank is a process of
+    # its own in a real job) must not leave the harness that reports on it unable to pickle its answer.
+    parent_recursion_limit = sys.getrecursionlimit()
     world = _SimWorld(world_size, timeout, faults, checksum, globals)
     outcomes = [_Outcome() for _ in range(world_size)]
     threads = [
@@ -1305,6 +1308,7 @@ def run_inproc(fn: Callable[..., Any], world_size: int, *, args: tuple = (), kwa
             parent_state.restore()
             globals.restore_start()
             torch.set_num_threads(parent_threads)
+            sys.setrecursionlimit(parent_recursion_limit)
             if world.sched.finished.is_set():
                 threadworld.uninstall()
             else:

@@ -511,7 +511,13 @@ class Family:
         least = int(getattr(variant, "min_tp_size", 1) or 1)
         if least > 1:
             return None, f"{variant.name} declares min_tp_size={least}"
+        from tpsim.comm._torchrun import launched_world
+
+        launched = launched_world()
         try:
+            if launched is not None and launched[1] > 1 and getattr(variant, "subgroups", False):
+                # Under a launcher the world is the launched one: every rank its own tp group of one.
+                return case.replace(world_size=launched[1], tp_size=1, dtype="float64", faults=()), ""
             return case.replace(world_size=1, tp_size=None, dtype="float64", faults=()), ""
         except InvalidArgument as err:
             return None, f"the case on one rank is refused: {err}"

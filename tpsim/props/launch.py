@@ -51,14 +51,18 @@ Ref = tuple[str, str, tuple[tuple[str, Any], ...], tuple[tuple[str, Any], ...]]
 
 #: Each variant as it was resolved, by ``(target, name, options)``: what a derived variant's changes
 #: are measured against (:func:`target_ref`). Filled by the resolver, in this process or the judge's.
-_ORIGINALS: dict[tuple[Any, ...], Any] = {}
+_ORIGINALS: dict[tuple[Any, ...], list[Any]] = {}
+#: Resolutions of one target kept (a process that resolves a target again, as each rank under a launcher
+#: does, may run a variant of an earlier resolution: a builder made anew is no change).
+_KEPT = 4
 
 
 def remember(variants: list[Any]) -> list[Any]:
     """Record ``variants`` as resolved (see :func:`target_ref`); returns them."""
     for v in variants:
         if v.target is not None:
-            _ORIGINALS[(v.target, v.name, tuple(v.options))] = v
+            kept = _ORIGINALS.setdefault((v.target, v.name, tuple(v.options)), [])
+            kept[:] = [*kept[-(_KEPT - 1):], v]
     return variants
 
 
@@ -116,8 +120,10 @@ def target_ref(variant: Any, backend: str, isolate: bool) -> Ref:
         )
     options = tuple(variant.options)
     where = "isolated inproc worker process" if backend == "inproc" else f"{backend} worker processes"
-    return (variant.target, variant.name, options,
-            _changes(variant, _ORIGINALS.get((variant.target, variant.name, options)), where))
+    resolved = _ORIGINALS.get((variant.target, variant.name, options), [])
+    if any(original is variant for original in resolved):
+        return (variant.target, variant.name, options, ())
+    return (variant.target, variant.name, options, _changes(variant, resolved[-1] if resolved else None, where))
 
 
 def variant_of(payload: dict[str, Any]) -> Any:
