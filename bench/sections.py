@@ -63,6 +63,9 @@ class Config:
     scale_hidden: tuple[int, ...] = (512, 1024, 2048, 4096)
     scale_vocab: tuple[int, ...] = (4096, 8192, 16384, 32000)
     scale_rounds: int = 2
+    #: the modules section: (hidden, ffn) sizes each pair is measured at, interleaved rounds per size
+    module_sizes: tuple[tuple[int, int], ...] = ((64, 128), (512, 1408))
+    module_rounds: int = 5
     headline: tuple[int, ...] = (8, 32, 128)
     notes: list[str] = field(default_factory=list)
 
@@ -117,6 +120,8 @@ QUICK = Config(
     scale_hidden=(64,),
     scale_vocab=(256,),
     scale_rounds=1,
+    module_sizes=((16, 32),),
+    module_rounds=1,
 )
 
 
@@ -1056,6 +1061,29 @@ def scale(cfg: Config) -> dict[str, Any]:
             "embedding_dim": 16 if quick else SCALE_EMBEDDING_DIM, "load": _load_now()}
 
 
+# --- 10. modules: a DTensor plan against the same module built from tpsim's own layers ---------------
+
+
+def modules(cfg: Config) -> dict[str, Any]:
+    """Per-example cost of a module under a DTensor plan against the same module built from tpsim's own
+    layers (:mod:`bench.modules`: the gated MLP and a decoder block), each size in a fresh process, both
+    variants interleaved; where the examples go (a profile of both) at the first size."""
+    from bench.modules import PAIRS, PHASES
+
+    rows: list[dict[str, Any]] = []
+    skipped: dict[str, str] = {}
+    for pair in PAIRS:
+        for i, (hidden, ffn) in enumerate(cfg.module_sizes):
+            row = subprocess_json(["bench.modules", pair, str(hidden), str(ffn), str(cfg.module_rounds)]
+                                  + (["profile"] if i == 0 else []), 900.0)
+            if row is None:
+                skipped[pair] = f"hidden {hidden} ran past its time limit; larger sizes skipped"
+                break
+            rows.append(row)
+    return {"rows": rows, "skipped": skipped, "rounds": cfg.module_rounds, "phases": list(PHASES),
+            "load": _load_now()}
+
+
 def _load_now() -> float:
     try:
         return os.getloadavg()[0]
@@ -1064,4 +1092,5 @@ def _load_now() -> float:
 
 
 SECTIONS = {"step": step, "props": props, "mutants": mutants, "labmlp": labmlp, "faults": faults,
-            "memory": memory, "dtensor": dtensor, "checks": checks, "overhead": overhead, "scale": scale}
+            "memory": memory, "dtensor": dtensor, "checks": checks, "overhead": overhead, "scale": scale,
+            "modules": modules}
