@@ -831,7 +831,9 @@ Fault detection latency (fault kind × backend):
 
 {_tables(_md_section(md, "Fault detection latency"))}
 
-Mutant catch table, lab-note-scale MLP, peak memory and the DTensor path: [docs/bench.md](docs/bench.md);
+Mutant catch table, lab-note-scale MLP, a whole check against its floor by size, a module under a DTensor
+plan against tpsim's own layers (with where its examples go), peak memory and the DTensor path:
+[docs/bench.md](docs/bench.md);
 every catalogued mutant with its mechanism and public reports: [docs/bugs.md](docs/bugs.md).
 """
 
