@@ -377,6 +377,7 @@ def test_modules_section_renders_every_pair_with_its_goal_and_profile():
     assert (small["goal"], small["met"], large["met"]) == ("<= 2x", False, True)
 
 
+@pytest.mark.slow  # seconds of checks, profiled; the quick run covers the section in the fast tier's stead
 def test_modules_worker_measures_both_variants_side_by_side():
     from bench.modules import PHASES, modules_worker
 
