@@ -36,9 +36,14 @@ Sections (see ``docs/bench.md`` for the tables they produce):
 - ``scale``: a whole check (``check_case``: float64 reference, tp world, every property) of tpsim's
   SwiGLU MLP (hidden 512..4096, ffn in the lab note's proportion), vocab-parallel embedding and
   cross-entropy (vocab 4096..32000) against the same layer's dense forward+backward and against the
-  floor of any such check (drawing the case's values and one float64 dense forward+backward, in
-  plain torch), side by side in one fresh process per size; the ratios, and a plot of check time
-  against size.
+  floor of any such check (drawing the case's values and the float64 oracle of every pass it judges, in
+  plain torch), side by side in one fresh process per size, every run on one intra-op thread (the
+  check's worlds run one per rank); the ratios, and a plot of check time against size;
+- ``modules``: per-example cost of a module under a DTensor plan against the same module built from
+  tpsim's own layers (the gated MLP of ``examples/plan_mlp.py`` against ``ParallelMLP(swiglu)``, the
+  decoder block of ``bench/blocks.py`` both ways), both variants interleaved in one fresh process per
+  size, with a profile of where each one's examples go (plan application, DTensor's dispatch, the twin,
+  the magnitude run, ...); ``python -m bench.modules PAIR HIDDEN FFN ROUNDS [profile]`` prints its JSON.
 
 A change's cost in examples/s, against the commit it started from (``git archive BASE | tar -x -C
 DIR``), side by side: ``python -m bench.compare DIR`` (:mod:`bench.compare`; not part of the report).

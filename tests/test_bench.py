@@ -28,6 +28,7 @@ SECTION_TITLES = (
     "## Fault detection latency",
     "## Peak memory",
     "## DTensor path",
+    "## Module and plan targets: a DTensor plan vs tpsim's own layers",
     "## Scale: a whole check vs the dense forward+backward",
 )
 
@@ -47,8 +48,9 @@ def quick_run(tmp_path_factory):
 @pytest.mark.gloo
 def test_quick_run_writes_every_output(quick_run):
     out, stdout = quick_run
-    assert sorted(os.listdir(out)) == ["bench.json", "bench.md", "bench_props.png", "bench_scale.png", "bench_step.png"]
-    for name in ("bench_props.png", "bench_scale.png", "bench_step.png"):
+    assert sorted(os.listdir(out)) == ["bench.json", "bench.md", "bench_modules.png", "bench_props.png",
+                                       "bench_scale.png", "bench_step.png"]
+    for name in ("bench_modules.png", "bench_props.png", "bench_scale.png", "bench_step.png"):
         with open(out / name, "rb") as fh:
             assert fh.read(8) == PNG_MAGIC, name
     assert "[bench] wrote" in stdout and "inproc/floor=" in stdout
@@ -127,6 +129,13 @@ def test_quick_json_is_well_formed(quick_run):
     assert set(scale) == {"mlp", "embedding", "cross-entropy"}
     for rows in scale.values():
         assert rows and all(r["passed"] for r in rows)
+    assert result["scale"]["threads"] == 1 and all(r["threads"] == 1 for rows in scale.values() for r in rows)
+    modules = result["modules"]["rows"]
+    assert [r["pair"] for r in modules] == ["gated MLP", "decoder block"]
+    for r in modules:
+        assert r["passed"] is True and r["ratio"] == r["plan_s"] / r["own_s"], r
+        assert r["plan_s"] == min(w for w, _ in r["samples"]["plan"])  # the fastest round
+        assert set(r["profile"]["plan"]) == set(result["modules"]["phases"])
 
 
 @pytest.mark.slow
@@ -312,9 +321,14 @@ def test_scale_worker_measures_a_passing_check_beside_its_dense_twin(family):
     [only] = row["rounds"]
     assert only["failures"] == 0 and row["check_s"] == only["check_s"] and row["dense_s"] == only["dense_s"]
     assert row["ratio"] == row["check_s"] / row["dense_s"] and row["cpu_ratio"] > 0
-    # the floor is measured beside them: drawing the case and the float64 oracle, plus the layer once
-    assert row["floor_s"] == only["floor_s"] > 0
-    assert row["floor_ratio"] == (row["floor_s"] + row["dense_s"]) / row["dense_s"] > 1
+    # the floor is measured beside them: drawing the case and the float64 oracle of every judged pass, plus
+    # the layer over the same passes (one forward+backward but for the MLP, which trains), all on one thread
+    assert row["floor_s"] == only["floor_s"] > 0 and row["threads"] == 1
+    assert row["layer_s"] == only["layer_s"] > 0
+    if family != "mlp":
+        assert row["layer_s"] == row["dense_s"]
+    assert row["floor_ratio"] == (row["floor_s"] + row["layer_s"]) / row["dense_s"] > 1
+    assert row["check_over_floor"] == row["check_s"] / (row["floor_s"] + row["layer_s"])
     if family == "mlp":
         assert "sizes=[64, 172]" in row["case"]  # ffn in the lab note's proportion (11008 / 4096)
 
@@ -325,7 +339,7 @@ def test_scale_table_has_a_row_per_size_and_a_goal_per_family():
     result = {"scale": {"families": rows, "skipped": {}, "rounds": 2, "tokens": [2, 8], "ce_tokens": [2, 256],
                         "embedding_dim": 4096, "load": 3.0}}
     text = "\n".join(report.scale_markdown(result, {"scale": "bench_scale.png"}))
-    assert "| SwiGLU MLP (tp 2) | hidden 1024 | 0.5 | — | 3 | 6.0x | 2.0x | — | — | yes |" in text
+    assert "| SwiGLU MLP (tp 2) | hidden 1024 | 0.5 | — | 0.5 | 3 | 6.0x | 2.0x | — | — | — | yes |" in text
     assert text.count("| vocab-parallel") == 4 and "![check time against size](bench_scale.png)" in text
     goals = {t["target"]: t for t in report.targets(result)}
     mlp = goals["lab-note MLP check / dense forward+backward (hidden 1024)"]
@@ -333,10 +347,46 @@ def test_scale_table_has_a_row_per_size_and_a_goal_per_family():
     # with a floor measured, the table and the goal show it and the check against it
     rows["mlp"][1].update(floor_s=1.0, floor_ratio=3.0)
     text = "\n".join(report.scale_markdown(result, {}))
-    assert "| SwiGLU MLP (tp 2) | hidden 1024 | 0.5 | 1 | 3 | 6.0x | 2.0x | 3.0x | 2.0x | yes |" in text
+    assert "| SwiGLU MLP (tp 2) | hidden 1024 | 0.5 | 1 | 0.5 | 3 | 6.0x | 2.0x | 3.0x | 2.00x | — | yes |" in text
     goals = {t["target"]: t for t in report.targets(result)}
     assert goals["lab-note MLP check / dense forward+backward (hidden 1024)"]["measured_text"] == (
         "6.0x (CPU time: 2.0x; floor 3.0x)")
+    # the check against its floor (the oracle over every judged pass and the layer over them), goal 2x
+    assert goals["lab-note MLP check / floor (hidden 1024)"]["measured"] is None
+    rows["mlp"][1].update(layer_s=1.0, check_over_floor=1.5, cpu_check_over_floor=1.25, threads=1)
+    mlp = {t["target"]: t for t in report.targets(result)}["lab-note MLP check / floor (hidden 1024)"]
+    assert (mlp["goal"], mlp["measured"], mlp["met"]) == ("<= 2x", 1.5, True)
+    assert mlp["measured_text"] == "1.50x (CPU time: 1.25x; 1 thread everywhere)"
+
+
+def test_modules_section_renders_every_pair_with_its_goal_and_profile():
+    from bench.modules import PHASES
+
+    prof = {"plan": dict.fromkeys(PHASES, 0.001), "own": dict.fromkeys(PHASES, 0.0005)}
+    rows = [{"pair": "gated MLP", "hidden": 64, "ffn": 128, "plan_s": 0.05, "own_s": 0.02, "ratio": 2.5,
+             "cpu_ratio": 2.4, "passed": True, "profile": prof},
+            {"pair": "gated MLP", "hidden": 512, "ffn": 1408, "plan_s": 1.2, "own_s": 1.0, "ratio": 1.2,
+             "cpu_ratio": 1.1, "passed": True}]
+    result = {"modules": {"rows": rows, "skipped": {}, "rounds": 5, "phases": list(PHASES), "load": 2.0}}
+    text = "\n".join(report.modules_markdown(result, {"modules": "bench_modules.png"}))
+    assert "| gated MLP | 64 | 128 | 0.05 | 0.02 | 2.50x | 2.40x | yes |" in text
+    assert "| plan application | 1.0 | 0.5 |" in text and f"| total | **{len(PHASES):.1f}**" in text
+    goals = {t["target"]: t for t in report.targets(result)}
+    small = goals["gated MLP under a DTensor plan / built from tpsim's layers, per example (hidden 64)"]
+    large = goals["gated MLP under a DTensor plan / built from tpsim's layers, per example (hidden 512)"]
+    assert (small["goal"], small["met"], large["met"]) == ("<= 2x", False, True)
+
+
+@pytest.mark.slow  # seconds of checks, profiled; the quick run covers the section in the fast tier's stead
+def test_modules_worker_measures_both_variants_side_by_side():
+    from bench.modules import PHASES, modules_worker
+
+    row = modules_worker("gated MLP", 16, 32, 2, profile=True)
+    assert row["passed"] is True and (row["plan"], row["own"]) == ("GatedMLP", "ParallelMLP(swiglu)")
+    assert [len(row["samples"][k]) for k in ("plan", "own")] == [2, 2]
+    assert row["ratio"] == row["plan_s"] / row["own_s"] and row["plan_s"] == min(w for w, _ in row["samples"]["plan"])
+    assert set(row["profile"]["plan"]) == set(PHASES) and row["profile"]["plan"]["plan application"] > 0
+    assert row["profile"]["own"]["plan application"] == 0
 
 
 def test_overhead_worker_measures_inproc_beside_its_floor():

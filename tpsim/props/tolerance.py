@@ -85,14 +85,19 @@ def tolerance(
     reduction_length: int,
     world_size: int,
     factor: float = FACTOR,
+    in_place: bool = False,
 ) -> torch.Tensor:
     """Per-element absolute tolerance ``factor * eps(dtype) * sqrt(K + ws) * magnitude + floor``.
 
     ``magnitude`` is float64 and has the shape of the compared tensor; the floor is
-    :func:`floor` (see the module docstring for both).
+    :func:`floor` (see the module docstring for both). ``in_place``: a float64 ``magnitude`` that the
+    caller no longer needs becomes the tolerance (the same operations, so the same values, without two
+    temporaries as large as it: at a realistic vocabulary each is a [tokens, V] float64 tensor).
     """
     scale = factor * eps(dtype) * math.sqrt(max(int(reduction_length), 1) + max(int(world_size), 1))
     atol = floor(dtype, reduction_length=reduction_length, world_size=world_size, factor=factor)
+    if in_place and magnitude.dtype == torch.float64:
+        return magnitude.mul_(scale).add_(atol)
     return magnitude.to(torch.float64) * scale + atol
 
 

@@ -30,6 +30,7 @@ narrower dtypes confirms it on the float64 re-run of the case (the module family
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -62,11 +63,14 @@ def _counted_factor(c: float, tp: int) -> str:
     return f"{c:.4g}"
 
 
-def reduced_after_accumulation(first: torch.Tensor | None, first_tol: torch.Tensor | None, tp: int,
+def reduced_after_accumulation(first: torch.Tensor | None,
+                               first_tol: torch.Tensor | Callable[[], torch.Tensor] | None, tp: int,
                                micro_batches: int) -> Recogniser:
     """The recogniser of ``grad-reduced-after-accumulation`` for one parameter's accumulated grad (see the
-    module docstring): ``first`` is the dense grad of the first micro-batch (float64, the accumulated
-    grad's shape), ``first_tol`` its bound, ``tp`` the tp size, ``micro_batches`` how many were
+    module docstring): ``first`` is the dense grad of the first micro-batch (the accumulated grad's
+    shape; read in float64), ``first_tol`` its bound, or a function that makes it (called only when a
+    grad differs: at the lab note's size the bound of every weight grad was a float64 tensor as large
+    as the weight, made for every passing case), ``tp`` the tp size, ``micro_batches`` how many were
     accumulated."""
 
     @recogniser(GRAD_REDUCED_AFTER_ACCUMULATION)
@@ -83,7 +87,8 @@ def reduced_after_accumulation(first: torch.Tensor | None, first_tol: torch.Tens
         c = float((actual.to(_F64).reshape(-1) - full.to(_F64).reshape(-1)) @ f) / ff
         if not math.isfinite(c) or abs(c) < 1e-3:
             return None
-        expected, tol = full + c * first.to(_F64), placed.tol + abs(c) * first_tol
+        bound = first_tol() if callable(first_tol) else first_tol
+        expected, tol = full + c * first.to(_F64), placed.tol + abs(c) * bound
         # Replicas: every rank's piece (the reduction leaves them all alike), not only the first that differs.
         compared = pieces if not placed.sharded and not placed.summed and pieces else [actual]
         if not all(close(p, expected, tol) for p in compared):

@@ -52,6 +52,7 @@ tokens, where a packed out-projection's permuted heads fail even with one key/va
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -327,9 +328,10 @@ def _accumulated(ctx: ModuleContext) -> Failure | None:
         placed = param_placed(ctx, name, [v.accumulated.get(name) for v in ctx.values], full)
         placed.what = accumulated_what(name, micro) + (" summed over ranks" if placed.summed else "")
         first, first_mag = ctx.ref.grads.get(name), ctx.mag.grads.get(name)
+        # The first micro-batch's bound is made only where the recogniser needs it (a grad that differs):
+        # made up front it was a float64 tensor the size of every weight, for every passing case.
         found = judged(ctx, TRAINING, placed, mag, [reduced_after_accumulation(
-            None if first is None else first.to(_F64), None if first_mag is None else ctx.bound(first_mag), ctx.tp,
-            micro)])
+            first, None if first_mag is None else functools.partial(ctx.bound, first_mag), ctx.tp, micro)])
         if found is not None:
             return found
     return None

@@ -299,7 +299,7 @@ class _CrossEntropyReference:
             # logits as the ranks hold them: the classifier padded with zero rows
             self._padded = partial(F.pad, x.detach(), (0, data.width - vocab))
             mag_x = data.hidden[group_index].to(_F64).abs() @ data.weight.to(_F64).abs().T
-            dx = tolerance(dt, mag_x, reduction_length=case.hidden, world_size=self.tp).amax(-1)
+            dx = tolerance(dt, mag_x, reduction_length=case.hidden, world_size=self.tp, in_place=True).amax(-1)
         else:
             # copy=True: one float64 copy, whatever the case's dtype (a [tokens, V] copy is not cheap)
             x = data.logits[group_index][..., :vocab].to(_F64, copy=True).requires_grad_()
@@ -321,7 +321,6 @@ class _CrossEntropyReference:
         magnitude = 1 + log_z + picked
         if ls > 0.0:
             magnitude = magnitude + ls * shifted.abs().mean(-1)
-        del shifted
         per_token = tolerance(dt, magnitude, reduction_length=vocab, world_size=self.tp) + 2 * dx
         per_token = per_token.masked_fill(self.ignored, 0.0)
         count = max(int((~self.ignored).sum()), 1)
@@ -342,11 +341,15 @@ class _CrossEntropyReference:
         self.token_grad = g_tok.expand(self.target.shape).masked_fill(self.ignored, 0.0).unsqueeze(-1)
         g_abs = self.token_grad.abs()
         p = torch.softmax(xs, -1)
-        mag = p.add(ls / vocab).mul_(g_abs)
+        # Logits in: p and mag are needed only for the logits' bound, which is made in their storage (the
+        # same operations; a [tokens, V] float64 temporary fewer each); hidden states in: both are read again.
+        hidden_in = variant.input == "hidden"
+        mag = (p.add if hidden_in else p.add_)(ls / vocab).mul_(g_abs)
         mag.scatter_add_(-1, safe.unsqueeze(-1), (1 - ls) * g_abs)
-        g_tol = tolerance(dt, mag, reduction_length=vocab, world_size=self.tp)
-        g_tol.add_(x.grad.abs(), alpha=2 * u)  # its own roundings to the dtype
-        if variant.input == "hidden":
+        g_tol = tolerance(dt, mag, reduction_length=vocab, world_size=self.tp, in_place=not hidden_in)
+        g_tol.add_(torch.abs(x.grad, out=shifted), alpha=2 * u)  # its own roundings to the dtype
+        del shifted
+        if hidden_in:
             g_tol.add_(p.mul_(g_abs).mul_(2 * dx.unsqueeze(-1)))  # the logits' own error moves p
         del p
         if variant.input == "hidden":
