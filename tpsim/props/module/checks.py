@@ -300,7 +300,7 @@ def _initial(ctx: ModuleContext, name: str, layout: ParamLayout) -> list[torch.T
 def offending(variant: ModuleVariant, case: ModuleCase) -> tuple[str, list[int]]:
     """What does not divide by the tp size in ``case`` (its sizes, a sequence-sharded input's length)."""
     tp = case.tp_size or case.world_size
-    out = {n: s for n, s in zip(variant.sizes, case.sizes, strict=True) if s % tp}
+    out = {n: s for n, s in zip(variant.sizes, case.sizes, strict=True) if s % tp and n not in variant.unsharded}
     d = variant.sequence_dim_of(len(case.batch_shape) + 1) if variant.input == "sequence-sharded" else None
     if d is not None and case.batch_shape[d] % tp:
         out[f"the sequence length (dim {d})"] = case.batch_shape[d]

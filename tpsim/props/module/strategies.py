@@ -90,7 +90,7 @@ def _module_cases(draw: st.DrawFn, variant: ModuleVariant, sizes: tuple[int, ...
     input_layout = draw(st.sampled_from(layouts))
     return ModuleCase(world_size=world, tp_size=tp, tp_layout=layout, sizes=drawn, batch_shape=batch, dtype=dtype,
                       seed=seed, target=variant.target, variant=variant.name, options=variant.options,
-                      size_names=variant.sizes, input_layout=input_layout)
+                      size_names=variant.sizes, input_layout=input_layout, unsharded=variant.unsharded)
 
 
 def module_cases(

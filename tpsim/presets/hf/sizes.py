@@ -1,0 +1,92 @@
+"""The Hypothesis strategy of a transformers module's sizes and switches (the family's rules decide).
+
+A case of a module (:mod:`tpsim.presets.hf.discovery`) draws, for a tp group of ``tp`` ranks:
+
+- ``kv_heads``: ``tp`` times 1 or 2 where the plan shards attention heads (each rank holds whole
+  heads: transformers' own rule, ``get_kv_heads_per_rank``), else 1 or 2 whatever the tp size (fewer
+  key/value heads than ranks); ``heads``: the key/value heads times 1 or 2 (grouped-query), or equal
+  to them (a multi-head or latent-attention config);
+- ``hidden``: ``heads * head_dim`` (twice that too where the config sets ``head_dim`` itself), a
+  multiple of the tp size; without heads, ``8 * tp`` or ``16 * tp``;
+- ``ffn``: ``4 * tp`` or ``8 * tp`` (every intermediate size of the config: dense, experts', shared);
+- ``experts``: 2, 3 or 4 and ``top_k``: 1 or 2 (at most the experts);
+- each switch 0 or 1 (:class:`~tpsim.presets.hf.discovery.Switch`), and ``layer``: which of the
+  layers that hold the module (a sliding and a full one, a dense and an MoE one, ...).
+
+A drawn tuple is kept only where the family's config class accepts it (its validators run). Sizes
+that do not divide by the tp size are not drawn: a plan's DTensor shards them unevenly by design.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tpsim.presets.hf.discovery import Described, Root
+
+__all__ = ["SizeRule"]
+
+
+@dataclass(frozen=True)
+class SizeRule:
+    """``rule(tp, divisible)``: the strategy of one module's size tuples (see the module docstring)."""
+
+    described: Described
+    root: Root
+
+    def __call__(self, tp: int, divisible: bool) -> Any:
+        from hypothesis import assume
+        from hypothesis import strategies as st
+
+        if not divisible:
+            return st.nothing()
+        described, root = self.described, self.root
+        names = described.names_of(root)
+        from tpsim.presets.hf.configs import config_for
+        from tpsim.presets.hf.modules import _resolve
+
+        config_cls = _resolve(described.config)
+        base = dict(described.base)
+
+        @st.composite
+        def draw(d: Any) -> tuple[int, ...]:
+            out: dict[str, int] = {}
+            if "heads" in names:
+                kv = (tp if described.shard_heads else 1) * d(st.integers(1, 2))
+                heads = kv if described.mha else kv * d(st.integers(1, 2))
+                assume(not described.shard_heads or heads % tp == 0)
+                out["heads"] = heads
+                if "kv_heads" in names:
+                    out["kv_heads"] = kv
+                width = described.head_dim * heads
+                out["hidden"] = width * (d(st.integers(1, 2)) if described.head_dim_explicit else 1)
+            else:
+                out["hidden"] = 8 * tp * d(st.integers(1, 2))
+            assume(out["hidden"] % tp == 0)
+            if "ffn" in names:
+                out["ffn"] = 4 * tp * d(st.integers(1, 2))
+            if "experts" in names:
+                out["experts"] = d(st.integers(2, 4))
+            if "top_k" in names:
+                out["top_k"] = d(st.integers(1, min(2, out.get("experts", 2))))
+            for name in root.switches:
+                out[name] = d(st.integers(0, 1))
+            if "layer" in names:
+                out["layer"] = d(st.integers(0, len(root.layers) - 1))
+            values = tuple(out[n] for n in names)
+            switches = {s.attr: (s.on if out.get(s.name) else s.off) for s in described.switches
+                        if s.name in root.switches and not s.attr.startswith("_")}
+            try:
+                config_for(config_cls, base, {k: v for k, v in out.items() if k not in switches}, switches)
+            except Exception:  # noqa: BLE001 - the family's validators refuse these values
+                assume(False)
+            return values
+
+        return draw()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SizeRule) and (other.described.config, other.root.name) == (
+            self.described.config, self.root.name)
+
+    def __hash__(self) -> int:
+        return hash((self.described.config, self.root.name))
