@@ -26,10 +26,13 @@ Sections (see ``docs/bench.md`` for the tables they produce):
 - ``dtensor``: per-example time of the DTensor adapters on inproc vs gloo;
 - ``checks``: what a user waits for: ``tpsim check`` end to end in fresh processes (tpsim's column
   layer at world sizes 1-4 and at the default ones, the Megatron-core preset), on inproc (isolated, as
-  by default, and not), and gloo, interleaved, with the gloo worker pools each run replaced; inproc's
-  per-collective overhead per rank at world size 32 with tiny tensors, beside its floor (a thread
-  hand-off per rank, measured by a ring of plain locks, plus torch's own ``dist.all_reduce``
-  wrapper); every goal with its measure. It writes the "What you wait for" paragraph the README quotes;
+  by default, and not), and gloo, interleaved, with the gloo worker pools each run replaced; every
+  goal with its measure. It writes the "What you wait for" paragraph the README quotes;
+- ``overhead``: inproc's cost per collective per rank with tiny tensors at world sizes 8, 32 and 128,
+  beside its floor measured in the same process (a thread hand-off per rank: the cheaper of a ring of
+  plain locks and the same ring placed as inproc places its rank threads; plus torch's own
+  ``dist.all_reduce`` wrapper, on a one-rank gloo world); ``python -m bench --only overhead --out DIR``
+  runs just this section (about a minute), ``python -m bench.overhead 8,32,128 300 5`` prints its JSON;
 - ``scale``: a whole check (``check_case``: float64 reference, tp world, every property) of tpsim's
   SwiGLU MLP (hidden 512..4096, ffn in the lab note's proportion), vocab-parallel embedding and
   cross-entropy (vocab 4096..32000) against the same layer's dense forward+backward and against the

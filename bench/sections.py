@@ -49,8 +49,9 @@ class Config:
     check_commands: tuple[str, ...] = ()
     check_rounds: int = 1
     check_extra: tuple[str, ...] = ()
-    #: world size, collectives per rank and rounds of the inproc per-collective overhead measurement
-    overhead_world_size: int = 32
+    #: world sizes, collectives per rank (at world size 32: scaled by 32 / world size, at least 50) and
+    #: rounds of the inproc per-collective cost measurement (the overhead section)
+    overhead_world_sizes: tuple[int, ...] = (8, 32, 128)
     overhead_calls: int = 300
     overhead_repeats: int = 5
     #: world sizes of the inproc rows of the memory section
@@ -107,7 +108,7 @@ QUICK = Config(
     dtensor_examples=2,
     check_commands=("ws 1-4",),
     check_extra=("--max-examples", "5", "--world-sizes", "1,2"),
-    overhead_world_size=4,
+    overhead_world_sizes=(4,),
     overhead_calls=50,
     overhead_repeats=2,
     memory_world_sizes=(2,),
@@ -605,7 +606,7 @@ def _one_check(args: tuple[str, ...], cases_dir: str) -> dict[str, Any] | None:
 
 def checks(cfg: Config) -> dict[str, Any]:
     """``tpsim check`` end to end, each command on each backend in a fresh process, interleaved (every
-    backend in turn, then the next round), the fastest round kept; the inproc per-collective overhead."""
+    backend in turn, then the next round), the fastest round kept."""
     import tempfile
 
     rows: dict[str, dict[str, Any]] = {}
@@ -639,96 +640,233 @@ def checks(cfg: Config) -> dict[str, Any]:
                                                      "pool_replacements", "pool_replacements_by_reason")})
         row["check_s_samples"] = [None if s is None else s["check_s"] for s in row["samples"]]
         row["pool_replacements_total"] = sum((s or {}).get("pool_replacements") or 0 for s in row["samples"])
-    overhead = subprocess_json(["bench.overhead", str(cfg.overhead_world_size), str(cfg.overhead_calls),
-                                str(cfg.overhead_repeats)], 600)
     return {"rows": list(rows.values()), "rounds": cfg.check_rounds, "extra": list(cfg.check_extra),
-            "overhead": overhead, "notes": notes}
+            "notes": notes}
 
 
-def rank_all_reduces(calls: int) -> None:
+# --- 8b. overhead: inproc's cost per collective per rank, beside its floor -------------------------------
+
+
+def rank_timed_all_reduces(calls: int) -> tuple[float, float, float, float]:
+    """``calls`` all_reduces of a one-element tensor after a first one (every rank has arrived once it
+    returns): the wall and process CPU clocks before and after them."""
     import torch
     import torch.distributed as dist
 
     t = torch.ones(1)
+    dist.all_reduce(t)
+    w0, c0 = time.perf_counter(), time.process_time()
     for _ in range(calls):
         dist.all_reduce(t)
+    return w0, c0, time.perf_counter(), time.process_time()
 
 
-def handoff_ring(ws: int, rounds: int) -> float:
+def inproc_collective_cost(ws: int, calls: int) -> tuple[float, float]:
+    """Microseconds of wall and process CPU time per all_reduce per rank on an inproc world of ``ws``
+    ranks: from the moment the first rank leaves a first all_reduce (all have arrived) until the last
+    rank leaves its last, over ``calls`` all_reduces of every rank. Thread start-up and exit fall
+    outside it."""
+    import tpsim
+
+    marks = tpsim.run(rank_timed_all_reduces, ws, args=(calls,))
+    n = calls * ws
+    wall = (max(m[2] for m in marks) - min(m[0] for m in marks)) / n * 1e6
+    cpu = (max(m[3] for m in marks) - min(m[1] for m in marks)) / n * 1e6
+    return wall, cpu
+
+
+#: The backend name of :func:`null_world`'s process group.
+NULL_BACKEND = "tpsim_bench_null"
+
+
+def _null_group_class() -> type:
+    import torch.distributed as dist
+
+    class Done(dist.Work):
+        def wait(self, timeout: Any = None) -> bool:
+            return True
+
+    class NullGroup(dist.ProcessGroup):
+        """A process group whose collectives cost nothing: one completed handle, handed back at once."""
+
+        def __init__(self, rank: int, size: int) -> None:
+            super().__init__(rank, size)
+            self._done = Done()
+
+        def allreduce(self, tensors: Any, opts: Any = None) -> Any:
+            return self._done
+
+        def getBackendName(self) -> str:
+            return NULL_BACKEND
+
+    return NullGroup
+
+
+def null_world() -> Any:
+    """Make a one-rank world of a process group that does nothing the default group of this process
+    (torch's own registry: no inproc world runs here) and return that group. ``dist.all_reduce`` on it
+    costs torch's wrapper and two trivial Python calls, and nothing of any backend."""
+    import torch.distributed as dist
+
+    if NULL_BACKEND.upper() not in dist.Backend._plugins:
+        group = _null_group_class()
+        dist.Backend.register_backend(NULL_BACKEND, lambda opts, _=None: group(opts.group_rank, opts.group_size),
+                                      extended_api=True, devices=["cpu"])
+    dist.init_process_group(NULL_BACKEND, store=dist.HashStore(), rank=0, world_size=1)
+    return dist.distributed_c10d._get_default_group()
+
+
+def handoff_ring(ws: int, rounds: int, placed: bool = False, call: str = "") -> tuple[float, float]:
     """The floor of any design that runs each rank in a thread of its own, one at a time: ``ws``
     Python threads passing a token round a ring ``rounds`` times with plain locks (one lock
-    release and one acquire per hand-off, nothing else); microseconds per hand-off. Every rank of
-    a blocking collective hands on its turn once, so no such backend's collective costs less per rank."""
+    release and one acquire per hand-off, nothing else); microseconds of wall and process CPU time
+    per hand-off. Every rank of a blocking collective hands on its turn once, so no such backend's
+    collective costs less per rank.
+
+    ``placed``: every thread placed as inproc places its rank threads (one CPU for all,
+    ``SCHED_BATCH``: :func:`tpsim.comm.inproc._pin`), which makes a hand-off cheaper than between
+    threads the OS places; the floor is the cheaper of the two rings.
+
+    ``call``: between taking the token and passing it on, each thread calls ``dist.all_reduce`` on
+    a one-element tensor of its own (``"wrapped"``) or the default group's ``allreduce`` as that
+    calls it (``"direct"``), on :func:`null_world`'s group: the difference is torch's wrapper as a
+    rank among ``ws`` threads taking turns runs it, which costs more than in a loop of one thread
+    (colder caches: :func:`overhead_worker` measures both)."""
     import threading
 
+    import torch
+    import torch.distributed as dist
+
+    from tpsim.comm import inproc
+
+    cpu = inproc._choose_cpu() if placed else None
     locks = [threading.Lock() for _ in range(ws)]
     for lock in locks:
         lock.acquire()
+    pg = dist.distributed_c10d._get_default_group() if call else None
 
     def turn(i: int) -> None:
+        if placed:
+            inproc._pin(cpu)
         mine, nxt = locks[i], locks[(i + 1) % ws]
-        for _ in range(rounds):
-            mine.acquire()
-            nxt.release()
+        t = torch.ones(1)
+        if call == "wrapped":
+            for _ in range(rounds):
+                mine.acquire()
+                dist.all_reduce(t)
+                nxt.release()
+        elif call == "direct":
+            opts = dist.AllreduceOptions()  # what dist.all_reduce(t) builds and passes
+            opts.reduceOp = dist.ReduceOp.SUM
+            opts.asyncOp = False
+            for _ in range(rounds):
+                mine.acquire()
+                pg.allreduce([t], opts).wait()  # type: ignore[union-attr]
+                nxt.release()
+        else:
+            for _ in range(rounds):
+                mine.acquire()
+                nxt.release()
 
     threads = [threading.Thread(target=turn, args=(i,), daemon=True) for i in range(ws)]
     for t in threads:
         t.start()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     locks[0].release()
     for t in threads:
         t.join()
-    return (time.perf_counter() - t0) / (ws * rounds) * 1e6
+    n = ws * rounds
+    return (time.perf_counter() - t0) / n * 1e6, (time.process_time() - c0) / n * 1e6
 
 
-def rank_wrapper_cost(calls: int) -> float:
-    """On a world of one rank: microseconds per call that torch's ``dist.all_reduce`` adds to the
-    process group's own ``allreduce`` (its argument checks, group lookup and logging wrapper), the
-    fastest of three interleaved rounds. Every backend behind ``torch.distributed`` pays it."""
+def wrapper_cost(calls: int, rounds: int = 40) -> float:
+    """Microseconds per call that torch's ``dist.all_reduce`` adds to the default process group's own
+    ``allreduce`` as it calls it (its argument checks, group lookup, options and logging wrapper) on
+    the calling thread's current one-rank world, in a loop of one thread: the fastest batch of
+    ``calls`` of each, interleaved over ``rounds``, one less the other, in this thread's CPU time (a
+    batch the machine preempts is not slower for it). Every backend behind ``torch.distributed`` pays it."""
     import torch
     import torch.distributed as dist
 
     t = torch.ones(1)
     pg = dist.distributed_c10d._get_default_group()
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
+    opts = dist.AllreduceOptions()  # what dist.all_reduce(t) builds and passes
+    opts.reduceOp = dist.ReduceOp.SUM
+    opts.asyncOp = False
+    clock = time.thread_time
+    wrapped = direct = float("inf")
+    for _ in range(rounds):
+        t0 = clock()
         for _ in range(calls):
             dist.all_reduce(t)
-        t1 = time.perf_counter()
+        t1 = clock()
         for _ in range(calls):
-            pg.allreduce([t]).wait()
-        t2 = time.perf_counter()
-        best = min(best, ((t1 - t0) - (t2 - t1)) / calls * 1e6)
-    return best
+            pg.allreduce([t], opts).wait()
+        t2 = clock()
+        wrapped, direct = min(wrapped, t1 - t0), min(direct, t2 - t1)
+    return (wrapped - direct) / calls * 1e6
 
 
-def overhead_worker(ws: int, calls: int, repeats: int) -> dict[str, Any]:
-    """inproc's cost of one collective per rank, with a one-element tensor: a world doing ``calls``
-    all_reduces per rank minus the same world doing none, per call and rank; the fastest of
-    ``repeats`` rounds, in wall time and in this process's CPU time (less disturbed by other load).
-    Beside it, in the same rounds: the thread hand-off floor (:func:`handoff_ring`) at the same
-    world size."""
+def overhead_worker(sizes: tuple[int, ...], calls: int, repeats: int) -> dict[str, Any]:
+    """inproc's cost of one collective per rank, with a one-element tensor, at each world size in
+    ``sizes`` (:func:`inproc_collective_cost`; ``calls`` at world size 32, scaled by 32 / world size,
+    at least 50), beside its floor measured in the same rounds: a thread hand-off (:func:`handoff_ring`,
+    the cheaper of the plain and the placed ring) plus torch's own ``dist.all_reduce`` wrapper as a rank
+    among as many threads taking turns runs it (the placed ring calling it, less the same ring calling
+    the group directly, on :func:`null_world`'s group); the fastest of ``repeats`` rounds of each. The
+    wrapper in a loop of one thread (:func:`wrapper_cost`) is reported beside it, on that world and on
+    an inproc world of one rank (where tpsim's per-thread routing of the registry adds to it)."""
     import torch
+    import torch.distributed as dist
 
     import tpsim
 
     torch.set_num_threads(1)
-    tpsim.run(rank_all_reduces, ws, args=(1,))  # warm
-    wall, cpu, ring = [], [], []
-    for _ in range(repeats):
-        w0, c0 = time.perf_counter(), time.process_time()
-        tpsim.run(rank_all_reduces, ws, args=(calls,))
-        w1, c1 = time.perf_counter(), time.process_time()
-        tpsim.run(rank_all_reduces, ws, args=(0,))
-        w2, c2 = time.perf_counter(), time.process_time()
-        wall.append(((w1 - w0) - (w2 - w1)) / (calls * ws) * 1e6)
-        cpu.append(((c1 - c0) - (c2 - c1)) / (calls * ws) * 1e6)
-        ring.append(handoff_ring(ws, calls))
-    (wrapper,) = tpsim.run(rank_wrapper_cost, 1, args=(max(calls, 1000),))
-    return {"world_size": ws, "calls": calls, "repeats": repeats, "wall_us": min(wall), "cpu_us": min(cpu),
-            "handoff_floor_us": min(ring), "torch_wrapper_us": wrapper, "wall_us_samples": wall,
-            "cpu_us_samples": cpu, "handoff_floor_us_samples": ring}
+    rows = []
+    for ws in sizes:
+        n = max(50, calls * 32 // ws)
+        inproc_collective_cost(ws, 2)  # warm
+        samples: dict[str, list[tuple[float, float]]] = {k: [] for k in ("inproc", "plain", "placed", "wrapped",
+                                                                          "direct")}
+        for _ in range(repeats):
+            samples["inproc"].append(inproc_collective_cost(ws, n))
+            samples["plain"].append(handoff_ring(ws, n))
+            samples["placed"].append(handoff_ring(ws, n, placed=True))
+            null_world()
+            try:
+                samples["wrapped"].append(handoff_ring(ws, n, placed=True, call="wrapped"))
+                samples["direct"].append(handoff_ring(ws, n, placed=True, call="direct"))
+            finally:
+                dist.destroy_process_group()
+        best = {k: (min(w for w, _ in v), min(c for _, c in v)) for k, v in samples.items()}
+        wrapper = max(0.0, best["wrapped"][1] - best["direct"][1])  # CPU time: a preempted round is not slower
+        handoff = min(best["plain"][0], best["placed"][0])
+        handoff_cpu = min(best["plain"][1], best["placed"][1])
+        row = {"world_size": ws, "calls": n, "wall_us": best["inproc"][0], "cpu_us": best["inproc"][1],
+               "plain_ring_us": best["plain"][0], "placed_ring_us": best["placed"][0], "handoff_floor_us": handoff,
+               "handoff_floor_cpu_us": handoff_cpu, "torch_wrapper_us": wrapper,
+               "floor_us": handoff + wrapper, "floor_cpu_us": handoff_cpu + wrapper}
+        row["ratio"] = row["wall_us"] / row["floor_us"] if row["floor_us"] > 0 else None
+        row["cpu_ratio"] = row["cpu_us"] / row["floor_cpu_us"] if row["floor_cpu_us"] > 0 else None
+        row["samples"] = {k: [list(x) for x in v] for k, v in samples.items()}  # (wall us, CPU us) each
+        rows.append(row)
+    null_world()
+    try:
+        hot = wrapper_cost(200)
+    finally:
+        dist.destroy_process_group()
+    (routed,) = tpsim.run(wrapper_cost, 1, args=(200,))
+    return {"repeats": repeats, "rows": rows, "torch_wrapper_hot_us": hot, "torch_wrapper_inproc_us": routed}
+
+
+def overhead(cfg: Config) -> dict[str, Any]:
+    """The overhead section: :func:`overhead_worker` in a fresh process (``python -m bench.overhead``)."""
+    result = subprocess_json(["bench.overhead", ",".join(map(str, cfg.overhead_world_sizes)), str(cfg.overhead_calls),
+                              str(cfg.overhead_repeats)], 900)
+    if result is None:
+        return {"rows": [], "skipped": "ran past 900 s"}
+    result["load"] = _load_now()
+    return result
 
 
 # --- 9. scale: a whole check vs the dense twin's forward+backward, by size ----------------------------
@@ -886,4 +1024,4 @@ def _load_now() -> float:
 
 
 SECTIONS = {"step": step, "props": props, "mutants": mutants, "labmlp": labmlp, "faults": faults,
-            "memory": memory, "dtensor": dtensor, "checks": checks, "scale": scale}
+            "memory": memory, "dtensor": dtensor, "checks": checks, "overhead": overhead, "scale": scale}

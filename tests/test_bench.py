@@ -111,12 +111,18 @@ def test_quick_json_is_well_formed(quick_run):
         assert r["passed"] is True and r["exit"] == 0 and r["examples"] >= 1, r
         assert 0 < r["check_s"] <= r["wall_s"], r
         assert r["command_line"].startswith("tpsim check tpsim.layers:ColumnParallelLinear --seed 0")
-    overhead = checks["overhead"]
-    assert overhead["world_size"] == 4 and len(overhead["wall_us_samples"]) == overhead["repeats"]
-    assert overhead["wall_us"] == min(overhead["wall_us_samples"])
-    # the floors beside it: a thread hand-off per rank, and torch's own all_reduce wrapper
-    assert overhead["handoff_floor_us"] == min(overhead["handoff_floor_us_samples"]) > 0
-    assert overhead["torch_wrapper_us"] > 0
+    assert "overhead" not in checks  # a section of its own
+    [overhead] = result["overhead"]["rows"]
+    assert overhead["world_size"] == 4
+    assert overhead["wall_us"] == min(w for w, _ in overhead["samples"]["inproc"])  # the fastest round
+    assert overhead["cpu_us"] == min(c for _, c in overhead["samples"]["inproc"])
+    # the floor beside it: a thread hand-off per rank (the cheaper ring), and torch's own all_reduce wrapper
+    assert overhead["handoff_floor_us"] == min(overhead["plain_ring_us"], overhead["placed_ring_us"]) > 0
+    assert overhead["torch_wrapper_us"] >= 0
+    assert overhead["floor_us"] == overhead["handoff_floor_us"] + overhead["torch_wrapper_us"]
+    assert overhead["ratio"] == overhead["wall_us"] / overhead["floor_us"]
+    assert {k: len(v) for k, v in overhead["samples"].items()} == dict.fromkeys(
+        ("inproc", "plain", "placed", "wrapped", "direct"), result["overhead"]["repeats"])
     scale = result["scale"]["families"]
     assert set(scale) == {"mlp", "embedding", "cross-entropy"}
     for rows in scale.values():
@@ -130,8 +136,9 @@ def test_quick_markdown_says_what_a_user_waits_for(quick_run):
     text = (out / "bench.md").read_text()
     assert "| `tpsim check tpsim.layers:ColumnParallelLinear --seed 0 --world-sizes 1,2,3,4 --max-examples 5 " \
            "--world-sizes 1,2` | inproc, not isolated |" in text
-    assert "| inproc per-collective overhead per rank, world size 4, tiny tensors | <= 10 us |" in text
-    assert "[bench] inproc per-collective overhead per rank" in stdout
+    assert "| inproc cost per collective per rank / its floor, world size 4, tiny tensors | <= 2x |" in text
+    assert "[bench] inproc cost per collective per rank / its floor" in stdout
+    assert "## Per-collective cost" in text
 
 
 @pytest.mark.gloo
@@ -143,7 +150,7 @@ def test_checks_section_runs_gloo_and_counts_pool_replacements(tmp_path):
     from bench import sections
 
     cfg = dataclasses.replace(sections.QUICK, backends=("gloo",), check_extra=("--max-examples", "8", "--world-sizes",
-                                                                              "2,3"), overhead_repeats=1)
+                                                                              "2,3"))
     result = sections.checks(cfg)
     [row] = result["rows"]
     assert (row["command"], row["backend"]) == ("ws 1-4", "gloo")
@@ -154,7 +161,7 @@ def test_checks_section_runs_gloo_and_counts_pool_replacements(tmp_path):
 def test_report_judges_every_goal():
     result = {
         "quick": False, "machine": report.machine(), "date": "today", "total_s": 1.0,
-        "checks": {"rounds": 1, "extra": [], "notes": [], "overhead": {"world_size": 32, "wall_us": 12.5, "cpu_us": 9.0},
+        "checks": {"rounds": 1, "extra": [], "notes": [],
                    "rows": [{"command": c, "what": c, "backend": b, "command_line": f"tpsim check {c}", "check_s": s,
                              "wall_s": s + 3, "examples": 100, "passed": True, "pool_replacements_total": 0}
                             for c, b, s in [("ws 1-4", "inproc", 1.5), ("ws 1-4", "gloo", 4.5),
@@ -168,12 +175,21 @@ def test_report_judges_every_goal():
     assert met["gloo, the default command (world sizes 1,2,3,4,8)"] == ("13 s", False)
     assert met["gloo, Megatron-core preset, 10 examples, world sizes 1,2,4"] == ("—", None)
     assert met["isolated inproc vs plain, per example (props section)"] == ("5.0% slower", True)
-    assert met["inproc per-collective overhead per rank, world size 32, tiny tensors"] == ("12.5 us (CPU: 9 us)", False)
-    result["checks"]["overhead"].update(handoff_floor_us=7.0, torch_wrapper_us=3.0)
+    assert met["inproc cost per collective per rank / its floor, world size ?, tiny tensors"] == ("—", None)
+    # one goal per world size the overhead section measured, judged on wall time against the floor beside it
+    result["overhead"] = {"repeats": 1, "torch_wrapper_hot_us": 1.5, "torch_wrapper_inproc_us": 3.5, "rows": [
+        {"world_size": ws, "calls": 100, "wall_us": wall, "cpu_us": 9.0, "plain_ring_us": 4.0, "placed_ring_us": 2.0,
+         "handoff_floor_us": 2.0, "torch_wrapper_us": 3.0, "floor_us": 5.0, "floor_cpu_us": 5.0,
+         "ratio": wall / 5.0, "cpu_ratio": 9.0 / 5.0} for ws, wall in ((8, 9.5), (32, 12.5))]}
     met = {t["target"]: (t["measured_text"], t["met"]) for t in report.targets(result)}
-    assert met["inproc per-collective overhead per rank, world size 32, tiny tensors"] == (
-        "12.5 us (CPU: 9 us; floor: thread hand-off 7 us + torch's all_reduce wrapper 3 us)", False)
-    del result["checks"]["overhead"]["handoff_floor_us"], result["checks"]["overhead"]["torch_wrapper_us"]
+    assert met["inproc cost per collective per rank / its floor, world size 8, tiny tensors"] == (
+        "1.90x (9.5 us against a floor of 5 us; CPU time: 1.80x)", True)
+    assert met["inproc cost per collective per rank / its floor, world size 32, tiny tensors"] == (
+        "2.50x (12.5 us against a floor of 5 us; CPU time: 1.80x)", False)
+    section = "\n".join(report.overhead_markdown(result))
+    assert "| 32 | 100 | 12.5 | 9 | 4 | 2 | 3 | 5 | 2.50x | 1.80x |" in section
+    assert "within 2x of its floor at every world size: met at 8; not met at 32." in section
+    del result["overhead"]
     text = report.markdown({k: v for k, v in result.items() if k != "props"}, {})
     # the paragraph the README quotes reports the default command's measured times on both backends
     assert ("`tpsim check tpsim.layers:ColumnParallelLinear --seed 0` (the default: 100 generated examples at "
@@ -321,3 +337,18 @@ def test_scale_table_has_a_row_per_size_and_a_goal_per_family():
     goals = {t["target"]: t for t in report.targets(result)}
     assert goals["lab-note MLP check / dense forward+backward (hidden 1024)"]["measured_text"] == (
         "6.0x (CPU time: 2.0x; floor 3.0x)")
+
+
+def test_overhead_worker_measures_inproc_beside_its_floor():
+    import torch.distributed as dist
+
+    from bench import sections
+
+    result = sections.overhead_worker((3,), 20, 1)
+    assert not dist.is_initialized()  # the one-rank world of the floor's wrapper is gone again
+    [row] = result["rows"]
+    assert row["world_size"] == 3 and row["calls"] == 20 * 32 // 3  # the calls at 32 ranks, scaled to 3
+    assert row["wall_us"] > 0 and row["cpu_us"] > 0
+    assert row["floor_us"] == min(row["plain_ring_us"], row["placed_ring_us"]) + row["torch_wrapper_us"]
+    assert row["ratio"] == row["wall_us"] / row["floor_us"]
+    assert result["torch_wrapper_hot_us"] is not None and result["torch_wrapper_inproc_us"] is not None

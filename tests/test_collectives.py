@@ -201,6 +201,38 @@ def test_inproc_is_bit_identical_and_equals_rank_order_sum():
         assert torch.equal(a[r], acc)
 
 
+def _small_input(rank: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(99 + rank)
+    t = (torch.randn(shape, generator=g, dtype=torch.float64)
+         * 10.0 ** torch.randint(-3, 4, shape, generator=g).double()).to(dtype)
+    flat = t.view(-1)
+    if rank == 2 and flat.numel() > 1:  # a signed zero and a NaN among the terms, bits and all
+        flat[0], flat[1] = -0.0, float("nan")
+    return t
+
+
+def rank_small_sum(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    t = _small_input(dist.get_rank(), shape, dtype)
+    dist.all_reduce(t)
+    return t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(), (1,), (7,), (4, 4)])
+def test_inproc_sums_small_tensors_of_many_ranks_in_rank_order_bit_for_bit(shape, dtype):
+    # past 8 ranks a sum of small float tensors is one index_add_ instead of one add_ per rank: the
+    # same additions in the same order, so every bit (NaN payloads included) is what the loop gives
+    ws = 12
+    out = tpsim.run(rank_small_sum, ws, args=(shape, dtype))
+    acc = _small_input(0, shape, dtype)
+    for r in range(1, ws):
+        acc.add_(_small_input(r, shape, dtype))
+    bits = torch.int32 if dtype == torch.float32 else torch.int64
+    for r in range(ws):
+        assert out[r].shape == acc.shape and out[r].dtype == dtype
+        assert torch.equal(out[r].reshape(-1).view(bits), acc.reshape(-1).view(bits)), r
+
+
 # -- failures: never a hang, and the message says why ---------------------------------
 def rank_exits_early() -> None:
     x = torch.ones(2)

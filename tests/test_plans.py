@@ -130,9 +130,12 @@ def test_twin_plans_change_one_entry() -> None:
     from plan_targets import HF_DOWN_COLWISE
 
     twins = twin_plans(HF_DOWN_COLWISE)
+    # Each entry planned along its other dim; each style string that cuts a weight as one block planned packed.
     assert [(path, name) for _, path, name, _ in twins] == [
-        ("gate_proj", "wrong-shard-dim"), ("up_proj", "wrong-shard-dim"), ("down_proj", "wrong-shard-dim")]
-    down = twins[2][3]
+        ("gate_proj", "wrong-shard-dim"), ("gate_proj", "packed-shard-layout"), ("up_proj", "wrong-shard-dim"),
+        ("up_proj", "packed-shard-layout"), ("down_proj", "wrong-shard-dim"), ("down_proj", "packed-shard-layout")]
+    assert twins[1][3]["gate_proj"] == "packed_colwise" and twins[1][0] == "packed:gate_proj"
+    down = twins[4][3]
     assert down == {"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
     assert twin_plans(lambda module, mesh: module) == []  # a function has no twins
 

@@ -185,6 +185,100 @@ def test_backends_never_import_layers_or_properties() -> None:
         assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
 
 
+#: Hypothesis's public surface tpsim may use: the modules its API reference documents, and of
+#: hypothesis.errors (which has no ``__all__``) the exceptions that reference lists, plus
+#: ``NoSuchExample``, which ``hypothesis.find`` documents raising. Other modules' names: their ``__all__``.
+_HYPOTHESIS_MODULES = ("hypothesis", "hypothesis.strategies", "hypothesis.errors", "hypothesis.database")
+_HYPOTHESIS_ERRORS = {"HypothesisException", "HypothesisDeprecationWarning", "Flaky", "FlakyStrategyDefinition",
+                      "FlakyFailure", "FlakyBackendFailure", "InvalidArgument", "ResolutionFailed", "Unsatisfiable",
+                      "DidNotReproduce", "DeadlineExceeded", "NoSuchExample"}
+#: What only Hypothesis's internals use: its engine's test-case data, build context, serialisation of
+#: choices and the keys it files examples under beside a test's own.
+_HYPOTHESIS_INTERNALS = re.compile(r"hypothesis\.internal|_hypothesis_internal|ConjectureData|BuildContext|"
+                                   r"choices_(?:to|from)_bytes|b\"\.(?:secondary|pareto)\"")
+
+
+def _hypothesis_public(module: str, name: str) -> bool:
+    mod = importlib.import_module(module)
+    if module == "hypothesis.errors":
+        return name in _HYPOTHESIS_ERRORS
+    if f"{module}.{name}" in _HYPOTHESIS_MODULES:
+        return True
+    return name in getattr(mod, "__all__", ())
+
+
+def _hypothesis_uses(path: pathlib.Path) -> list[tuple[int, str, str]]:
+    """``(line, module, name)`` of every Hypothesis name ``path`` imports or reads off a Hypothesis
+    module it imported (``hypothesis.seed``, ``st.integers``, ``hypothesis.errors.FlakyFailure``)."""
+    tree = ast.parse(path.read_text())
+    bound: dict[str, str] = {}  # local name -> the Hypothesis module it is
+    uses = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "hypothesis":
+                    uses.append((node.lineno, a.name, ""))
+                    bound[a.asname or a.name.split(".")[0]] = a.name if a.asname else "hypothesis"
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "hypothesis":
+            for a in node.names:
+                uses.append((node.lineno, node.module, a.name))
+                if f"{node.module}.{a.name}" in _HYPOTHESIS_MODULES:
+                    bound[a.asname or a.name] = f"{node.module}.{a.name}"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            chain = [node.attr]
+            value = node.value
+            while isinstance(value, ast.Attribute):
+                chain.insert(0, value.attr)
+                value = value.value
+            if isinstance(value, ast.Name) and value.id in bound:
+                module = bound[value.id]
+                for name in chain:  # down the submodules to the first name that is not one
+                    uses.append((node.lineno, module, name))
+                    if f"{module}.{name}" not in _HYPOTHESIS_MODULES:
+                        break
+                    module = f"{module}.{name}"
+    return uses
+
+
+def test_the_search_uses_only_hypothesis_public_api() -> None:
+    # Hypothesis's internals change between its releases without notice: tpsim (its search, cover phase,
+    # seeding and strategies) goes through the documented API alone.
+    internals, private = [], []
+    for path in sorted((ROOT / "tpsim").rglob("*.py")):
+        where = path.relative_to(ROOT)
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if _HYPOTHESIS_INTERNALS.search(line):
+                internals.append(f"{where}:{n}: {line.strip()}")
+        for lineno, module, name in _hypothesis_uses(path):
+            if module not in _HYPOTHESIS_MODULES or (name and not _hypothesis_public(module, name)):
+                private.append(f"{where}:{lineno}: {module}{'.' + name if name else ''}")
+    assert not internals, "tpsim uses Hypothesis internals:\n" + "\n".join(internals)
+    assert not private, "tpsim uses Hypothesis names outside its public API:\n" + "\n".join(private)
+
+
+def test_the_public_api_check_sees_what_it_must_refuse(tmp_path: pathlib.Path) -> None:
+    # The check above, on a file that does everything it must catch (and on one that does not).
+    bad = tmp_path / "bad.py"
+    bad.write_text("import hypothesis\nimport hypothesis.internal.conjecture.data\n"
+                   "from hypothesis import strategies as st\nfrom hypothesis.control import current_build_context\n"
+                   "from hypothesis.errors import StopTest\n"
+                   "hypothesis.core.find\nst.SearchStrategy\nst._internal\nhypothesis.errors.Found\n")
+    uses = _hypothesis_uses(bad)
+    refused = {f"{m}.{n}" for _, m, n in uses if m not in _HYPOTHESIS_MODULES or (n and not _hypothesis_public(m, n))}
+    assert refused == {"hypothesis.internal.conjecture.data.", "hypothesis.control.current_build_context",
+                       "hypothesis.errors.StopTest", "hypothesis.core", "hypothesis.strategies._internal",
+                       "hypothesis.errors.Found"}, refused
+    assert _HYPOTHESIS_INTERNALS.search("t._hypothesis_internal_use_seed = 1")
+    assert _HYPOTHESIS_INTERNALS.search("data = ConjectureData(random=r)")
+    assert _HYPOTHESIS_INTERNALS.search('key + b".secondary"')
+    good = tmp_path / "good.py"
+    good.write_text("import hypothesis\nfrom hypothesis import find, seed, settings\nfrom hypothesis import strategies as st\n"
+                    "from hypothesis.errors import NoSuchExample\nhypothesis.seed(1)\nhypothesis.errors.FlakyFailure\n"
+                    "st.integers()\n")
+    assert all(m in _HYPOTHESIS_MODULES and (not n or _hypothesis_public(m, n)) for _, m, n in _hypothesis_uses(good))
+
+
 def test_no_assert_statements_in_library_code() -> None:
     # `python -O` strips asserts: input checks must raise real exceptions.
     offenders = []

@@ -2,7 +2,9 @@
 
 - The cover phase (tpsim/props/cover.py): each world size asked for, with and without a bias, and
   each memory layout, are checked first at every seed; a bias-duplication bug is caught within 20
-  examples at each of 20 seeds, and a failure the cover phase finds is still shrunk to its minimal case.
+  examples at each of 20 seeds, and a failure the cover phase finds is still shrunk to its minimal case
+  (its draw run, run again, reaches the cover case). A seed gives the same cases and the same report
+  every time; the failures a search shrank replay first in the next one (``database=``).
 - Sizes past the tiny (tpsim.props.strategies.per_rank): mutants correct only below a tile, a chunk
   or a large K are caught, and shrink to the smallest size that fails.
 - The search-power table (thorough tier, ``slow``): every catalogued mutant caught within 100 examples
@@ -12,6 +14,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 
 import pytest
@@ -19,7 +22,7 @@ from hypothesis.database import InMemoryExampleDatabase
 
 from bench.search_power import BUDGET, SEEDS, examples_to_catch
 from tpsim.mutants import CATALOG, correct_row
-from tpsim.props.cover import cover_choices
+from tpsim.props.cover import RUN_EXAMPLES, SUBGROUPS, cover_cases, cover_order, shrink_cover
 from tpsim.props.family import family_of
 from tpsim.props.layouts import cover_bucket
 from tpsim.props.linear.strategies import cases
@@ -59,12 +62,20 @@ def test_the_cover_phase_checks_every_world_size_with_and_without_bias_and_every
         search(correct_row, world_sizes=(1, 2, 3), max_examples=14, seed=seed,
                on_example=lambda n, c, seen=seen: seen.append(c))
         # The cover phase: 6 world-size buckets, 5 layout buckets (a transposed matrix and a transposed
-        # batch are two), 2 sizes to refuse at most.
-        first = seen[:13]
+        # batch are two), 2 sizes to refuse, 1 split into several tp groups, at most.
+        first = seen[:14]
         full = [c for c in first if c.tp_size == c.world_size]
         assert {(c.world_size, c.bias) for c in full} == {(w, b) for w in (1, 2, 3) for b in (False, True)}, seed
         assert {cover_bucket(c.input_layout, c.batch_shape) for c in first} == {
             "contiguous", "transposed matrix", "transposed", "strided", "expanded"}, seed
+        assert any(c.tp_size < c.world_size for c in first), seed
+        # Taking turns: a bias (on the most ranks first), a layout, sizes that do not divide, no bias, all
+        # within the first four cases (a case first in two buckets is checked once, at the earlier).
+        assert seen[0].bias and seen[0].world_size == 3, seed
+        head = seen[:4]
+        assert any(c.input_layout != "contiguous" for c in head), seed
+        assert any(c.in_features % c.world_size + c.out_features % c.world_size for c in head), seed
+        assert any(not c.bias and c.world_size > 1 for c in head), seed
     # Deterministic: the same seed, the same cover cases; another seed, other cases.
     strategy = cases(variant, world_sizes=(1, 2, 3), subgroups=True,
                      layouts=("contiguous", "transposed", "strided", "expanded"))
@@ -73,9 +84,107 @@ def test_the_cover_phase_checks_every_world_size_with_and_without_bias_and_every
     def keys(case):
         return family.cover_keys(variant, case, (1, 2, 3))
 
-    assert cover_choices(strategy, keys, seed=3, limit=20) == cover_choices(strategy, keys, seed=3, limit=20)
-    assert cover_choices(strategy, keys, seed=3, limit=20) != cover_choices(strategy, keys, seed=4, limit=20)
-    assert len(cover_choices(strategy, keys, seed=3, limit=4)) == 4
+    def drawn(seed, limit=20):
+        return [c.case for c in cover_cases(strategy, keys, seed=seed, limit=limit)]
+
+    assert drawn(3) == drawn(3)
+    assert drawn(3) != drawn(4)
+    assert len(drawn(3, limit=4)) == 4
+
+
+def test_the_cover_order_takes_turns_between_kinds_from_the_largest_world_down() -> None:
+    keys = [("world", w, b) for w in (1, 2, 4) for b in (False, True)] + [("not divisible", w) for w in (2, 4)]
+    keys += [("layout", "strided"), ("layout", "expanded"), SUBGROUPS]
+    keys += [("layout", "contiguous"), ("layout", "transposed matrix")]
+    assert cover_order(keys) == [
+        ("world", 4, True), ("layout", "transposed matrix"), ("not divisible", 2), ("world", 4, False), SUBGROUPS,
+        ("world", 2, True), ("layout", "strided"), ("not divisible", 4), ("world", 2, False),
+        ("layout", "expanded"), ("layout", "contiguous"),
+        ("world", 1, False), ("world", 1, True)]
+    # A family without biases: its world buckets are one kind.
+    assert cover_order([("world", 2, None), ("world", 3, None), ("not divisible", 3)]) == [
+        ("world", 3, None), ("not divisible", 3), ("world", 2, None)]
+
+
+def test_a_failing_cover_case_is_shrunk_to_the_minimal_case_of_its_failure() -> None:
+    mutant = _BY_NAME["row-bias-before-reduce"]
+    for seed in (0, 5):
+        seen = []
+        report = search(mutant.variant, world_sizes=(1, 2, 3), max_examples=30, seed=seed,
+                        on_example=lambda n, c, seen=seen: seen.append(c))
+        hit = report.failures[0]
+        assert (hit.property, hit.diagnosis) == ("forward-equivalence", "bias-duplication"), seed
+        # Caught in the cover phase (14 cases at most here) on a typical case ...
+        assert hit.found_after <= 14, seed
+        caught = seen[hit.found_after - 1]
+        assert caught.bias and caught.in_features * caught.out_features > 4, (seed, caught.describe())
+        # ... reported on its minimal case, with the same (property, diagnosis); nothing generated after.
+        case = hit.case
+        assert (case.world_size, case.in_features, case.out_features, case.batch_shape, case.bias) == (2, 2, 2, (), True)
+        assert report.examples == len(seen) < 30 + 14, seed
+
+
+def test_a_shrink_run_replays_the_draw_run_up_to_the_cover_case() -> None:
+    variant = correct_row
+    strategy = cases(variant, world_sizes=(1, 2, 3), subgroups=True,
+                     layouts=("contiguous", "transposed", "strided", "expanded"))
+    family = family_of(variant)
+    covers = cover_cases(strategy, lambda case: family.cover_keys(variant, case, (1, 2, 3)), seed=1, limit=20)
+    assert len(covers) >= 10
+    for cover in covers:
+        asked = []
+
+        def only_the_cover_case(case, asked=asked, cover=cover) -> bool:
+            asked.append(case)
+            return case == cover.case
+
+        # The one case that "fails" is met within its draw run, every case before it asked truthfully.
+        assert shrink_cover(strategy, cover, only_the_cover_case) == cover.case
+        assert asked.index(cover.case) < RUN_EXAMPLES
+
+    # A failure more cases share: shrunk from the cover case to a minimal case that still fails.
+    def fails(case) -> bool:
+        return case.world_size >= 2 and case.bias and case.in_features > 2
+
+    starts = [cover for cover in covers if fails(cover.case)]
+    assert starts
+    for cover in starts:
+        minimal = shrink_cover(strategy, cover, fails)
+        assert fails(minimal)
+        assert (minimal.world_size, minimal.batch_shape) == (2, ()) and minimal.in_features <= 4, minimal.describe()
+        assert minimal.out_features <= 2 and minimal.dtype == "float64", minimal.describe()
+
+
+def test_a_seed_gives_the_same_cases_and_the_same_report_every_time() -> None:
+    def run(variant, seed, **options):
+        seen = []
+        report = search(variant, world_sizes=(1, 2), max_examples=20, seed=seed,
+                        on_example=lambda n, c: seen.append(c.describe()), **options)
+        doc = report.to_json()
+        doc.pop("seconds")
+        return seen, doc
+
+    # A failure of the cover phase (and its shrink), and a passing search (cover phase, then generation).
+    for variant in (_BY_NAME["row-bias-before-reduce"].variant, correct_row):
+        first = run(variant, 3)
+        assert run(variant, 3) == first, variant.name
+        assert run(variant, 4)[0] != first[0], variant.name
+    # shrink=False: stops at the first failing example, reported as found.
+    seen, doc = run(_BY_NAME["row-bias-before-reduce"].variant, 3, shrink=False)
+    assert doc["examples"] == len(seen) == doc["failures"][0]["found_after"]
+    assert doc["failures"][0]["case"]["in_features"] > 2  # the cover case itself, unshrunk
+
+
+class _KeysSeen(InMemoryExampleDatabase):
+    """An in-memory database that records the keys it is asked to save under."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys: set[bytes] = set()
+
+    def save(self, key: bytes, value: bytes) -> None:
+        self.keys.add(key)
+        super().save(key, value)
 
 
 def test_a_failure_saved_by_a_previous_search_is_replayed_before_the_cover_cases() -> None:
@@ -84,6 +193,37 @@ def test_a_failure_saved_by_a_previous_search_is_replayed_before_the_cover_cases
     assert not search(mutant.variant, max_examples=30, seed=1, database=db).passed
     again = search(mutant.variant, max_examples=30, seed=2, database=db)
     assert again.failures[0].found_after == 1
+
+
+def test_the_database_keeps_minimal_failures_and_drops_what_passes_now() -> None:
+    mutant = _BY_NAME["row-bias-before-reduce"]
+    db = _KeysSeen()
+    report = search(mutant.variant, world_sizes=(1, 2), max_examples=20, seed=0, database=db)
+    (key,) = db.keys  # one key: this variant and its options
+    (value,) = db.fetch(key)
+    saved = json.loads(value)
+    hit = report.failures[0]
+    assert (saved["property"], saved["diagnosis"]) == (hit.property, hit.diagnosis)
+    assert saved["case"] == hit.case.replace(property=None).to_dict()  # the minimal case
+    # A case that passes now (no bias) and one this tpsim cannot read: both removed by the next search,
+    # which replays the saved failure first and reports it on that case.
+    db.save(key, json.dumps(dict(saved, case=dict(saved["case"], bias=False))).encode())
+    db.save(key, b"not json")
+    again = search(mutant.variant, world_sizes=(1, 2), max_examples=20, seed=1, database=db)
+    assert set(db.fetch(key)) == {value}
+    assert again.failures[0].found_after <= 2 and again.failures[0].case == hit.case
+    # A saved case that now fails otherwise is reported as replayed, with a note: it is not minimal for that.
+    other_key = json.dumps(dict(saved, diagnosis="mismatch")).encode()
+    db.delete(key, value)
+    db.save(key, other_key)
+    third = search(mutant.variant, world_sizes=(1, 2), max_examples=20, seed=1, database=db)
+    assert third.failures[0].found_after == 1 and third.failures[0].diagnosis == "bias-duplication"
+    assert any("saved by a previous search for forward-equivalence: mismatch now fails with "
+               "forward-equivalence: bias-duplication" in n for n in third.notes), third.notes
+    # shrink=False saves nothing: what it reports is not minimal.
+    other = _KeysSeen()
+    search(mutant.variant, world_sizes=(1, 2), max_examples=20, seed=0, database=other, shrink=False)
+    assert not other.keys
 
 
 # --- sizes past the tiny -------------------------------------------------------------------------------

@@ -4,6 +4,8 @@ transformer block whose output projection's sharding drops the reduction."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from torchtitan.models.common.attention import GQAttention
 from torchtitan.models.common.feed_forward import FeedForward
 from torchtitan.models.llama3.model import Llama3TransformerBlock
@@ -36,3 +38,25 @@ def _unreduced(linear_config) -> None:
     rowwise = linear_config.sharding_config
     linear_config.sharding_config = ShardingConfig(state_shardings=rowwise.state_shardings,
                                                    out_src_shardings=rowwise.out_src_shardings)
+
+
+
+def reduced_clip(parameters, max_norm: float):
+    """torchtitan's clip with the fix for plain local parameters: the local sums of squares are
+    all-reduced over the tp group (the whole world here) before the square root, so every rank clips by
+    the dense norm. Right for a module whose every parameter is sharded (no replicas)."""
+    import torch
+    import torch.distributed as dist
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    squares = torch.stack([g.detach().to(torch.float64).square().sum() for g in grads]).sum()
+    dist.all_reduce(squares)
+    norm = squares.sqrt()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    return norm
+
+
+#: The feed-forward with the fixed clip: training-equivalence holds.
+REDUCED_CLIP = dataclasses.replace(ffn_variant(FeedForward, "spmd_types", True), clip=reduced_clip)

@@ -21,7 +21,14 @@ says:
   harness's own outcomes (``exception``, ``mismatch``, ``fault-not-surfaced``; the reason is in
   ``evidence``);
 - ``consequences``: the other properties that fail on the same case *because of* this cause (one
-  cause, one report: :func:`group_causes` lists them under it).
+  cause, one report: :func:`group_causes` lists them under it);
+- ``confirmed_by``: how the name is confirmed (:data:`CONFIRMATIONS`). A diagnosis is a claim: a name
+  read from numbers (a factor, a bias multiple, summands, a recomputation) is kept on a case narrower
+  than float64 only when the same case in float64 shows it (:func:`confirm`, run by every family's
+  :meth:`~tpsim.props.family.Family.confirm_in_float64`), and a factor of the tp size only when the same
+  case on one rank passes (:func:`confirm_on_one_rank`); otherwise the report says ``mismatch`` with the
+  measured facts. Names that are observed rather than measured (a shape, a dtype, an exception) need no
+  re-run. A spec that says nothing is a numeric pattern (:data:`FLOAT64`).
 
 Adding a diagnosis is one registry entry here, one recogniser (a function decorated with
 ``@recogniser(NAME)``, e.g. in :mod:`tpsim.props.linear.checks`) and one mutant in :mod:`tpsim.mutants`;
@@ -34,6 +41,7 @@ are pure functions in :mod:`tpsim.patterns` (re-exported here for older imports)
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -52,16 +60,26 @@ from tpsim.patterns import (
 )
 
 __all__ = [
+    "CONFIRMATIONS",
     "DIAGNOSES",
+    "FALLBACK",
+    "FLOAT64",
+    "OBSERVED",
+    "ONE_RANK",
     "RECOGNISERS",
     "REGISTRY",
+    "RERUN",
+    "Confirmed",
     "Diagnosis",
     "DiagnosisSpec",
     "Failure",
     "bias_multiple",
     "block_mapping",
+    "claims",
     "close",
     "confirm",
+    "confirm_on_one_rank",
+    "confirmation_table",
     "diagnosis_table",
     "follows_from",
     "group_causes",
@@ -72,6 +90,7 @@ __all__ = [
     "register",
     "scale_factor",
     "spec",
+    "tp_factor_claim",
 ]
 
 # Property names the registry refers to (defined with their checks in tpsim.props; repeated here
@@ -88,12 +107,64 @@ _PER_CASE = (_FORWARD, _INPUT_GRAD, _WEIGHT_GRAD, _BIAS_GRAD, _REPLICA, _TRAININ
 _GRADS = (_INPUT_GRAD, _WEIGHT_GRAD, _BIAS_GRAD)
 
 
+# How a name is confirmed (:attr:`DiagnosisSpec.confirmed_by`): a diagnosis is a claim, kept only
+# where rounding and a degenerate minimal case cannot fake its evidence (the docs table:
+# :func:`confirmation_table`).
+
+class Confirmed(enum.Enum):
+    """How a diagnosis name is confirmed (:attr:`DiagnosisSpec.confirmed_by`; the words: :data:`CONFIRMATIONS`)."""
+
+    #: Observed, not measured: a shape, a dtype, a missing grad, an exception or a death, bits that differ
+    #: between replicas. Rounding cannot fake it: named in every dtype as seen.
+    OBSERVED = "observed"
+    #: A numeric pattern (a factor, a bias multiple, summands, a recomputation) within tolerance, in every
+    #: element. On a case narrower than float64 it is kept only when the same case in float64 shows it for
+    #: the same property and sublayer; otherwise the float64 name, or ``mismatch`` with what was measured.
+    FLOAT64 = "float64"
+    #: A factor of the tp size (``tp x``, ``(tp-1) x bias``): as :attr:`FLOAT64`, and the same case on one
+    #: rank (in float64) must pass that property, where such a factor vanishes (a variant that cannot run on
+    #: one rank: the same name at twice the tp size). At tp 2 the factor is 2 (or 1*bias): what a bug that
+    #: ignores the tp size (a forward that is simply 2x, a bias added twice) shows too.
+    ONE_RANK = "float64 + one rank"
+    #: As :attr:`FLOAT64`; in a whole module named only when a changed re-run (the layout or plan entry it
+    #: names, every key/value head made one) passes the failing case and a larger one the module fails.
+    RERUN = "float64 + re-run"
+    #: The fallback: nothing is claimed beyond the measured facts.
+    FALLBACK = "fallback"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+OBSERVED = Confirmed.OBSERVED
+FLOAT64 = Confirmed.FLOAT64
+ONE_RANK = Confirmed.ONE_RANK
+RERUN = Confirmed.RERUN
+FALLBACK = Confirmed.FALLBACK
+#: Every way a name is confirmed, and what it means (the docs table's words).
+CONFIRMATIONS: dict[Confirmed, str] = {
+    OBSERVED: "observed, not measured (a shape, a dtype, a missing grad, an exception or a death, bits that differ "
+              "between replicas): rounding cannot fake it, named in every dtype",
+    FLOAT64: "a numeric pattern, in every element: on a bfloat16, float16 or float32 case named only when the same "
+             "case in float64 shows it for the same property and sublayer (else the float64 name, or mismatch with "
+             "the facts)",
+    ONE_RANK: "as float64, and the same case on one rank (float64) passes that property: a factor of the tp size "
+              "vanishes there, while at tp 2 its factor (2x, 1*bias) is also what a bug that ignores the tp size "
+              "shows; a variant that cannot run on one rank (min_tp_size) must show the same name at twice the tp "
+              "size, its sizes doubled (else mismatch with the facts)",
+    RERUN: "as float64; in a whole module, named only when a re-run with the change it names passes the failing "
+           "case and a larger one that the module as declared fails",
+    FALLBACK: "the fallback: no mechanism is claimed, the message gives the measured facts",
+}
+
+
 @dataclass(frozen=True)
 class DiagnosisSpec:
     """One diagnosis: its stable ``name``, the ``properties`` it explains, its one-line ``doc``, the
     positive ``evidence`` that must be seen to give it, the catalogued ``mutant`` that shows it
-    (None for harness outcomes, the reason in ``evidence``) and the properties that fail as its
-    ``consequences`` on the same case (see the module docstring)."""
+    (None for harness outcomes, the reason in ``evidence``), the properties that fail as its
+    ``consequences`` on the same case (see the module docstring) and how the name is
+    ``confirmed_by`` (:data:`CONFIRMATIONS`)."""
 
     name: str
     properties: tuple[str, ...]
@@ -101,6 +172,8 @@ class DiagnosisSpec:
     evidence: str
     mutant: str | None
     consequences: tuple[str, ...] = ()
+    #: How the name is confirmed (:data:`CONFIRMATIONS`); a numeric pattern (:data:`FLOAT64`) unless said.
+    confirmed_by: Confirmed = FLOAT64
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or self.name != self.name.strip().lower() or " " in self.name:
@@ -114,6 +187,9 @@ class DiagnosisSpec:
             raise ValueError(f"DiagnosisSpec({self.name!r}): properties is empty; name the properties it explains")
         if not self.doc.strip() or not self.evidence.strip():
             raise ValueError(f"DiagnosisSpec({self.name!r}): doc and evidence must say something")
+        if not isinstance(self.confirmed_by, Confirmed):
+            raise ValueError(f"DiagnosisSpec({self.name!r}, confirmed_by={self.confirmed_by!r}): expected one of "
+                             f"{', '.join(f'Confirmed.{c.name}' for c in Confirmed)}")
 
 
 #: Every registered diagnosis, by name, in registration order.
@@ -155,7 +231,12 @@ def recogniser(*names: str) -> Callable[[_F], _F]:
 
     def mark(fn: _F) -> _F:
         for name in names:
-            RECOGNISERS.setdefault(name, []).append(fn)
+            known = RECOGNISERS.setdefault(name, [])
+            # A recogniser made inside a check (a closure over its context) is marked each time the check
+            # runs: it is one recogniser, listed once.
+            if not any(getattr(k, "__qualname__", k) == getattr(fn, "__qualname__", fn)
+                       and getattr(k, "__module__", None) == getattr(fn, "__module__", None) for k in known):
+                known.append(fn)
         return fn
 
     return mark
@@ -195,17 +276,21 @@ BIAS_DUPLICATION = register(DiagnosisSpec(
     "the output is off by exactly (world_size-1)*bias: every rank added the full bias to its summand "
     "before the reduction (add it once, after the reduction); or by +1*bias from a layer that adds the bias "
     "and also returns it for the caller under skip_bias_add",
-    "output - dense output = c * bias (broadcast over the leading dims) within tolerance, with "
-    "c = world_size - 1, world_size >= 2 and a bias in the case; or c = 1 when the forward returned "
-    "(output, bias) and tpsim added the returned bias, as the caller does",
+    "output - dense output = c * bias (broadcast over the leading dims) in every element: within tolerance, "
+    "and leaving at most a quarter of the difference's RMS, with c = world_size - 1, world_size >= 2 and a "
+    "bias in the case, and the same case on one rank passes; in a module, a bias added before a reduction "
+    "anywhere (a parent module's included: the summands the reduction adds are off by it) is named at the "
+    "sublayer that owns it; or c = 1 when the forward returned (output, bias) and tpsim added the returned "
+    "bias, as the caller does",
     "row-bias-before-reduce",
     consequences=(_TRAINING,),
+    confirmed_by=ONE_RANK,
 ))
 BIAS_MISSING = register(DiagnosisSpec(
     "bias-missing", (_FORWARD,),
     "the output is off by exactly -bias: the bias is never added",
-    "output - dense output = -bias (broadcast over the leading dims) within tolerance, with a non-zero "
-    "bias in the case",
+    "output - dense output = -bias (broadcast over the leading dims) in every element: within tolerance, "
+    "and leaving at most a quarter of the difference's RMS, with a non-zero bias in the case",
     "column-ignores-bias",
     consequences=(_BIAS_GRAD, _REPLICA, _TRAINING),
 ))
@@ -240,6 +325,7 @@ PACKED_SHARD_LAYOUT = register(DiagnosisSpec(
     "another seed) that the module as declared fails",
     "packed-gate-up-contiguous",
     consequences=(_INPUT_GRAD, _WEIGHT_GRAD, _BIAS_GRAD, _TRAINING),
+    confirmed_by=RERUN,
 ))
 ZERO_COPIES_DRIFT = register(DiagnosisSpec(
     "zero-copies-drift", (_TRAINING,),
@@ -254,8 +340,10 @@ ZERO_COPIES_DRIFT = register(DiagnosisSpec(
 MISSING_REDUCTION = register(DiagnosisSpec(
     "missing-reduction", (_FORWARD,),
     "each rank returned only its own summand: the reduction over the tp group is missing",
-    "a rank's output equals its own summand x_r W_r^T (with or without the bias) within tolerance, "
-    "for a layer whose declared output is the sum of those summands, with ws >= 2",
+    "every rank's output equals its own summand x_r W_r^T (with or without the bias) within tolerance, "
+    "for a layer whose declared output is the sum of those summands, with ws >= 2, and the ranks' outputs "
+    "differ (every rank holding the same values is no summand; nor is one rank holding the whole beside "
+    "zeros)",
     "row-no-reduce-without-bias",
     consequences=(_REPLICA, _TRAINING),
 ))
@@ -264,9 +352,12 @@ DOUBLE_REDUCTION = register(DiagnosisSpec(
     "the result is world_size times the expected one: it was reduced twice (e.g. a layer that "
     "reduces, declared or wrapped as partial)",
     "the output equals world_size * the dense x W^T (the bias, if any, added once or world_size "
-    "times) within tolerance, with ws >= 2",
+    "times) in every element (within tolerance, the same exact zeros, leaving at most a quarter of the "
+    "difference's RMS), for a result a reduction makes, with ws >= 2; and the same case on one rank passes "
+    "(a forward that is simply 2x at tp 2 is not reduced twice)",
     "row-reduce-twice",
     consequences=(_TRAINING,),
+    confirmed_by=ONE_RANK,
 ))
 GRAD_NOT_REDUCED = register(DiagnosisSpec(
     "grad-not-reduced", _GRADS,
@@ -284,8 +375,11 @@ GRAD_SCALED = register(DiagnosisSpec(
     "grad-scaled", _GRADS,
     "a gradient is the dense one times a constant (1/world_size: averaged instead of summed, or a "
     "value divided by the world size in forward; world_size: reduced twice)",
-    "the grad equals c * the dense grad within tolerance * max(1, |c|) for one constant c != 1 (for "
-    "one-element tensors only c in {world_size, 1/world_size} counts: one number is a multiple of any other)",
+    "the grad equals c * the dense grad in every element for one constant c != 1: within tolerance * "
+    "max(1, |c|), with the same exact zeros (an element exactly 0 in one and not in the other is no multiple), "
+    "and c explains the difference far better than no factor (the RMS left at most a quarter of it: a rounding "
+    "that is not uniform, such as an early bfloat16 cast, is no factor); for one-element tensors only c in "
+    "{world_size, 1/world_size} counts: one number is a multiple of any other",
     "row-bias-divided",
     consequences=(_TRAINING,),
 ))
@@ -295,6 +389,7 @@ GRAD_MISSING = register(DiagnosisSpec(
     "after backward, .grad of the rank's input or of a parameter the variant declares is None",
     "row-weight-data",
     consequences=(_REPLICA, _TRAINING),
+    confirmed_by=OBSERVED,
 ))
 BIAS_GRAD_RANK0_ONLY = register(DiagnosisSpec(
     "bias-grad-rank0-only", (_BIAS_GRAD,),
@@ -314,6 +409,7 @@ REPLICA_DIVERGENCE = register(DiagnosisSpec(
     "grad after the trainer's sum, for a grad declared partial)",
     "row-replica-init-diverges",
     consequences=(_TRAINING,),
+    confirmed_by=OBSERVED,
 ))
 WRONG_GROUP = register(DiagnosisSpec(
     "wrong-group", (_FORWARD, _INPUT_GRAD),
@@ -332,6 +428,7 @@ DIVISIBILITY_UNCHECKED = register(DiagnosisSpec(
     "for a case whose sharded sizes do not divide by the tp size: some rank returned an output, not "
     "every rank raised, or a rank's error names neither the offending sizes nor divisibility",
     "column-floor-division",
+    confirmed_by=OBSERVED,
 ))
 PRECISION_LOSS = register(DiagnosisSpec(
     "precision-loss", (_FORWARD,) + _GRADS + (_TRAINING,),
@@ -352,6 +449,7 @@ SHAPE_ERROR = register(DiagnosisSpec(
     "dense result along another dim matches it (that would be wrong-shard-dim)",
     "row-flatten-no-restore",
     consequences=_GRADS + (_REPLICA, _TRAINING),
+    confirmed_by=OBSERVED,
 ))
 WRONG_DTYPE = register(DiagnosisSpec(
     "wrong-dtype", (_FORWARD,) + _GRADS,
@@ -363,6 +461,7 @@ WRONG_DTYPE = register(DiagnosisSpec(
     "never compared, which would drop its imaginary part or fraction, in any family)",
     "row-reduce-float32",
     consequences=(_INPUT_GRAD, _WEIGHT_GRAD, _BIAS_GRAD, _REPLICA, _TRAINING),
+    confirmed_by=OBSERVED,
 ))
 OUTPUT_DETACHED = register(DiagnosisSpec(
     "output-detached", (_FORWARD,),
@@ -372,6 +471,7 @@ OUTPUT_DETACHED = register(DiagnosisSpec(
     "requires grad (recorded by the rank before backward, which would raise)",
     "column-gather-no-autograd",
     consequences=(_INPUT_GRAD, _WEIGHT_GRAD, _BIAS_GRAD, _REPLICA, _TRAINING),
+    confirmed_by=OBSERVED,
 ))
 EXCEPTION = register(DiagnosisSpec(
     "exception", _PER_CASE,
@@ -382,6 +482,7 @@ EXCEPTION = register(DiagnosisSpec(
     "(column-bias-default-dtype and column-view-flatten in the catalog do)",
     None,
     consequences=_PER_CASE,
+    confirmed_by=OBSERVED,
 ))
 COLLECTIVE_ON_STRIDED_VIEW = register(DiagnosisSpec(
     "collective-on-strided-view", _PER_CASE,
@@ -394,6 +495,7 @@ COLLECTIVE_ON_STRIDED_VIEW = register(DiagnosisSpec(
     "NCCL's from its checks) says one of the two computes it wrongly or refuses it for that op and place",
     "row-reduce-strided-view",
     consequences=_PER_CASE,
+    confirmed_by=OBSERVED,
 ))
 MISMATCH = register(DiagnosisSpec(
     "mismatch", _PER_CASE,
@@ -402,6 +504,7 @@ MISMATCH = register(DiagnosisSpec(
     "the fallback, a harness outcome: the tolerance rejects the result and no recogniser found its "
     "evidence. No mutant defines it (a mutant with a mechanism gets that mechanism's name)",
     None,
+    confirmed_by=FALLBACK,
 ))
 FAULT_NOT_SURFACED = register(DiagnosisSpec(
     "fault-not-surfaced", (_FAULTS,),
@@ -413,6 +516,7 @@ FAULT_NOT_SURFACED = register(DiagnosisSpec(
     "behind. It tests the backends' fault reporting, so no layer mutant defines it "
     "(tests/test_faults_property.py shows it)",
     None,
+    confirmed_by=OBSERVED,
 ))
 
 RANK_EXITED = register(DiagnosisSpec(
@@ -425,6 +529,7 @@ RANK_EXITED = register(DiagnosisSpec(
     "writes them as hostile rank functions)",
     None,
     consequences=_PER_CASE,
+    confirmed_by=OBSERVED,
 ))
 RANK_CRASHED = register(DiagnosisSpec(
     "rank-crashed", _PER_CASE + (_DIVISIBILITY,),
@@ -435,6 +540,7 @@ RANK_CRASHED = register(DiagnosisSpec(
     "the baton. No catalogued mutant, for the reason given for rank-exited",
     None,
     consequences=_PER_CASE,
+    confirmed_by=OBSERVED,
 ))
 
 # Vocab-parallel embeddings and cross-entropies (recognisers: tpsim/props/vocab/checks.py).
@@ -504,6 +610,7 @@ QKV_HEAD_MISMATCH = register(DiagnosisSpec(
     "case (more tokens, another seed) that the module as declared fails",
     "attention-kv-heads-round-robin",
     consequences=(_INPUT_GRAD, _WEIGHT_GRAD, _BIAS_GRAD),
+    confirmed_by=RERUN,
 ))
 KV_HEADS_NOT_REPLICATED = register(DiagnosisSpec(
     "kv-heads-not-replicated", (_FORWARD,),
@@ -536,6 +643,7 @@ PLAN_INPUT_LAYOUT = register(DiagnosisSpec(
     "layer mutant shows it (the buggy plans of tests/test_plans.py do)",
     None,
     consequences=(_INPUT_GRAD, _WEIGHT_GRAD, _BIAS_GRAD),
+    confirmed_by=RERUN,
 ))
 
 NONDETERMINISTIC = register(DiagnosisSpec(
@@ -547,6 +655,49 @@ NONDETERMINISTIC = register(DiagnosisSpec(
     "parameters and buffers, gives outputs that are not bit-identical",
     "module-dropout-in-train-mode",
     consequences=(_INPUT_GRAD, _WEIGHT_GRAD, _BIAS_GRAD, _REPLICA, _TRAINING),
+    confirmed_by=OBSERVED,
+))
+
+# Training as people train: gradient accumulation and clipping (recognisers: tpsim/props/training.py).
+GRAD_REDUCED_AFTER_ACCUMULATION = register(DiagnosisSpec(
+    "grad-reduced-after-accumulation", (_TRAINING,),
+    "a grad accumulated over several micro-batches counts an earlier micro-batch again: it is reduced over "
+    "the tp group after every backward (a register_post_accumulate_grad_hook that all-reduces param.grad), so "
+    "what earlier micro-batches accumulated is reduced again; after two micro-batches the grad is off by "
+    "exactly (tp-1) times the first micro-batch's grad. Reduce once per optimizer step, after the "
+    "accumulation, or reduce only the fresh micro-batch's grad (a Tensor.register_hook on the parameter)",
+    "the first micro-batch's grad matches the dense one, while the grad accumulated over the first optimizer "
+    "step's micro-batches equals the dense accumulated grad plus c times the dense first micro-batch's grad "
+    "(c != 0 fitted by least squares, within the bound of each), in a tensor of at least two elements whose "
+    "first micro-batch's grad is not proportional to the later micro-batches' (so no constant scaling of "
+    "every micro-batch explains it); the factor c is reported (tp - 1 for an all-reduce after each of two "
+    "micro-batches)",
+    "sequence-bias-grad-hook-reduce",
+))
+NORM_COUNTS_REPLICAS = register(DiagnosisSpec(
+    "norm-counts-replicas", (_TRAINING,),
+    "the total grad norm a distributed clip computes counts every replicated parameter once per rank: "
+    "norm^2 = dense norm^2 + (tp-1) * sum of the replicated parameters' grad^2, so the grads are clipped "
+    "too hard; count a replicated parameter on one rank only (Megatron's "
+    "param_is_not_tensor_parallel_duplicate), or sum the squares of sharded parameters only across ranks",
+    "the target supplies a clip function, tp >= 2, some replicated parameter has a non-zero grad, and the "
+    "total norm it returned on a rank differs from the dense total norm of the same grads beyond its bound "
+    "while it equals sqrt(dense norm^2 + (tp-1) * sum over the replicated parameters of their dense grad's "
+    "squared norm) within that bound",
+    "module-clip-counts-replicas",
+))
+
+NORM_NOT_REDUCED = register(DiagnosisSpec(
+    "norm-not-reduced", (_TRAINING,),
+    "the total grad norm a clip computes is each rank's own: the squares of its local pieces are never "
+    "summed over the tp group (a norm of plain local tensors: torch.nn.utils.clip_grad_norm_ reduces only "
+    "DTensor grads), so every rank clips by its own coefficient and replicated parameters drift apart; "
+    "all-reduce the sum of squares of the sharded parameters' grads before the square root",
+    "the target supplies a clip function, tp >= 2, and the total norm it returned on a rank differs from the "
+    "dense total norm of the same grads beyond its bound while it equals, within that bound, the 2-norm of "
+    "that rank's own accumulated grads (its local pieces, replicated parameters counted once)",
+    "module-clip-local-norm",
+    consequences=(_REPLICA,),
 ))
 
 # --- diagnoses and failures ----------------------------------------------------------------------
@@ -717,6 +868,59 @@ def confirm(failures: Sequence[Failure], float64: Sequence[Failure], patterns: f
             g.message = (f"{g.message} — not named {g.diagnosis}: the same case in float64 shows {shown}, so the "
                          "pattern is not confirmed where rounding cannot fake it")
             g.diagnosis = MISMATCH
+
+
+def claims(*rules: Confirmed) -> frozenset[str]:
+    """The registered names confirmed by one of ``rules`` (:data:`CONFIRMATIONS`); none given: every name a
+    float64 re-run confirms (:data:`FLOAT64`, :data:`ONE_RANK`, :data:`RERUN`)."""
+    wanted = set(rules or (FLOAT64, ONE_RANK, RERUN))
+    return frozenset(s.name for s in REGISTRY.values() if s.confirmed_by in wanted)
+
+
+def tp_factor_claim(failure: Failure) -> bool:
+    """Whether ``failure`` names a factor of the tp size (:data:`ONE_RANK`): not a returned bias added
+    again (``bias-duplication`` with ``returned``: +1*bias at any tp, the layer's own evidence)."""
+    return REGISTRY[failure.diagnosis].confirmed_by == ONE_RANK and not failure.details.get("returned")
+
+
+def confirm_on_one_rank(failures: Sequence[Failure], one_rank: Sequence[Failure] | None, why_not: str = "",
+                        more_ranks: tuple[int, Sequence[Failure]] | None = None) -> None:
+    """Hold the tp-factor claims among ``failures`` (:func:`tp_factor_claim`) to the same case on one rank
+    (``one_rank``: its failures, float64): a factor of the tp size vanishes there, so a claim whose property
+    fails on one rank too is renamed ``mismatch``, with the facts and what one rank showed. ``one_rank``
+    None: the case could not run on one rank (``why_not`` says why); the claim then stands only where
+    ``more_ranks`` — ``(tp, failures)`` of the same case grown to a larger tp size, float64 — shows the same
+    name for the same property, its factor grown with the tp size (the recognisers check the factor of the
+    case's own tp size). In place."""
+    seen = {} if one_rank is None else {g.property: g for f in one_rank for g in (f, *f.consequences)}
+    grown = set() if more_ranks is None else {(g.property, g.diagnosis) for f in more_ranks[1]
+                                              for g in (f, *f.consequences)}
+    for f in failures:
+        for g in (f, *f.consequences):
+            if not tp_factor_claim(g):
+                continue
+            if one_rank is not None and g.property not in seen:
+                continue  # vanished on one rank: a factor of the tp size
+            if one_rank is None and (g.property, g.diagnosis) in grown:
+                continue  # grew with the tp size
+            if one_rank is not None:
+                other = seen[g.property]
+                why = (f"the same case on one rank (float64) fails {g.property} too ({other.label}: "
+                       f"{other.message}), so the difference does not come from the tp size")
+            elif more_ranks is not None:
+                why = (f"it could not run on one rank ({why_not}), and the same case at tp size {more_ranks[0]} "
+                       f"(float64, sizes grown with it) does not show it: the factor does not grow with the tp size")
+            else:
+                why = f"it could not be confirmed on one rank, where a factor of the tp size vanishes ({why_not})"
+            g.details = {**g.details, "unconfirmed": g.diagnosis}
+            g.message = f"{g.message} — not named {g.diagnosis}: {why}"
+            g.diagnosis = MISMATCH
+
+
+def confirmation_table() -> list[tuple[str, str, str]]:
+    """``(name, how it is confirmed, what that means)`` of every registered diagnosis, in registration
+    order (for the docs table)."""
+    return [(s.name, s.confirmed_by.value, CONFIRMATIONS[s.confirmed_by]) for s in REGISTRY.values()]
 
 
 # --- the fallback --------------------------------------------------------------------------------

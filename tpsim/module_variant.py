@@ -36,7 +36,8 @@ Fields:
 - ``params``: :class:`~tpsim.variant.ParamSpec` overrides by dotted name. ``placement`` is in the
   coordinates of the parameter as the dense module stores it (``transposed=True``: in the
   transposed coordinates of a 2-D parameter); ``master`` (``"weight"`` or ``"bias"``) says which
-  property its grad counts under. Parameters without a spec are inferred; every parameter is loaded.
+  property its grad counts under. Parameters without a spec are inferred. A declaration describes how
+  the pieces are laid out; it never changes what a library loaded (see ``load``).
 - ``input``: ``"replicated"`` (default; every rank gets the whole input), ``"sharded"`` (its slice
   of the last dim) or ``"sequence-sharded"`` (its slice of ``sequence_dim``, sequence parallelism).
 - ``output``: ``"replicated"`` (default; ``"reduced"`` and ``"gathered"`` mean the same), ``"partial"``
@@ -84,6 +85,15 @@ Fields:
   reference and its twin likewise), with no backward and no SGD steps, and only forward
   equivalence, replica consistency and divisibility are checked (a refusal by ``assert`` on every
   rank counts: vLLM's ``divide()``; ``python -O`` strips it). ``tpsim check --kind module --forward-only``.
+- ``clip(parameters, max_norm) -> total_norm``: the library's gradient clipping by global norm, where
+  it has one (Megatron's ``get_grad_norm_fp32`` + ``clip_grad_by_total_norm_fp32``, torchtitan's
+  ``clip_grad_norm_``, or your own distributed clip, adapted to this signature): called on every rank
+  with the module's parameters (after the trainer's sum of partial grads) at each optimizer step of
+  training equivalence, with a ``max_norm`` of half the dense total norm of the first step (so that
+  clipping happens), and must clip the grads in place and return the total norm over the whole tp
+  group (a tensor, a DTensor or a float) like ``torch.nn.utils.clip_grad_norm_``, which the dense
+  reference uses in float64. The returned norm and the trained parameters are compared; a norm that
+  counts a replicated parameter once per rank is ``norm-counts-replicas``. Not used forward-only.
 
 :func:`module_from_class` makes one from a plain class whose constructor takes the sizes and a group
 keyword (``process_group``, ``group``, ``tp_group`` or nanotron's ``pg``): ``tpsim check FILE:Class --kind module``.
@@ -172,6 +182,8 @@ class ModuleVariant:
     load: Callable[[nn.Module, dict[str, torch.Tensor]], Any] | str | None = None
     unsharded: tuple[str, ...] = ()
     dtypes: tuple[str, ...] | None = None
+    #: The library's clip by global norm, ``clip(parameters, max_norm) -> total_norm`` (see the module docstring).
+    clip: Callable[..., Any] | None = None
 
     #: What ``--report json`` lists as the variant's kind; a module has no single bias switch.
     kind: ClassVar[str] = MODULE_KIND
@@ -250,6 +262,9 @@ class ModuleVariant:
             raise InvalidArgument(f"ModuleVariant {self.name!r}: load={self.load!r}; expected 'build' (the builder "
                                   "takes masters=), a callable load(module, masters) or the name of a method of the "
                                   "module that takes masters")
+        if self.clip is not None and not callable(self.clip):
+            raise InvalidArgument(f"ModuleVariant {self.name!r}: clip={self.clip!r}; expected None or a callable "
+                                  "clip(parameters, max_norm) -> total_norm")
         names = (self.rank_local,) if isinstance(self.rank_local, str) else tuple(self.rank_local)
         if not all(isinstance(n, str) and n for n in names):
             raise InvalidArgument(f"ModuleVariant {self.name!r}: rank_local={self.rank_local!r}; expected module names")
@@ -267,8 +282,8 @@ class ModuleVariant:
             if not spec.load:
                 raise InvalidArgument(
                     f"ModuleVariant {self.name!r}: ParamSpec({spec.name!r}, load=False) is not supported for a "
-                    "module: the harness loads every parameter from the dense module's master values, so the "
-                    "reference and the ranks hold the same numbers"
+                    "module: a module's own loader is named by ModuleVariant(load=...), which loads every parameter "
+                    "(its builder, a loader method, or each parameter's weight_loader)"
                 )
         names = [s.name for s in specs]
         dupes = sorted({n for n in names if names.count(n) > 1})
@@ -300,6 +315,8 @@ class ModuleVariant:
             text += f", input grad {self.input_grad}"
         if self.forward_only:
             text += ", forward only"
+        elif self.clip is not None:
+            text += ", clips grads by global norm"
         if self.params:
             text += "; declared " + ", ".join(s.describe() for s in self.params)
         text += "; dense reference: " + ("its dense builder" if self.dense is not None else "itself on one rank")

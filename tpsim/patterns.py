@@ -15,9 +15,12 @@ from collections.abc import Sequence
 import torch
 
 __all__ = [
+    "EXPLAINS_FAR_BETTER",
     "bias_multiple",
     "block_mapping",
     "close",
+    "is_bias_multiple",
+    "multiple_of",
     "rank_summands",
     "regathered_dim",
     "scale_factor",
@@ -40,7 +43,15 @@ def close(actual: torch.Tensor, expected: torch.Tensor, tol: torch.Tensor) -> bo
 def scale_factor(
     actual: torch.Tensor, expected: torch.Tensor, tol: torch.Tensor, *, known: Sequence[float] = ()
 ) -> float | None:
-    """``c`` (not ~1) such that ``actual ~= c * expected`` within ``tol * max(1, |c|)``, else None.
+    """``c`` (not ~1) such that *every element* of ``actual`` is ``c`` times its element of ``expected``,
+    else None. Evidence of one multiple, all three of:
+
+    - every element within ``tol * max(1, |c|)`` of ``c * expected``;
+    - the same exact zeros: an element exactly 0 in one and not in the other is no multiple of it;
+    - the multiple explains the difference far better than no multiple at all: the RMS of
+      ``actual - c * expected`` is at most a quarter of that of ``actual - expected`` (a rounding
+      that is not uniform, a narrower dtype's cast, fits a factor near 1 within a loose bound but
+      leaves most of the difference unexplained).
 
     A single element is a multiple of any other, so for one-element tensors only a factor in
     ``known`` (e.g. ``world_size`` or ``1/world_size``) counts as evidence.
@@ -49,6 +60,8 @@ def scale_factor(
         return None
     a = actual.to(torch.float64).reshape(-1)
     e = expected.to(torch.float64).reshape(-1)
+    if not bool(torch.isfinite(a).all()) or not bool(torch.isfinite(e).all()):
+        return None
     denom = float(e @ e)
     if denom == 0.0:
         return None
@@ -58,9 +71,35 @@ def scale_factor(
         return None
     if a.numel() == 1 and not any(abs(c - k) <= 1e-3 * max(1.0, abs(k)) for k in known):
         return None
-    if bool(((a - c * e).abs() <= tol.reshape(-1) * max(1.0, abs(c))).all()):
-        return c
-    return None
+    return c if multiple_of(actual, expected, c, tol) else None
+
+
+def multiple_of(actual: torch.Tensor, expected: torch.Tensor, c: float, tol: torch.Tensor) -> bool:
+    """Whether ``actual`` is ``c`` times ``expected`` in every element (see :func:`scale_factor`: within
+    ``tol * max(1, |c|)``, the same exact zeros, and explaining the difference far better than ``c = 1``);
+    an ``actual`` that is zero within its bound shows no multiple."""
+    if actual.shape != expected.shape or actual.numel() == 0:
+        return False
+    a = actual.to(torch.float64).reshape(-1)
+    e = expected.to(torch.float64).reshape(-1)
+    t = tol.to(torch.float64).expand(actual.shape).reshape(-1)
+    if not bool(((a - c * e).abs() <= t * max(1.0, abs(c))).all()):
+        return False
+    if bool((a.abs() <= t).all()):
+        return False  # zero within its bound: any small multiple fits it, none is read from it
+    if c != 0.0 and not torch.equal(a == 0, e == 0):
+        return False
+    return _rms(a - c * e) <= EXPLAINS_FAR_BETTER * _rms(a - e)
+
+
+#: How much better a pattern must explain a result than the dense reference does (ratio of the RMS
+#: residuals) to count as its evidence: a structural error is as far from a rounding of the dense
+#: result as from the dense result, a pattern that only fits within a loose bound is not.
+EXPLAINS_FAR_BETTER = 0.25
+
+
+def _rms(t: torch.Tensor) -> float:
+    return float(t.pow(2).mean().sqrt()) if t.numel() else 0.0
 
 
 def bias_multiple(diff: torch.Tensor, bias: torch.Tensor, tol: torch.Tensor) -> float | None:
@@ -78,6 +117,23 @@ def bias_multiple(diff: torch.Tensor, bias: torch.Tensor, tol: torch.Tensor) -> 
     if bool(((d - c * b).abs() <= tol.reshape(-1) * max(1.0, abs(c))).all()):
         return c
     return None
+
+
+def is_bias_multiple(diff: torch.Tensor, bias: torch.Tensor, c: float, tol: torch.Tensor) -> bool:
+    """Whether ``diff`` is exactly ``c`` times ``bias`` (broadcast over the leading dims) in every
+    element, for the known multiple ``c`` (non-zero): within ``tol * max(1, |c|)`` and explaining ``diff``
+    far better than no bias at all (the RMS left is at most a quarter of ``diff``'s). ``c`` is given, not
+    fitted: a fitted multiple of a single number is any number."""
+    if c == 0.0 or diff.numel() == 0 or bias.numel() == 0 or diff.shape[-1:] != bias.shape:
+        return False
+    b = bias.to(torch.float64).expand_as(diff)
+    d = diff.to(torch.float64)
+    if not bool(b.ne(0).any()):
+        return False
+    t = tol.to(torch.float64).expand_as(d)
+    if not bool(((d - c * b).abs() <= t * max(1.0, abs(c))).all()) or bool((d.abs() <= t).all()):
+        return False  # not that multiple, or a difference within its bound of zero: no multiple is read from it
+    return _rms(d - c * b) <= EXPLAINS_FAR_BETTER * _rms(d)
 
 
 def block_mapping(
@@ -132,10 +188,13 @@ def regathered_dim(
 
 
 def rank_summands(per_rank: Sequence[torch.Tensor], expected: torch.Tensor, tol: torch.Tensor) -> bool:
-    """True when the ranks' tensors differ yet sum to ``expected``: each holds only its summand.
+    """True when each rank holds only its own summand: the ranks' tensors sum to ``expected``, and
+    they are summands, not something else that adds up:
 
-    Identical tensors that sum to ``expected`` (every rank holds ``expected / ws``) are not
-    summands but a scaled result (``grad-scaled``), so some pair of ranks must differ.
+    - identical tensors that sum to ``expected`` (every rank holds ``expected / ws``, or the same
+      garbage) are a scaled result (``grad-scaled``), not summands: some pair of ranks must differ;
+    - a rank holding ``expected`` whole beside ranks holding exact zeros (only one rank computed it)
+      is no summand either.
     """
     if len(per_rank) < 2 or any(t.shape != expected.shape for t in per_rank):
         return False
@@ -145,6 +204,9 @@ def rank_summands(per_rank: Sequence[torch.Tensor], expected: torch.Tensor, tol:
     if not close(total, expected, tol * len(per_rank)):
         return False
     if all(close(t, expected, tol) for t in per_rank):
+        return False
+    nonzero = [t for t in per_rank if bool(t.ne(0).any())]
+    if len(nonzero) == 1 and close(nonzero[0], expected, tol):
         return False
     first = per_rank[0].to(torch.float64)
     return any(not close(t, first, tol) for t in per_rank[1:])

@@ -33,7 +33,9 @@ A :class:`Variant` is data about a layer implementation, written once per implem
 :meth:`Variant.instantiate` calls the builder and then the generic loader (:func:`load_master`),
 which copies the master values into every parameter whose spec says ``load=True``, by its
 placement (a column bias gets its shard, a row bias the full bias). Parameters the builder filled
-itself (``load=False``, e.g. a constructor that slices ``master_weight``) are only shape-checked.
+itself (``load=False``, e.g. a constructor that slices ``master_weight``) are never written by tpsim:
+they are read back as the layer holds them right after construction and judged against the
+masters (a mis-slice is named there).
 
 Defaults follow Megatron-LM: column = replicated input, sharded output, weight ``S(0)``, bias
 ``S(0)``; row = sharded input, reduced output, weight ``S(1)``, bias ``R``.

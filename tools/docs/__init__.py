@@ -46,6 +46,7 @@ def renderers(root: str) -> dict[str, Callable[[], str]]:
         "bugs-catch-table": lambda: reference.catch_table(os.path.join(root, "docs", "bench.json")),
         "bugs-search-power": lambda: reference.search_power_table(os.path.join(root, "docs", "search_power.json")),
         "bugs-diagnoses": reference.diagnoses_evidence,
+        "bugs-claims": reference.diagnoses_claims,
         "bugs-found-in-libraries": lambda: reference.found_in_libraries(os.path.join(root, FOUND_IN_LIBRARIES)),
     }
 

@@ -13,7 +13,7 @@ invisible on the rendered page):
 A fenced ``python`` block with ``title="NAME.py"`` is a file the page's commands use: it is
 written into the workspace before any block runs.
 
-Every block runs in a fresh temporary workspace holding a copy of ``examples/`` and those files,
+Every block runs in a fresh temporary workspace holding a copy of ``examples/``, ``tests/wild/`` and those files,
 commands in order through ``bash`` (``$?`` is the previous command's exit code), stdout and stderr
 together. Output is compared modulo what varies from run to run (:func:`normalise`): durations,
 the example counts of a failed search, temporary paths, the repository root. In the expected output a line ``...`` stands for any lines,
@@ -168,9 +168,10 @@ def matches(expected: str, actual: str) -> bool:
 
 def _workspace(root: str, block: Block) -> str:
     where = tempfile.mkdtemp(prefix="tpsim-docs-")
-    if os.path.isdir(os.path.join(root, "examples")):
-        shutil.copytree(os.path.join(root, "examples"), os.path.join(where, "examples"),
-                        ignore=shutil.ignore_patterns("__pycache__"))
+    # examples/, and the fresh targets in the styles of real libraries the docs point at (tests/wild/).
+    for sub in ("examples", os.path.join("tests", "wild")):
+        if os.path.isdir(os.path.join(root, sub)):
+            shutil.copytree(os.path.join(root, sub), os.path.join(where, sub), ignore=shutil.ignore_patterns("__pycache__"))
     for name, body in block.files.items():
         with open(os.path.join(where, name), "w", encoding="utf-8") as fh:
             fh.write(body)

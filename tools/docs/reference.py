@@ -183,6 +183,58 @@ def diagnoses_evidence() -> str:
     return "\n".join(out)
 
 
+#: Where the recognisers of each module run: a family's own, or (the shared ones) every family's verdict.
+_RECOGNISED_IN = {
+    "tpsim.props.linear": "linear",
+    "tpsim.props.module": "module",
+    "tpsim.props.vocab": "embedding, cross-entropy",
+    "tpsim.props.attention": "attention",
+    "tpsim.props.groups": "linear",  # the wrong-group recognisers: the linear family's hook calls them
+}
+
+
+def _recognised_in() -> dict[str, list[str]]:
+    """For each diagnosis name, the modules whose source marks a recogniser of it (``@recogniser(NAME)``,
+    read from the source: a recogniser made inside a check is registered only when the check runs)."""
+    import ast
+    import pathlib
+
+    import tpsim
+    from tpsim import diagnosis
+
+    constants = {k: v for k, v in vars(diagnosis).items() if isinstance(v, str) and v in diagnosis.REGISTRY}
+    root = pathlib.Path(tpsim.__file__).resolve().parent
+    found: dict[str, list[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        module = "tpsim." + ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Call) or getattr(node.func, "id", None) != "recogniser":
+                continue
+            for arg in node.args:
+                name = constants.get(arg.id) if isinstance(arg, ast.Name) else (
+                    arg.value if isinstance(arg, ast.Constant) else None)
+                if name in diagnosis.REGISTRY:
+                    found.setdefault(name, []).append(module)
+    return found
+
+
+def diagnoses_claims() -> str:
+    """How every registered diagnosis is confirmed, and the families that can name it: a legend of the
+    rules, then one row per name (registration order)."""
+    from tpsim.diagnosis import CONFIRMATIONS, REGISTRY
+
+    recognised = _recognised_in()
+    out = ["| rule | what is confirmed, and how |", "|---|---|"]
+    out += [f"| {rule.value} | {_cell(words)} |" for rule, words in CONFIRMATIONS.items()]
+    out += ["", "| diagnosis | named in | confirmed by |", "|---|---|---|"]
+    for spec in REGISTRY.values():
+        where = [next((v for k, v in _RECOGNISED_IN.items() if module == k or module.startswith(k + ".")),
+                      "every family") for module in recognised.get(spec.name, ())]
+        shown = "every family" if not where or "every family" in where else ", ".join(dict.fromkeys(where))
+        out.append(f"| `{spec.name}` | {shown} | {spec.confirmed_by.value} |")
+    return "\n".join(out)
+
+
 def found_in_libraries(path: str) -> str:
     """The hand-written list of bugs found in released libraries (its own heading dropped: the page
     that includes it gives the section its heading)."""

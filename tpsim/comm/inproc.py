@@ -55,32 +55,43 @@ BUFFERED_SENDS_ENV = "TPSIM_BUFFERED_SENDS"
 # ----------------------------------------------------------------------------------------
 # Reductions, in rank order
 # ----------------------------------------------------------------------------------------
-def _reduce_in_rank_order(tensors: Sequence[torch.Tensor], op: Any) -> torch.Tensor:
-    """Fold ``tensors`` left to right (rank 0 first): the order a single thread would use."""
+def _reduce_in_rank_order(tensors: Sequence[torch.Tensor], op: Any, name: str | None = None) -> torch.Tensor:
+    """Fold ``tensors`` left to right (rank 0 first): the order a single thread would use.
+
+    ``name``: ``op``'s name (:func:`tpsim.comm.ops.reduce_op_name`) where the caller has it. A sum is
+    one ``torch._foreach_add_`` onto the accumulator listed once per term: on CPU it adds them one
+    after another in list order, as the loop of ``add_`` calls it replaces did (bit for bit), in one
+    call instead of one per rank; a sum of small tensors is :func:`_sum_small`.
+    """
+    if name is None:
+        name = ops.reduce_op_name(op)
     acc = tensors[0].clone()
-    if op == dist.ReduceOp.SUM or op == dist.ReduceOp.AVG:
-        for t in tensors[1:]:
-            acc.add_(t)
-        if op == dist.ReduceOp.AVG:
+    n = len(tensors)
+    if name == "SUM" or name == "AVG":
+        if n > 8 and acc.dtype in _SMALL_DTYPES and acc.numel() <= _SMALL and acc.is_contiguous():
+            _sum_small(acc, tensors, n)
+        elif n > 1:
+            torch._foreach_add_([acc] * (n - 1), tensors[1:] if type(tensors) is list else list(tensors[1:]))
+        if name == "AVG":
             if not acc.is_floating_point() and not acc.is_complex():
                 raise InvalidArgument(f"ReduceOp.AVG needs a floating-point tensor, got dtype={acc.dtype}")
-            acc.div_(len(tensors))
-    elif op == dist.ReduceOp.PRODUCT:
+            acc.div_(n)
+    elif name == "PRODUCT":
         for t in tensors[1:]:
             acc.mul_(t)
-    elif op == dist.ReduceOp.MAX:
+    elif name == "MAX":
         for t in tensors[1:]:
             torch.maximum(acc, t, out=acc)
-    elif op == dist.ReduceOp.MIN:
+    elif name == "MIN":
         for t in tensors[1:]:
             torch.minimum(acc, t, out=acc)
-    elif op == dist.ReduceOp.BAND:
+    elif name == "BAND":
         for t in tensors[1:]:
             acc.bitwise_and_(t)
-    elif op == dist.ReduceOp.BOR:
+    elif name == "BOR":
         for t in tensors[1:]:
             acc.bitwise_or_(t)
-    elif op == dist.ReduceOp.BXOR:
+    elif name == "BXOR":
         for t in tensors[1:]:
             acc.bitwise_xor_(t)
     else:
@@ -89,8 +100,41 @@ def _reduce_in_rank_order(tensors: Sequence[torch.Tensor], op: Any) -> torch.Ten
     return acc
 
 
+#: Tensors up to this many elements are summed by :func:`_sum_small`: there the per-op dispatch of one
+#: ``add_`` per rank costs more than stacking the terms and adding them element by element does (from
+#: about 8 ranks on: measured).
+_SMALL = 64
+#: The dtypes :func:`_sum_small` takes: those whose ``index_add_`` adds as ``add_`` does, bit for bit
+#: (checked; half-precision ones do not, and keep one ``add_`` per rank).
+_SMALL_DTYPES = frozenset({torch.float32, torch.float64})
+#: Index tensors for :func:`_sum_small` by (terms, elements); a few shapes recur in a run.
+_INDEX: dict[tuple[int, int], torch.Tensor] = {}
+_INDEX_MAX = 64
+
+
+def _sum_small(acc: torch.Tensor, tensors: Sequence[torch.Tensor], n: int) -> None:
+    """Add ``tensors[1:]`` to ``acc`` (``tensors[0]``'s contiguous copy), in rank order, in two ops.
+
+    One ``index_add_`` of the stacked, flattened terms onto the flat accumulator, term after term
+    (index ``0..m-1`` once per term): on CPU a one-dimensional ``index_add_`` is a plain loop of
+    ``acc[j] += term[j] * 1`` in index order (``x * 1`` is exact), so ``acc`` ends as the loop of
+    ``acc.add_(t)`` leaves it, bit for bit (NaN payloads included: checked for float32 and float64).
+    """
+    m = acc.numel()
+    index = _INDEX.get((n, m))
+    if index is None:
+        if len(_INDEX) >= _INDEX_MAX:
+            _INDEX.clear()
+        index = _INDEX[(n, m)] = torch.arange(m).repeat(n - 1)
+    stacked = torch.stack(tensors[1:] if type(tensors) is list else list(tensors[1:]))
+    acc.view(m).index_add_(0, index, stacked.view(m * (n - 1)))
+
+
 _dtype_name = ops.dtype_name
 _DTYPE_NAMES = ops._DTYPE_NAMES  # read directly on the hot path (a dict lookup, no call)
+#: Ops whose signature is not the plain (shapes, dtypes, reduce op, peer): ops.signature builds theirs.
+_SPECIAL_SIGNATURES = ops._SPECIAL_SIGNATURES
+_get_ident = threading.get_ident
 
 
 def _sig(tensors: Sequence[torch.Tensor]) -> tuple[tuple[tuple[int, ...], ...], tuple[str, ...]]:
@@ -384,8 +428,6 @@ class _CollectiveWork(_Work):
         self._pg = pg
         self._inst = inst
         self._result = result
-        self._waiting_on = inst
-        self._finish = None
         self._waited = False
 
     def _ready(self) -> bool:
@@ -394,22 +436,44 @@ class _CollectiveWork(_Work):
     def wait(self, timeout: timedelta | None = None) -> bool:
         if self._waited:
             return True
-        inst = self._inst
-        pg = self._pg
-        sched = pg._sched
-        # Scheduler.wait_until, inlined: broken first (a broken world fails every waiter),
-        # then done, else hand the baton on and look again when it comes back.
-        while True:
-            if sched.broken is not None:
-                raise collective_error(sched.broken, pg._global_rank) from None
-            if inst.done:
-                break
-            try:
-                sched.block(pg._slot, inst)
-            except WorldBroken as err:
-                raise collective_error(err, pg._global_rank) from None
+        _wait_for(self._pg, self._inst)
         self._waited = True
         return True
+
+
+def _wait_for(pg: InprocProcessGroup, inst: _Instance) -> None:
+    """Block ``pg``'s rank until ``inst`` completes (Scheduler.wait_until, inlined): a broken world
+    fails every waiter first, then a completed instance returns, else the baton goes on and the
+    rank looks again when it comes back."""
+    sched = pg._sched
+    while True:
+        if sched.broken is not None:
+            raise collective_error(sched.broken, pg._global_rank) from None
+        if inst.done:
+            return
+        try:
+            sched.block(pg._slot, inst)
+        except WorldBroken as err:
+            raise collective_error(err, pg._global_rank) from None
+
+
+class _Waited(_Work):
+    """The handle a synchronous collective returns, already waited for (one per process group).
+
+    torch's ``dist.*`` functions call a collective with ``opts.asyncOp`` False when the caller did not
+    ask for a handle, and only ``wait()`` on what it returns ("the backend has sync'ed at CPP level"
+    is a case torch provides for). The group then waits inside the call, as the handle's ``wait``
+    would have, and returns this handle instead of a new one: no handle object made and freed per
+    call. ``result()`` answers the latest such call's tensors.
+    """
+
+    def __init__(self, pg: InprocProcessGroup) -> None:
+        super().__init__(pg, _always, None, [])
+        self._waited = True
+
+
+def _always() -> bool:
+    return True
 
 
 def _done_work(pg: InprocProcessGroup, result: list[torch.Tensor]) -> _Work:
@@ -441,6 +505,7 @@ class InprocProcessGroup(dist.ProcessGroup):
         self._sched = world.sched
         self._slot = world.sched.slots[global_rank]
         self._rf = world.rank_faults[global_rank]
+        self._sync_handle: _Waited | None = None  # made at the first synchronous collective
 
     # -- identity ----------------------------------------------------------------------
     @property
@@ -486,44 +551,51 @@ class InprocProcessGroup(dist.ProcessGroup):
     def _join(self, op: str, tensors: Sequence[torch.Tensor], payload: Any, compute: Callable,
               *, reduce_op: Any = None, peer: int | None = None,
               result: list[torch.Tensor] | None = None, problem: str | None = None,
-              strided: tuple[str, torch.Tensor, str] | None = None) -> _Work:
-        sched = self._sched
+              strided: tuple[str, torch.Tensor, str] | None = None, op_name: str | None = None,
+              opts: Any = None) -> _Work:
+        """This member's part of collective ``op``: record the call, check it, add ``payload`` to the
+        instance it joins (the last member to arrive computes it) and return its handle.
+
+        ``op_name``: ``reduce_op``'s name where the caller has it. ``opts``: the call's options; when
+        they say the call is synchronous (``asyncOp`` False: torch's ``dist.*`` only waits on the
+        handle), the rank waits here and gets the group's :class:`_Waited` handle. (Every collective
+        of every rank runs this: the rare cases each cost one test here, their work is done elsewhere.)
+        """
         slot = self._slot
         if slot.dropped:  # a dropped rank's code may still call (from a finally): it is dead
             raise RankDropped()
-        if slot.thread_ident != threading.get_ident():
+        if slot.thread_ident != _get_ident():
             self._check_helper_thread(op)
         state = self._state
         me = self._group_rank
         if len(tensors) == 1:  # the common case, without _sig's list comprehensions
             t = tensors[0]
+            dtype = t.dtype
             shapes: Any = (t.shape,)
-            dtypes: Any = (_DTYPE_NAMES.get(t.dtype) or _dtype_name(t.dtype),)
+            dtypes: Any = (_DTYPE_NAMES.get(dtype) or _dtype_name(dtype),)
         else:
             shapes, dtypes = _sig(tensors)
         numbered = state.numbered
         number = numbered[me] = numbered[me] + 1
-        op_name = None if reduce_op is None else ops.reduce_op_name(reduce_op)
+        if op_name is None and reduce_op is not None:
+            op_name = ops.reduce_op_name(reduce_op)
+        if peer is not None:
+            peer = state.ranks[peer]
         # Positional: CollectiveCall(rank, op, group, group_ranks, call_index, shapes, dtypes,
         # reduce_op, peer), cheaper than keywords on this path.
-        call = CollectiveCall(self._global_rank, op, state.name, state.ranks, number, shapes, dtypes, op_name,
-                              None if peer is None else state.ranks[peer])
+        call = CollectiveCall(self._global_rank, op, state.name, state.ranks, number, shapes, dtypes, op_name, peer)
         slot.calls.append(call)  # recorded even when it fails below: the rank did issue it
-        if sched.broken is not None:
-            raise collective_error(sched.broken, self._global_rank)
-        if problem is not None:  # this member's own buffers are wrong: it raises, as a real backend does
-            raise InvalidArgument(f"{call.describe()}: on rank {self._global_rank}, {problem}")
-        if strided is not None:  # a view a real backend computes wrongly or refuses: it raises here
-            raise ops.strided_view_error(call, strided)
+        if self._sched.broken is not None or problem is not None or strided is not None:
+            self._refuse(call, problem, strided)
         seq = state.seq
         index = seq[me] = seq[me] + 1
-        signature = ops.signature(op, shapes, dtypes, op_name, call.peer)
+        signature = (shapes, dtypes, op_name, peer) if op not in _SPECIAL_SIGNATURES else ops.signature(
+            op, shapes, dtypes, op_name, peer)
         world = self._world
-        crc = checksum(tensors) if world.checksum else 0  # what the caller handed over
-        note = None
-        rf = self._rf
-        if rf is not None:
-            fault = rf.next_call(call)
+        note = crc = None
+        if self._rf is not None or world.checksum:
+            crc = checksum(tensors) if world.checksum else 0  # what the caller handed over
+            fault = self._rf.next_call(call) if self._rf is not None else None
             if fault is not None:
                 note = ops.fault_note(fault, call)
                 if isinstance(fault, Mismatch):
@@ -532,50 +604,76 @@ class InprocProcessGroup(dist.ProcessGroup):
                     op = call.op
                 else:
                     self._inject(fault, call, tensors, slot)
-        inst = state.pending.get(index)
+        pending = state.pending
+        inst = pending.get(index)
         if inst is None:
-            inst = state.pending[index] = _Instance(state, index, op, signature, compute)
+            inst = pending[index] = _Instance(state, index, op, signature, compute)
         elif inst.sigs is None and (inst.op != op or inst.signature != signature):
             inst.sigs = {m: (inst.op, inst.signature) for m in inst.payloads}
         if inst.sigs is not None:
             inst.sigs[me] = (op, signature)
-        if note is not None:
-            if inst.notes is None:
-                inst.notes = {}
-            inst.notes[me] = note
-        if world.checksum:
-            if inst.contrib is None:
-                inst.contrib, inst.crc = {}, {}
-            inst.contrib[me] = tensors
-            inst.crc[me] = crc  # type: ignore[index]
-        inst.payloads[me] = payload
+        if crc is not None:
+            if note is not None:
+                if inst.notes is None:
+                    inst.notes = {}
+                inst.notes[me] = note
+            if world.checksum:
+                if inst.contrib is None:
+                    inst.contrib, inst.crc = {}, {}
+                inst.contrib[me] = tensors
+                inst.crc[me] = crc  # type: ignore[index]
+        payloads = inst.payloads
+        payloads[me] = payload
         inst.calls[me] = call
-        if len(inst.payloads) == state.size:
-            del state.pending[index]
-            if inst.sigs is not None:
-                self._mismatch(inst)
-            if inst.contrib is not None:
-                self._verify_checksums(inst)
-            # Grad mode off without a context manager (cheaper on this hot path): the copies
-            # into users' tensors must not be recorded by autograd, as in a real backend.
-            grad_was = torch.is_grad_enabled()
-            torch._C._set_grad_enabled(False)
-            try:
-                inst.compute(inst.payloads)
-            except InvalidArgument as err:  # e.g. an unsupported op: every member must hear it
-                world.sched.break_world(WorldBroken(
-                    f"{call.describe()}: {err}", collective=op, call_index=call.call_index,
-                    group=state.name, faulty_ranks=()))
-                raise
-            finally:
-                torch._C._set_grad_enabled(grad_was)
-            inst.done = True
-            slots = sched.slots
-            for g in state.ranks:  # Scheduler.wake, inlined
-                s = slots[g]
-                if s.state == BLOCKED:
-                    s.state = READY
+        if len(payloads) == state.size:
+            self._complete(inst, call)
+        if opts is not None and opts.asyncOp is False:
+            _wait_for(self, inst)
+            waited = self._sync_handle
+            if waited is None:
+                waited = self._sync_handle = _Waited(self)
+            waited._result = result if result is not None else tensors
+            return waited
         return _CollectiveWork(self, inst, result if result is not None else list(tensors))
+
+    def _refuse(self, call: CollectiveCall, problem: str | None,
+                strided: tuple[str, torch.Tensor, str] | None) -> None:
+        """Raise for ``call`` (just recorded): the world is broken, or this member's buffers are wrong."""
+        broken = self._sched.broken
+        if broken is not None:
+            raise collective_error(broken, self._global_rank)
+        if problem is not None:  # this member's own buffers are wrong: it raises, as a real backend does
+            raise InvalidArgument(f"{call.describe()}: on rank {self._global_rank}, {problem}")
+        if strided is not None:  # a view a real backend computes wrongly or refuses: it raises here
+            raise ops.strided_view_error(call, strided)
+
+    def _complete(self, inst: _Instance, call: CollectiveCall) -> None:
+        """The last member arrived (``call`` is its): check the instance, compute it, wake its members."""
+        state = self._state
+        del state.pending[inst.index]
+        if inst.sigs is not None:
+            self._mismatch(inst)
+        if inst.contrib is not None:
+            self._verify_checksums(inst)
+        # Grad mode off without a context manager (cheaper on this hot path): the copies
+        # into users' tensors must not be recorded by autograd, as in a real backend.
+        grad_was = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            inst.compute(inst.payloads)
+        except InvalidArgument as err:  # e.g. an unsupported op: every member must hear it
+            self._sched.break_world(WorldBroken(
+                f"{call.describe()}: {err}", collective=inst.op, call_index=call.call_index,
+                group=state.name, faulty_ranks=()))
+            raise
+        finally:
+            torch._C._set_grad_enabled(grad_was)
+        inst.done = True
+        slots = self._sched.slots
+        for g in state.ranks:  # Scheduler.wake, inlined
+            s = slots[g]
+            if s.state == BLOCKED:
+                s.state = READY
 
     def _check_helper_thread(self, op: str) -> None:
         """A thread the rank started issues ``op``: allowed only while the rank itself runs.
@@ -675,16 +773,17 @@ class InprocProcessGroup(dist.ProcessGroup):
     # -- collectives ---------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        name = ops.reduce_op_name(op)
 
         def compute(p: dict[int, list[torch.Tensor]]) -> None:
             n = len(p)
             for i in range(len(p[0])):
-                acc = _reduce_in_rank_order([p[r][i] for r in range(n)], op)
-                for r in range(n):
-                    p[r][i].copy_(acc)
+                mine = [p[r][i] for r in range(n)]
+                acc = _reduce_in_rank_order(mine, op, name)
+                torch._foreach_copy_(mine, [acc] * n)  # one call: each rank's tensor gets the result
 
         strided = None if len(tensors) == 1 and tensors[0].is_contiguous() else ops.strided_view("all_reduce", tensors)
-        return self._join("all_reduce", tensors, tensors, compute, reduce_op=op, strided=strided)
+        return self._join("all_reduce", tensors, tensors, compute, reduce_op=op, strided=strided, op_name=name, opts=opts)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
         return self.allreduce(tensors, opts)
@@ -697,7 +796,7 @@ class InprocProcessGroup(dist.ProcessGroup):
             p[root][0].copy_(acc)
 
         return self._join("reduce", tensors, tensors, compute, reduce_op=op, peer=root,
-                          strided=ops.strided_view("reduce", tensors))
+                          strided=ops.strided_view("reduce", tensors), opts=opts)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> _Work:
         root = opts.rootRank
@@ -709,7 +808,7 @@ class InprocProcessGroup(dist.ProcessGroup):
                         p[r][i].copy_(src)
 
         return self._join("broadcast", tensors, tensors, compute, peer=root,
-                          strided=ops.strided_view("broadcast", tensors))
+                          strided=ops.strided_view("broadcast", tensors), opts=opts)
 
     def _problem(self, op: str, inputs: Any, outputs: Any, root: int | None = None,
                  splits: tuple[Sequence[int], Sequence[int]] | None = None) -> str | None:
@@ -726,7 +825,7 @@ class InprocProcessGroup(dist.ProcessGroup):
         return self._join("all_gather", input_tensors, (output_tensors, input_tensors), compute,
                           result=[t for lst in output_tensors for t in lst],
                           problem=self._problem("all_gather", input_tensors, output_tensors),
-                          strided=ops.strided_view("all_gather", input_tensors, output_tensors))
+                          strided=ops.strided_view("all_gather", input_tensors, output_tensors), opts=opts)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> _Work:
         def compute(p: dict[int, tuple]) -> None:
@@ -738,7 +837,7 @@ class InprocProcessGroup(dist.ProcessGroup):
 
         return self._join("all_gather_into_tensor", [input], (output, input), compute, result=[output],
                           problem=self._problem("all_gather_into_tensor", input, output),
-                          strided=ops.strided_view("all_gather_into_tensor", input, output))
+                          strided=ops.strided_view("all_gather_into_tensor", input, output), opts=opts)
 
     _allgather_base = all_gather_single
 
@@ -754,7 +853,7 @@ class InprocProcessGroup(dist.ProcessGroup):
         problem = next((q for o, i in zip(outputs, inputs, strict=False)
                         if (q := self._problem("all_gather_into_tensor", i, o)) is not None), None)
         return self._join("all_gather_into_tensor", inputs, (outputs, inputs), compute, result=list(outputs),
-                          problem=problem, strided=ops.strided_view("all_gather_into_tensor", inputs, outputs))
+                          problem=problem, strided=ops.strided_view("all_gather_into_tensor", inputs, outputs), opts=opts)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
@@ -769,7 +868,7 @@ class InprocProcessGroup(dist.ProcessGroup):
 
         return self._join("all_gather", inputs, (output_lists, inputs), compute,
                           result=[t for lst in output_lists for t in lst],
-                          strided=ops.strided_view("all_gather", inputs, output_lists))
+                          strided=ops.strided_view("all_gather", inputs, output_lists), opts=opts)
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                        opts: Any = None) -> _Work:
@@ -784,7 +883,7 @@ class InprocProcessGroup(dist.ProcessGroup):
         return self._join("reduce_scatter", [t for lst in input_tensors for t in lst],
                           (output_tensors, input_tensors), compute, reduce_op=op, result=list(output_tensors),
                           problem=self._problem("reduce_scatter", input_tensors, output_tensors),
-                          strided=ops.strided_view("reduce_scatter", input_tensors, output_tensors))
+                          strided=ops.strided_view("reduce_scatter", input_tensors, output_tensors), opts=opts)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> _Work:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
@@ -799,7 +898,7 @@ class InprocProcessGroup(dist.ProcessGroup):
 
         return self._join("reduce_scatter_tensor", [input], (output, input), compute, reduce_op=op,
                           result=[output], problem=self._problem("reduce_scatter_tensor", input, output),
-                          strided=ops.strided_view("reduce_scatter_tensor", input, output))
+                          strided=ops.strided_view("reduce_scatter_tensor", input, output), opts=opts)
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -820,7 +919,7 @@ class InprocProcessGroup(dist.ProcessGroup):
                         if (q := self._problem("reduce_scatter_tensor", i, o)) is not None), None)
         return self._join("reduce_scatter_tensor", inputs, (outputs, inputs), compute, reduce_op=op,
                           result=list(outputs), problem=problem,
-                          strided=ops.strided_view("reduce_scatter_tensor", inputs, outputs))
+                          strided=ops.strided_view("reduce_scatter_tensor", inputs, outputs), opts=opts)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
@@ -837,7 +936,7 @@ class InprocProcessGroup(dist.ProcessGroup):
         return self._join("scatter", list(sent) or list(output_tensors), (output_tensors, input_tensors),
                           compute, peer=root, result=list(output_tensors),
                           problem=self._problem("scatter", input_tensors, output_tensors, root),
-                          strided=ops.strided_view("scatter", input_tensors, output_tensors))
+                          strided=ops.strided_view("scatter", input_tensors, output_tensors), opts=opts)
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                opts: Any) -> _Work:
@@ -851,7 +950,7 @@ class InprocProcessGroup(dist.ProcessGroup):
         return self._join("gather", input_tensors, (output_tensors, input_tensors), compute, peer=root,
                           result=[t for lst in output_tensors for t in lst],
                           problem=self._problem("gather", input_tensors, output_tensors, root),
-                          strided=ops.strided_view("gather", input_tensors, output_tensors))
+                          strided=ops.strided_view("gather", input_tensors, output_tensors), opts=opts)
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                  opts: Any = None) -> _Work:
@@ -863,7 +962,7 @@ class InprocProcessGroup(dist.ProcessGroup):
         return self._join("all_to_all", input_tensors, (output_tensors, input_tensors), compute,
                           result=list(output_tensors),
                           problem=self._problem("all_to_all", input_tensors, output_tensors),
-                          strided=ops.strided_view("all_to_all", input_tensors, output_tensors))
+                          strided=ops.strided_view("all_to_all", input_tensors, output_tensors), opts=opts)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                           input_split_sizes: list[int], opts: Any = None) -> _Work:
@@ -881,12 +980,12 @@ class InprocProcessGroup(dist.ProcessGroup):
         splits = (list(output_split_sizes), list(input_split_sizes))
         return self._join("all_to_all_single", [input], (output, input, *splits), compute, result=[output],
                           problem=self._problem("all_to_all_single", input, output, splits=splits),
-                          strided=ops.strided_view("all_to_all_single", input, output))
+                          strided=ops.strided_view("all_to_all_single", input, output), opts=opts)
 
     alltoall_base = all_to_all_single
 
     def barrier(self, opts: Any = None) -> _Work:
-        return self._join("barrier", [], None, lambda p: None, result=[])
+        return self._join("barrier", [], None, lambda p: None, result=[], opts=opts)
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
         self.barrier().wait()

@@ -30,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from tpsim.comm import board, ops, runclock
 from tpsim.comm.modstate import ModuleGlobals
 from tpsim.comm.threadworld import ProcessLocalState
@@ -37,6 +39,12 @@ from tpsim.comm.trace import CollectiveCall
 from tpsim.errors import CollectiveError, SharedModuleState
 
 __all__ = ["RankSlot", "Scheduler", "Wait", "WorldBroken"]
+
+# Bound once: read on every hand-off (each a module-global lookup instead of two attribute lookups).
+_get_rng_state = torch.default_generator.get_state
+_set_rng_state = torch.default_generator.set_state
+_get_default_dtype = torch.get_default_dtype
+_monotonic = time.monotonic
 
 # Rank states.
 NEW, RUNNING, READY, BLOCKED, DONE = "new", "running", "ready", "blocked", "done"
@@ -199,20 +207,23 @@ class Scheduler:
 
         The caller re-checks its condition afterwards (a rank is woken for any change).
         Raises WorldBroken when no other rank can run.
+        (The hot path of every collective: _next_ready, _give, _wait_baton and _restore are inlined
+        here, and the rank's process-local state is saved into its slot's own record, not a new one.)
         """
         slot.state = BLOCKED
         slot.waiting_on = waiting_on
-        # _next_ready, inlined (hot path): the next rank after this one in ring order.
+        # The next READY rank after this one in ring order.
         slots = self.slots
         n = self.world_size
         r = slot.rank
-        nxt = None
         for _ in range(n - 1):
-            r = r + 1 if r + 1 < n else 0
-            if slots[r].state == READY:
-                nxt = r
+            r += 1
+            if r == n:
+                r = 0
+            nxt = slots[r]
+            if nxt.state == READY:
                 break
-        if nxt is None:
+        else:
             self._declare_stuck(slot)
             raise self.broken  # type: ignore[misc]
         watch = self._watch
@@ -222,10 +233,36 @@ class Scheduler:
                 slot.state, slot.waiting_on = RUNNING, None
                 self._shared_state(conflict)
                 raise self.broken  # type: ignore[misc]
+        # Save this rank's process-local state (ProcessLocalState.capture, into the slot's record).
+        saved = slot.saved
+        saved.rng = _get_rng_state()  # type: ignore[union-attr]
+        saved.dtype = _get_default_dtype()  # type: ignore[union-attr]
         local = self._local
-        slot.saved = ProcessLocalState.capture() if local is None else ProcessLocalState.capture(local.save())
-        self._give(nxt)
-        self._wait_baton(slot)
+        if local is not None:
+            saved.globals = local.save()  # type: ignore[union-attr]
+        # Hand the baton to the next rank (_give).
+        nxt.state = RUNNING
+        self.holder = r
+        self.last_handoff = _monotonic()
+        self.handoffs += 1
+        if self.board is not None:
+            self.board.handoff(r)
+        try:
+            nxt.baton.release()
+        except RuntimeError:  # already released: only after a timeout broke the world
+            pass
+        # Wait for it to come back (_wait_baton): the common case is one acquire that succeeds.
+        if not slot.baton.acquire(True, self.timeout):
+            self._wait_longer(slot)
+        self.holder = slot.rank
+        # This rank's state is the process's again (_restore).
+        _set_rng_state(saved.rng)  # type: ignore[union-attr]
+        if _get_default_dtype() is not saved.dtype:  # type: ignore[union-attr]
+            torch.set_default_dtype(saved.dtype)  # type: ignore[union-attr]
+        if local is not None:
+            local.restore(saved.globals)  # type: ignore[union-attr]
+        if watch is not None:
+            watch.enter(slot.rank)
         slot.waiting_on = None
 
     def wake(self, rank: int) -> None:
@@ -271,20 +308,34 @@ class Scheduler:
             pass
 
     def _wait_baton(self, slot: RankSlot) -> None:
-        # No verdict here: the supervisor judges the rank holding the baton on its run clock
-        # (watch). A waiter wakes now and then only to see whether the world broke meanwhile, or
-        # to end the wait itself past the wall-time backstop (a supervisor that cannot run).
-        while not slot.baton.acquire(timeout=self.timeout):
+        if not slot.baton.acquire(True, self.timeout):
+            self._wait_longer(slot)
+        self.holder = slot.rank
+        self._restore(slot)
+
+    def _wait_longer(self, slot: RankSlot) -> None:
+        """The baton did not come within the timeout: keep waiting until it does or the world breaks.
+
+        No verdict here: the supervisor judges the rank holding the baton on its run clock
+        (watch). A waiter wakes now and then only to see whether the world broke meanwhile, or
+        to end the wait itself past the wall-time backstop (a supervisor that cannot run)."""
+        while True:
             if self.broken is not None:
                 raise self.broken
             if time.monotonic() - self.last_handoff > runclock.backstop(self.timeout):
                 with self._lock:
                     self._overrun(self._clock.own if self._clock is not None else 0.0, backstop=True)
                 raise self.broken  # type: ignore[misc]
-        self.holder = slot.rank
+            if slot.baton.acquire(True, self.timeout):
+                return
+
+    def _restore(self, slot: RankSlot) -> None:
+        """``slot``'s rank got the baton: make its process-local state the process's again."""
         saved = slot.saved
         if saved is not None:
-            saved.restore()
+            _set_rng_state(saved.rng)
+            if _get_default_dtype() is not saved.dtype:
+                torch.set_default_dtype(saved.dtype)
             if self._local is not None:
                 self._local.restore(saved.globals)
         if self._watch is not None:

@@ -37,13 +37,25 @@ __all__ = [
     "uninstall",
 ]
 
-_tls = threading.local()
+
+class _Local(threading.local):
+    """Per-thread: the rank world the thread sees and its owner (None: torch's own world)."""
+
+    world: Any = None
+    owner: Any = None
+
+
+_tls = _Local()
 _install_lock = threading.Lock()
 _original_world: Any = None
 
 
 class _RankWorld(c10d._World):
     """The registry one rank thread sees: torch's ``_World`` with its own dicts."""
+
+    #: A plain attribute where torch's ``_World`` has a property over ``_default_pg``: read on every
+    #: collective (set on the instance by ``_update_default_pg``; nothing reads ``_default_pg`` itself).
+    default_pg = None  # type: ignore[assignment]
 
     def __init__(self) -> None:
         super().__init__()
@@ -72,7 +84,7 @@ class _RankWorld(c10d._World):
 
 
 def _current() -> Any:
-    world = getattr(_tls, "world", None)
+    world = _tls.world
     return _original_world if world is None else world
 
 
@@ -84,7 +96,9 @@ class _ThreadRoutedWorld(c10d._World):
 
     @property  # type: ignore[override]
     def default_pg(self):
-        return _current().default_pg
+        # Read on every collective (twice by torch's _get_default_group): _current, inlined.
+        world = _tls.world
+        return (_original_world if world is None else world).default_pg
 
     @default_pg.setter
     def default_pg(self, value) -> None:
@@ -104,7 +118,12 @@ class _ThreadRoutedWorld(c10d._World):
     pg_backend_config = property(lambda self: _current().pg_backend_config)  # type: ignore[assignment]
     tags_to_pg = property(lambda self: _current().tags_to_pg)  # type: ignore[assignment]
     pg_to_tag = property(lambda self: _current().pg_to_tag)  # type: ignore[assignment]
-    pg_coalesce_state = property(lambda self: _current().pg_coalesce_state)  # type: ignore[assignment]
+    @property  # type: ignore[override]
+    def pg_coalesce_state(self):
+        # Read on every collective (torch looks the group up in it): _current, inlined.
+        world = _tls.world
+        return (_original_world if world is None else world).pg_coalesce_state
+
     comms = property(lambda self: _current().comms)  # type: ignore[assignment]
 
 
@@ -179,14 +198,14 @@ def leave_rank_world() -> None:
 
 def current_owner() -> Any:
     """The owner given to :func:`enter_rank_world` by this thread or the rank thread that started it."""
-    return getattr(_tls, "owner", None)
+    return _tls.owner
 
 
 def _start_in_rank_context(self: threading.Thread, *args: Any, **kwargs: Any) -> None:
     """``Thread.start`` while installed: a thread started by a rank joins that rank's world."""
-    world = getattr(_tls, "world", None)
+    world = _tls.world
     if world is not None:
-        owner = getattr(_tls, "owner", None)
+        owner = _tls.owner
         run = self.run
 
         def run_as_rank() -> None:
@@ -218,6 +237,8 @@ class ProcessLocalState:
     globals of rank-local modules (``globals``: what
     :meth:`tpsim.comm.modstate.ModuleGlobals.save` returned; None when none are declared).
     Grad mode, autocast and inference mode are already thread-local in torch.
+    The scheduler keeps one record per rank and, at every hand-off, writes the outgoing rank's
+    settings into its record (``rng``, ``dtype``, ``globals``) rather than make a new one.
     Python's ``random`` and NumPy's legacy global RNG are *not* swapped: saving and
     restoring Python's Mersenne state costs ~25 us per hand-off (more than everything
     else on the hot path) and torch code draws from torch's generator. Code under test

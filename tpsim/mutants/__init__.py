@@ -44,10 +44,13 @@ from tpsim.diagnosis import (
     EXCEPTION,
     GRAD_MISSING,
     GRAD_NOT_REDUCED,
+    GRAD_REDUCED_AFTER_ACCUMULATION,
     GRAD_SCALED,
     MISMATCH,
     MISSING_REDUCTION,
     NONDETERMINISTIC,
+    NORM_COUNTS_REPLICAS,
+    NORM_NOT_REDUCED,
     OUTPUT_DETACHED,
     PACKED_SHARD_LAYOUT,
     PRECISION_LOSS,
@@ -61,6 +64,12 @@ from tpsim.diagnosis import (
 from tpsim.layers import LayerNorm, RMSNorm
 from tpsim.module_variant import ModuleVariant
 from tpsim.mutants.attention import ATTENTION_MUTANTS
+from tpsim.mutants.clip import (
+    clip_grad_norm,
+    clip_grad_norm_counting_replicas,
+    clip_grad_norm_local,
+    marked_mlp,
+)
 from tpsim.mutants.column import (
     ColumnBackwardAverage,
     ColumnBiasDefaultDtype,
@@ -105,6 +114,7 @@ from tpsim.mutants.row import (
 from tpsim.mutants.sequence import (
     CorrectSequenceRow,
     SequenceNormNoGradReduce,
+    SequenceRowBiasGradHookReduce,
     SequenceRowBiasGradNotReduced,
     SequenceRowScatterBatchDim,
 )
@@ -211,6 +221,12 @@ class DropoutInTrainMode(nn.Module):
         return self.dropout(self.mlp(x))
 
 
+def _clipped_mlp(name: str, clip: Any) -> ModuleVariant:
+    """tpsim's GELU MLP, its sharded parameters marked as Megatron marks them, trained with ``clip``."""
+    return ModuleVariant(name=name, build=marked_mlp, sizes=("hidden", "ffn"), clip=clip,
+                         description=_first_paragraph(clip.__doc__), target=f"{_MODULE}:{name}")
+
+
 def _module_dropout_in_train_mode() -> ModuleVariant:
     def build(hidden: int, ffn: int, *, group: Any, dtype: Any) -> nn.Module:
         return DropoutInTrainMode(hidden, ffn, group=group, dtype=dtype).train()
@@ -293,6 +309,10 @@ correct_sequence_rms_norm = norm_variant(RMSNorm, name="correct_sequence_rms_nor
 CORRECT_NORMS: list[ModuleVariant] = [correct_sequence_layer_norm, correct_sequence_rms_norm]
 #: The whole modules ``tpsim check tpsim.mutants`` checks: the correct norms.
 TPSIM_MODULES = CORRECT_NORMS
+#: tpsim's MLP trained with a distributed clip by global norm that counts each parameter once: it must pass.
+correct_module_clip = _clipped_mlp("correct_module_clip", clip_grad_norm)
+module_clip_counts_replicas = _clipped_mlp("module_clip_counts_replicas", clip_grad_norm_counting_replicas)
+module_clip_local_norm = _clipped_mlp("module_clip_local_norm", clip_grad_norm_local)
 
 # --- the catalog ---------------------------------------------------------------------------------
 
@@ -341,12 +361,18 @@ _ENTRIES = [
             output="sequence-sharded", needs="3-D (or deeper) input, world size >= 2"),
     _mutant("sequence-bias-grad-not-reduced", SequenceRowBiasGradNotReduced, "row", GRAD_NOT_REDUCED,
             output="sequence-sharded", needs="bias, world size >= 2, a sequence longer than one token per rank"),
+    _mutant("sequence-bias-grad-hook-reduce", SequenceRowBiasGradHookReduce, "row", GRAD_REDUCED_AFTER_ACCUMULATION,
+            output="sequence-sharded", needs="bias, world size >= 2, 2 or more micro-batches accumulated"),
     # A whole module, checked by the module family: a sequence-parallel norm.
     (lambda v: (Mutant("sequence-norm-no-grad-reduce", v.target or "", v, GRAD_NOT_REDUCED, v.description,
                        "world size >= 2"), v))(
         norm_variant(SequenceNormNoGradReduce, name="sequence_norm_no_grad_reduce")),
     (lambda v: (Mutant("module-dropout-in-train-mode", v.target or "", v, NONDETERMINISTIC, v.description), v))(
         _module_dropout_in_train_mode()),
+    (lambda v: (Mutant("module-clip-counts-replicas", v.target or "", v, NORM_COUNTS_REPLICAS, v.description,
+                       "tp size >= 2"), v))(module_clip_counts_replicas),
+    (lambda v: (Mutant("module-clip-local-norm", v.target or "", v, NORM_NOT_REDUCED, v.description,
+                       "tp size >= 2"), v))(module_clip_local_norm),
     # The gallery of published bugs (tpsim/mutants/gallery.py); each docstring cites its report.
     _mutant("row-wrong-group", RowWrongGroup, "row", WRONG_GROUP, needs="tp_size < world_size"),
     _mutant("row-contiguous-copy-reduce", RowContiguousCopyReduce, "row", MISSING_REDUCTION,

@@ -24,6 +24,7 @@ __all__ = [
     "CorrectSequenceNorm",
     "CorrectSequenceRow",
     "SequenceNormNoGradReduce",
+    "SequenceRowBiasGradHookReduce",
     "SequenceRowBiasGradNotReduced",
     "SequenceRowScatterBatchDim",
 ]
@@ -98,6 +99,27 @@ class SequenceRowBiasGradNotReduced(CorrectSequenceRow):
     (TransformerEngine #530, Megatron's ``sequence_parallel`` parameter attribute forgotten): each
     rank's bias grad covers only its own tokens, so the replicas drift apart. Diagnosis:
     ``grad-not-reduced`` naming ``bias``."""
+
+    def enter_bias(self, bias: torch.Tensor) -> torch.Tensor:
+        return bias
+
+
+class SequenceRowBiasGradHookReduce(CorrectSequenceRow):
+    """Adds the replicated bias to its sequence shard directly and all-reduces its grad in a
+    ``register_post_accumulate_grad_hook`` instead of in the backward of the bias's copy: right for one
+    backward per step, but the hook runs after every micro-batch on the grad accumulated so far, so
+    each micro-batch reduces the earlier ones' again (a grad-reduction hook written for ``.grad``
+    rather than for the fresh grad, as in hand-rolled sequence-parallel layer-norm reductions). After
+    two micro-batches the bias grad is the correct one plus (tp-1) times the first micro-batch's.
+    Diagnosis: ``grad-reduced-after-accumulation`` naming ``bias``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.bias is not None:
+            self.bias.register_post_accumulate_grad_hook(self._reduce_grad)
+
+    def _reduce_grad(self, p: torch.Tensor) -> None:
+        dist.all_reduce(p.grad, group=self.group)  # type: ignore[arg-type]  # the whole accumulated grad
 
     def enter_bias(self, bias: torch.Tensor) -> torch.Tensor:
         return bias

@@ -6,8 +6,11 @@ input_is_parallel=False)`` read the tp group from a module global of
 ``fairscale.nn.model_parallel.initialize``, set by ``initialize_model_parallel(size)``. For each
 rank the preset resets that state and calls ``initialize_model_parallel(world_size)`` (the
 library's own init, which prints ``> initializing model parallel with size N`` on rank 0: captured
-per rank, shown only under a failure), then constructs the layer with its own init (overwritten
-with the master shards), weight ``[out/tp, in]`` (column) / ``[out, in/tp]`` (row).
+per rank, shown only under a failure), then constructs the layer with its own init, weight ``[out/tp, in]`` (column) / ``[out, in/tp]``
+(row), and tpsim writes the case's pieces by those declared layouts. fairscale has no loader that
+cuts full weights: its checkpoints are one state dict per rank, saved and loaded whole, and the only
+code of its own that slices a full weight is its init (``_initialize_affine_weight``), which builds
+the full weight in the layer's construction dtype (float32) and so could not carry a float64 case.
 
 ``initialize`` is rank-local on inproc: each rank thread has its own copy of its globals, as each
 process does in a real job. The library lays its tp groups out as consecutive ranks and its layers

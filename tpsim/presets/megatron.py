@@ -69,7 +69,7 @@ _CROSS_ENTROPY = f"{_CROSS_ENTROPY_MODULE}.vocab_parallel_cross_entropy"
 #: The autograd function ``vocab_parallel_cross_entropy`` applies: a patch subclasses it.
 _CROSS_ENTROPY_FUNCTION = f"{_CROSS_ENTROPY_MODULE}._VocabParallelCrossEntropy"
 _PARALLEL_STATE = "megatron.core.parallel_state"
-#: Megatron's default ``init_method_std``; the layer's own init is overwritten with the master anyway.
+#: Megatron's default ``init_method_std``; the case's weights are loaded over the layer's own init.
 _INIT_STD = 0.02
 
 #: Column options: (gather_output, skip_bias_add, sequence_parallel, disable_grad_reduce). Left out:
@@ -323,8 +323,10 @@ def _embedding_builder(cls: type, options: dict[str, Any]):
 
         init_parallel_state(group)
         config = megatron_config(dist.get_world_size(group), dtype, **config_options)
-        return cls(num_embeddings, embedding_dim, init_method=init_method(), config=config, tp_group=group,
-                   **layer_options)
+        layer = cls(num_embeddings, embedding_dim, init_method=init_method(), config=config, tp_group=group,
+                    **layer_options)
+        load_sharded(layer, {"weight": weight})  # its vocabulary rows, where its checkpoint metadata places them
+        return layer
 
     return build
 
@@ -351,7 +353,7 @@ def _embedding_variants(cls: type, rank_local: tuple[str, ...], description: str
         out.append(EmbeddingVariant(
             name=name,
             build=_embedding_builder(cls, opts),
-            load=True,  # its own init is overwritten with this rank's rows of the master table
+            load=False,  # Megatron's checkpoint metadata places this rank's rows (load_sharded)
             forward=_gathered_sequence if scatters else None,
             description=description,
             # The layer takes ids [b, s] (its docstring and GPTModel's); one dim or two are checked. A 0-dim

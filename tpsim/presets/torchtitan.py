@@ -126,7 +126,8 @@ def _block_config(cls: type, hidden: int, ffn: int, heads: int, kv_heads: int) -
     from torchtitan.models.llama3.sharding import _set_llama3_layer_sharding
 
     # As torchtitan.models.llama3's _build_llama3_layers builds every layer (its param inits aside: the
-    # masters overwrite them), with the attention of _attention_config.
+    # case's weights are loaded into the dense module before the plan shards it), with the attention of
+    # _attention_config.
     attention = _attention_config(cls, hidden, heads, kv_heads)
     config = cls.Config(attention_norm=RMSNorm.Config(normalized_shape=hidden),
                         ffn_norm=RMSNorm.Config(normalized_shape=hidden), attention=attention,
@@ -235,6 +236,14 @@ def attention_in_spmd_context(module: nn.Module, x: torch.Tensor) -> torch.Tenso
     return in_spmd_context(module, x, None, None)  # as Llama3TransformerBlock calls it: positionally
 
 
+def clip_grad_norm(parameters: Any, max_norm: float) -> Any:
+    """torchtitan's own clip by global norm (``torchtitan.distributed.utils.clip_grad_norm_``, what its
+    trainer calls every step): part of each training step of its presets' checks."""
+    from torchtitan.distributed.utils import clip_grad_norm_
+
+    return clip_grad_norm_(parameters, max_norm)
+
+
 def ffn_variant(cls: type, backend: str, context: bool) -> Any:
     """The variant of torchtitan's feed-forward ``cls`` under its tp sharding on ``backend`` (the forward
     inside the spmd context when ``context``)."""
@@ -244,6 +253,7 @@ def ffn_variant(cls: type, backend: str, context: bool) -> Any:
     return plan_variant(_Dense(cls), _Parallelize(backend, context), sizes=("hidden", "ffn"),
                         name=f"{cls.__qualname__}-{suffix}", plan_name=f"torchtitan set_dense_ffn_sharding, {backend}",
                         forward=in_spmd_context, input_grad="partial", min_batch_dims=2, subgroups=False,
+                        clip=clip_grad_norm,
                         description=f"{cls.__module__}.{cls.__qualname__} under torchtitan's tp sharding ({backend})")
 
 
@@ -283,7 +293,7 @@ def block_variant(cls: type, backend: str, context: bool) -> Any:
                         sizes=("hidden", "ffn", "heads", "kv_heads"), name=f"{cls.__qualname__}-{suffix}",
                         plan_name=f"torchtitan set_llama3_sharding_config (one layer), {backend}",
                         forward=attention_in_spmd_context, size_strategy=_block_sizes, min_batch_dims=2,
-                        max_batch_dims=2, subgroups=False,
+                        max_batch_dims=2, subgroups=False, clip=clip_grad_norm,
                         description=f"{cls.__module__}.{cls.__qualname__} (RMSNorms, Llama 3 attention with SDPA "
                                     f"causal, SwiGLU feed-forward) under torchtitan's tp sharding ({backend})")
 
@@ -298,7 +308,7 @@ def attention_variant(cls: type, backend: str, context: bool) -> Any:
                         name=f"{cls.__qualname__}-{suffix}",
                         plan_name=f"torchtitan set_gqa_attention_sharding, {backend}",
                         forward=attention_in_spmd_context, size_strategy=_head_sizes, min_batch_dims=2,
-                        max_batch_dims=2, subgroups=False,
+                        max_batch_dims=2, subgroups=False, clip=clip_grad_norm,
                         description=f"{cls.__module__}.{cls.__qualname__} (Llama 3: fused wqkv, complex rotary, "
                                     f"SDPA causal) under torchtitan's tp sharding ({backend})")
 

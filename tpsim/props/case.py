@@ -40,11 +40,14 @@ __all__ = [
     "CaseBase",
     "DTYPES",
     "INPUT_LAYOUTS",
+    "MAX_MICRO_BATCHES",
     "MAX_SEED",
     "MAX_TENSOR_ELEMENTS",
     "SCHEMA_VERSION",
     "CaseFileError",
     "case_file_stem",
+    "check_training",
+    "describe_training",
     "load_case",
     "save_case",
     "save_failure",
@@ -96,6 +99,27 @@ def _int(value: Any, name: str, minimum: int, maximum: int | None = None) -> int
     if maximum is not None and value > maximum:
         raise InvalidArgument(f"{name}={value!r} must be an int <= {maximum}")
     return value
+
+
+#: The most micro-batches a case's first optimizer step may accumulate (a case file asking for more
+#: is refused: every micro-batch is a forward and a backward of the whole world).
+MAX_MICRO_BATCHES = 16
+
+
+def check_training(case: Any) -> None:
+    """Validate the training fields of a family that trains: ``micro_batches`` (an int in
+    ``1..MAX_MICRO_BATCHES``) and ``set_to_none`` (a bool)."""
+    _int(case.micro_batches, "micro_batches", 1, MAX_MICRO_BATCHES)
+    if not isinstance(case.set_to_none, bool):
+        raise InvalidArgument(f"set_to_none={case.set_to_none!r} must be a bool (optimizer.zero_grad's mode)")
+
+
+def describe_training(case: Any) -> list[str]:
+    """The training fields as ``describe()`` writes them: only where they differ from the defaults."""
+    from tpsim.props.rank import MICRO_BATCHES
+
+    out = [] if case.micro_batches == MICRO_BATCHES else [f"micro_batches={case.micro_batches}"]
+    return out + ([] if case.set_to_none else ["set_to_none=False"])
 
 
 def choice(value: Any, name: str, choices: Any) -> None:

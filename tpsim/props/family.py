@@ -10,7 +10,9 @@ variants (:meth:`Family.resolve`, :meth:`Family.declared`; the TARGET forms, ``-
 ``--param-grad`` are :mod:`tpsim.target`'s), planning a search (:meth:`Family.plan`), one world run
 per case (:meth:`Family.observe`: data drawn from the seed, the rank function on the world, one
 :class:`~tpsim.props.observation.Observation`), judging it (:meth:`Family.judge`: what every family
-shares, then the family's properties) and case files (:meth:`Family.case_from_dict`).
+shares, then the family's properties), holding every name a failure gives to its confirmation rule
+(:meth:`Family.confirm_claims`: a numeric pattern to the float64 re-run of a narrower case, a factor
+of the tp size to the same case on one rank) and case files (:meth:`Family.case_from_dict`).
 
 **Adding a family** (the recipe of docs/design.md): a variant type (a frozen dataclass with ``name``,
 ``target``, ``options``, ``rank_local``, ``notes``, ``kind``/``input``/``output``/``input_grad``/``bias``,
@@ -441,8 +443,9 @@ class Family:
     def check_case(self, variant: Any, case: Any, *, backend: str = "inproc", timeout: float = DEFAULT_TIMEOUT,
                    properties: Sequence[str] | None = None, isolate: bool = False) -> list[Any]:
         """Run ``case`` and evaluate ``properties`` (None: all); return the failures, each cause once
-        with the failures that follow from it listed under it. Raises only for errors of the harness
-        itself (a bad option, a backend that cannot start), never for what the variant did wrong."""
+        with the failures that follow from it listed under it. Every mechanism a failure names is a
+        claim, confirmed before it is reported (:meth:`confirm_claims`). Raises only for errors of the
+        harness itself (a bad option, a backend that cannot start), never for what the variant did wrong."""
         from tpsim.diagnosis import group_causes
 
         obs = self.observe(variant, case, backend=backend, timeout=timeout, isolate=isolate)
@@ -450,22 +453,41 @@ class Family:
         if failures:
             failures = self.follow_up(variant, case, obs, failures, backend=backend, timeout=timeout, isolate=isolate,
                                       properties=properties)
-            failures = self.confirm_in_float64(variant, case, failures, backend=backend, timeout=timeout,
-                                               isolate=isolate, properties=properties)
+            failures = self.confirm_claims(variant, case, failures, backend=backend, timeout=timeout,
+                                           isolate=isolate, properties=properties)
         return group_causes(failures)
 
-    #: Diagnoses this family reads from numeric patterns, claimed on a case narrower than float64 only
-    #: when the same case in float64 shows them (:func:`tpsim.diagnosis.confirm`); empty: none.
+    def confirm_claims(self, variant: Any, case: Any, failures: list[Any], *, backend: str, timeout: float,
+                       isolate: bool, properties: Sequence[str] | None) -> list[Any]:
+        """Hold every name ``failures`` give to its confirmation rule (:data:`tpsim.diagnosis.CONFIRMATIONS`):
+        a numeric pattern on a case narrower than float64 to the same case in float64
+        (:meth:`confirm_in_float64`), a factor of the tp size to the same case on one rank
+        (:meth:`confirm_on_one_rank`); what is not confirmed becomes ``mismatch`` with the facts."""
+        failures = self.confirm_in_float64(variant, case, failures, backend=backend, timeout=timeout,
+                                           isolate=isolate, properties=properties)
+        return self.confirm_on_one_rank(variant, case, failures, backend=backend, timeout=timeout, isolate=isolate)
+
+    #: Diagnoses this family reads from numeric patterns beyond those the registry says are
+    #: (:func:`tpsim.diagnosis.claims`: every name confirmed in float64, in every family), claimed on a case
+    #: narrower than float64 only when the same case in float64 shows them (:func:`tpsim.diagnosis.confirm`).
     confirmed_in_float64: ClassVar[frozenset[str]] = frozenset()
+
+    def float64_claims(self) -> frozenset[str]:
+        """The names held to the float64 re-run of a narrower case: the registry's numeric patterns
+        (:func:`tpsim.diagnosis.claims`) and the family's own :attr:`confirmed_in_float64`."""
+        from tpsim.diagnosis import claims
+
+        return claims() | self.confirmed_in_float64
 
     def confirm_in_float64(self, variant: Any, case: Any, failures: list[Any], *, backend: str, timeout: float,
                            isolate: bool, properties: Sequence[str] | None) -> list[Any]:
-        """Run the float64 twin of a narrower ``case`` whose failures name one of
-        :attr:`confirmed_in_float64`, and hold those names to what it shows (see there)."""
+        """Run the float64 twin of a narrower ``case`` whose failures name one of :meth:`float64_claims`,
+        and hold those names to what it shows (:func:`tpsim.diagnosis.confirm`)."""
         from tpsim.diagnosis import confirm
 
+        patterns = self.float64_claims()
         if getattr(case, "dtype", "float64") == "float64" or not any(
-                g.diagnosis in self.confirmed_in_float64 for f in failures for g in (f, *f.consequences)):
+                g.diagnosis in patterns for f in failures for g in (f, *f.consequences)):
             return failures
         twin = case.replace(dtype="float64")
         obs = self.observe(variant, twin, backend=backend, timeout=timeout, isolate=isolate)
@@ -473,7 +495,69 @@ class Family:
         if found:
             found = self.follow_up(variant, twin, obs, found, backend=backend, timeout=timeout, isolate=isolate,
                                    properties=properties)
-        confirm(failures, found, self.confirmed_in_float64, case.dtype)
+        confirm(failures, found, patterns, case.dtype)
+        return failures
+
+    def one_rank_case(self, variant: Any, case: Any) -> tuple[Any | None, str]:
+        """The same case on one rank, in float64 (what a factor of the tp size is confirmed on), or None
+        and why it cannot be run (a variant that declares a larger tp group)."""
+        least = int(getattr(variant, "min_tp_size", 1) or 1)
+        if least > 1:
+            return None, f"{variant.name} declares min_tp_size={least}"
+        try:
+            return case.replace(world_size=1, tp_size=None, dtype="float64", faults=()), ""
+        except InvalidArgument as err:
+            return None, f"the case on one rank is refused: {err}"
+
+    def more_ranks_case(self, variant: Any, case: Any) -> Any | None:
+        """Where one rank cannot run (:meth:`one_rank_case`): the same case, float64, on twice the ranks,
+        with twice the tp size and every size and batch dim doubled (each stays divisible by the tp size,
+        a sequence dim included); None when no such case can be made. A factor of the tp size grows with it."""
+        tp = case.tp_size or case.world_size
+        doubled = {n: getattr(case, n) * 2 for n in case.SIZES}
+        if isinstance(getattr(case, "sizes", None), tuple):  # a module's sizes, by position
+            doubled["sizes"] = tuple(n * 2 for n in case.sizes)
+        try:
+            return case.replace(world_size=case.world_size * 2, tp_size=tp * 2, dtype="float64", faults=(),
+                                batch_shape=tuple(b * 2 for b in case.batch_shape), **doubled)
+        except (InvalidArgument, TypeError):
+            return None
+
+    def one_rank_informative(self, variant: Any) -> bool:
+        """Whether a run on one rank can fail where a factor of the tp size is claimed (default: yes; a
+        family whose dense reference is the variant itself on one rank says no: it passes by construction)."""
+        return True
+
+    def confirm_on_one_rank(self, variant: Any, case: Any, failures: list[Any], *, backend: str, timeout: float,
+                            isolate: bool) -> list[Any]:
+        """Run the same case on one rank (float64) where ``failures`` claim a factor of the tp size
+        (:func:`tpsim.diagnosis.tp_factor_claim`): such a factor vanishes there, so a claim whose property
+        fails on one rank too is not confirmed (:func:`tpsim.diagnosis.confirm_on_one_rank`). A variant that
+        cannot run on one rank (``min_tp_size``) is run on twice the ranks instead (:meth:`more_ranks_case`),
+        where the same name must show with the factor of that tp size."""
+        from tpsim.diagnosis import confirm_on_one_rank, tp_factor_claim
+
+        claimed = [g for f in failures for g in (f, *f.consequences) if tp_factor_claim(g)]
+        if not claimed or not self.one_rank_informative(variant):
+            return failures
+        wanted = tuple(dict.fromkeys(g.property for g in claimed))
+
+        def run(other: Any) -> list[Any]:
+            return self.judge(variant, self.observe(variant, other, backend=backend, timeout=timeout, isolate=isolate),
+                              wanted)
+
+        single, why_not = self.one_rank_case(variant, case)
+        found, more = None, None
+        try:
+            if single is not None:
+                found = run(single)
+            else:
+                larger = self.more_ranks_case(variant, case)
+                if larger is not None:
+                    more = (larger.tp_size, run(larger))
+        except InvalidArgument as err:  # the variant's own limits refuse it: no confirmation, no harness error
+            why_not = f"{why_not + '; ' if why_not else ''}the case is refused: {err}"
+        confirm_on_one_rank(failures, found, why_not, more)
         return failures
 
 

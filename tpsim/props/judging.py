@@ -40,6 +40,7 @@ from tpsim.diagnosis import (
     WRONG_GROUP,
     Diagnosis,
     Failure,
+    follows_from,
     recogniser,
 )
 from tpsim.errors import RankDied
@@ -244,8 +245,14 @@ def judge_groups(family: Family, variant: Any, obs: Observation, wanted: Sequenc
             # Training runs on every grad, the wrong ones included: where a single-step property fails,
             # the trained parameters differ by consequence, whichever sublayer owns them.
             trained = [f for f in failures if f.property == TRAINING]
-            if trained and len(trained) < len(failures):
-                failures = [f for f in failures if f.property != TRAINING]
+            others = [f for f in failures if f.property != TRAINING]
+            if trained and others and all(follows_from(trained[0], f) for f in others):
+                # ... unless the training step itself explains them (a clip whose norm each rank computes
+                # alone makes the replicas diverge): then it is the cause.
+                trained[0].consequences.extend(others)
+                failures = trained
+            elif trained and others:
+                failures = others
                 failures[0].consequences.extend(trained)
         if not failures:
             continue

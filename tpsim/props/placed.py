@@ -14,15 +14,18 @@ placement, or a sum) — and :func:`verdict` decides, the same way for every fam
 A difference is then named by the first recogniser whose evidence is there — the family's own first
 (``recognisers``), then the shared ones, each on the evidence its registry entry states
 (:mod:`tpsim.diagnosis`): each rank holding only its own summand (``missing-reduction``, or
-``grad-not-reduced`` for a grad); the result off by ``(tp-1)`` times one of the biases that may have
-been added, or minus it (``bias-duplication``, ``bias-missing``); a packed piece that is a contiguous
-slice of the packed dim (``packed-shard-layout``); pieces cut along another dim than the sequence dim
-(``wrong-shard-dim``); the result ``tp`` times the dense one where a reduction was made
-(``double-reduction``), or a grad that is one constant times the dense one in every element
-(``grad-scaled``); shards out of order (``wrong-shard-order``); a narrower dtype's rounding that
-explains it (``precision-loss``). Otherwise ``mismatch``, quoting the element that violates its bound
-most, with hints (never names) for what it resembles. A name read from numbers is a claim: a family
-confirms it on the float64 re-run of a narrower case (:meth:`tpsim.props.family.Family.confirm_in_float64`).
+``grad-not-reduced`` for a grad; never the same values on every rank, nor the whole beside zeros); the
+result off by ``(tp-1)`` times one of the biases that may have been added, or minus it
+(``bias-duplication``, ``bias-missing``); a packed piece that is a contiguous slice of the packed dim
+(``packed-shard-layout``); pieces cut along another dim than the sequence dim (``wrong-shard-dim``);
+the result ``tp`` times the dense one where a reduction was made (``double-reduction``), or a grad that
+is one constant times the dense one in every element (``grad-scaled``); shards out of order
+(``wrong-shard-order``); a narrower dtype's rounding that explains it (``precision-loss``). A pattern
+holds in every element: within the bound, with the same exact zeros, explaining the difference far
+better than no pattern (:mod:`tpsim.patterns`). Otherwise ``mismatch``, quoting the element that
+violates its bound most, with hints (never names) for what it resembles. A name read from numbers is
+a claim: every family confirms it on the float64 re-run of a narrower case, and a factor of the tp
+size on one rank (:meth:`tpsim.props.family.Family.confirm_claims`).
 """
 
 from __future__ import annotations
@@ -53,7 +56,17 @@ from tpsim.diagnosis import (
     recogniser,
 )
 from tpsim.errors import InvalidArgument
-from tpsim.patterns import bias_multiple, block_mapping, close, rank_summands, regathered_dim, scale_factor
+from tpsim.patterns import (
+    EXPLAINS_FAR_BETTER,
+    bias_multiple,
+    block_mapping,
+    close,
+    is_bias_multiple,
+    multiple_of,
+    rank_summands,
+    regathered_dim,
+    scale_factor,
+)
 from tpsim.placement import Placement, Replicate, Shard, assemble_pieces, part_sizes, piece, shard_tensor
 
 __all__ = ["NARROWER", "Placed", "Recogniser", "expected_pieces", "holds", "holds_fast", "verdict"]
@@ -68,10 +81,9 @@ NARROWER = {
     torch.float16: (torch.bfloat16,),
     torch.bfloat16: (),
 }
-#: How much better a narrower recomputation must explain a result than the dense reference does
-#: (ratio of the RMS residuals): a structural error is as far from the narrower recomputation as
-#: from the dense result, rounding in the narrower dtype is not.
-_EXPLAINS_FAR_BETTER = 0.25
+#: How much better a narrower recomputation must explain a result than the dense reference does (ratio of
+#: the RMS residuals): the same rule as every numeric pattern's (:data:`tpsim.patterns.EXPLAINS_FAR_BETTER`).
+_EXPLAINS_FAR_BETTER = EXPLAINS_FAR_BETTER
 
 
 @dataclass
@@ -376,9 +388,19 @@ def _diagnose(placed: Placed, dtype: torch.dtype, actual: torch.Tensor, pieces: 
 @recogniser(MISSING_REDUCTION, GRAD_NOT_REDUCED)
 def _summands(placed: Placed, actual: torch.Tensor, pieces: list[torch.Tensor], label: str) -> Diagnosis | None:
     """Every rank holds only its own summand: the ranks' pieces of a replicated tensor differ, and
-    their sum is the dense one (never where every rank holds the same values)."""
-    if placed.sharded or placed.summed or placed.tp < 2 or not rank_summands(pieces, placed.full, placed.tol):
+    their sum is the dense one (:func:`tpsim.patterns.rank_summands`: never where every rank holds the
+    same values, nor where one rank holds the whole beside zeros); for an output, each summand may carry
+    a whole bias (their sum is then the dense one plus ``(tp-1)`` times it)."""
+    if placed.sharded or placed.summed or placed.tp < 2:
         return None
+    with_bias = None
+    if not rank_summands(pieces, placed.full, placed.tol):
+        if placed.grad:
+            return None
+        with_bias = next((name for name, b in placed.biases if actual.shape[-1:] == b.shape and bool(b.ne(0).any())
+                          and rank_summands([p - b for p in pieces], placed.full - b, placed.tol)), None)
+        if with_bias is None:
+            return None
     if placed.grad:
         param = f" of the replicated parameter {placed.param!r}" if placed.param else ""
         why = (" (under sequence parallelism each rank uses it on its own slice of the sequence only; NeMo #7184, "
@@ -386,6 +408,11 @@ def _summands(placed: Placed, actual: torch.Tensor, pieces: list[torch.Tensor], 
         return Diagnosis(GRAD_NOT_REDUCED, f"{placed.what} on every rank is only its own summand (the ranks' grads "
                          f"differ and add up to the dense grad): the backward all-reduce{param} over the tp group is "
                          f"missing{why}", {"param": placed.param} if placed.param else {})
+    if with_bias is not None:
+        return Diagnosis(MISSING_REDUCTION, f"{placed.what}: each rank holds only its own summand plus the whole "
+                         f"{with_bias} (the ranks' values differ and add up to the dense one plus "
+                         f"{placed.tp - 1}*{with_bias}): the all-reduce over the tp group is missing (and the bias "
+                         "must be added once, after it)", {"bias": with_bias})
     return Diagnosis(MISSING_REDUCTION, f"{placed.what}: each rank holds only its own summand (the ranks' values "
                      "differ and add up to the dense one): the all-reduce over the tp group is missing", {})
 
@@ -393,19 +420,19 @@ def _summands(placed: Placed, actual: torch.Tensor, pieces: list[torch.Tensor], 
 @recogniser(BIAS_DUPLICATION, BIAS_MISSING)
 def _bias_multiple(placed: Placed, actual: torch.Tensor, pieces: list[torch.Tensor], label: str) -> Diagnosis | None:
     """Off by exactly ``(tp-1)`` times a non-zero bias (every rank added it before the reduction), or by
-    minus it (never added)."""
+    minus it (never added): the known multiple, in every element (:func:`tpsim.patterns.is_bias_multiple`)."""
     tp = placed.tp
     for name, bias in placed.biases:
         if not bool(bias.ne(0).any()) or actual.shape[-1:] != bias.shape:
             continue
-        c = bias_multiple(actual - placed.full, bias, placed.tol)
-        if c is not None and tp > 1 and abs(c - (tp - 1)) < 1e-2:
+        diff = actual - placed.full
+        if tp > 1 and is_bias_multiple(diff, bias, tp - 1, placed.tol):
             return Diagnosis(BIAS_DUPLICATION, f"{label} is off by exactly (world_size-1)*{name} = {tp - 1}*{name} "
                              f"(tp size {tp}): every rank adds the full bias to its summand before the reduction; "
-                             "add it once, after the reduction", {"factor": c, "bias": name})
-        if c is not None and abs(c + 1) < 1e-2:
+                             "add it once, after the reduction", {"factor": float(tp - 1), "bias": name})
+        if is_bias_multiple(diff, bias, -1.0, placed.tol):
             return Diagnosis(BIAS_MISSING, f"{label} is off by exactly -{name}: the bias is never added",
-                             {"factor": c, "bias": name})
+                             {"factor": -1.0, "bias": name})
     return None
 
 
@@ -452,24 +479,26 @@ def _sequence_dim(placed: Placed, actual: torch.Tensor, pieces: list[torch.Tenso
 
 @recogniser(DOUBLE_REDUCTION, GRAD_SCALED)
 def _scaled(placed: Placed, actual: torch.Tensor, pieces: list[torch.Tensor], label: str) -> Diagnosis | None:
-    """A result that is one constant times the dense one in every element (zeros included): a forward
-    reduced twice (``tp`` times the dense one, where it reduces), or a scaled grad."""
+    """A result that is one constant times the dense one in every element (zeros included:
+    :func:`tpsim.patterns.multiple_of`): a forward reduced twice (``tp`` times the dense one, where it
+    reduces), or a scaled grad."""
     tp = placed.tp
     if not placed.grad:
+        if not placed.reduced or tp < 2:
+            return None  # a forward that is a multiple of the dense one, with no reduction to blame: the facts only
         # The bias added once, or tp times with the rest: the product without it is tp times the dense one.
         for offset in (None, *(b for _, b in placed.biases if actual.shape[-1:] == b.shape)):
             a, e = (actual, placed.full) if offset is None else (actual - offset, placed.full - offset)
-            c = scale_factor(a, e, placed.tol, known=(tp,))
-            if c is not None and placed.reduced and tp > 1 and abs(c - tp) < 1e-2:
+            if multiple_of(a, e, float(tp), placed.tol):
                 return Diagnosis(DOUBLE_REDUCTION, f"{label} is {tp} x the dense output: it was reduced twice",
-                                 {"factor": c})
-        return None  # a forward that is a multiple of the dense one, with no reduction to blame: the facts only
+                                 {"factor": float(tp)})
+        return None
     c = scale_factor(actual, placed.full, placed.tol, known=(tp, 1 / tp))
     if c is None:
         return None
     hint = (" (averaged instead of summed?)" if abs(c * tp - 1) < 1e-2 else
             " (reduced twice?)" if abs(c - tp) < 1e-2 and tp > 1 else "")
-    return Diagnosis(GRAD_SCALED, f"{label} is {c:.4g} x the dense grad{hint}", {"factor": c})
+    return Diagnosis(GRAD_SCALED, f"{label} is {c:.4g} x the dense grad in every element{hint}", {"factor": c})
 
 
 @recogniser(WRONG_SHARD_ORDER)

@@ -14,14 +14,17 @@ group — and runs each piece of the variant's code inside :class:`rank_phase`::
 :class:`rank_phase` marks the phase (an isolated worker names the phase of a rank that dies or
 hangs, :func:`tpsim.mark_phase`) and turns whatever the variant raises into the
 :class:`~tpsim.props.blame.VariantRaised` the parent sorts (:mod:`tpsim.props.blame`). A family that
-trains (linear layers, modules) ends each step with :func:`trainer_step`: the trainer's sum of the
-grads left partial, then SGD.
+trains (linear layers, modules) trains as people train (:func:`schedule`): each optimizer step
+accumulates its micro-batches with plain ``backward()`` calls, nothing cleared in between (grad
+hooks fire as in training), then :func:`trainer_step`: the trainer's sum of the grads left partial
+(once per step), the target's clip, SGD (:func:`optimizer_of`: torch's own update) and
+``zero_grad(set_to_none=case.set_to_none)``. Forward and backward phases are marked with the
+micro-batch's index, the step phase with the optimizer step's.
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -35,12 +38,93 @@ from tpsim.props.groups import tp_group
 from tpsim.props.launch import variant_of
 from tpsim.seeding import manual_seed
 
-__all__ = ["LR", "TRAIN_STEPS", "ThisRank", "enter_rank", "rank_phase", "sgd_step", "trainer_step"]
+__all__ = ["LR", "MICRO_BATCHES", "OPTIMIZER_STEPS", "SGD", "ThisRank", "enter_rank", "kept_grad", "micro_batches_of",
+           "optimizer_of", "rank_phase", "schedule", "total_micro_batches", "trainer_step", "zero_grad_of"]
 
-#: SGD steps a training family's case runs (training equivalence compares the parameters after them).
-TRAIN_STEPS = 3
+#: Optimizer steps a training case runs; training equivalence compares the grads accumulated over the
+#: first one's micro-batches and the parameters after the last one.
+OPTIMIZER_STEPS = 2
+#: Micro-batches the first optimizer step accumulates when a case does not say: the default of the case
+#: field ``micro_batches``, and what a case file written before that field existed replays with (its
+#: three draws are exactly the three steps of one micro-batch it was found with, see :func:`schedule`).
+MICRO_BATCHES = 2
 #: SGD learning rate of those steps.
 LR = 0.1
+
+
+def micro_batches_of(case: Any) -> int:
+    """The micro-batches of ``case``'s first optimizer step (:data:`MICRO_BATCHES` where it has no field)."""
+    return int(getattr(case, "micro_batches", MICRO_BATCHES))
+
+
+def zero_grad_of(case: Any) -> bool:
+    """``set_to_none`` of ``case``'s ``optimizer.zero_grad`` (True, torch's default, where it has no field)."""
+    return bool(getattr(case, "set_to_none", True))
+
+
+def schedule(case: Any) -> tuple[int, ...]:
+    """Micro-batches per optimizer step: ``(k, 1)`` with ``k`` the case's ``micro_batches`` (at least 2
+    in every case drawn). The micro-batches are drawn in this order, so ``k = 2`` draws exactly the
+    three (input, upstream grad) pairs the three one-micro-batch steps of earlier versions drew."""
+    return (micro_batches_of(case),) + (1,) * (OPTIMIZER_STEPS - 1)
+
+
+def total_micro_batches(case: Any) -> int:
+    """Micro-batches a training case runs over all its optimizer steps (inputs and upstream grads drawn)."""
+    return sum(schedule(case))
+
+
+class SGD:
+    """Plain SGD of learning rate :data:`LR` over ``params``, as ``torch.optim.SGD(params, lr=LR)`` (no
+    momentum or weight decay): :meth:`step` runs torch's own update function,
+    ``torch.optim.sgd.sgd`` (the one ``torch.optim.SGD.step`` runs: ``p.add_(grad, alpha=-lr)``, a
+    DTensor parameter updated in its own placement, a grad left ``Partial`` redistributed), and
+    :meth:`zero_grad` does what ``Optimizer.zero_grad`` does. ``torch.optim.SGD``'s own ``step`` and
+    ``zero_grad`` wrap that in profiling and hook machinery costing tens of microseconds per call and
+    rank: a tenth of a small case's check, for nothing a library's code can see (the library never
+    sees the harness's optimizer)."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = params
+
+    def step(self) -> None:
+        from torch.optim.sgd import sgd
+
+        with torch.no_grad():
+            have = [p for p in self.params if p.grad is not None]
+            if have:
+                sgd(have, [p.grad for p in have], [None] * len(have), foreach=False, has_sparse_grad=False,
+                    weight_decay=0.0, momentum=0.0, lr=LR, dampening=0.0, nesterov=False, maximize=False)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop every grad (``set_to_none``), or zero it in place, detached from any graph first."""
+        for p in self.params:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+                continue
+            if p.grad.grad_fn is not None:
+                p.grad.detach_()
+            else:
+                p.grad.requires_grad_(False)
+            p.grad.zero_()
+
+
+def optimizer_of(module: torch.nn.Module) -> SGD | None:
+    """:class:`SGD` of learning rate :data:`LR` over every parameter of ``module`` (DTensor parameters
+    included); None for a module without parameters. One step is ``p -= LR * p.grad``, as the dense
+    reference computes it."""
+    params = list(module.parameters())
+    return SGD(params) if params else None
+
+
+def kept_grad(p: torch.Tensor | None) -> torch.Tensor | None:
+    """A copy of ``p.grad`` (detached), as a rank records it: later micro-batches accumulate into the grad,
+    the trainer's sum, a clip and ``zero_grad(set_to_none=False)`` change it in place, and a module may
+    keep it in a buffer it reuses (a ``main_grad``)."""
+    g = None if p is None else p.grad
+    return None if g is None else g.detach().clone()
 
 
 @dataclass
@@ -88,13 +172,18 @@ class rank_phase:  # noqa: N801 - used as a statement: ``with rank_phase("forwar
         raise variant_raised(self.phase, self.step, err) from err
 
 
-def trainer_step(module: torch.nn.Module, partial: Mapping[str, torch.nn.Parameter | None], group: Any, step: int,
-                 summed: dict[str, torch.Tensor]) -> None:
-    """What the trainer does after the backward of SGD step ``step``: sum over the tp ``group`` the
-    grads the layer leaves partial (``partial``: name -> parameter, None when the module has no such
-    parameter; Megatron's ``finalize_model_grads``) — every rank joins the sum, with zeros where its
-    grad is None (the checks report the missing grad) — recording step 0's sums in ``summed``; then one
-    SGD step (:func:`sgd_step`)."""
+def trainer_step(optimizer: SGD | None, partial: Mapping[str, torch.nn.Parameter | None],
+                 group: Any, step: int, summed: dict[str, torch.Tensor], *, set_to_none: bool = True,
+                 clip: Callable[..., Any] | None = None, max_norm: float | None = None,
+                 params: list[torch.nn.Parameter] | None = None) -> Any:
+    """What the trainer does once the micro-batches of optimizer step ``step`` are accumulated: sum over
+    the tp ``group`` the grads the layer leaves partial (``partial``: name -> parameter, None when the
+    module has no such parameter; Megatron's ``finalize_model_grads``, once per step) — every rank joins
+    the sum, with zeros where its grad is None (the checks report the missing grad) — recording step 0's
+    sums in ``summed``; then the library's ``clip(params, max_norm)`` where the target supplies one (its
+    code: run in the ``step`` phase); then ``optimizer.step()`` and ``optimizer.zero_grad(set_to_none)``.
+    Returns what ``clip`` returned (the total norm; None without a clip). A ``clip`` with a parameter
+    named ``group`` gets the tp group as ``group=``."""
     for name, p in partial.items():
         if p is None:
             continue  # the loader already refused a missing parameter
@@ -102,27 +191,25 @@ def trainer_step(module: torch.nn.Module, partial: Mapping[str, torch.nn.Paramet
         dist.all_reduce(total, group=group)
         if p.grad is not None and step == 0:
             summed[name] = total.detach().clone()
+    norm = None
+    if clip is not None and max_norm is not None:
+        with rank_phase("step", step):
+            # The tp group as ``group=`` where the clip takes it (Megatron's takes its model-parallel group;
+            # a DTensor clip reads the mesh off the parameters).
+            extra = {"group": group} if _takes_group(clip) else {}
+            norm = clip(params if params is not None else [], max_norm, **extra)
     mark_phase("step", step)  # the harness's own code: an error in it is not the variant's
-    sgd_step(module)
+    if optimizer is not None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=set_to_none)
+    return norm
 
 
-def _is_dtensor(t: Any) -> bool:
-    # Only a module that imported DTensor holds one: never import torch.distributed.tensor here (seconds).
-    cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-    return cls is not None and isinstance(t, cls)
+def _takes_group(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` has a parameter named ``group`` (it is then given the tp group)."""
+    import inspect
 
-
-def sgd_step(module: torch.nn.Module) -> None:
-    """One SGD step of learning rate :data:`LR` on every parameter that has a grad; the grads are dropped."""
-    with torch.no_grad():
-        for p in module.parameters():
-            if p.grad is not None:
-                if _is_dtensor(p):
-                    # A plan's parameter, updated in its own placement: a grad DTensor left Partial (a
-                    # sequence-parallel norm's weight) is redistributed first, as DTensor's optimizers do.
-                    g = p.grad if tuple(p.grad.placements) == tuple(p.placements) else p.grad.redistribute(
-                        p.device_mesh, p.placements)
-                    p.to_local().add_(g.to_local(), alpha=-LR)
-                else:
-                    p.add_(p.grad, alpha=-LR)
-            p.grad = None
+    try:
+        return "group" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False

@@ -17,14 +17,30 @@ case that still fails *that* property with *that* diagnosis (shrinking never tra
 ``bias-duplication`` for some other finding). The report lists, for every shrunk bug, the failure
 of its property on its minimal case, plus the other properties that fail on those minimal cases.
 
-Determinism: with ``seed`` given the generated examples are a function of the seed (Hypothesis's
-``@seed``), so the same call finds and shrinks the same cases every time; with ``seed=None`` the
-active Hypothesis settings profile decides (derandomised under tpsim's ``ci`` profile).
-``database`` (an ``ExampleDatabase`` or a directory path; None: none) makes Hypothesis replay
-previously failing cases first. Every search runs the same test function, so Hypothesis would
-file every variant's examples under one key: the database is wrapped (:class:`KeyedDatabase`, on
-Hypothesis's public ``ExampleDatabase`` interface) so that each variant and set of options has keys
-of its own.
+A search has three phases, in this order, all on Hypothesis's public API:
+
+1. *replay* (with ``database``): the failing cases previous searches of the same variant and
+   options saved are checked first;
+2. *cover* (:mod:`tpsim.props.cover`): one case per coverage bucket of the variant's family, at
+   every seed; a failing one is shrunk (``hypothesis.find`` replaying the run that drew it);
+3. *generate*: the Hypothesis test above, for the rest of ``max_examples``.
+
+As Hypothesis does with the failures its database holds, a search whose first two phases found a
+failure reports it without generating more (``max_examples`` is a budget, not a quota).
+
+Determinism: with ``seed`` given, the cover cases and the generated examples are a function of the
+seed (``hypothesis.seed``), so the same call finds and shrinks the same cases every time; with
+``seed=None`` the active Hypothesis settings profile decides how the third phase generates
+(derandomised under tpsim's ``ci`` profile), and the cover cases are those of seed 0.
+
+``database`` (an ``ExampleDatabase`` or a directory path; None: none) makes the cases that failed
+before replay first. A seeded Hypothesis run uses no database (``hypothesis.seed`` and
+``derandomize`` turn it off), and what Hypothesis stores there is its internal serialisation of a
+run; so the search keeps its own record, through the database's public interface
+(:class:`FailureStore`): under a key of the variant and its options, each failure's minimal case
+(the case's JSON, as its case file holds it) and its property and diagnosis. A saved case that
+passes now is removed. A saved case that still fails is reported on that case, which was minimal
+when it was saved (a note says when it now fails otherwise); only shrunk failures are saved.
 
 Errors of the harness itself (a bad option, a backend that cannot start, a variant that gloo
 workers cannot import) are raised, not reported as failures: they abort the search at once.
@@ -33,6 +49,7 @@ workers cannot import) are raised, not reported as failures: they abort the sear
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -42,6 +59,7 @@ from typing import Any
 import hypothesis
 from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
+from hypothesis.errors import NoSuchExample, Unsatisfiable
 
 from tpsim.comm.limits import check_world_size
 from tpsim.diagnosis import (
@@ -55,7 +73,7 @@ from tpsim.diagnosis import (
 )
 from tpsim.errors import InvalidArgument
 from tpsim.props.case import DTYPES
-from tpsim.props.cover import CoverDatabase, cover_choices
+from tpsim.props.cover import SUBGROUPS, cover_cases, shrink_cover
 from tpsim.props.family import Family, family_of
 from tpsim.props.layouts import INPUT_LAYOUTS
 from tpsim.props.linear.case import Case
@@ -69,7 +87,7 @@ __all__ = [
     "DEFAULT_MAX_EXAMPLES",
     "DEFAULT_WORLD_SIZES",
     "HEALTH_CHECKS_SUPPRESSED",
-    "KeyedDatabase",
+    "FailureStore",
     "SearchInterrupted",
     "SearchReport",
     "property_verdicts",
@@ -96,29 +114,45 @@ HEALTH_CHECKS_SUPPRESSED = [
 ]
 
 
-class KeyedDatabase(ExampleDatabase):
-    """An example database whose keys are prefixed with ``prefix``: every search runs the same test
-    function, so the variant (and its options) are added to the key Hypothesis files its examples
-    under, through the public ``ExampleDatabase`` interface."""
+class FailureStore:
+    """The failures previous searches of one variant (and set of options) saved, in an example
+    database through its public interface (``save``, ``fetch``, ``delete``), under ``key``.
 
-    def __init__(self, db: ExampleDatabase, prefix: bytes) -> None:
-        super().__init__()
-        self.db, self.prefix = db, prefix
+    Each value is the JSON of one failure: its ``family``, its minimal ``case`` (the case's
+    ``to_dict()``, as its case file holds it) and the ``property`` and ``diagnosis`` it failed with.
+    A value this version of tpsim cannot read back is removed (as Hypothesis removes the entries it
+    cannot read)."""
+
+    def __init__(self, db: ExampleDatabase, key: bytes, family: Family) -> None:
+        self.db, self.key, self.family = db, key, family
 
     def __repr__(self) -> str:
-        return f"KeyedDatabase({self.db!r}, {self.prefix!r})"
+        return f"FailureStore({self.db!r}, {self.key!r})"
 
-    def save(self, key: bytes, value: bytes) -> None:
-        self.db.save(self.prefix + key, value)
+    def entries(self) -> list[tuple[bytes, Any, tuple[str, str]]]:
+        """``(value, case, (property, diagnosis))`` of every saved failure, in a stable order."""
+        out = []
+        for value in sorted(set(self.db.fetch(self.key))):
+            try:
+                doc = json.loads(value.decode("utf-8"))
+                if doc["family"] != self.family.name:
+                    raise InvalidArgument(f"a {doc['family']} case")
+                case = self.family.case_from_dict(doc["case"])
+                failed = (str(doc["property"]), str(doc["diagnosis"]))
+            except (ValueError, KeyError, TypeError, InvalidArgument):
+                self.db.delete(self.key, value)
+                continue
+            out.append((value, case, failed))
+        return out
 
-    def fetch(self, key: bytes) -> Any:
-        yield from self.db.fetch(self.prefix + key)
+    def save(self, case: Any, failed: tuple[str, str]) -> None:
+        """Save ``case``, the minimal case of a failure of ``failed`` (property, diagnosis)."""
+        doc = {"family": self.family.name, "case": case.to_dict(), "property": failed[0], "diagnosis": failed[1]}
+        self.db.save(self.key, json.dumps(doc, sort_keys=True).encode("utf-8"))
 
-    def delete(self, key: bytes, value: bytes) -> None:
-        self.db.delete(self.prefix + key, value)
-
-    def move(self, src: bytes, dest: bytes, value: bytes) -> None:
-        self.db.move(self.prefix + src, self.prefix + dest, value)
+    def delete(self, value: bytes) -> None:
+        """Remove a saved failure (its case passes now)."""
+        self.db.delete(self.key, value)
 
 
 @dataclass
@@ -126,7 +160,8 @@ class SearchReport:
     """The outcome of :func:`search`.
 
     - ``passed``: every property held on every example;
-    - ``examples``: cases checked in all (generated, shrink attempts and final replays);
+    - ``examples``: cases checked in all (replayed, cover cases, generated, shrink attempts and
+      Hypothesis's final replays; a case of the cover phase runs once);
     - ``failures``: one :class:`~tpsim.diagnosis.Failure` per *cause*, each on its minimal case,
       in property order, with the failures that follow from it in its ``consequences`` (see
       :func:`_merge`); ``len(failures)`` is the number of causes a summary counts;
@@ -305,8 +340,8 @@ def _check_world(world_sizes: Any, backend: str, isolate: Any, variant: Any) -> 
 
 
 def _digest(variant: Any, *parts: Any) -> bytes:
-    # Distinguishes the database entries of different variants and option sets (the test function's
-    # source is the same for all of them): the prefix of :class:`KeyedDatabase`.
+    # Distinguishes the saved failures of different variants and option sets: the key of their
+    # :class:`FailureStore`.
     text = repr((variant.target, variant.name, variant.options, parts))
     return hashlib.sha256(text.encode()).digest()
 
@@ -368,8 +403,10 @@ def search(
     ``shrink=False``: stop at the first failing example and report it as found, unshrunk (a quick "is
     it caught, and after how many examples?"; the search-power benchmark uses it).
 
-    The first examples are the cover phase (:mod:`tpsim.props.cover`): one case per world size asked
-    for with and without a bias, and per memory layout, at every seed; then Hypothesis generates.
+    The first examples are the saved failures (with ``database``), then the cover phase
+    (:mod:`tpsim.props.cover`): one case per world size asked for with and without a bias, per memory
+    layout, per world size with sizes to refuse and with several tp groups, at every seed; then
+    Hypothesis generates (the module docstring says more).
 
     Raises :class:`tpsim.InvalidArgument` for bad options and re-raises harness errors (backend
     unavailable, ...); anything the variant does wrong, exceptions included, is a failure.
@@ -397,18 +434,12 @@ def search(
         max_size=max_size,
     )
     db = _database(database)
-    if db is not None:
-        db = KeyedDatabase(db, _digest(
-            variant, tuple(world_sizes), tuple(dtypes), wanted,
-            *(() if tp_sizes is None and subgroups and tuple(layouts) == INPUT_LAYOUTS
-              else (tp_sizes, subgroups, tuple(layouts))),
-            *(() if max_size == DEFAULT_MAX_SIZE else (("max_size", max_size),)),
-        ))
-    # The cover phase: served as saved examples, so Hypothesis replays them first and shrinks a failing one.
-    sizes = tuple(world_sizes)
-    cover = cover_choices(strategy, lambda case: family.cover_keys(variant, case, sizes),
-                          seed=0 if seed is None else seed, limit=max_examples)
-    db = CoverDatabase(db, cover)
+    store = None if db is None else FailureStore(db, b"tpsim.search." + _digest(
+        variant, tuple(world_sizes), tuple(dtypes), wanted,
+        *(() if tp_sizes is None and subgroups and tuple(layouts) == INPUT_LAYOUTS
+          else (tp_sizes, subgroups, tuple(layouts))),
+        *(() if max_size == DEFAULT_MAX_SIZE else (("max_size", max_size),)),
+    ), family)
 
     calls = 0
     first_seen: dict[tuple[str, str], int] = {}
@@ -418,62 +449,63 @@ def search(
 
     # Shrinking a hang costs a whole timeout per attempt that hangs again (tens of attempts: minutes at
     # the default timeout). Once the failing runs that hung have taken HANG_BUDGET timeouts, no new
-    # case runs: Hypothesis's remaining attempts count as passing (it keeps the smallest failing case
-    # found so far) and a case already seen failing fails again from memory (its final replay).
+    # case runs: the remaining attempts count as passing (the smallest failing case found so far is
+    # kept) and a case already seen failing fails again from memory (Hypothesis's final replay).
     hung = 0.0
     seen_failing: dict[str, list[Failure]] = {}
 
-    def check_one(case: Case) -> None:
+    def run_case(case: Any) -> list[Failure]:
+        """Check ``case`` (one example: counted, ``on_example`` told); its failures, grouped by cause."""
         nonlocal calls, hung
         key = repr(case)
         if hung >= HANG_BUDGET * float(timeout):
-            failures = seen_failing.get(key, [])  # a case seen failing fails again, from memory
-        else:
-            calls += 1
-            if on_example is not None:
-                on_example(calls, case)
-            began = time.monotonic()
-            try:
-                failures = family.check_case(variant, case, backend=backend, timeout=float(timeout),
-                                             properties=wanted, isolate=isolate)
-            except Exception as err:  # the harness failed, not the variant: stop now
-                raise _Abort(err) from err
-            if failures and time.monotonic() - began >= float(timeout):
-                hung += time.monotonic() - began
-            if failures:
-                # One cause, one report (a family's checks may return its failures ungrouped).
-                failures = group_causes(failures)
-                for f in failures:
-                    for g in (f, *f.consequences):
-                        first_seen.setdefault((g.property, g.diagnosis), calls)
-                seen_failing[key] = failures
+            return seen_failing.get(key, [])  # a case seen failing fails again, from memory
+        calls += 1
+        if on_example is not None:
+            on_example(calls, case)
+        began = time.monotonic()
+        try:
+            failures = family.check_case(variant, case, backend=backend, timeout=float(timeout),
+                                         properties=wanted, isolate=isolate)
+        except Exception as err:  # the harness failed, not the variant: stop now
+            raise _Abort(err) from err
+        if failures and time.monotonic() - began >= float(timeout):
+            hung += time.monotonic() - began
         if failures:
-            head = failures[0]
-            found_exc = _found_type(head.property, head.diagnosis)(case, failures)
-            latest[found_exc.key] = found_exc
-            raise found_exc  # one raise site: Hypothesis tells failures apart by type and site
+            # One cause, one report (a family's checks may return its failures ungrouped).
+            failures = group_causes(failures)
+            for f in failures:
+                for g in (f, *f.consequences):
+                    first_seen.setdefault((g.property, g.diagnosis), calls)
+            seen_failing[key] = failures
+        return failures
 
-    options: dict[str, Any] = dict(
-        max_examples=max_examples,
-        deadline=None,
-        database=db,
-        suppress_health_check=HEALTH_CHECKS_SUPPRESSED,
-        verbosity=Verbosity.quiet,
-        report_multiple_bugs=bool(shrink),
-        print_blob=False,
-        phases=(Phase.explicit, Phase.reuse, Phase.generate, *((Phase.shrink,) if shrink else ())),
-    )
-    if seed is not None:
-        options["derandomize"] = False  # the seed decides, not the test's source
-    test = settings(**options)(given(strategy)(check_one))
-    if seed is not None:
-        # What ``hypothesis.seed(seed)`` sets, without the ``database=None`` it also applies: the cover
-        # phase is served through the database (the seed still decides every generated example).
-        test._hypothesis_internal_use_seed = seed  # type: ignore[attr-defined]
+    def found_on(case: Any, failures: list[Failure]) -> _Found:
+        """The finding of a failing case: keyed by its first cause's (property, diagnosis)."""
+        head = failures[0]
+        found_exc = _found_type(head.property, head.diagnosis)(case, failures)
+        latest[found_exc.key] = found_exc
+        return found_exc
+
+    def check_one(case: Case) -> None:  # the Hypothesis test of the generate phase
+        failures = run_case(case)
+        if failures:
+            raise found_on(case, failures)  # one raise site: Hypothesis tells failures apart by type and site
 
     found: list[_Found] = []
+    # Failures the database is not to save (by id): replayed from it, or not on the minimal case of
+    # their (property, diagnosis).
+    unsaved: set[int] = set()
     try:
-        test()
+        if store is not None:
+            found += _replay(store, run_case, found_on, notes, unsaved, shrink=shrink)
+        if shrink or not found:
+            found += _cover(strategy, lambda case: _cover_keys(family, variant, case, tuple(world_sizes)),
+                            run_case, found_on, notes, unsaved, seed=0 if seed is None else seed,
+                            limit=max_examples, shrink=shrink, known={f.key for f in found})
+        if not found and calls < max_examples:
+            found = _generate(strategy, check_one, notes, unsaved, max_examples=max_examples - calls,
+                              seed=seed, shrink=shrink)
     except _Abort as abort:
         raise abort.error from None
     except KeyboardInterrupt:
@@ -486,19 +518,14 @@ def search(
             passed=not partial, examples=calls, failures=partial, seconds=time.monotonic() - started,
             notes=notes, variant=variant.name,
         )) from None
-    except hypothesis.errors.FlakyFailure as err:
-        found = _collect(err)
-        notes.append(
-            "a failing case did not fail again when replayed (flaky): the variant or the backend is "
-            "not deterministic; the failures below are from the first run"
-        )
-    except BaseException as err:  # noqa: BLE001 - sorted below: ours become failures, the rest propagate
-        found = _collect(err)
-        if not found:
-            raise
-    if hung >= HANG_BUDGET * float(timeout):
+    cut_short = hung >= HANG_BUDGET * float(timeout)
+    if cut_short:
         notes.append(f"shrinking stopped after {hung:.0f} s of failing runs that hung (each waits out the "
                      f"{float(timeout):g} s timeout): each failure is on the smallest case found by then")
+    if store is not None and shrink and not cut_short:  # only minimal cases are saved
+        for exc in found:
+            if id(exc) not in unsaved:
+                store.save(exc.case, exc.key)
     failures = _merge(found, first_seen)
     return SearchReport(
         passed=not failures,
@@ -509,6 +536,121 @@ def search(
         variant=variant.name,
         verdicts=property_verdicts(family.properties, failures, _not_applicable(family, variant, wanted)),
     )
+
+
+def _cover_keys(family: Family, variant: Any, case: Any, world_sizes: tuple[int, ...]) -> list[Any]:
+    """The buckets ``case`` fills in the cover phase: its family's, and :data:`~tpsim.props.cover.SUBGROUPS`
+    for a divisible case split into several tp groups."""
+    keys = list(family.cover_keys(variant, case, world_sizes))
+    if 1 <= case.tp_size < case.world_size and family.divisible(variant, case):
+        keys.append(SUBGROUPS)
+    return keys
+
+
+def _replay(store: FailureStore, run_case: Callable[[Any], list[Failure]],
+            found_on: Callable[[Any, list[Failure]], _Found], notes: list[str], unsaved: set[int],
+            *, shrink: bool) -> list[_Found]:
+    """The first phase: check the failures previous searches saved; those that pass now are removed."""
+    out: list[_Found] = []
+    for value, case, failed in store.entries():
+        failures = run_case(case)
+        if not failures:
+            store.delete(value)
+            continue
+        exc = found_on(case, failures)
+        unsaved.add(id(exc))  # saved already (and, failing otherwise now, not minimal for that)
+        if exc.key != failed:
+            notes.append(f"a case saved by a previous search for {failed[0]}: {failed[1]} now fails with "
+                         f"{exc.key[0]}: {exc.key[1]}; it is reported on that case, not shrunk for it")
+        out.append(exc)
+        if not shrink:
+            break
+    return out
+
+
+def _cover(strategy: Any, keys_of: Callable[[Any], list[Any]], run_case: Callable[[Any], list[Failure]],
+           found_on: Callable[[Any, list[Failure]], _Found], notes: list[str], unsaved: set[int], *,
+           seed: int, limit: int, shrink: bool, known: set[tuple[str, str]]) -> list[_Found]:
+    """The second phase (:mod:`tpsim.props.cover`): one case per bucket, each run once; the first
+    failing case of each (property, diagnosis) not ``known`` yet is shrunk (``shrink=False``: the
+    phase stops at the first failing case)."""
+    results: dict[str, list[Failure]] = {}  # every case of the phase runs once
+
+    def run_once(case: Any) -> list[Failure]:
+        key = repr(case)
+        if key not in results:
+            results[key] = run_case(case)
+        return results[key]
+
+    failing: dict[tuple[str, str], tuple[Any, _Found]] = {}
+    for cover in cover_cases(strategy, keys_of, seed=seed, limit=limit):
+        failures = run_once(cover.case)
+        if failures and (failures[0].property, failures[0].diagnosis) not in failing:
+            exc = found_on(cover.case, failures)
+            if not shrink:
+                return [exc]
+            failing[exc.key] = (cover, exc)
+
+    out: list[_Found] = []
+    for key, (cover, exc) in failing.items():
+        if key in known:
+            continue
+
+        def fails(case: Any, key: tuple[str, str] = key) -> bool:
+            failures = run_once(case)
+            if failures and (failures[0].property, failures[0].diagnosis) == key:
+                found_on(case, failures)  # the smallest so far (what an interrupt reports)
+                return True
+            return False
+
+        try:
+            minimal = shrink_cover(strategy, cover, fails)
+        except (NoSuchExample, Unsatisfiable):
+            unsaved.add(id(exc))
+            notes.append(f"the cover case that failed {key[0]} ({key[1]}) could not be drawn again to be "
+                         "shrunk: it is reported as found")
+            out.append(exc)
+            continue
+        out.append(found_on(minimal, run_once(minimal)))
+    return out
+
+
+def _generate(strategy: Any, check_one: Callable[[Any], None], notes: list[str], unsaved: set[int], *,
+              max_examples: int, seed: int | None, shrink: bool) -> list[_Found]:
+    """The third phase: Hypothesis generates ``max_examples`` cases and shrinks each (property,
+    diagnosis) it finds (``shrink=False``: it stops at the first failing case)."""
+    options: dict[str, Any] = dict(
+        max_examples=max_examples,
+        deadline=None,
+        # The replays of previous failures are the first phase's (FailureStore); a seeded run uses none.
+        database=None,
+        suppress_health_check=HEALTH_CHECKS_SUPPRESSED,
+        verbosity=Verbosity.quiet,
+        report_multiple_bugs=bool(shrink),
+        print_blob=False,
+        phases=(Phase.generate, *((Phase.shrink,) if shrink else ())),
+    )
+    test = settings(**options)(given(strategy)(check_one))
+    if seed is not None:
+        test = hypothesis.seed(seed)(test)  # the seed decides every example (over the profile's derandomize)
+    try:
+        test()
+    except (_Abort, KeyboardInterrupt):
+        raise
+    except hypothesis.errors.FlakyFailure as err:
+        notes.append(
+            "a failing case did not fail again when replayed (flaky): the variant or the backend is "
+            "not deterministic; the failures below are from the first run"
+        )
+        found = _collect(err)
+        unsaved.update(id(f) for f in found)
+        return found
+    except BaseException as err:  # noqa: BLE001 - sorted here: ours become failures, the rest propagate
+        found = _collect(err)
+        if not found:
+            raise
+        return found
+    return []
 
 
 #: How many timeouts' worth of failing runs that hung a search spends before it stops shrinking

@@ -13,6 +13,8 @@ and fused layers switch code paths. Shrinking still goes to the smallest size th
 World sizes: ``DEFAULT_WORLD_SIZES`` (1, 2, 3, 4, 8), or ``THOROUGH_WORLD_SIZES`` (1-8, 12, 16) when the
 environment sets ``TPSIM_THOROUGH=1`` (tpsim's ``thorough`` Hypothesis profile does).
 Dtypes: float64, float32, bfloat16, float16; tolerances per dtype in :mod:`tpsim.props.tolerance`.
+Training (:func:`training`, drawn last by the families that train): the micro-batches the first
+optimizer step accumulates (2, or 3 one case in four; never fewer) and ``zero_grad``'s mode.
 
 Tensor-parallel subgroups (:func:`draw_tp`): the tp size is drawn after the world size — with
 ``subgroups`` the whole world half the time (shrinking prefers it) and a proper divisor otherwise,
@@ -44,6 +46,7 @@ __all__ = [
     "dtypes",
     "per_rank",
     "sizes_past_tiny",
+    "training",
     "world_and_tp",
     "world_sizes",
 ]
@@ -152,3 +155,18 @@ def world_and_tp(draw: st.DrawFn, sizes: tuple[int, ...], tp_sizes: tuple[int, .
 def default_world_sizes() -> tuple[int, ...]:
     """:data:`DEFAULT_WORLD_SIZES`, or :data:`THOROUGH_WORLD_SIZES` under ``TPSIM_THOROUGH=1``."""
     return THOROUGH_WORLD_SIZES if os.environ.get("TPSIM_THOROUGH") == "1" else DEFAULT_WORLD_SIZES
+
+
+#: The micro-batches a drawn case's first optimizer step accumulates (shrinking toward the first): 2,
+#: and 3 one case in four (every micro-batch is a forward and backward of the whole world, and of the
+#: reference: a module's check costs about a fifth more with 3; the budget keeps searches as fast).
+MICRO_BATCH_CHOICES = (2, 2, 2, 3)
+
+
+def training(draw: st.DrawFn) -> dict[str, object]:
+    """The training fields of a case of a family that trains (drawn last: the rest shrinks as before):
+    ``micro_batches`` from :data:`MICRO_BATCH_CHOICES` (at least 2 in every case, so every training case
+    accumulates; 3 one case in four; shrinking toward 2) and ``set_to_none`` (``optimizer.zero_grad``'s mode, shrinking
+    toward torch's default, True)."""
+    return {"micro_batches": draw(st.sampled_from(MICRO_BATCH_CHOICES)),
+            "set_to_none": draw(st.sampled_from((True, False)))}

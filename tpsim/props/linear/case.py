@@ -12,7 +12,15 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from tpsim.errors import InvalidArgument
-from tpsim.props.case import INPUT_LAYOUTS, MAX_TENSOR_ELEMENTS, CaseBase, choice
+from tpsim.props.case import (
+    INPUT_LAYOUTS,
+    MAX_TENSOR_ELEMENTS,
+    CaseBase,
+    check_training,
+    choice,
+    describe_training,
+)
+from tpsim.props.rank import MICRO_BATCHES
 
 __all__ = ["Case"]
 
@@ -23,7 +31,10 @@ class Case(CaseBase):
     the world); a smaller ``tp_size`` splits the world into ``world_size // tp_size`` tp groups laid
     out by ``tp_layout`` (``consecutive`` or ``strided``, see :mod:`tpsim.props.groups`);
     ``input_layout`` is the memory layout of the inputs and upstream grads (see
-    :mod:`tpsim.props.layouts`)."""
+    :mod:`tpsim.props.layouts`). ``micro_batches``: the micro-batches the first of the two optimizer
+    steps of training equivalence accumulates (:func:`tpsim.props.rank.schedule`); ``set_to_none``: the
+    mode of ``optimizer.zero_grad`` after each step (grads dropped, or zeroed in place). A case file
+    without them (written before they existed) reads as ``micro_batches=2, set_to_none=True``."""
 
     world_size: int
     in_features: int
@@ -35,13 +46,17 @@ class Case(CaseBase):
     tp_size: int | None = None
     input_layout: str = "contiguous"
     tp_layout: str = "consecutive"
+    micro_batches: int = MICRO_BATCHES
+    set_to_none: bool = True
 
     SIZES: ClassVar[tuple[str, ...]] = ("in_features", "out_features")
     FLAGS: ClassVar[tuple[str, ...]] = ("bias",)
-    #: Linear case files always carried their (possibly empty) fault plan.
-    WRITTEN_WHEN_SET: ClassVar[tuple[str, ...]] = ()
+    #: Linear case files always carried their (possibly empty) fault plan; the training fields came
+    #: later (at their defaults a case keeps its file's contents and name).
+    WRITTEN_WHEN_SET: ClassVar[tuple[str, ...]] = ("micro_batches", "set_to_none")
 
     def _check(self) -> None:
+        check_training(self)
         if not isinstance(self.bias, bool):
             raise InvalidArgument(f"bias={self.bias!r} must be a bool")
         choice(self.input_layout, "input_layout", INPUT_LAYOUTS)
@@ -63,10 +78,11 @@ class Case(CaseBase):
 
     def _describe_more(self) -> list[str]:
         if self.input_layout == "contiguous":
-            return []
+            return describe_training(self)
         from tpsim.props.layouts import layout_info
 
         info = layout_info((*self.batch_shape, self.in_features), self.input_layout)
-        return [f"input_layout={self.input_layout} (input shape {info['shape']} strides {info['strides']})"]
+        return [f"input_layout={self.input_layout} (input shape {info['shape']} strides {info['strides']})",
+                *describe_training(self)]
 
 

@@ -14,9 +14,13 @@ Per-case properties (all fed by one world run, :meth:`tpsim.props.linear.family.
   (a replicated parameter: the whole dense grad, on every rank);
 - :func:`replica_consistency` — every replicated tensor (gathered/reduced output, complete input
   grad, grads and values of replicated parameters) is bit-identical across ranks;
-- :func:`training_equivalence` — after ``TRAIN_STEPS`` SGD steps (a partial grad summed over the
-  tp group first, as the trainer does) the re-assembled parameters equal dense training: it catches
-  state bugs such as a cached weight copy that stops following the parameter;
+- :func:`training_equivalence` — trained as people train (:func:`tpsim.props.rank.schedule`: two
+  SGD steps, the first accumulating the case's ``micro_batches``, ``zero_grad`` in the
+  case's mode after each; a partial grad summed over the tp group once per step, as the trainer
+  does), the grads accumulated over the first step equal the dense ones and the re-assembled
+  parameters equal dense training: it catches state bugs such as a cached weight copy that stops
+  following the parameter, and a grad reduced again after accumulation
+  (``grad-reduced-after-accumulation``);
 - :func:`divisibility` — for a case whose sharded sizes do not divide by the tp size: every rank
   raises an exception (while building the layer or in its first forward), or the layer shards the
   sizes unevenly by design (every parameter holds its ``torch.tensor_split`` piece, or every one its
@@ -71,7 +75,6 @@ from tpsim.props.linear.case import Case
 from tpsim.props.linear.world import (
     ACCEPTED,
     LR,
-    TRAIN_STEPS,
     RankResult,
     Reference,
     expanded_out_features,
@@ -92,7 +95,9 @@ from tpsim.props.property_names import (
     TRAINING,
     WEIGHT_GRAD,
 )
+from tpsim.props.rank import schedule, zero_grad_of
 from tpsim.props.tolerance import tolerance
+from tpsim.props.training import accumulated_what, reduced_after_accumulation
 from tpsim.variant import LayoutError, Variant
 
 __all__ = [
@@ -142,10 +147,10 @@ class LinearContext(GroupContext):
             # trains like the master's head (the trainer sums partial shares: sum_kv_replicas).
             complete, mag = replica_trained(variant, obs.case, drawn, masters)
             for spec in variant.params or ():
-                name = "d" + spec.master
-                if spec.grad == "complete" and name in complete:
-                    setattr(self.ref, name, complete[name])
-                    self.ref.mag[name] = mag[name]
+                for name in ("d" + spec.master, "acc_d" + spec.master):
+                    if spec.grad == "complete" and name in complete:
+                        setattr(self.ref, name, complete[name])
+                        self.ref.mag[name] = mag[name]
             self.ref.final.update({k: complete[f"final_{k}"] for k in self.ref.final})
             self.ref.mag.update({k: v for k, v in mag.items() if k.startswith("final_")})
 
@@ -195,7 +200,7 @@ class LinearContext(GroupContext):
                                             [x.summed_grads.get(spec.master) for x in self.values]))
                 else:
                     items.append(Replicated(f"the {spec.name} grad", [x.grads.get(spec.master) for x in self.values]))
-                items.append(Replicated(f"{spec.name} after {TRAIN_STEPS} SGD steps",
+                items.append(Replicated(f"{spec.name} after training",
                                         [x.final.get(spec.master) for x in self.values]))
         return items
 
@@ -236,23 +241,28 @@ def _returned_bias(ctx: LinearContext) -> Recogniser:
 
 
 def _missing_reduction(ctx: LinearContext) -> Recogniser:
-    """``missing-reduction``: a row layer's rank returned only its own summand (with or without the bias)."""
+    """``missing-reduction``: every rank of a row layer returned only its own summand ``x_r W_rᵀ`` (with or
+    without the bias), and the ranks' outputs differ. One rank's output that happens to equal its summand
+    says nothing of the others (every rank holding the same garbage, rank 0's summand, is no missing
+    reduction)."""
 
     @recogniser(MISSING_REDUCTION)
     def recognise(placed: Placed, actual: torch.Tensor, pieces: list[torch.Tensor]) -> Diagnosis | None:
         v = ctx.variant
-        if not (v.output == "reduced" and v.kind == "row" and ctx.ws > 1):
+        if not (v.output == "reduced" and v.kind == "row" and ctx.ws > 1 and len(pieces) == ctx.ws):
             return None
         summands = _row_summands(ctx)
         bias = ctx.ref.bias if ctx.ref.bias is not None else torch.zeros((), dtype=_F64)
         for r, out in enumerate(pieces):
-            if out.shape == placed.full.shape and (close(out, summands[r], placed.tol)
-                                                   or close(out, summands[r] + bias, placed.tol)):
-                return Diagnosis(MISSING_REDUCTION,
-                                 f"{placed.what}: rank {r} returned only its own summand x_r W_r^T (the ranks' outputs "
-                                 "differ and add up to the dense output): the all-reduce over the tp group is missing",
-                                 {"rank": r})
-        return None
+            if out.shape != placed.full.shape or not (close(out, summands[r], placed.tol)
+                                                      or close(out, summands[r] + bias, placed.tol)):
+                return None
+        if all(close(out, pieces[0], placed.tol) for out in pieces[1:]):
+            return None  # every rank holds the same values: no rank's own summand shows
+        return Diagnosis(MISSING_REDUCTION,
+                         f"{placed.what}: every rank returned only its own summand x_r W_r^T (the ranks' outputs "
+                         "differ and add up to the dense output): the all-reduce over the tp group is missing",
+                         {"ranks": list(range(len(pieces)))})
 
     return recognise
 
@@ -428,25 +438,62 @@ def _param_grad(ctx: LinearContext, master: str, prop: str) -> Failure | None:
 # --- training ------------------------------------------------------------------------------------
 
 
+def _accumulated(ctx: LinearContext, spec: Any) -> Failure | None:
+    """The grad of ``spec``'s parameter accumulated over the first optimizer step's micro-batches, as the
+    trainer sees it (a partial grad: the ranks' sum), against the dense accumulated grad; an earlier
+    micro-batch counted again is named (:func:`tpsim.props.training.reduced_after_accumulation`)."""
+    ref, master = ctx.ref, spec.master
+    full = ref.acc_dweight if master == "weight" else ref.acc_dbias
+    first = ref.dweight if master == "weight" else ref.dbias
+    if full is None:
+        return None
+    grads = [x.accumulated.get(master) for x in ctx.values]
+    if ctx.rank0_only(spec):
+        grads = grads[:1]
+    summed = any(master in x.partial for x in ctx.values)
+    # Each micro-batch's grad errs within the tolerance of its own magnitude, and the tolerance is linear
+    # in the magnitude: the accumulated grad's bound is that of the sum of their magnitudes, at one
+    # micro-batch's reduction length (as each step's bound was when every step had one micro-batch).
+    mag, k = ref.mag["acc_d" + master], max(ref.rows, 1)
+    tol, first_tol = ctx.tol(mag, k), ctx.tol(ref.mag["d" + master], k)
+    if summed:  # the trainer's sum adds ws summands, each rounded (as for one micro-batch's grad)
+        tol, first_tol, k = tol * ctx.ws, first_tol * ctx.ws, k + ctx.ws
+    what = accumulated_what(spec.name, ref.micro_batches) + (" summed over the tp group (the trainer's sum)"
+                                                             if summed else "")
+    return ctx.judged(TRAINING, Placed(what, grads, full, tol, spec.placement, summed=summed, grad=True,
+                                       param=spec.name, mag=mag, k=k),
+                      [reduced_after_accumulation(first, first_tol, ctx.ws, ref.micro_batches)])
+
+
 def _training(ctx: LinearContext) -> Failure | None:
     ref = ctx.ref
     k = ref.rows + ctx.case.in_features + ctx.case.out_features
-    for spec in ctx.variant.params or ():
-        if spec.master == "bias" and not ctx.case.bias:
-            continue
+    specs = [s for s in ctx.variant.params or () if s.master == "weight" or ctx.case.bias]
+    for spec in specs:
         holders = ctx.holders_failure(spec, TRAINING)
         if holders is not None:
             return holders
+        found = _accumulated(ctx, spec)
+        if found is not None:
+            return found
+    for spec in specs:
         finals = [x.final.get(spec.master) for x in ctx.values]
         if ctx.rank0_only(spec):
             finals = finals[:1]  # held by tp rank 0 only
         mag = ref.mag["final_" + spec.master]
-        found = ctx.judged(TRAINING, Placed(f"{spec.name} after {TRAIN_STEPS} SGD steps (lr {LR})", finals,
+        found = ctx.judged(TRAINING, Placed(f"{spec.name} after training ({_trained(ctx.case)}, lr {LR})", finals,
                                             ref.final[spec.master], ctx.tol(mag, k), spec.placement, param=spec.name,
                                             mag=mag, k=k))
         if found is not None:
             return found
     return None
+
+
+def _trained(case: Any) -> str:
+    """How the training of ``case`` is described in messages."""
+    plan = schedule(case)
+    zero = "set_to_none" if zero_grad_of(case) else "zeroed in place"
+    return f"{len(plan)} SGD steps of {'+'.join(str(n) for n in plan)} micro-batches, grads {zero} after each"
 
 
 # --- whole-run outcomes --------------------------------------------------------------------------

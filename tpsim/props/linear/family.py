@@ -48,7 +48,6 @@ from tpsim.props.property_names import (
     TRAINING,
     WEIGHT_GRAD,
 )
-from tpsim.props.rank import TRAIN_STEPS
 from tpsim.props.strategies import DEFAULT_MAX_SIZE
 from tpsim.runner import DEFAULT_TIMEOUT
 from tpsim.variant import KINDS, Variant
@@ -334,6 +333,7 @@ bias_grad_equivalence.__doc__ = "Each rank's bias grad equals its slice (column)
 replica_consistency = _one(REPLICA)
 replica_consistency.__doc__ = "Replicated outputs, input grads and replicated parameters agree bit for bit across ranks."
 training_equivalence = _one(TRAINING)
-training_equivalence.__doc__ = f"After {TRAIN_STEPS} SGD steps the re-assembled parameters match dense training."
+training_equivalence.__doc__ = ("Trained as people train (micro-batches accumulated, then an SGD step), the accumulated "
+                                "grads and the re-assembled parameters match dense training.")
 divisibility = _one(DIVISIBILITY)
 divisibility.__doc__ = "A non-divisible case raises on every rank (no hang, no silent truncation)."

@@ -61,6 +61,7 @@ from tpsim.props.strategies import (
     draw_tp,
     dtypes,
     per_rank,
+    training,
     world_sizes,
 )
 from tpsim.variant import Variant
@@ -184,6 +185,7 @@ def _cases(
         has_bias = draw(st.booleans()) if bias is None else bias
     layout = _layout(draw, layouts, batch)
     seed = draw(st.integers(0, 2**31 - 1))
+    train = training(draw)
     return Case(
         world_size=world,
         tp_size=tp,
@@ -198,6 +200,7 @@ def _cases(
         target=variant.target if variant is not None else None,
         variant=variant.name if variant is not None else None,
         options=variant.options if variant is not None else (),
+        **train,  # type: ignore[arg-type]
     )
 
 

@@ -2,13 +2,17 @@
 
 Every per-case property reads the same :class:`~tpsim.props.observation.Observation`: one world
 run per case (:meth:`tpsim.props.linear.family.LinearFamily.world`), in which each
-rank builds the variant from the master values, runs ``TRAIN_STEPS`` steps of forward, backward
-and SGD, and returns (as tensors) its step-0 output, input grad and parameter grads and its final
-parameters, as one typed :class:`RankResult`. The comparison happens in the parent process
+rank builds the variant from the master values and trains it as people train
+(:func:`tpsim.props.rank.schedule`): two optimizer steps, the first accumulating the case's
+``micro_batches`` micro-batches (plain ``backward()`` per micro-batch, no clearing in between, so grad
+hooks fire as they do in training), the second one; SGD steps (:class:`tpsim.props.rank.SGD`) after the last
+micro-batch of each, then ``zero_grad`` in the case's mode (``set_to_none``). It returns (as tensors)
+its first micro-batch's output, input grad and parameter grads, the grads accumulated over the first
+step's micro-batches and its final parameters, as one typed :class:`RankResult`. The comparison happens in the parent process
 (:mod:`tpsim.props.linear.checks`), so the ranks do no extra collectives of their own — except the
 trainer's: a replicated parameter whose grad is left partial (``ParamSpec(grad="partial")``, or
-Megatron's ``param.sequence_parallel`` marker) has its grad summed over the tp group before each SGD
-step, as Megatron's ``finalize_model_grads`` does — and the same code serves every backend.
+Megatron's ``param.sequence_parallel`` marker) has its grad summed over the tp group once per
+optimizer step, after the accumulation, as Megatron's ``finalize_model_grads`` does — and the same code serves every backend.
 
 A case whose sharded sizes do not divide runs the same steps (:func:`_uneven_rank`): the layer may
 refuse it while it is built or in its first forward, or hold ``torch.tensor_split``'s (or
@@ -47,12 +51,22 @@ from tpsim.placement import (
 from tpsim.props.layouts import apply_layout, expand_values
 from tpsim.props.linear.case import Case
 from tpsim.props.observation import OK, RankOutput
-from tpsim.props.rank import LR, TRAIN_STEPS, enter_rank, rank_phase, trainer_step
+from tpsim.props.rank import (
+    LR,
+    OPTIMIZER_STEPS,
+    enter_rank,
+    optimizer_of,
+    rank_phase,
+    schedule,
+    total_micro_batches,
+    trainer_step,
+    zero_grad_of,
+)
 from tpsim.variant import LayoutError, Variant, get_param, load_master, stored_shape
 
 __all__ = [
     "LR",
-    "TRAIN_STEPS",
+    "OPTIMIZER_STEPS",
     "Masters",
     "RankResult",
     "Reference",
@@ -79,11 +93,15 @@ class RankResult(RankOutput):
     :data:`ACCEPTED`; ``output`` is the step-0 output, a detached clone in its own dtype):
 
     - ``output_shape``: for :data:`ACCEPTED`, the shape of the output of a non-divisible case;
-    - ``input_grad``: the step-0 grad of the rank's input (None when it got none);
-    - ``grads``: step-0 parameter grads as the layer left them, by master name (``weight``/``bias``),
-      in master layout (a transposed weight read back); None where ``.grad`` was None;
-    - ``summed_grads``: for the parameters in ``partial``, the step-0 grad after the trainer's sum;
-    - ``final``: the parameters after ``TRAIN_STEPS`` SGD steps, by master name, in master layout;
+    - ``input_grad``: the first micro-batch's grad of the rank's input (None when it got none);
+    - ``grads``: the parameter grads after the first micro-batch's backward, as the layer left them, by
+      master name (``weight``/``bias``), in master layout (a transposed weight read back); None where
+      ``.grad`` was None;
+    - ``accumulated``: the parameter grads after the first optimizer step's micro-batches (before the
+      trainer's sum), likewise;
+    - ``summed_grads``: for the parameters in ``partial``, the first step's accumulated grad after the
+      trainer's sum;
+    - ``final``: the parameters after the last optimizer step, by master name, in master layout;
     - ``init``: the layer's own values of its replicated parameters right after construction, by
       parameter name (before the master values are loaded);
     - ``loaded``: the parameters the layer loaded itself (a spec with ``load=False``: its builder cut
@@ -97,6 +115,7 @@ class RankResult(RankOutput):
     output_shape: tuple[int, ...] | None = None
     input_grad: torch.Tensor | None = None
     grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    accumulated: dict[str, torch.Tensor | None] = field(default_factory=dict)
     summed_grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
     final: dict[str, torch.Tensor | None] = field(default_factory=dict)
     init: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -134,8 +153,9 @@ class Masters:
 
 
 def make_masters(case: Case, grad_features: int | None = None) -> Masters:
-    """Draw the master weight ``[out, in]``, bias ``[out]``, and per-step inputs ``[*batch, in]`` and
-    upstream grads ``[*batch, out]`` from ``case.seed`` (float64 normal draws rounded to the dtype).
+    """Draw the master weight ``[out, in]``, bias ``[out]``, and per-micro-batch inputs ``[*batch, in]``
+    and upstream grads ``[*batch, out]`` (:func:`~tpsim.props.rank.total_micro_batches`, in training
+    order) from ``case.seed`` (float64 normal draws rounded to the dtype).
     ``grad_features``: the upstream grads' width when it is not ``out`` (replicated key/value heads:
     :func:`expanded_out_features`)."""
     gen = torch.Generator().manual_seed(case.seed)
@@ -150,7 +170,7 @@ def make_masters(case: Case, grad_features: int | None = None) -> Masters:
     # Group 0 first: its data is that of the same case with one tp group spanning the world.
     for _ in range(case.world_size // (case.tp_size or case.world_size)):
         inputs, grads = [], []
-        for _ in range(TRAIN_STEPS):
+        for _ in range(total_micro_batches(case)):
             # An expanded layout needs rows that repeat along the first batch dim (tpsim.props.layouts).
             inputs.append(expand_values(draw(*case.batch_shape, case.in_features), case.input_layout))
             grads.append(expand_values(draw(*case.batch_shape, grad_features or case.out_features), case.input_layout))
@@ -214,7 +234,7 @@ def _kv_layout(variant: Variant, case: Case) -> tuple[Shard, tuple[int, ...], tu
 
 
 def sum_kv_replicas(variant: Variant, case: Case, module: Any, specs: list[Any], group: Any, rank: int) -> None:
-    """The trainer's sum, before each SGD step, of every replicated key/value head's weight and bias grad
+    """The trainer's sum, once per optimizer step after its micro-batches, of every replicated key/value head's weight and bias grad
     over the ranks holding it (see :func:`expanded_out_features`: each holds its own query heads' share;
     as ``grad="partial"`` is for a replicated parameter): one all-reduce per replicated part and
     parameter, of a ``[heads, head_size, ...]`` buffer holding this rank's share at its head's index
@@ -248,7 +268,7 @@ def replica_trained(variant: Variant, case: Case, masters: Masters, expanded: Ma
                                                                                                 dict[str, torch.Tensor]]:
     """What every rank must hold, replica-expanded, once each replicated head's grad is complete (the
     replicas' shares summed, by the layer or by the trainer, :func:`sum_kv_replicas`), with their
-    magnitudes: the grads (``dweight``, ``dbias``) and the trained parameters (``final_weight``,
+    magnitudes: the grads (``dweight``, ``dbias``, accumulated ``acc_dweight``, ``acc_dbias``) and the trained parameters (``final_weight``,
     ``final_bias``) of dense SGD on the master parameters whose upstream grad of a key/value column is
     the sum of its replicas' upstream grads (the magnitudes from the sum of their absolute values)."""
     placement, _, _, tp = _kv_layout(variant, case)
@@ -263,7 +283,8 @@ def replica_trained(variant: Variant, case: Case, masters: Masters, expanded: Ma
                                    [collapse(g.abs()) for g in expanded.grads]))
     out = {f"final_{k}": replica_expanded(v, placement, tp) for k, v in dense.final.items()}
     mag = {f"final_{k}": replica_expanded(mags.mag[f"final_{k}"], placement, tp) for k in dense.final}
-    for name, t in (("dweight", dense.dweight), ("dbias", dense.dbias)):
+    for name, t in (("dweight", dense.dweight), ("dbias", dense.dbias), ("acc_dweight", dense.acc_dweight),
+                    ("acc_dbias", dense.acc_dbias)):
         if t is not None:
             out[name], mag[name] = replica_expanded(t, placement, tp), replica_expanded(mags.mag[name], placement, tp)
     return out, mag
@@ -451,36 +472,47 @@ def _train(me: Any, variant: Variant, case: Case, m: Masters, module: Any, init:
     kv_replicas = expanded_out_features(variant, case) is not None
     if variant.forward_only:
         return _forward_only(variant, case, m, module, result, rank, ws, layout)
-    for step in range(TRAIN_STEPS):
-        x = _rank_input(variant, m.inputs[step], rank, ws, layout=layout)
-        # A returned bias (skip_bias_add) joins a partial output once: the caller adds it after its all-reduce.
-        returned_bias(reset=True, add=variant.output != "partial" or rank == 0)
-        try:
-            with rank_phase("forward", step):
-                out = result.read(variant.call(module, x))
-        finally:  # read, and add again by default
-            result.returned_bias = returned_bias(reset=True) or result.returned_bias
-        upstream = m.grads[step]
-        if expanded_out_features(variant, case) is not None:  # replicated K/V heads: this rank's own columns
-            upstream = shard_tensor(upstream, Shard(-1), rank, ws)
-        elif isinstance(variant.output_placement, Shard):  # sharded (packed: per part) or sequence-sharded
-            upstream = shard_tensor(upstream, variant.output_placement, rank, ws)
-        upstream = apply_layout(upstream, layout)
-        if result.unusable(out, upstream.shape, graph=x):
-            return result  # a wrong shape or dtype, or a collective outside autograd that cut the graph
-        with rank_phase("backward", step):
-            out.backward(upstream.to(out.dtype))
+    optimizer = optimizer_of(module)
+    set_to_none = zero_grad_of(case)
+    micro = 0
+    for step, count in enumerate(schedule(case)):
+        for _ in range(count):
+            x = _rank_input(variant, m.inputs[micro], rank, ws, layout=layout)
+            # A returned bias (skip_bias_add) joins a partial output once: the caller adds it after its all-reduce.
+            returned_bias(reset=True, add=variant.output != "partial" or rank == 0)
+            try:
+                with rank_phase("forward", micro):
+                    out = result.read(variant.call(module, x))
+            finally:  # read, and add again by default
+                result.returned_bias = returned_bias(reset=True) or result.returned_bias
+            upstream = m.grads[micro]
+            if kv_replicas:  # replicated K/V heads: this rank's own columns
+                upstream = shard_tensor(upstream, Shard(-1), rank, ws)
+            elif isinstance(variant.output_placement, Shard):  # sharded (packed: per part) or sequence-sharded
+                upstream = shard_tensor(upstream, variant.output_placement, rank, ws)
+            upstream = apply_layout(upstream, layout)
+            if result.unusable(out, upstream.shape, graph=x):
+                return result  # a wrong shape or dtype, or a collective outside autograd that cut the graph
+            # Plain backward per micro-batch, nothing cleared in between: grads accumulate and every grad
+            # hook fires as in training.
+            with rank_phase("backward", micro):
+                out.backward(upstream.to(out.dtype))
+            if micro == 0:
+                result.output = out.detach().clone()
+                result.input_grad = None if x.grad is None else x.grad.detach().clone()
+                for spec in specs:  # cloned (_master_layout): the next micro-batch accumulates into it
+                    p = get_param(module, spec.name)
+                    result.grads[spec.master] = _master_layout(None if p is None else p.grad, spec.transposed)
+            micro += 1
         if step == 0:
-            result.output = out.detach().clone()
-            result.input_grad = None if x.grad is None else x.grad.detach().clone()
-            for spec in specs:
+            for spec in specs:  # cloned: the trainer's sum and zero_grad change grads in place
                 p = get_param(module, spec.name)
-                result.grads[spec.master] = _master_layout(None if p is None else p.grad, spec.transposed)
+                result.accumulated[spec.master] = _master_layout(None if p is None else p.grad, spec.transposed)
         if kv_replicas:
             sum_kv_replicas(variant, case, module, specs, group, rank)
         partial = {master: get_param(module, by_master[master].name) for master in result.partial}
         summed: dict[str, torch.Tensor] = {}
-        trainer_step(module, partial, group, step, summed)
+        trainer_step(optimizer, partial, group, step, summed, set_to_none=set_to_none)
         result.summed_grads.update({k: _master_layout(v, False) for k, v in summed.items()})
     for spec in specs:
         result.final[spec.master] = _master_layout(get_param(module, spec.name), spec.transposed)
@@ -513,8 +545,10 @@ def _forward_only(variant: Variant, case: Case, m: Masters, module: Any, result:
 
 @dataclass
 class Reference:
-    """The float64 dense reference of a case: step-0 output and grads, final parameters, and the
-    per-element magnitudes tolerances scale with (see :mod:`tpsim.props.tolerance`)."""
+    """The float64 dense reference of a case: the first micro-batch's output and grads, the grads
+    accumulated over the first optimizer step's micro-batches (``acc_dweight``, ``acc_dbias``), the
+    final parameters, and the per-element magnitudes tolerances scale with (see
+    :mod:`tpsim.props.tolerance`; ``mag["acc_dweight"]``, ...)."""
 
     x: torch.Tensor
     y: torch.Tensor
@@ -526,12 +560,18 @@ class Reference:
     final: dict[str, torch.Tensor] = field(default_factory=dict)
     mag: dict[str, torch.Tensor] = field(default_factory=dict)
     rows: int = 1
-    #: The step-0 upstream grad ``[*batch, out]`` (float64).
+    #: The first micro-batch's upstream grad ``[*batch, out]`` (float64).
     g: torch.Tensor | None = None
+    acc_dweight: torch.Tensor | None = None
+    acc_dbias: torch.Tensor | None = None
+    #: Micro-batches of the first optimizer step (the accumulated grads' reduction spans their rows).
+    micro_batches: int = 1
 
 
 def reference(case: Case, masters: Masters) -> Reference:
-    """Dense ``y = x Wᵀ + b`` forward, backward and SGD in float64 from the rounded master values."""
+    """Dense ``y = x Wᵀ + b`` forward and backward per micro-batch, the grads accumulated over each
+    optimizer step's micro-batches (:func:`~tpsim.props.rank.schedule`), and SGD, in float64 from the
+    rounded master values."""
     f64 = torch.float64
     w = masters.weight.to(f64)
     b = masters.bias.to(f64) if masters.bias is not None else None
@@ -540,43 +580,58 @@ def reference(case: Case, masters: Masters) -> Reference:
     for s in case.batch_shape:
         rows *= s
     out: dict[str, Any] = {}
-    train_mag_w = w.abs() * TRAIN_STEPS
-    train_mag_b = None if b is None else b.abs() * TRAIN_STEPS
-    for step in range(TRAIN_STEPS):
-        x = masters.inputs[step].to(f64)
-        g = masters.grads[step].to(f64)
-        x2 = x.reshape(-1, case.in_features)
-        g2 = g.reshape(-1, case.out_features)
-        y = x @ w.t() + (b if b is not None else 0.0)
-        dx = g @ w
-        dw = g2.t() @ x2
-        db = g2.sum(0) if b is not None else None
-        dw_mag = g2.abs().t() @ x2.abs()
-        train_mag_w = train_mag_w + LR * dw_mag
-        if b is not None:
-            train_mag_b = train_mag_b + LR * g2.abs().sum(0)
+    # Each update w - LR * g rounds once relative to |w|; every micro-batch's grad joins through LR * |g|.
+    train_mag_w = w.abs() * OPTIMIZER_STEPS
+    train_mag_b = None if b is None else b.abs() * OPTIMIZER_STEPS
+    micro = 0
+    plan = schedule(case)
+    for step, count in enumerate(plan):
+        acc_w = acc_b = acc_w_mag = acc_b_mag = None
+        for _ in range(count):
+            x = masters.inputs[micro].to(f64)
+            g = masters.grads[micro].to(f64)
+            x2 = x.reshape(-1, case.in_features)
+            g2 = g.reshape(-1, case.out_features)
+            y = x @ w.t() + (b if b is not None else 0.0)
+            dx = g @ w
+            dw = g2.t() @ x2
+            db = g2.sum(0) if b is not None else None
+            dw_mag = g2.abs().t() @ x2.abs()
+            db_mag = g2.abs().sum(0) if b is not None else None
+            train_mag_w = train_mag_w + LR * dw_mag
+            if b is not None:
+                train_mag_b = train_mag_b + LR * db_mag
+            acc_w = dw if acc_w is None else acc_w + dw
+            acc_w_mag = dw_mag if acc_w_mag is None else acc_w_mag + dw_mag
+            if b is not None:
+                acc_b = db if acc_b is None else acc_b + db
+                acc_b_mag = db_mag if acc_b_mag is None else acc_b_mag + db_mag
+            if micro == 0:
+                out = dict(
+                    x=x,
+                    g=g,
+                    y=y,
+                    dx=dx,
+                    dweight=dw,
+                    dbias=db,
+                    mag={
+                        "y": x.abs() @ w.abs().t() + (b.abs() if b is not None else 0.0),
+                        "dx": g.abs() @ w.abs(),
+                        "dweight": dw_mag,
+                        "dbias": db_mag,
+                    },
+                )
+            micro += 1
         if step == 0:
-            out = dict(
-                x=x,
-                g=g,
-                y=y,
-                dx=dx,
-                dweight=dw,
-                dbias=db,
-                mag={
-                    "y": x.abs() @ w.abs().t() + (b.abs() if b is not None else 0.0),
-                    "dx": g.abs() @ w.abs(),
-                    "dweight": dw_mag,
-                    "dbias": g2.abs().sum(0) if b is not None else None,
-                },
-            )
-        w = w - LR * dw
+            out.update(acc_dweight=acc_w, acc_dbias=acc_b)
+            out["mag"].update(acc_dweight=acc_w_mag, acc_dbias=acc_b_mag)
+        w = w - LR * acc_w
         if b is not None:
-            b = b - LR * db
+            b = b - LR * acc_b
     final = {"weight": w}
     mag = out.pop("mag")
     mag["final_weight"] = train_mag_w
     if b is not None:
         final["bias"] = b
         mag["final_bias"] = train_mag_b
-    return Reference(weight=w0, bias=b0, final=final, mag=mag, rows=rows, **out)
+    return Reference(weight=w0, bias=b0, final=final, mag=mag, rows=rows, micro_batches=plan[0], **out)

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from tpsim.errors import InvalidArgument
-from tpsim.props.case import MAX_TENSOR_ELEMENTS, CaseBase
+from tpsim.props.case import MAX_TENSOR_ELEMENTS, CaseBase, check_training, describe_training
 from tpsim.props.layouts import needs_batch
+from tpsim.props.rank import MICRO_BATCHES
 
 __all__ = ["MODULE_INPUT_LAYOUTS", "ModuleCase"]
 
@@ -43,11 +44,16 @@ class ModuleCase(CaseBase):
     #: The names (of ``size_names``) of sizes no rank splits: a config's counts and switches (experts,
     #: top-k, a bias switch 0/1; :attr:`tpsim.module_variant.ModuleVariant.unsharded`). They may be 0.
     unsharded: tuple[str, ...] = ()
+    #: Micro-batches the first of the two optimizer steps of training equivalence accumulates, and
+    #: ``optimizer.zero_grad``'s mode (:func:`tpsim.props.rank.schedule`); a case file without them
+    #: (written before they existed) reads as ``micro_batches=2, set_to_none=True``.
+    micro_batches: int = MICRO_BATCHES
+    set_to_none: bool = True
 
     family: ClassVar[str] = "module"
+    WRITTEN_WHEN_SET: ClassVar[tuple[str, ...]] = ("faults", "micro_batches", "set_to_none", "unsharded")
     REQUIRED: ClassVar[tuple[str, ...] | None] = ("world_size", "sizes")
     TUPLES: ClassVar[tuple[str, ...]] = ("sizes", "batch_shape", "size_names", "unsharded")
-    WRITTEN_WHEN_SET: ClassVar[tuple[str, ...]] = ("faults", "unsharded")
 
     def _check(self) -> None:
         sizes = tuple(self.sizes)
@@ -68,6 +74,7 @@ class ModuleCase(CaseBase):
         object.__setattr__(self, "size_names", names)
         object.__setattr__(self, "unsharded", unsharded)
         self._check_layout()
+        check_training(self)
 
     def _check_layout(self) -> None:
         if self.input_layout not in MODULE_INPUT_LAYOUTS:
@@ -86,7 +93,7 @@ class ModuleCase(CaseBase):
 
     def _describe_sizes(self) -> list[str]:
         # Sizes by name when the case has them; a layout other than contiguous is said.
-        layout = [] if self.input_layout == "contiguous" else [f"input_layout={self.input_layout}"]
+        layout = ([] if self.input_layout == "contiguous" else [f"input_layout={self.input_layout}"]) + describe_training(self)
         if len(self.size_names) == len(self.sizes):
             return [f"{n}={s}" for n, s in zip(self.size_names, self.sizes, strict=True)] + layout
         return [f"sizes={list(self.sizes)}"] + layout

@@ -12,8 +12,11 @@ The same properties as for one linear layer (:data:`tpsim.props.linear.checks.PR
 - ``replica-consistency``: everything replicated (the output, a complete input grad, replicated
   parameters right after construction, their grads and values after training) is bit-identical
   across the ranks of a tp group;
-- ``training-equivalence``: after ``TRAIN_STEPS`` SGD steps every parameter, re-assembled, equals
-  dense training (evaluated when the single-step properties hold);
+- ``training-equivalence``: trained as people train (:func:`tpsim.props.rank.schedule`: two
+  SGD steps, the first accumulating the case's ``micro_batches`` micro-batches,
+  ``zero_grad`` in the case's mode after each, the target's clip where it has one), every grad
+  accumulated over the first step, the clip's total norm, and every parameter after training,
+  re-assembled, equal dense training's (evaluated when the single-step properties hold);
 - ``divisibility``: when a size (or a sequence-sharded input's length) does not divide by the tp
   size, every rank refuses it with an error naming a size or divisibility, or every rank accepts it
   with parameters that are consistent pieces of the dense ones (``torch.tensor_split`` pieces for
@@ -49,6 +52,7 @@ tokens, where a packed out-projection's permuted heads fail even with one key/va
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -64,9 +68,12 @@ from tpsim.diagnosis import (
     EXCEPTION,
     GRAD_MISSING,
     GRAD_NOT_REDUCED,
+    GRAD_REDUCED_AFTER_ACCUMULATION,
     GRAD_SCALED,
     MISMATCH,
     MISSING_REDUCTION,
+    NORM_COUNTS_REPLICAS,
+    NORM_NOT_REDUCED,
     OUTPUT_DETACHED,
     PACKED_SHARD_LAYOUT,
     QKV_HEAD_MISMATCH,
@@ -79,7 +86,7 @@ from tpsim.diagnosis import (
 from tpsim.diagnosis import spec as diagnosis_spec
 from tpsim.errors import InvalidArgument
 from tpsim.module_variant import ModuleVariant
-from tpsim.patterns import close
+from tpsim.patterns import close, is_bias_multiple
 from tpsim.placement import Partial, Placement, Replicate, Shard, assemble_pieces, part_sizes, piece
 from tpsim.props.case import MAX_SEED
 from tpsim.props.groups import tp_groups
@@ -100,7 +107,7 @@ from tpsim.props.module.world import (
     output_placement,
 )
 from tpsim.props.observation import DETACHED, OUTPUT_SHAPE, Observation
-from tpsim.props.placed import Placed, holds_fast, verdict
+from tpsim.props.placed import Placed, Recogniser, holds_fast, verdict
 from tpsim.props.property_names import (
     BIAS_GRAD,
     DIVISIBILITY,
@@ -110,7 +117,15 @@ from tpsim.props.property_names import (
     TRAINING,
     WEIGHT_GRAD,
 )
-from tpsim.props.rank import LR, TRAIN_STEPS
+from tpsim.props.rank import LR, schedule, zero_grad_of
+from tpsim.props.tolerance import FACTOR
+from tpsim.props.tolerance import eps as eps_of
+from tpsim.props.training import (
+    accumulated_what,
+    norm_counts_replicas,
+    norm_not_reduced,
+    reduced_after_accumulation,
+)
 from tpsim.variant import ParamSpec
 
 __all__ = ["MODULE_CHECKS", "NUMERIC_PATTERNS", "ModuleContext", "grad_property", "layout_failure", "localise",
@@ -190,24 +205,25 @@ class ModuleContext(GroupContext):
                                             [v.summed_grads.get(name) for v in self.values], name))
                 else:
                     items.append(Replicated(f"the {name} grad", [v.grads.get(name) for v in self.values], name))
-                items.append(Replicated(f"{name} after {TRAIN_STEPS} SGD steps", [v.final.get(name) for v in self.values],
-                                        name))
+                items.append(Replicated(f"{name} after training", [v.final.get(name) for v in self.values], name))
         return items
 
 
 # --- the properties on one tp group ---------------------------------------------------------------
 
 
-def judged(ctx: ModuleContext, prop: str, placed: Placed, fast_mag: torch.Tensor | None = None) -> Failure | None:
-    """The failure of ``prop`` on ``placed`` (:func:`tpsim.props.placed.verdict`), named with the sublayer
-    that owns its parameter. ``fast_mag``: the magnitude to try the chunked comparison with first (a
-    lab-scale tensor is compared without being assembled or converted)."""
+def judged(ctx: ModuleContext, prop: str, placed: Placed, fast_mag: torch.Tensor | None = None,
+           recognisers: Sequence[Recogniser] = ()) -> Failure | None:
+    """The failure of ``prop`` on ``placed`` (:func:`tpsim.props.placed.verdict`, with the family's
+    ``recognisers`` first), named with the sublayer that owns its parameter. ``fast_mag``: the magnitude
+    to try the chunked comparison with first (a lab-scale tensor is compared without being assembled or
+    converted)."""
     if fast_mag is not None and holds_fast(placed.pieces, placed.full, fast_mag, ctx.bound, placed.placement,
                                            placed.summed, placed.uneven):
         return None
     if fast_mag is not None:
         placed.tol = ctx.bound(fast_mag)
-    found = verdict(placed, ctx.dtype)
+    found = verdict(placed, ctx.dtype, recognisers)
     if found is None:
         return None
     diag, rank = found
@@ -230,9 +246,37 @@ def _forward(ctx: ModuleContext) -> Failure | None:
     what = "the output" + (" (rank pieces assembled)" if isinstance(placement, Shard) else
                            " (summed over ranks)" if summed else "")
     # A module's replicated or partial output is a reduction's (or the caller's): reduced twice is a name there.
-    return judged(ctx, FORWARD, Placed(what, [v.output for v in ctx.values], y, ctx.bound(ctx.mag.y), placement,
-                                       summed=summed, reduced=not isinstance(placement, Shard),
+    # Every bias of the module may have been added before the last reduction (a parent's included): the
+    # output is then off by (tp-1) times it, named where the bias is added (its owner).
+    found = judged(ctx, FORWARD, Placed(what, [v.output for v in ctx.values], y, ctx.bound(ctx.mag.y), placement,
+                                        summed=summed, reduced=_reduces(placement, y.dim()), biases=_biases(ctx),
+                                        sequence_dim=ctx.variant.sequence_dim_of(y.dim())))
+    return found if found is not None else _no_grad_forward(ctx, what, placement, summed)
+
+
+def _no_grad_forward(ctx: ModuleContext, what: str, placement: Placement, summed: bool) -> Failure | None:
+    """The output of the forward every rank ran under ``torch.no_grad()`` before training (on the first
+    micro-batch's input, from the same parameters), judged like the training forward's: a module may
+    take another code path with grad disabled (transformers' ColwiseParallel runs a local kernel then)."""
+    if ctx.variant.forward_only or all(v.no_grad_type is None for v in ctx.values):
+        return None  # forward-only: its one forward is under torch.no_grad() already
+    for r, v in enumerate(ctx.values):
+        if v.no_grad_output is None:
+            return ctx.fail(FORWARD, Diagnosis(SHAPE_ERROR, f"under torch.no_grad() (the inference path) the forward on "
+                                               f"rank {r} returned {v.no_grad_type}, not a tensor"), r)
+    y = ctx.ref.y
+    return judged(ctx, FORWARD, Placed(f"{what.replace('the output', 'the output under torch.no_grad()', 1)} (the "
+                                       "inference path: one forward with grad disabled, before training, on the first "
+                                       "micro-batch's input)", [v.no_grad_output for v in ctx.values], y,
+                                       ctx.bound(ctx.mag.y), placement, summed=summed,
+                                       reduced=_reduces(placement, y.dim()), biases=_biases(ctx),
                                        sequence_dim=ctx.variant.sequence_dim_of(y.dim())))
+
+
+def _biases(ctx: ModuleContext) -> list[tuple[str, torch.Tensor]]:
+    """Every bias of the module (a one-dim master named ``bias``), as the dense module holds it."""
+    masters = getattr(ctx.obs.data, "masters", None) or {}
+    return [(n, t.to(_F64)) for n, t in masters.items() if t.dim() == 1 and n.rpartition(".")[2] == "bias"]
 
 
 def _input_grad(ctx: ModuleContext) -> Failure | None:
@@ -269,18 +313,87 @@ def _param_grads(ctx: ModuleContext, prop: str) -> Failure | None:
     return None
 
 
+def _accumulated(ctx: ModuleContext) -> Failure | None:
+    """Every parameter's grad accumulated over the first optimizer step's micro-batches, as the trainer
+    sees it, against the dense accumulated grad; an earlier micro-batch counted again is named
+    (:func:`tpsim.props.training.reduced_after_accumulation`). The bound is that of the sum of the
+    micro-batches' magnitudes (the tolerance is linear in the magnitude)."""
+    micro = schedule(ctx.case)[0]
+    for name in ctx.layouts:
+        full = ctx.ref.accumulated.get(name)
+        mag = ctx.mag.accumulated.get(name)
+        if full is None or mag is None:
+            continue  # the parameter takes no part in the dense forward
+        placed = param_placed(ctx, name, [v.accumulated.get(name) for v in ctx.values], full)
+        placed.what = accumulated_what(name, micro) + (" summed over ranks" if placed.summed else "")
+        first, first_mag = ctx.ref.grads.get(name), ctx.mag.grads.get(name)
+        found = judged(ctx, TRAINING, placed, mag, [reduced_after_accumulation(
+            None if first is None else first.to(_F64), None if first_mag is None else ctx.bound(first_mag), ctx.tp,
+            micro)])
+        if found is not None:
+            return found
+    return None
+
+
+def _local_norm(v: ModuleRankResult) -> float:
+    """The 2-norm of one rank's own accumulated grads (its local pieces) after the trainer's sum."""
+    grads = {**v.accumulated, **v.summed_grads}
+    return math.sqrt(sum(float(g.to(_F64).square().sum()) for g in grads.values() if g is not None))
+
+
+def _clip_norm(ctx: ModuleContext) -> Failure | None:
+    """Where the target clips by global norm: the total norm its clip returned on every rank at the first
+    optimizer step against the dense total norm of the same (accumulated, trainer-summed) grads.
+
+    The bound: each grad errs within the bound of its magnitude, which moves the norm by at most the
+    2-norm of those bounds; the sum of ``n`` squares rounds like any reduction of length ``n``
+    (:mod:`tpsim.props.tolerance`'s model, relative to the norm). A norm that counts replicated
+    parameters once per rank is ``norm-counts-replicas``."""
+    if ctx.variant.clip is None or ctx.ref.max_norm is None or not ctx.ref.norms:
+        return None
+    dense = ctx.ref.norms[0]
+    bounds = [ctx.bound(m) for n, m in ctx.mag.accumulated.items() if m is not None and n in ctx.layouts]
+    n = sum(b.numel() for b in bounds)
+    bound = (float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b) for b in bounds]))) if bounds
+             else 0.0) + FACTOR * eps_of(ctx.dtype) * math.sqrt(n + ctx.tp) * dense
+    replicated = [name for name, lay in ctx.layouts.items() if isinstance(lay.placement, Replicate)
+                  and ctx.ref.accumulated.get(name) is not None]
+    replicated_sq = sum(float(ctx.ref.accumulated[name].to(_F64).square().sum()) for name in replicated)  # type: ignore[union-attr]
+    for r, v in enumerate(ctx.values):
+        got = v.norms[0] if v.norms else None
+        if not isinstance(got, float):
+            raise InvalidArgument(
+                f"the clip function of {ctx.variant.name!r} returned {'no norm' if got is None else f'a {got}'} on "
+                f"rank {r}; clip(parameters, max_norm) must return the total grad norm over the tp group (a tensor, a "
+                "DTensor or a float), as torch.nn.utils.clip_grad_norm_ does")
+        if abs(got - dense) <= bound:
+            continue
+        diag = norm_counts_replicas(got, dense, replicated_sq, ctx.tp, bound, replicated) or norm_not_reduced(
+            got, dense, _local_norm(v), ctx.tp, bound, r)
+        if diag is None:
+            diag = Diagnosis(MISMATCH, f"the total grad norm the clip returned on rank {r} is {got:.9g}, the dense total "
+                             f"norm of the same grads (torch.nn.utils.clip_grad_norm_ in float64) is {dense:.9g}: off by "
+                             f"{abs(got - dense):.3g}, beyond its bound {bound:.3g}",
+                             {"norm": got, "dense_norm": dense, "bound": bound})
+        return ctx.fail(TRAINING, diag, r)
+    return None
+
+
 def _training(ctx: ModuleContext) -> Failure | None:
     if not ctx.grads_bounded:
         return None
+    found = _accumulated(ctx) or _clip_norm(ctx)
+    if found is not None:
+        return found
     for name, layout in ctx.layouts.items():
         want = ctx.ref.final[name]
         summed = isinstance(layout.placement, Partial)  # the ranks' copies add up to the parameter
-        found = judged(ctx, TRAINING, Placed(f"{name} after {TRAIN_STEPS} SGD steps (lr {LR})"
+        found = judged(ctx, TRAINING, Placed(f"{name} after training ({trained(ctx.case, ctx.ref.max_norm)}, lr {LR})"
                                              + (" summed over ranks" if summed else ""),
                                              [v.final.get(name) for v in ctx.values], want, want, layout.placement,
                                              summed=summed, uneven=layout.uneven, param=name), ctx.mag.final[name])
         if found is not None:
-            return (drift_failure(ctx, name, layout, _initial(ctx, name, layout), TRAIN_STEPS) if summed else None) \
+            return (drift_failure(ctx, name, layout, _initial(ctx, name, layout), len(schedule(ctx.case))) if summed else None) \
                 or found
     return None
 
@@ -292,6 +405,12 @@ def _initial(ctx: ModuleContext, name: str, layout: ParamLayout) -> list[torch.T
         return [v[name] for v in ctx.loaded]
     master = ctx.obs.data.masters[name]  # type: ignore[union-attr]
     return [piece(master, layout.placement, r, ctx.tp, layout.uneven) for r in range(ctx.tp)]
+def trained(case: Any, max_norm: float | None = None) -> str:
+    """How a case's training is described in messages."""
+    plan = schedule(case)
+    zero = "set_to_none" if zero_grad_of(case) else "zeroed in place"
+    clip = "" if max_norm is None else f", clipped to max_norm {max_norm:.4g}"
+    return f"{len(plan)} SGD steps of {'+'.join(str(n) for n in plan)} micro-batches{clip}, grads {zero} after each"
 
 
 # --- whole-run outcomes ---------------------------------------------------------------------------
@@ -480,11 +599,30 @@ class _Boundaries:
         return _boundary_match(pieces, full, tol, self.hints(key[0]))
 
     def biases(self, name: str) -> list[tuple[str, torch.Tensor]]:
-        """The biases of sublayer ``name`` and of every sublayer inside it: one added on every rank
-        before a reduction shows at the output of the module that reduces (its parent's, maybe)."""
+        """The biases of sublayer ``name`` and of every sublayer inside it first, then every other bias of the
+        module: one added on every rank before a reduction shows at the output of the sublayer that adds it
+        (its summands are off by it), or after the module that reduces (its parent, maybe)."""
         inside = f"{name}."
-        return [(p, t.to(_F64)) for p, t in self.masters.items()
-                if t.dim() == 1 and p.rpartition(".")[2] == "bias" and (owner(p) == name or p.startswith(inside))]
+        every = [(p, t.to(_F64)) for p, t in self.masters.items() if t.dim() == 1 and p.rpartition(".")[2] == "bias"]
+        own = [(p, t) for p, t in every if owner(p) == name or p.startswith(inside)]
+        return own + [(p, t) for p, t in every if (p, t) not in own]
+
+    def reduced_after(self, key: tuple[str, str]) -> bool:
+        """Whether the ranks' values are reduced after the forward boundary ``key``: a later boundary, or
+        the module's output, that every rank holds whole and alike (summands that differ become the same
+        only through a reduction), or an output sharded along the sequence (a reduce-scatter's)."""
+        events = [k for k in self.ref.events if k[1] in ("in", "out")]
+        later = events[events.index(key) + 1:] if key in events else []
+        candidates = [self.tensors(k)[:2] for k in later]
+        candidates.append(([v.output for v in self.ctx.values], self.ctx.ref.y))
+        for pieces, full in candidates:
+            if full is None or any(not isinstance(p, torch.Tensor) or p.shape != full.shape for p in pieces):
+                continue
+            first = pieces[0].to(_F64)  # type: ignore[union-attr]
+            tol = self.ctx.bound(full.abs().to(_F64))
+            if all(close(p.to(_F64), first, tol) for p in pieces[1:]):  # type: ignore[union-attr]
+                return True
+        return self.ctx.variant.output == "sequence-sharded"
 
     def diagnose(self, key: tuple[str, str], what: str) -> Diagnosis:
         pieces, full, mag = self.tensors(key)
@@ -494,8 +632,10 @@ class _Boundaries:
         tol = self.ctx.bound(mag if mag is not None and mag.shape == full.shape else full.abs())
         placement = _piece_placement(pieces, full)  # type: ignore[arg-type]
         grad = key[1] in ("gin", "gout")
-        found = verdict(Placed(what, pieces, full, tol, placement, grad=grad, reduced=not grad,
-                               biases=self.biases(key[0]) if key[1] == "out" else ()), self.ctx.dtype)
+        biases = () if grad else self.biases(key[0])
+        found = verdict(Placed(what, pieces, full, tol, placement, grad=grad, reduced=not grad and _reduces(placement, full.dim()),
+                               biases=biases), self.ctx.dtype,
+                        [] if grad else [_summed_bias(key[0], biases, lambda: self.reduced_after(key))])
         return found[0] if found is not None else Diagnosis(MISMATCH, f"{what} differs from the reference")
 
     def param_culprit(self, name: str) -> _Culprit | None:
@@ -518,6 +658,49 @@ def _piece_placement(pieces: list[torch.Tensor], full: torch.Tensor) -> Placemen
         if sum(p.shape[d] for p in pieces) == full.shape[d]:
             return Shard(d)
     return Replicate()
+
+
+def _reduces(placement: Placement, ndim: int) -> bool:
+    """Whether pieces in ``placement`` (of a tensor of ``ndim`` dims) can be a reduction's result: whole on
+    every rank, or sharded along another dim than the features (a reduce-scatter's); a shard of the
+    features is a column split's, which reduces nothing (a forward that is 2x there is no double reduction)."""
+    return not isinstance(placement, Shard) or ndim == 0 or placement.dim % ndim != ndim - 1
+
+
+def _summed_bias(sublayer: str, biases: Sequence[tuple[str, torch.Tensor]], reduced_after: Callable[[], bool]) -> Any:
+    """The summands of a sublayer's output, each carrying a whole bias: every rank holds a tensor of the
+    full shape, they differ, and their sum is the dense one plus exactly ``(tp-1)`` times one of the
+    ``biases``. A reduction after it (``reduced_after``: the sublayer's parent's, or any later one) adds
+    them: ``bias-duplication``, named where the bias is added; with no reduction after it,
+    ``missing-reduction`` (each rank's summand, with the bias)."""
+
+    @recogniser(BIAS_DUPLICATION, MISSING_REDUCTION)
+    def recognise(placed: Placed, actual: torch.Tensor, pieces: list[torch.Tensor]) -> Diagnosis | None:
+        tp, full = placed.tp, placed.full
+        if placed.sharded or placed.summed or tp < 2 or any(p.shape != full.shape for p in pieces):
+            return None
+        if all(close(p, pieces[0], placed.tol) for p in pieces[1:]):
+            return None  # the ranks hold the same values: no summands
+        total = pieces[0]
+        for p in pieces[1:]:
+            total = total + p
+        for name, bias in biases:
+            if not is_bias_multiple(total - full, bias, tp - 1, placed.tol * tp):
+                continue
+            if reduced_after():
+                return Diagnosis(BIAS_DUPLICATION,
+                                 f"{placed.what}: every rank's summand carries the whole {name}, so the reduction "
+                                 f"after {sublayer} (its parent's, or a later one) adds it world_size times: their sum is "
+                                 f"off by exactly (world_size-1)*{name} = {tp - 1}*{name} (tp size {tp}); add it "
+                                 "once, after the reduction", {"factor": float(tp - 1), "bias": name, "summed": True})
+            return Diagnosis(MISSING_REDUCTION,
+                             f"{placed.what}: each rank holds only its own summand plus the whole {name} (the "
+                             f"ranks' values differ and add up to the dense one plus {tp - 1}*{name}), and nothing "
+                             "after it reduces them: the all-reduce over the tp group is missing (and the bias must "
+                             "be added once, after it)", {"bias": name})
+        return None
+
+    return recognise
 
 
 _UNREDUCED = {"out": "the output of {s}", "gin": "the input grad of {s}", "gout": "the output grad of {s}",
@@ -622,6 +805,18 @@ def _apply(failures: list[Failure], fwd: _Culprit | None, bwd: _Culprit | None,
             continue
         told.add(id(culprit))
         d = culprit.diagnosis
+        bias = f.details.get("bias") if f.property == FORWARD and f.diagnosis == BIAS_DUPLICATION else None
+        if bias is not None and d.name != BIAS_DUPLICATION:
+            # The module's output is off by (tp-1) times a bias: it was added before a reduction, named where
+            # it is added (its owner; None: the module itself), whatever the boundaries before that reduction
+            # show (summands that sum right until the bias joins them in the parent's code).
+            f.sublayer = owner(bias)
+            if d.name in (MISSING_REDUCTION, GRAD_NOT_REDUCED):
+                f.message = (f"{f.message} (the output of {culprit.sublayer} is each rank's own summand, right for "
+                             "the reduction after it; the bias joins the summands before that reduction)")
+            else:
+                f.message = f"{f.message} (the values first diverge {culprit.sublayer}: {d.message})"
+            continue
         if d.name != MISMATCH and f.property in diagnosis_spec(d.name).properties:
             f.details = {**f.details, **d.details, "module_diagnosis": f.diagnosis, "module_message": f.message}
             f.diagnosis, f.message = d.name, d.message
@@ -653,7 +848,8 @@ def _layout_hint(layouts: dict[str, ParamLayout], suspects: Sequence[str], loade
 #: (:func:`tpsim.diagnosis.confirm`, the family's ``confirmed_in_float64``).
 NUMERIC_PATTERNS = frozenset({BIAS_DUPLICATION, BIAS_MISSING, MISSING_REDUCTION, DOUBLE_REDUCTION, GRAD_SCALED,
                               GRAD_NOT_REDUCED, WRONG_SHARD_ORDER, PACKED_SHARD_LAYOUT, BIAS_GRAD_RANK0_ONLY,
-                              QKV_HEAD_MISMATCH})
+                              QKV_HEAD_MISMATCH, GRAD_REDUCED_AFTER_ACCUMULATION, NORM_COUNTS_REPLICAS,
+                              NORM_NOT_REDUCED})
 
 
 #: The packings a contiguous-looking packed weight is tried with (gate/up; Q/K/V of equal sizes).

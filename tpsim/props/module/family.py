@@ -223,7 +223,8 @@ class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=Mod
         rows of masters made equal (:data:`tpsim.props.module.world.Ties`)."""
         if ref is None:
             ref = reference_run(variant, case, timeout=timeout, capture=capture, isolate=isolate, tie=tie)
-        data = ModuleData(ref.shapes, ref.masters, ref.inputs, ref.grads)
+        data = ModuleData(ref.shapes, ref.masters, ref.inputs, ref.grads,
+                          max_norms=[group.value.max_norm for group in ref.groups])
         return World(rank_main, {"case": case, "data": data, "capture": capture}, ref)
 
     def offending(self, variant: ModuleVariant, case: ModuleCase) -> tuple[str, list[int]]:
@@ -238,6 +239,11 @@ class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=Mod
 
     def layout_failure(self, variant: ModuleVariant, obs: Observation) -> Any:
         return layout_failure(variant, obs)
+
+    def one_rank_informative(self, variant: ModuleVariant) -> bool:
+        # The dense reference is the module itself on a tp group of one rank (unless a dense builder is given):
+        # on one rank it passes by construction, so only a factor that grows with the tp size fails at all.
+        return variant.dense is not None
 
     def follow_up(self, variant: ModuleVariant, case: ModuleCase, obs: Observation, failures: list[Any], *,
                   backend: str, timeout: float, isolate: bool, properties: Sequence[str] | None) -> list[Any]:

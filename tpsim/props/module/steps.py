@@ -1,4 +1,4 @@
-"""One tp group's steps on the dense module, as the reference world and the dense twin record them.
+"""One tp group's training on the dense module, as the reference world and the dense twin record them.
 
 A leaf of the module family: the reference world (:mod:`tpsim.props.module.world`) and the dense
 twin (:mod:`tpsim.props.module.twin`) both build these, and neither imports the other for them.
@@ -12,15 +12,23 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["StepTensors", "assign"]
+from tpsim.props.rank import schedule
+
+__all__ = ["CLIP_FRACTION", "StepTensors", "assign", "dense_step", "step_plan", "total_norm"]
+
+#: Where a target supplies a clip function, ``max_norm`` is this fraction of the dense total grad norm of
+#: the first optimizer step (per tp group): clipping really happens on that step.
+CLIP_FRACTION = 0.5
 
 
 @dataclass
 class StepTensors:
-    """One tp group's steps on the dense module (or their magnitudes): the step-0 output ``y``, input
-    grad ``dx`` (None: the input got none) and parameter grads by dotted name, the sublayer
-    boundaries of step 0 (:meth:`Capture.as_payload`, None when not recorded), and every parameter
-    after the ``TRAIN_STEPS`` steps (``final``)."""
+    """One tp group's training on the dense module (or its magnitudes): the first micro-batch's output
+    ``y``, input grad ``dx`` (None: the input got none) and parameter grads by dotted name, its sublayer
+    boundaries (:meth:`Capture.as_payload`, None when not recorded), every parameter after the last
+    optimizer step (``final``), the grads accumulated over the first optimizer step's micro-batches
+    (``accumulated``), and where the target clips, the ``max_norm`` and the total grad norm of each
+    optimizer step before clipping (``norms``; magnitudes: the bound of each)."""
 
     y: torch.Tensor
     dx: torch.Tensor | None
@@ -29,6 +37,9 @@ class StepTensors:
     final: dict[str, torch.Tensor] = field(default_factory=dict)
     #: What the magnitude run measured (magnitudes from the derived bound only; None: the twin's).
     derived: Any = None
+    accumulated: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    norms: list[float] = field(default_factory=list)
+    max_norm: float | None = None
 
 
 def assign(module: nn.Module, values: dict[str, torch.Tensor]) -> None:
@@ -38,3 +49,31 @@ def assign(module: nn.Module, values: dict[str, torch.Tensor]) -> None:
     for name, p in module.named_parameters():
         value = values[name]
         p.data = value if value.dtype == p.dtype or not p.is_floating_point() else value.to(p.dtype)
+
+
+def total_norm(grads: list[torch.Tensor]) -> float:
+    """The 2-norm of every tensor of ``grads`` together (``torch.nn.utils.clip_grad_norm_``'s total norm)."""
+    if not grads:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach()) for g in grads])))
+
+
+def dense_step(module: nn.Module, optimizer: Any, *, set_to_none: bool, max_norm: float | None) -> float | None:
+    """The dense module's optimizer step after its micro-batches: clipped by global norm with
+    ``torch.nn.utils.clip_grad_norm_`` where ``max_norm`` is given (returns the total norm before
+    clipping), then ``optimizer.step()`` and ``optimizer.zero_grad(set_to_none)``."""
+    norm = None
+    if max_norm is not None:
+        params = [p for p in module.parameters() if p.grad is not None]
+        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
+    if optimizer is not None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=set_to_none)
+    return norm
+
+
+def step_plan(variant: Any, case: Any) -> tuple[int, ...]:
+    """Micro-batches per optimizer step of a case of ``variant``: one forward for a forward-only
+    variant, else the case's :func:`~tpsim.props.rank.schedule` (the first step accumulates
+    ``micro_batches`` micro-batches)."""
+    return (1,) if variant.forward_only else schedule(case)

@@ -14,9 +14,10 @@ draws its own sizes.
 
 Batch: 0 to 2 leading dims of sizes 1 to 3 (``[b, s, h]`` or ``[s, b, h]``: the module reads them as
 it does); a sequence-sharded input gets the batch dims its ``sequence_dim`` needs and a sequence of a
-few tokens per rank. Input layout (last, shrinking toward contiguous): every rank's input and
+few tokens per rank. Input layout (shrinking toward contiguous): every rank's input and
 upstream grads are contiguous, a sequence-first buffer viewed batch-first (``transposed``) or a
-strided slice (``strided``), as real callers pass them (:mod:`tpsim.props.layouts`).
+strided slice (``strided``), as real callers pass them (:mod:`tpsim.props.layouts`). Last, the
+training fields (:func:`tpsim.props.strategies.training`: 2 micro-batches, 3 one case in four, ``zero_grad``'s mode).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from tpsim.errors import InvalidArgument
 from tpsim.module_variant import ModuleVariant
 from tpsim.props.layouts import needs_batch
 from tpsim.props.module.case import MODULE_INPUT_LAYOUTS, ModuleCase
-from tpsim.props.strategies import DEFAULT_MAX_SIZE, batch_shapes, draw_tp, per_rank
+from tpsim.props.strategies import DEFAULT_MAX_SIZE, batch_shapes, draw_tp, per_rank, training
 from tpsim.props.strategies import dtypes as dtype_strategy
 from tpsim.props.strategies import world_sizes as world_size_strategy
 
@@ -88,9 +89,11 @@ def _module_cases(draw: st.DrawFn, variant: ModuleVariant, sizes: tuple[int, ...
     seed = draw(st.integers(0, 2**31 - 1))
     layouts = [lay for lay in input_layouts if batch or not needs_batch(lay)] or ["contiguous"]
     input_layout = draw(st.sampled_from(layouts))
+    train = training(draw)
     return ModuleCase(world_size=world, tp_size=tp, tp_layout=layout, sizes=drawn, batch_shape=batch, dtype=dtype,
                       seed=seed, target=variant.target, variant=variant.name, options=variant.options,
-                      size_names=variant.sizes, input_layout=input_layout, unsharded=variant.unsharded)
+                      size_names=variant.sizes, input_layout=input_layout, unsharded=variant.unsharded,
+                      **train)  # type: ignore[arg-type]
 
 
 def module_cases(

@@ -10,8 +10,9 @@ from the float64 reference measures how much rounding this very computation ampl
 its operations are; the tensor-parallel run does the same operations in another reduction order,
 so its error must be of the same size.
 
-For every compared tensor ``T`` (the output, the input grad, every parameter grad, every parameter
-after the training steps, every recorded sublayer boundary) with float64 reference ``T64`` and twin
+For every compared tensor ``T`` (the output, the input grad, every parameter grad of the first
+micro-batch and accumulated over the first optimizer step, every parameter after training, every
+recorded sublayer boundary) with float64 reference ``T64`` and twin
 ``TL``, in a case of dtype ``d`` on a tp group of ``tp`` ranks:
 
     s = max |T64|,   e = max(rho * s, max |TL - T64|),   r = eps(d) / eps(L)
@@ -35,6 +36,16 @@ reference's own, which ``r`` would shrink 2**29-fold below what the reference it
 tensor is allowed at least its own scale, ``e' = max(r e, s)`` in place of ``r e``: a run may differ
 from a reference that is all rounding by as much as that rounding (a tensor-parallel bug moves it
 by the terms, orders of magnitude more).
+
+**A reference that is all rounding, or zero.** Such a tensor (not resolved, or exactly zero in
+float64 and in the twin) has no scale of its own: ``s`` is rounding, or 0, and a bound built on it
+is below what any run of the case's dtype can meet on the same terms (the query grad of a bfloat16
+decoder layer over one token: 6e-20 in float64, exactly 0 in the twin, 2e-10 on a tp rank, once
+judged against 9e-19; exactly zero in both, against the subnormal floor, 1e-39). Its terms are the
+size of the other tensors of its kind: such a tensor is bounded at the scale ``S`` of the largest
+tensor of its kind (forward values, grads, trained parameters) that the twin resolves, ``max(s, S)``
+in place of ``s`` (``terms`` of :func:`twin_bound`). A tensor-parallel bug moves it by the terms;
+in a float64 case that bound is still ~1e-15 of them.
 
 - ``L`` is the case's dtype for float32, bfloat16 and float16 (``r = 1``): the twin makes exactly the
   roundings of a correct one-rank run. A float64 case has no lower-precision error to measure, so
@@ -85,8 +96,8 @@ import torch.distributed as dist
 from tpsim.module_variant import ModuleVariant
 from tpsim.props.module.boundary import Capture
 from tpsim.props.module.case import ModuleCase
-from tpsim.props.module.steps import StepTensors, assign
-from tpsim.props.rank import sgd_step
+from tpsim.props.module.steps import StepTensors, assign, dense_step, step_plan
+from tpsim.props.rank import optimizer_of, zero_grad_of
 from tpsim.props.tolerance import FACTOR
 from tpsim.props.tolerance import eps as eps_of
 from tpsim.seeding import manual_seed
@@ -133,19 +144,25 @@ def resolved(ref: torch.Tensor | None, twin: torch.Tensor | None) -> bool:
     return rel < 1.0 or math.isinf(rel)
 
 
-def twin_bound(ref: torch.Tensor, rho: float, dtype: torch.dtype, tp: int, own: float = 0.0) -> float:
+def twin_bound(ref: torch.Tensor, rho: float, dtype: torch.dtype, tp: int, own: float = 0.0,
+               terms: float = 0.0) -> float:
     """The bound of every element of a tensor whose float64 reference is ``ref``, when the twin's
     worst relative error over the tensors it resolves is ``rho`` and its absolute error on this
-    tensor is ``own`` (see the module docstring; ``own >= max |ref| > 0``: a tensor it does not resolve)."""
+    tensor is ``own`` (see the module docstring; ``own >= max |ref|``: a tensor it does not resolve, or
+    one that is zero in both). ``terms``: the scale of the terms such a tensor is computed from (the
+    largest tensor of its kind the twin resolves), which stands for its own scale there: a reference that
+    is all rounding, or exactly zero, says nothing of what the case's dtype can meet."""
     s = _scale(ref.detach().to(_F64))
     d_eps = eps_of(dtype)
     if not math.isfinite(rho):
         return math.sqrt(d_eps) * s if dtype == _F64 else math.inf
     r = d_eps / eps_of(twin_dtype(dtype))
-    err = r * max(rho * s, own)
-    if own >= s > 0:  # not resolved: the reference may be all rounding
+    rounding = own >= s  # not resolved (or zero in both): the reference may be all rounding
+    scale = max(s, terms) if rounding else s
+    err = r * max(rho * scale, own)
+    if rounding and s > 0:
         err = max(err, s)
-    return TWIN_FACTOR * math.sqrt(tp + 1) * (err + d_eps * s)
+    return TWIN_FACTOR * math.sqrt(tp + 1) * (err + d_eps * scale)
 
 
 def _absolute_error(ref: torch.Tensor, twin: torch.Tensor | None) -> float:
@@ -160,48 +177,59 @@ def _absolute_error(ref: torch.Tensor, twin: torch.Tensor | None) -> float:
 
 
 def _equivalent(ref: torch.Tensor | None, low: torch.Tensor | None, rho: float, at: torch.dtype,
-                dtype: torch.dtype, tp: int, rows: int) -> torch.Tensor | None:
+                dtype: torch.dtype, tp: int, rows: int, terms: float = 0.0) -> torch.Tensor | None:
     """The magnitude tensor whose :func:`~tpsim.props.tolerance.tolerance` in the case's ``dtype`` is
-    :func:`twin_bound` at the precision ``at`` (``low``: the twin's tensor)."""
+    :func:`twin_bound` at the precision ``at`` (``low``: the twin's tensor; ``terms``: the scale of the
+    largest tensor of its kind the twin resolves)."""
     if ref is None:
         return None
     unit = FACTOR * eps_of(dtype) * math.sqrt(max(rows, 1) + max(tp, 1))
-    bound = twin_bound(ref, rho, at, tp, _absolute_error(ref, low))
+    bound = twin_bound(ref, rho, at, tp, _absolute_error(ref, low), terms)
     return torch.full(tuple(ref.shape), bound / unit, dtype=_F64)
 
 
 def twin_run(variant: ModuleVariant, case: ModuleCase, masters: dict[str, torch.Tensor],
              inputs: list[torch.Tensor], grads: list[torch.Tensor], capture_on: bool,
-             precision: torch.dtype | None = None) -> Any:
-    """One tp group's steps on the dense twin in :func:`twin_dtype` of ``precision`` (the case's
+             precision: torch.dtype | None = None, max_norm: float | None = None) -> Any:
+    """One tp group's training on the dense twin in :func:`twin_dtype` of ``precision`` (the case's
     dtype unless the module narrows it; returned as :class:`~tpsim.props.module.steps.StepTensors`,
-    in the twin's dtype)."""
-
+    in the twin's dtype): the same micro-batches, accumulation, ``zero_grad`` mode and clipping
+    (``max_norm``: the reference's) as the reference world (:mod:`tpsim.props.module.world`)."""
     low = twin_dtype(precision or case.torch_dtype)
     manual_seed(case.seed)
     dense = variant.reference(case.sizes, group=dist.group.WORLD, dtype=low)
     assign(dense, {n: t.to(low, copy=True) for n, t in masters.items()})
     first: tuple[Any, ...] = ()
-    # A forward-only variant: the one forward the reference ran (``inputs`` holds one step), under
-    # torch.no_grad(), with no backward and no SGD step (tpsim.props.module.world).
+    accumulated: dict[str, torch.Tensor | None] = {}
+    # A forward-only variant: the one forward the reference ran (``inputs`` holds one), under
+    # torch.no_grad(), with no backward and no optimizer step (tpsim.props.module.world).
     forward_only = variant.forward_only
-    for step in range(len(inputs)):
-        x = inputs[step].to(low, copy=True).requires_grad_(not forward_only)
-        capture = Capture().install(dense) if capture_on and step == 0 else None
-        with torch.no_grad() if forward_only else contextlib.nullcontext():
-            y = variant.call(dense, x)
-        if not forward_only:
-            y.backward(grads[step].to(y.dtype))
-        if capture is not None:
-            capture.remove()
+    optimizer = None if forward_only else optimizer_of(dense)
+    set_to_none = zero_grad_of(case)
+    micro = 0
+    for step, count in enumerate(step_plan(variant, case)):
+        for _ in range(count):
+            x = inputs[micro].to(low, copy=True).requires_grad_(not forward_only)
+            capture = Capture().install(dense) if capture_on and micro == 0 else None
+            with torch.no_grad() if forward_only else contextlib.nullcontext():
+                y = variant.call(dense, x)
+            if not forward_only:
+                y.backward(grads[micro].to(y.dtype))
+            if capture is not None:
+                capture.remove()
+            if micro == 0:
+                first = (y.detach(), None if x.grad is None else x.grad.detach(),
+                         {} if forward_only else {n: None if p.grad is None else p.grad.detach().clone()
+                                                  for n, p in dense.named_parameters()},
+                         None if capture is None else capture.as_payload())
+            micro += 1
+        if forward_only:
+            break
         if step == 0:
-            first = (y.detach(), None if x.grad is None else x.grad.detach(),
-                     {} if forward_only else {n: None if p.grad is None else p.grad.detach().clone()
-                                              for n, p in dense.named_parameters()},
-                     None if capture is None else capture.as_payload())
-        if not forward_only:
-            sgd_step(dense)
-    return StepTensors(*first, final={} if forward_only else {n: p.detach() for n, p in dense.named_parameters()})
+            accumulated = {n: None if p.grad is None else p.grad.detach().clone() for n, p in dense.named_parameters()}
+        dense_step(dense, optimizer, set_to_none=set_to_none, max_norm=max_norm)
+    return StepTensors(*first, final={} if forward_only else {n: p.detach() for n, p in dense.named_parameters()},
+                       accumulated=accumulated)
 
 
 def twin_magnitudes(value: Any, twin: Any, case: ModuleCase, precision: torch.dtype | None = None) -> Any:
@@ -213,6 +241,7 @@ def twin_magnitudes(value: Any, twin: Any, case: ModuleCase, precision: torch.dt
     at = precision or dtype
     pairs = [(value.y, twin.y), (value.dx, twin.dx), *((g, twin.grads.get(n)) for n, g in value.grads.items()),
              *((t, twin.final.get(n)) for n, t in value.final.items())]
+    accumulated = [(g, twin.accumulated.get(n)) for n, g in value.accumulated.items()]
     ref_c = low_c = None
     if value.capture is not None:
         ref_c = Capture.from_payload(value.capture)
@@ -220,16 +249,36 @@ def twin_magnitudes(value: Any, twin: Any, case: ModuleCase, precision: torch.dt
         pairs += [(t, low_c.tensors.get(k)) for k, t in ref_c.tensors.items()]
     # Over the tensors the twin resolves: the relative error of a cancellation is no measure of the rest.
     rho = max((relative_error(a, b) for a, b in pairs if resolved(a, b)), default=0.0)
+    # Grads summed over micro-batches in the case's dtype round once more per micro-batch: their own worst
+    # error bounds them, and never loosens the single-step tensors' bounds.
+    rho_accumulated = max((relative_error(a, b) for a, b in accumulated if resolved(a, b)), default=rho)
+    # The scale of the terms of each kind (values of the forward, grads, trained parameters): what a tensor
+    # that is all rounding, or zero, in float64 is computed from (the query grad of one-token attention: its
+    # terms are the other grads' size), the scale the case's dtype rounds at.
+    kinds: dict[str, list[tuple[torch.Tensor | None, torch.Tensor | None]]] = {
+        "value": [(value.y, twin.y)],
+        "grad": [(value.dx, twin.dx), *((g, twin.grads.get(n)) for n, g in value.grads.items()),
+                 *((g, twin.accumulated.get(n)) for n, g in value.accumulated.items())],
+        "final": [(t, twin.final.get(n)) for n, t in value.final.items()],
+    }
+    if ref_c is not None and low_c is not None:
+        for k, t in ref_c.tensors.items():
+            kinds["grad" if k[1] in ("gin", "gout") else "value"].append((t, low_c.tensors.get(k)))
+    terms = {kind: max((_scale(a.detach().to(_F64)) for a, b in items if a is not None and _scale(
+        a.detach().to(_F64)) > 0 and relative_error(a, b) < 1.0), default=0.0) for kind, items in kinds.items()}
 
-    def eq(ref: torch.Tensor | None, low: torch.Tensor | None) -> torch.Tensor | None:
-        return _equivalent(ref, low, rho, at, dtype, tp, rows)
+    def eq(ref: torch.Tensor | None, low: torch.Tensor | None, kind: str, worst: float = rho) -> torch.Tensor | None:
+        return _equivalent(ref, low, worst, at, dtype, tp, rows, terms[kind])
 
     capture = None
     if ref_c is not None and low_c is not None:
         capture = Capture(active=False)
         capture.events = list(ref_c.events)
-        capture.tensors = {k: eq(t, low_c.tensors.get(k)) for k, t in ref_c.tensors.items()}  # type: ignore[misc]
+        capture.tensors = {k: eq(t, low_c.tensors.get(k), "grad" if k[1] in ("gin", "gout") else "value")  # type: ignore[misc]
+                           for k, t in ref_c.tensors.items()}
         capture = capture.as_payload()
-    return StepTensors(eq(value.y, twin.y), eq(value.dx, twin.dx),
-                       {n: eq(g, twin.grads.get(n)) for n, g in value.grads.items()}, capture,
-                       final={n: eq(t, twin.final.get(n)) for n, t in value.final.items()})  # type: ignore[misc]
+    return StepTensors(eq(value.y, twin.y, "value"), eq(value.dx, twin.dx, "grad"),
+                       {n: eq(g, twin.grads.get(n), "grad") for n, g in value.grads.items()}, capture,
+                       final={n: eq(t, twin.final.get(n), "final") for n, t in value.final.items()},  # type: ignore[misc]
+                       accumulated={n: eq(g, twin.accumulated.get(n), "grad", max(rho, rho_accumulated))
+                                    for n, g in value.accumulated.items()})

@@ -5,27 +5,34 @@ builds the module on its one-rank group in float64 — every collective is then 
 *is* the dense module — or the variant's ``dense`` builder. It draws the case's master values from
 ``seed``: every parameter (in ``named_parameters`` order; a 2-D or larger one scaled by
 ``1/sqrt(last dim)`` like ``nn.Linear``'s init, a vector by 0.5, so activations stay O(1)), then
-for every tp group and SGD step the input ``[*batch, sizes[0]]`` and, after the forward, the
+for every tp group and micro-batch the input ``[*batch, sizes[0]]`` and, after the forward, the
 upstream grad in the output's shape (scaled so that an SGD step moves each weight by about a tenth
-of its scale) — all float32 normal draws, in the case's dtype. Per
-tp group it trains ``TRAIN_STEPS`` SGD steps from the masters, recording the step-0 output, input
-grad and parameter grads and the final parameters, then repeats the steps as the magnitude run
-(:mod:`tpsim.props.module.magnitude`) for the tolerances.
+of its scale) — all float32 normal draws, in the case's dtype. Per tp group it trains from the
+masters as people train (:func:`tpsim.props.module.steps.step_plan`: two SGD steps (:class:`tpsim.props.rank.SGD`),
+the first accumulating the case's ``micro_batches`` micro-batches, ``zero_grad`` in the case's mode
+after each, clipped by ``torch.nn.utils.clip_grad_norm_`` to half the first step's total norm where
+the variant has a ``clip``), recording the first micro-batch's output, input grad and parameter
+grads, the grads accumulated over the first step, the total norms and the final parameters, then
+repeats the training as the magnitude run (:mod:`tpsim.props.module.magnitude`) for the tolerances.
 
 **The tp world** (``world_size`` ranks of the case's backend) builds the module on each rank's tp
 group, reads how each parameter is sharded (:mod:`tpsim.props.module.sharding`), lets the library
 load the masters where it has a loader (its builder, a loader method, a ``weight_loader``: tpsim then
 only reads back what it loaded) and writes each rank's piece of the others
-(:mod:`tpsim.props.module.loading`), and runs the same steps on the group's data. Ranks return tensors, as a
-:class:`ModuleRankResult`; everything is compared in the parent (:mod:`tpsim.props.module.checks`).
+(:mod:`tpsim.props.module.loading`), runs one forward under ``torch.no_grad()`` on the first
+micro-batch's input (the inference path), then trains the same way on the group's data: plain
+``backward()`` per micro-batch, so the module's grad hooks fire as in training; the trainer's sum of
+partial grads once per step; the variant's ``clip`` (given the reference's ``max_norm``); SGD.
+Ranks return tensors, as a :class:`ModuleRankResult`; everything is compared in the parent
+(:mod:`tpsim.props.module.checks`).
 
 A forward-only variant (``ModuleVariant(forward_only=True)``: an inference module, weights without
 grads, collectives outside autograd) runs one step in both worlds, its forward under
 ``torch.no_grad()``: no backward, no SGD step; the reference still draws that step's upstream
 grad (unused: the ranks read the output's shape from it), so a case draws the same numbers either
-way. :func:`steps_of` says how many steps a variant runs.
+way (:func:`tpsim.props.module.steps.step_plan`).
 
-With ``capture=True`` both worlds also record every sublayer's boundary tensors on step 0
+With ``capture=True`` both worlds also record every sublayer's boundary tensors on the first micro-batch
 (:mod:`tpsim.props.module.boundary`); the checks ask for that only for a case that fails.
 
 With ``tie`` (:data:`Ties`) the reference world makes rows of some masters equal before anything
@@ -37,6 +44,7 @@ with which (:func:`tpsim.props.module.checks.localise`).
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,10 +63,18 @@ from tpsim.props.module.dtensors import dtensor_layout, is_dtensor, local_grad, 
 from tpsim.props.module.loading import load_weights, read_back
 from tpsim.props.module.magnitude import MagnitudeMode, TapeEntry, UnboundedOp, ValueTape
 from tpsim.props.module.sharding import ParamLayout, declared_layout, infer_layout
-from tpsim.props.module.steps import StepTensors, assign
+from tpsim.props.module.steps import CLIP_FRACTION, StepTensors, assign, dense_step, step_plan, total_norm
 from tpsim.props.module.twin import twin_magnitudes, twin_run
 from tpsim.props.observation import DenseReferenceFailed, NotDeterministic, NotRealOutput, RankOutput
-from tpsim.props.rank import LR, TRAIN_STEPS, enter_rank, rank_phase, sgd_step, trainer_step
+from tpsim.props.rank import (
+    LR,
+    enter_rank,
+    kept_grad,
+    optimizer_of,
+    rank_phase,
+    trainer_step,
+    zero_grad_of,
+)
 from tpsim.props.tolerance import eps as eps_of
 from tpsim.seeding import manual_seed
 
@@ -82,12 +98,6 @@ __all__ = [
 ]
 
 _F64 = torch.float64
-
-
-def steps_of(variant: ModuleVariant) -> int:
-    """How many steps a case of ``variant`` runs: one forward for a forward-only variant, else
-    ``TRAIN_STEPS`` SGD steps."""
-    return 1 if variant.forward_only else TRAIN_STEPS
 
 
 def grad_mode(variant: ModuleVariant) -> Any:
@@ -145,7 +155,8 @@ def reference_main(payload: dict[str, Any]) -> Reference:
     """The one rank of the reference world (see the module docstring). Returns tensors only.
 
     Large modules (the lab note's MLP) make every full-size pass count: parameters are swapped in
-    (``p.data = ...``) rather than copied, and grads and final values are kept, not cloned."""
+    (``p.data = ...``) rather than copied, and final values are kept, not cloned (the recorded grads
+    are copies: training changes grads in place)."""
     case: ModuleCase = payload["case"]
     variant: ModuleVariant = variant_of(payload)
     manual_seed(case.seed)
@@ -174,38 +185,60 @@ def reference_main(payload: dict[str, Any]) -> Reference:
     precision = case.torch_dtype
     tapes: list[list[list[TapeEntry]]] = []
     forward_only = variant.forward_only
+    plan = step_plan(variant, case)
+    set_to_none = zero_grad_of(case)
     for _g in range(_n_groups(case)):
         assign(dense, {n: t.to(_F64, copy=True) for n, t in masters.items()})
+        _drop_grads(dense)  # every group starts as a freshly built module (zero_grad may have left zeros)
+        optimizer = None if forward_only else optimizer_of(dense)
         xs, gs, group_tapes = [], [], []
         first: tuple[Any, ...] = ()
-        for step in range(steps_of(variant)):
-            x_master = draw((*case.batch_shape, case.sizes[0]))
-            x = x_master.to(_F64, copy=True).requires_grad_(not forward_only)
-            capture = Capture().install(dense) if capture_on and step == 0 else None
-            tape = ValueTape()
-            with tape, grad_mode(variant):
-                y = variant.call(dense, x)
-            if isinstance(y, torch.Tensor) and not y.is_floating_point():
-                raise NotRealOutput(str(y.dtype).replace("torch.", ""))  # wrong-dtype: nothing to compare with
-            g_master = draw(tuple(y.shape), g_scale)
-            if not forward_only:
-                y.backward(g_master.to(_F64))
-            group_tapes.append(tape.entries)
-            kinked |= tape.kinked
-            if tape.narrowed is not None and eps_of(tape.narrowed) > eps_of(precision):
-                precision = tape.narrowed
-            if capture is not None:
-                capture.remove()
+        accumulated: dict[str, torch.Tensor | None] = {}
+        norms: list[float] = []
+        max_norm = None
+        micro = 0
+        for step, count in enumerate(plan):
+            for _ in range(count):
+                x_master = draw((*case.batch_shape, case.sizes[0]))
+                x = x_master.to(_F64, copy=True).requires_grad_(not forward_only)
+                capture = Capture().install(dense) if capture_on and micro == 0 else None
+                tape = ValueTape()
+                with tape, grad_mode(variant):
+                    y = variant.call(dense, x)
+                if isinstance(y, torch.Tensor) and not y.is_floating_point():
+                    raise NotRealOutput(str(y.dtype).replace("torch.", ""))  # wrong-dtype: nothing to compare with
+                g_master = draw(tuple(y.shape), g_scale)
+                if not forward_only:
+                    y.backward(g_master.to(_F64))  # accumulated: nothing is cleared between micro-batches
+                group_tapes.append(tape.entries)
+                kinked |= tape.kinked
+                if tape.narrowed is not None and eps_of(tape.narrowed) > eps_of(precision):
+                    precision = tape.narrowed
+                if capture is not None:
+                    capture.remove()
+                if micro == 0:
+                    # Copies: later micro-batches accumulate into the grads, a clip scales them, zero_grad may
+                    # zero them in place, and a module may keep them in a buffer it reuses (a main_grad).
+                    first = (y.detach(), None if x.grad is None else x.grad.detach(),
+                             {} if forward_only else {n: kept_grad(p) for n, p in dense.named_parameters()},
+                             None if capture is None else capture.as_payload())
+                xs.append(x_master)
+                gs.append(g_master)
+                micro += 1
+            if forward_only:
+                break
             if step == 0:
-                first = (y.detach(), None if x.grad is None else x.grad.detach(),
-                         {} if forward_only else {n: p.grad for n, p in dense.named_parameters()},
-                         None if capture is None else capture.as_payload())
-            xs.append(x_master)
-            gs.append(g_master)
-            if not forward_only:
-                sgd_step(dense)  # drops each grad after using it: the step-0 ones live on in ``first`` only
+                accumulated = {n: kept_grad(p) for n, p in dense.named_parameters()}
+                if variant.clip is not None:
+                    # Half the first step's dense total norm: clipping happens (ranks get it in ModuleData).
+                    start_norm = total_norm([p.grad for p in dense.parameters() if p.grad is not None])
+                    max_norm = CLIP_FRACTION * start_norm if start_norm > 0 else None
+            norm = dense_step(dense, optimizer, set_to_none=set_to_none, max_norm=max_norm)
+            if norm is not None:
+                norms.append(norm)
         values.append(StepTensors(*first, final={} if forward_only else {
-            n: p.detach() for n, p in dense.named_parameters()}))
+            n: p.detach() for n, p in dense.named_parameters()}, accumulated=accumulated, norms=norms,
+            max_norm=max_norm))
         tapes.append(group_tapes)
         inputs.append(xs)
         grads.append(gs)
@@ -230,7 +263,7 @@ def _finite(mag: StepTensors) -> bool:
     finite says "not finite" too, which only sends the case to the dense twin (never a looser
     bound). In the tensor's own dtype: at the lab note's size an ``isfinite`` mask per tensor was
     2.5 s of a 15 s check, a float64 sum 1.4 s, this one about 0.1 s."""
-    tensors = [mag.y, mag.dx, *mag.grads.values(), *mag.final.values()]
+    tensors = [mag.y, mag.dx, *mag.grads.values(), *mag.final.values(), *mag.accumulated.values()]
     return all(t is None or bool(torch.isfinite(t.sum())) for t in tensors)
 
 
@@ -251,8 +284,8 @@ def _oracle(variant: ModuleVariant, case: ModuleCase, dense: nn.Module, masters:
             try:
                 mags = []
                 for g in range(len(values)):
-                    mag, measured = _magnitudes(variant, dense, masters, inputs[g], grads[g], tapes[g], capture_on,
-                                                mag_dtype)
+                    mag, measured = _magnitudes(variant, case, dense, masters, inputs[g], grads[g], tapes[g],
+                                                capture_on, mag_dtype, values[g])
                     mag.derived = measured
                     mags.append(mag)
                 if all(_finite(m) for m in mags):
@@ -263,8 +296,9 @@ def _oracle(variant: ModuleVariant, case: ModuleCase, dense: nn.Module, masters:
             except Exception:
                 if mag_dtype == _F64:
                     break
-    return [twin_magnitudes(values[g], twin_run(variant, case, masters, inputs[g], grads[g], capture_on, precision),
-                            case, precision) for g in range(len(values))]
+    return [twin_magnitudes(values[g], twin_run(variant, case, masters, inputs[g], grads[g], capture_on, precision,
+                                                max_norm=values[g].max_norm), case, precision)
+            for g in range(len(values))]
 
 
 def _check_deterministic(variant: ModuleVariant, dense: nn.Module, masters: dict[str, torch.Tensor],
@@ -295,56 +329,99 @@ def _check_deterministic(variant: ModuleVariant, dense: nn.Module, masters: dict
                                float("nan"))
 
 
-def _magnitudes(variant: ModuleVariant, dense: nn.Module, masters: dict[str, torch.Tensor], inputs: list[torch.Tensor],
-                grads: list[torch.Tensor], tapes: list[list[TapeEntry]], capture_on: bool,
-                dtype: torch.dtype) -> tuple[StepTensors, Any]:
-    """The magnitude run of one tp group's steps: magnitudes of the step-0 output, input grad and
-    parameter grads, and of the parameters after every step (first-order: each step's update adds
-    ``LR`` times its grad's magnitude), computed in ``dtype``; parameter magnitudes are returned
-    in float32 (they are as large as the weights)."""
+def _magnitudes(variant: ModuleVariant, case: ModuleCase, dense: nn.Module, masters: dict[str, torch.Tensor],
+                inputs: list[torch.Tensor], grads: list[torch.Tensor], tapes: list[list[TapeEntry]],
+                capture_on: bool, dtype: torch.dtype, ref: StepTensors) -> tuple[StepTensors, Any]:
+    """The magnitude run of one tp group's training: magnitudes of the first micro-batch's output,
+    input grad and parameter grads, of the grads accumulated over the first optimizer step's
+    micro-batches (non-negative grads add up as the micro-batches accumulate), and of the parameters
+    after every step (first-order: each step's update adds ``LR`` times its grad's magnitude, clipped
+    where the target clips: :func:`clipped_magnitude`, from the float64 reference ``ref``'s norms),
+    computed in ``dtype``; parameter magnitudes are returned in float32 (they are as large as the
+    weights)."""
     current = {n: t.to(dtype, copy=True).abs_() for n, t in masters.items()}
+    _drop_grads(dense)  # the reference's last zero_grad may have left zeros of its dtype
     first: tuple[Any, ...] = ()
+    accumulated: dict[str, torch.Tensor | None] = {}
     measured = None
     forward_only = variant.forward_only
-    for step in range(steps_of(variant)):
+    plan = step_plan(variant, case)
+    micro = 0
+    for step, count in enumerate(plan):
         assign(dense, current)
+        for _ in range(count):
+            if micro == 0:
+                # Its real floating buffers (the parameters are in ``dtype`` already: no copy); a complex
+                # buffer (a rotary table) is left complex, not cast to its real part: arithmetic on it is
+                # refused (UnboundedOp) and the dense twin judges the module.
+                dense._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
+                with torch.no_grad():
+                    for buffer in dense.buffers():
+                        if buffer.is_floating_point():
+                            buffer.abs_()  # constants enter as magnitudes too (a rotary table's signs)
+            for p in dense.parameters():
+                p._tpsim_stages = 0  # type: ignore[attr-defined]
+            x = inputs[micro].detach().to(dtype, copy=True).abs_().requires_grad_(not forward_only)
+            x._tpsim_stages = 0  # type: ignore[attr-defined]
+            capture = Capture().install(dense) if capture_on and micro == 0 else None
+            mode = MagnitudeMode(tapes[micro])
+            with mode, grad_mode(variant):
+                y = variant.call(dense, x)
+            _check_magnitude(y, "the output")
+            # Grads of non-negative outputs through the bounding rules are non-negative: checking the
+            # output and the input grad covers every op the run went through.
+            if not forward_only:
+                y.backward(grads[micro].to(dtype).abs())
+            if capture is not None:
+                capture.remove()
+            if micro == 0:
+                measured = mode.measured
+                _check_magnitude(x.grad, "the input grad")
+                # Copies (float32 of a float32 grad would be the grad itself, which later micro-batches add to).
+                first = (y.detach().to(_F64), None if x.grad is None else x.grad.detach().to(_F64),
+                         {} if forward_only else {n: None if p.grad is None else p.grad.to(torch.float32, copy=True)
+                                                  for n, p in dense.named_parameters()},
+                         None if capture is None else capture.as_payload())
+            micro += 1
+        if forward_only:
+            break
         if step == 0:
-            # Its real floating buffers (the parameters are in ``dtype`` already: no copy); a complex
-            # buffer (a rotary table) is left complex, not cast to its real part: arithmetic on it is
-            # refused (UnboundedOp) and the dense twin judges the module.
-            dense._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
-            with torch.no_grad():
-                for buffer in dense.buffers():
-                    if buffer.is_floating_point():
-                        buffer.abs_()  # constants enter as magnitudes too (a rotary table's signs)
-        for p in dense.parameters():
-            p._tpsim_stages = 0  # type: ignore[attr-defined]
-        x = inputs[step].detach().to(dtype, copy=True).abs_().requires_grad_(not forward_only)
-        x._tpsim_stages = 0  # type: ignore[attr-defined]
-        capture = Capture().install(dense) if capture_on and step == 0 else None
-        mode = MagnitudeMode(tapes[step])
-        with mode, grad_mode(variant):
-            y = variant.call(dense, x)
-        _check_magnitude(y, "the output")
-        # Grads of non-negative outputs through the bounding rules are non-negative: checking the
-        # output and the input grad covers every op the run went through.
-        if not forward_only:
-            y.backward(grads[step].to(dtype).abs())
-        if capture is not None:
-            capture.remove()
-        if step == 0:
-            measured = mode.measured
-            _check_magnitude(x.grad, "the input grad")
-            first = (y.detach().to(_F64), None if x.grad is None else x.grad.detach().to(_F64),
-                     {} if forward_only else {n: None if p.grad is None else p.grad.float()
-                                              for n, p in dense.named_parameters()},
-                     None if capture is None else capture.as_payload())
+            accumulated = {n: None if p.grad is None else p.grad.to(torch.float32, copy=True)
+                           for n, p in dense.named_parameters()}
+        scale = None
+        if ref.max_norm is not None and step < len(ref.norms):
+            k = (measured.reduction if measured is not None else 0) + case.rows
+            scale = clipped_magnitude([p.grad for p in dense.parameters() if p.grad is not None], ref.norms[step],
+                                      ref.max_norm, k, case.tp_size or case.world_size)
         for name, p in dense.named_parameters():
             if p.grad is not None:
-                current[name].add_(p.grad, alpha=LR)  # also the parameter: it shares the storage
+                # also the parameter: it shares the storage
+                current[name].add_(p.grad, alpha=LR if scale is None else LR * scale)
             p.grad = None
     final = {} if forward_only else {n: t.float() for n, t in current.items()}
-    return StepTensors(*first, final=final), measured
+    return StepTensors(*first, final=final, accumulated=accumulated), measured
+
+
+def _drop_grads(module: nn.Module) -> None:
+    for p in module.parameters():
+        p.grad = None
+
+
+def clipped_magnitude(mags: list[torch.Tensor], norm: float, max_norm: float, k: int, tp: int) -> float:
+    """The factor ``s`` that makes ``s * M`` the magnitude of a grad of magnitude ``M`` once clipped by
+    global norm (``g * c``, ``c = min(1, max_norm / (N + 1e-6))``, ``N`` the float64 reference's total
+    norm ``norm``): the tp run's clip coefficient errs by the grads' own errors (bounded by the
+    tolerance of their magnitudes, ``||tol(M)||_2 / N`` relative) and by the rounding of its sum of
+    ``n`` squares (the tolerance model with reduction length ``n``: ``sqrt(n + tp) / sqrt(k + tp)``
+    times the unit of a reduction of length ``k``), each times ``|g| <= M``::
+
+        s = c * (1 + ||M||_2 / N + sqrt((n + tp) / (k + tp)))
+
+    ``k``: the reduction length the grads are compared with (the magnitude run's, plus the rows)."""
+    c = min(1.0, max_norm / (norm + 1e-6))
+    n = sum(m.numel() for m in mags)
+    spread = total_norm([m.to(_F64) for m in mags]) / norm if norm > 0 else 0.0
+    return c * (1.0 + spread + math.sqrt((n + tp) / (max(k, 1) + tp)))
 
 
 @dataclass
@@ -491,10 +568,15 @@ class ModuleRankResult(RankOutput):
       that the library does not load: its own init);
     - ``loaded``: every parameter the library loaded (:mod:`tpsim.props.module.loading`), as this rank
       holds it right after loading: judged against the dense weights;
-    - ``input_grad``, ``grads``: step-0 grads (None where none came);
-    - ``summed_grads``: the step-0 grads of ``partial`` after the trainer's sum;
-    - ``final``: every parameter after ``TRAIN_STEPS`` SGD steps;
-    - ``capture``: the sublayer boundaries of step 0 (:meth:`Capture.as_payload`), when asked for;
+    - ``input_grad``, ``grads``: the first micro-batch's grads (None where none came);
+    - ``accumulated``: the grads after the first optimizer step's micro-batches (before the trainer's sum);
+    - ``summed_grads``: the first step's accumulated grads of ``partial`` after the trainer's sum;
+    - ``norms``: what the target's clip returned at each optimizer step (a float, or the type name of
+      what it returned instead); empty without a clip;
+    - ``no_grad_output``: the output of one forward under ``torch.no_grad()`` on the first micro-batch's
+      input before training (``no_grad_type``: the type it returned);
+    - ``final``: every parameter after the last optimizer step;
+    - ``capture``: the sublayer boundaries of the first micro-batch (:meth:`Capture.as_payload`), when asked for;
     - ``frozen``: every parameter has ``requires_grad=False`` (an inference module: the report
       suggests ``--forward-only`` when it is not checked so).
     """
@@ -506,7 +588,11 @@ class ModuleRankResult(RankOutput):
     init: dict[str, torch.Tensor] = field(default_factory=dict)
     input_grad: torch.Tensor | None = None
     grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    accumulated: dict[str, torch.Tensor | None] = field(default_factory=dict)
     summed_grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    norms: list[float | str] = field(default_factory=list)
+    no_grad_output: torch.Tensor | None = None
+    no_grad_type: str | None = None
     final: dict[str, torch.Tensor] = field(default_factory=dict)
     capture: dict[str, Any] | None = None
     frozen: bool = False
@@ -549,39 +635,85 @@ def rank_main(payload: dict[str, Any]) -> ModuleRankResult:
     result.init = {n: t for n, t in init.items() if n in layouts and isinstance(layouts[n].placement, Replicate)
                    and n not in by_library}
     forward_only = variant.forward_only
-    for step in range(steps_of(variant)):
-        x_full = inputs[step]
-        x = _laid_out(_cut(x_full, input_placement(variant, x_full.dim()), rank, tp), case.input_layout)
-        x.requires_grad_(not forward_only)
-        capture = Capture().install(module) if payload.get("capture") and step == 0 else None
-        with rank_phase("forward", step), grad_mode(variant):
-            out = result.read(variant.call(module, x))
-        g_full = upstream[step]
-        want = _cut(g_full, output_placement(variant, g_full.dim()), rank, tp)
-        if result.unusable(out, want.shape, graph=x):
+    if not forward_only:
+        _no_grad_forward(variant, case, module, inputs[0], rank, tp, result)
+    optimizer = None if forward_only else optimizer_of(module)
+    set_to_none = zero_grad_of(case)
+    max_norm = data.max_norms[me.g] if variant.clip is not None and data.max_norms else None
+    micro = 0
+    for step, count in enumerate(step_plan(variant, case)):
+        for _ in range(count):
+            x_full = inputs[micro]
+            x = _laid_out(_cut(x_full, input_placement(variant, x_full.dim()), rank, tp), case.input_layout)
+            x.requires_grad_(not forward_only)
+            capture = Capture().install(module) if payload.get("capture") and micro == 0 else None
+            with rank_phase("forward", micro), grad_mode(variant):
+                out = result.read(variant.call(module, x))
+            g_full = upstream[micro]
+            want = _cut(g_full, output_placement(variant, g_full.dim()), rank, tp)
+            if result.unusable(out, want.shape, graph=x):
+                if capture is not None:
+                    capture.remove()
+                    result.capture = capture.as_payload()  # the forward's boundaries show where it went wrong
+                return result  # nothing to back-propagate: a wrong shape or dtype, or an output cut off from autograd
+            if not forward_only:
+                # Plain backward per micro-batch, nothing cleared in between: grads accumulate and every
+                # grad hook (post-accumulate, tensor, module backward hooks) fires as in training.
+                with rank_phase("backward", micro):
+                    out.backward(_laid_out(want.to(out.dtype), case.input_layout))
             if capture is not None:
                 capture.remove()
-                result.capture = capture.as_payload()  # the forward's boundaries show where it went wrong
-            return result  # nothing to back-propagate: a wrong shape or dtype, or an output cut off from autograd
-        if not forward_only:
-            with rank_phase("backward", step):
-                out.backward(_laid_out(want.to(out.dtype), case.input_layout))
-        if capture is not None:
-            capture.remove()
-            result.capture = capture.as_payload()
-        if forward_only:  # one forward: no grads, nothing trained
-            result.output = out.detach().clone()
-            return result
+                result.capture = capture.as_payload()
+            if forward_only:  # one forward: no grads, nothing trained
+                result.output = out.detach().clone()
+                return result
+            if micro == 0:
+                result.output = out.detach().clone()
+                result.input_grad = None if x.grad is None else x.grad.detach().clone()
+                # Copies, as in the reference world (later micro-batches, the trainer's sum, a clip and
+                # zero_grad change grads in place; a module may keep them in a buffer it reuses).
+                result.grads = {n: _rank_grad(p) for n, p in params.items()}
+            micro += 1
         if step == 0:
-            result.output = out.detach().clone()
-            result.input_grad = None if x.grad is None else x.grad.detach().clone()
-            # Kept, not cloned: the SGD step below replaces each grad rather than changing it (the
-            # trainer's sum changes the partial ones in place: those are cloned).
-            result.grads = {n: None if p.grad is None else local_grad(p).detach().clone() if n in partial or is_dtensor(p)
-                            else p.grad.detach() for n, p in params.items()}
-        trainer_step(module, {name: params[name] for name in partial}, me.group, step, result.summed_grads)
+            result.accumulated = {n: _rank_grad(p) for n, p in params.items()}
+        norm = trainer_step(optimizer, {name: params[name] for name in partial}, me.group, step, result.summed_grads,
+                            set_to_none=set_to_none, clip=variant.clip, max_norm=max_norm,
+                            params=list(module.parameters()))
+        if variant.clip is not None and max_norm is not None:
+            result.norms.append(_read_norm(norm))
     result.final = {n: local_value(p) for n, p in params.items()}
     return result
+
+
+def _rank_grad(p: Any) -> torch.Tensor | None:
+    """A copy of ``p``'s grad as this rank stores it (:func:`local_grad`: a DTensor's local piece)."""
+    if p.grad is None:
+        return None
+    return local_grad(p).detach().clone() if is_dtensor(p) else kept_grad(p)
+
+
+def _read_norm(norm: Any) -> float | str:
+    """What a clip function returned as the total norm: a float (a DTensor read whole), else its type
+    name (the checks report a clip that returns no norm)."""
+    if is_dtensor(norm):
+        norm = norm.full_tensor()
+    if isinstance(norm, torch.Tensor) and norm.numel() == 1:
+        return float(norm.detach().to(_F64))
+    if isinstance(norm, (int, float)) and not isinstance(norm, bool):
+        return float(norm)
+    return type(norm).__name__
+
+
+def _no_grad_forward(variant: ModuleVariant, case: ModuleCase, module: nn.Module, x_full: torch.Tensor, rank: int,
+                     tp: int, result: ModuleRankResult) -> None:
+    """One forward under ``torch.no_grad()`` on the first micro-batch's input, before training: the
+    inference path a module may take when grad is disabled (transformers' ColwiseParallel runs a local
+    kernel then), judged like the forward output (:attr:`ModuleRankResult.no_grad_output`)."""
+    x = _laid_out(_cut(x_full, input_placement(variant, x_full.dim()), rank, tp), case.input_layout)
+    with rank_phase("forward", 0), torch.no_grad():
+        out = result.read(variant.call(module, x))
+    result.no_grad_type = type(out).__name__
+    result.no_grad_output = out.detach().clone() if isinstance(out, torch.Tensor) else None
 
 
 @dataclass
@@ -593,6 +725,8 @@ class ModuleData:
     masters: dict[str, torch.Tensor]
     inputs: list[list[torch.Tensor]]
     grads: list[list[torch.Tensor]]
+    #: Per tp group, the ``max_norm`` of the target's clip (the reference's; None: no clipping).
+    max_norms: list[float | None] = field(default_factory=list)
 
 
 def is_divisible(variant: ModuleVariant, case: ModuleCase) -> bool:
