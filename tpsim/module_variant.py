@@ -182,6 +182,9 @@ class ModuleVariant:
     load: Callable[[nn.Module, dict[str, torch.Tensor]], Any] | str | None = None
     unsharded: tuple[str, ...] = ()
     dtypes: tuple[str, ...] | None = None
+    #: Parameters the dense module itself keeps in a dtype of its own whatever the case's dtype
+    #: (``(name, "float32")``: an MoE router created in float32): judged in that dtype, not the case's.
+    own_dtypes: tuple[tuple[str, str], ...] = ()
     #: The library's clip by global norm, ``clip(parameters, max_norm) -> total_norm`` (see the module docstring).
     clip: Callable[..., Any] | None = None
 

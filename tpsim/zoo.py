@@ -239,7 +239,7 @@ def run_parent(args: Any, out: TextIO, err: TextIO) -> int:
             mine = sorted(kept + mine, key=lambda r: r["family"])
         doc["libraries"][library] = {"meta": {
             "library": library, "version": _version(LIBRARIES[library][0]), "tpsim": _tpsim_version(),
-            "command": "tpsim zoo " + " ".join(shlex.quote(a) for a in args.argv), "max_examples": args.max_examples,
+            "command": "tpsim " + " ".join(shlex.quote(a) for a in args.argv), "max_examples": args.max_examples,
             "world_sizes": list(args.world_sizes), "dtypes": list(args.dtypes), "seed": args.seed, "jobs": jobs,
             "seconds": round(seconds, 1), "date": datetime.date.today().isoformat(), "cases_dir": args.cases_dir,
         }, "families": mine}

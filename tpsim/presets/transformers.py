@@ -156,7 +156,7 @@ def _variant(d: Any, root: Any, name: str, replace: type | None) -> Any:
         builder, plan, sizes=builder.names, name=name, plan_name=f"{config} tp plan",
         size_strategy=SizeRule(d, root), min_batch_dims=2, max_batch_dims=2, skip_unmatched=True,
         unsharded=tuple(n for n in builder.names if n not in ("hidden", "heads", "kv_heads", "ffn")),
-        dtypes=("float64", "float32") if root.discrete else None, notes=tuple(notes),
+        dtypes=("float64", "float32") if root.discrete else None, notes=tuple(notes), own_dtypes=root.own_dtypes,
         # a patch's parameters are its own (read by building it); the model's module's were found already
         parameters=None if replace is not None else root.params,
         description=f"{(replace.__module__ + '.' + replace.__qualname__) if replace else root.cls} at {root.path} of "

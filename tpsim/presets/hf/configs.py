@@ -404,6 +404,15 @@ def tiny_kwargs(config_cls: type) -> tuple[dict[str, Any], list[str]]:
             old = defaults.get("head_dim") or (defaults.get("hidden_size", 0) // max(defaults.get("num_attention_heads", 1), 1))
             kw["head_dim"] = MROPE_HEAD_DIM
         kw["rope_parameters"] = _scaled_mrope(rope, MROPE_HEAD_DIM / old)
+    rope = kw.get("rope_parameters", defaults.get("rope_parameters"))
+    if isinstance(rope, dict) and "original_max_position_embeddings" in str(rope):
+        # yarn / longrope scale from an original context the validator wants below the (tiny) maximum
+        limit = FIXED_SIZES["max_position_embeddings"] // 2
+        fixed = copy.deepcopy(dict(rope))
+        for d in (fixed, *(v for v in fixed.values() if isinstance(v, dict))):
+            if isinstance(d.get("original_max_position_embeddings"), int):
+                d["original_max_position_embeddings"] = min(d["original_max_position_embeddings"], limit)
+        kw["rope_parameters"] = fixed
     small = iter(range(1, VOCAB))
     for key, value in defaults.items():
         if key.endswith(("token_id", "token_index")) or (key.endswith("_id") and "token" in key):

@@ -119,6 +119,8 @@ class Root:
     role: str
     train: bool = True
     notes: tuple[str, ...] = ()
+    #: Parameters the module keeps in a dtype of its own (an MoE router made in float32): ``(name, dtype)``.
+    own_dtypes: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -428,10 +430,12 @@ def _settings(names: tuple[str, ...], probe: Mapping[str, int], switches: tuple[
     return list(dict.fromkeys(out))
 
 
-def _checked_alone(builder: ModelModule, settings: list[tuple[int, ...]]) -> tuple[bool, tuple[str, ...], bool] | str:
+def _checked_alone(builder: ModelModule, settings: list[tuple[int, ...]]) -> tuple[bool, tuple[str, ...], bool,
+                                                                                 tuple[tuple[str, str], ...]] | str:
     """Run the module alone at each of ``settings`` (:func:`_smoke`): whether it runs in training mode
     (else eval mode: its training forward is not a function of its input), the names of its
-    parameters at every setting, and whether its forward decides on values; or why it cannot be checked."""
+    parameters at every setting, whether its forward decides on values, and the parameters it keeps
+    in a dtype of its own (not float64 in a float64 build); or why it cannot be checked."""
     train = True
     for values in settings:
         deterministic, error = _smoke(builder, values)
@@ -444,18 +448,21 @@ def _checked_alone(builder: ModelModule, settings: list[tuple[int, ...]]) -> tup
         if error is not None:
             return error
     params: set[str] = set()
+    own: dict[str, str] = {}
     discrete = False
     b, s = _PROBE
     for values in settings:
         held = builder(*values, dtype=torch.float64)
         params.update(n for n, _ in held.named_parameters())
+        own.update((n, str(p.dtype).replace("torch.", "")) for n, p in held.named_parameters()
+                   if p.is_floating_point() and p.dtype != torch.float64)
         hidden = values[builder.names.index("hidden")]
         x = torch.randn(b, s, hidden, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
         mode = _Discrete()
         with torch.no_grad(), mode:
             held(x)
         discrete = discrete or bool(mode.found)
-    return train, tuple(sorted(params)), discrete
+    return train, tuple(sorted(params)), discrete, tuple(sorted(own.items()))
 
 
 def _role_name(found: _RootFound) -> str:
@@ -604,10 +611,10 @@ def _describe(config_cls: type) -> Described:
         if isinstance(found_root, str):
             not_checked.append((f.path, f"built alone at tiny sizes, its dense forward fails: {found_root}"))
             continue
-        train, params, discrete = found_root
+        train, params, discrete, own_dtypes = found_root
         roots.append(Root(name=name, path=f.path, cls=_path(f.cls), layers=root.layers, plan=root.plan, call=call,
                           switches=mine, discrete=discrete, params=params, role=f.role, train=train,
-                          notes=(DISCRETE_NOTE,) if discrete else ()))
+                          notes=(DISCRETE_NOTE,) if discrete else (), own_dtypes=own_dtypes))
     return Described(config=_path(config_cls), model=_path(model_cls), base=tuple(sorted(base.items())), sizes=sizes,
                      head_dim=head_dim, head_dim_explicit=explicit, mha=mha, shard_heads=shard_heads,
                      switches=tuple(s for s, _ in switches), roots=tuple(roots), not_checked=tuple(not_checked),

@@ -205,7 +205,9 @@ class Held(nn.Module):
                 width = int(x.shape[-1])
                 ids = torch.argmax(x.detach().abs(), dim=-1) * (self._vocab or 1) // width
             return first_tensor(self._held(ids))
-        args, kwargs = self._arguments(x)
+        # The model passes its hidden states to the module batch-first and contiguous (the output of
+        # its own norm or layer): a module checked as its model calls it gets them so.
+        args, kwargs = self._arguments(x.contiguous())
         return first_tensor(self._held(*args, **kwargs))
 
 

@@ -9,7 +9,7 @@ A case of a module (:mod:`tpsim.presets.hf.discovery`) draws, for a tp group of 
 - ``hidden``: ``heads * head_dim`` (twice that too where the config sets ``head_dim`` itself), a
   multiple of the tp size; without heads, ``8 * tp`` or ``16 * tp``;
 - ``ffn``: ``4 * tp`` or ``8 * tp`` (every intermediate size of the config: dense, experts', shared);
-- ``experts``: 2, 3 or 4 and ``top_k``: 1 or 2 (at most the experts);
+- ``experts``: 2, 3 or 4 and ``top_k`` 2 (top-1 with normalised weights leaves the router no grad);
 - each switch 0 or 1 (:class:`~tpsim.presets.hf.discovery.Switch`), and ``layer``: which of the
   layers that hold the module (a sliding and a full one, a dense and an MoE one, ...).
 
@@ -68,7 +68,9 @@ class SizeRule:
             if "experts" in names:
                 out["experts"] = d(st.integers(2, 4))
             if "top_k" in names:
-                out["top_k"] = d(st.integers(1, min(2, out.get("experts", 2))))
+                # 2: with one expert per token a router that normalises its top-k weights has weight 1
+                # whatever its logits, so its grad is exactly zero and is judged against rounding alone
+                out["top_k"] = 2
             for name in root.switches:
                 out[name] = d(st.integers(0, 1))
             if "layer" in names:

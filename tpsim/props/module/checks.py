@@ -177,6 +177,12 @@ class ModuleContext(GroupContext):
             self.layouts = refined(self.layouts, self.loaded, ref.masters, self.loaded_bound)  # type: ignore[union-attr]
         #: Replicated parameters whose grad the trainer sums (see tpsim.props.module.world).
         self.partial = set(values[0].partial)
+        #: Parameters the dense module keeps in a dtype of its own (ModuleVariant.own_dtypes).
+        self.own_dtypes = {n: getattr(torch, d) for n, d in getattr(variant, "own_dtypes", ())}
+
+    def dtype_of(self, param: str | None) -> torch.dtype:
+        """The dtype ``param`` (and its grad) is held in: the case's, or the module's own for it."""
+        return self.own_dtypes.get(param, self.dtype) if param else self.dtype
 
     def loaded_bound(self, full: torch.Tensor) -> torch.Tensor:
         """The bound of a loaded parameter of dense value ``full``: a copy is exact, a sum of ``tp``
@@ -223,7 +229,7 @@ def judged(ctx: ModuleContext, prop: str, placed: Placed, fast_mag: torch.Tensor
         return None
     if fast_mag is not None:
         placed.tol = ctx.bound(fast_mag)
-    found = verdict(placed, ctx.dtype, recognisers)
+    found = verdict(placed, ctx.dtype_of(placed.param), recognisers)
     if found is None:
         return None
     diag, rank = found
@@ -503,7 +509,7 @@ def _forward_from_construction(ctx: ModuleContext) -> Failure | None:
     """What the library loaded, then the output: a mis-slice is named where it happens."""
     if any(ctx.loaded):
         found = construction_failure(ctx.layouts, ctx.loaded, ctx.obs.data.masters, ctx.loaded_bound,  # type: ignore[union-attr]
-                                     ctx.dtype, ctx.fail)
+                                     ctx.dtype, ctx.fail, own=ctx.own_dtypes)
         if found is not None:
             return found
     return _forward(ctx)
@@ -645,7 +651,7 @@ class _Boundaries:
                 continue
             placed = param_placed(self.ctx, pname, [g.get(pname) for g in self.rank_grads], full)
             placed.tol = self.ctx.bound(self.mag_grads[pname])
-            found = verdict(placed, self.ctx.dtype)
+            found = verdict(placed, self.ctx.dtype_of(pname))
             if found is not None:
                 return _Culprit(name, "param", found[0])
         return None
