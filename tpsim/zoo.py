@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, TextIO
 
 __all__ = ["DEFAULT_CASES_DIR", "DEFAULT_JSON", "DEFAULT_MAX_EXAMPLES", "DEFAULT_OUT", "DEFAULT_WORLD_SIZES", "LIBRARIES",

@@ -65,7 +65,7 @@ def family_of(module: str) -> str | None:
     return parts[2] if len(parts) > 2 and parts[2] else None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def described(config_path: str) -> Any:
     """The discovery of one config class (:func:`tpsim.presets.hf.discovery.describe`), once per process
     and kept on disk (:func:`tpsim.presets.hf.cache.cached`): every worker of a check resolves the same
@@ -78,7 +78,7 @@ def described(config_path: str) -> Any:
     return cached(config_cls, describe)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _plan_configs(family: str) -> tuple[str, ...]:
     from tpsim.presets.hf.configs import plan_configs
 

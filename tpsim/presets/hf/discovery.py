@@ -575,7 +575,6 @@ def _describe(config_cls: type) -> Described:
         found = []
     finally:
         recorder.remove()
-    hidden = probe["hidden"]
     names_taken: set[str] = set()
     roots = []
     shard_heads = _shards_heads(plan)
