@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from tpsim.presets.hf import configs
-from tpsim.presets.hf.modules import Call, ModelModule, first_tensor
+from tpsim.presets.hf.modules import Call, ModelModule, first_tensor, stand_in_fill
 
 __all__ = ["DISCRETE_NOTE", "Described", "Root", "Switch", "describe"]
 
@@ -393,6 +393,26 @@ def _nondeterministic_buffers(model_cls: type, config: Any) -> tuple[str, ...]:
                         and not torch.equal(t.nan_to_num(), b[n].nan_to_num())))
 
 
+def _dense_runs(config: Any, model: str) -> bool:
+    """Whether the dense model of ``config`` (class path ``model``) runs a forward on token ids."""
+    from tpsim.presets.hf.modules import _resolve
+
+    try:
+        with _quiet(), torch.no_grad():
+            config._attn_implementation = "eager"
+            if hasattr(config, "_experts_implementation"):
+                config._experts_implementation = "eager"
+            built = _resolve(model)(config)
+            stand_in_fill(built)  # torch.empty experts and routers: values a forward can run on
+            ids = torch.randint(0, configs.VOCAB, (1, 2), generator=torch.Generator().manual_seed(3))
+            built(input_ids=ids, use_cache=False)
+    except TypeError:
+        return True  # a model that needs other inputs (a tower): its modules were found runnable alone
+    except Exception:  # noqa: BLE001 - the family refuses these sizes in its forward
+        return False
+    return True
+
+
 def _smoke(builder: ModelModule, values: tuple[int, ...]) -> tuple[bool, str | None]:
     """Run the module alone, densely, forward and backward, twice: (deterministic, error or None)."""
     try:
@@ -406,6 +426,10 @@ def _smoke(builder: ModelModule, values: tuple[int, ...]) -> tuple[bool, str | N
             y = held(x)
             if not isinstance(y, torch.Tensor) or not y.is_floating_point():
                 return True, f"its output is {type(y).__name__}, not a floating tensor"
+            if y.dtype != torch.float64:
+                return True, (f"the model keeps it in {str(y.dtype).replace('torch.', '')} whatever the model's dtype "
+                              "(its output in a float64 model is not float64): tpsim judges a module in the case's "
+                              "dtype only")
             if y.dim() != 3 or tuple(y.shape[:2]) != _PROBE:
                 return True, f"its output has shape {list(y.shape)}, not [batch, seq, features]"
             outs.append(y.detach().clone())

@@ -27,6 +27,42 @@ from tpsim.presets.hf.discovery import Described, Root
 __all__ = ["SizeRule"]
 
 
+#: What :func:`_valid` found, by the repr of its arguments (a config's base holds lists: not hashable).
+_VALID: dict[str, bool] = {}
+
+
+def _valid(config: str, model: str, base: tuple[tuple[str, Any], ...], values: tuple[int, ...],
+           names: tuple[str, ...], switches: tuple[tuple[str, Any], ...]) -> bool:
+    """Whether the family accepts these sizes: its config's validators, and its model's constructor
+    (built on the meta device: some modeling code refuses sizes the config lets through, e.g. an odd
+    number of key/value heads for a differential attention). Refused values are no case of it."""
+    key = repr((config, model, base, values, names, switches))
+    if key not in _VALID:
+        _VALID[key] = _accepted(config, model, base, values, names, switches)
+    return _VALID[key]
+
+
+def _accepted(config: str, model: str, base: tuple[tuple[str, Any], ...], values: tuple[int, ...],
+              names: tuple[str, ...], switches: tuple[tuple[str, Any], ...]) -> bool:
+    import torch
+
+    from tpsim.presets.hf.configs import config_for
+    from tpsim.presets.hf.modules import _resolve
+
+    drawn = {k: v for k, v in zip(names, values, strict=True) if k not in dict(switches)}
+    try:
+        config = config_for(_resolve(config), dict(base), drawn, dict(switches))
+        with torch.device("meta"):
+            _resolve(model)(config)
+    except Exception:  # noqa: BLE001 - the family refuses these values
+        return False
+    # Some modeling code refuses sizes only in its forward (product-key experts need a square expert
+    # count): the dense tiny model runs once on token ids, densely, as the model a user builds would.
+    from tpsim.presets.hf.discovery import _dense_runs
+
+    return _dense_runs(config, model)
+
+
 @dataclass(frozen=True)
 class SizeRule:
     """``rule(tp, divisible)``: the strategy of one module's size tuples (see the module docstring)."""
@@ -42,11 +78,7 @@ class SizeRule:
             return st.nothing()
         described, root = self.described, self.root
         names = described.names_of(root)
-        from tpsim.presets.hf.configs import config_for
-        from tpsim.presets.hf.modules import _resolve
-
-        config_cls = _resolve(described.config)
-        base = dict(described.base)
+        base_key = described.base
 
         @st.composite
         def draw(d: Any) -> tuple[int, ...]:
@@ -78,10 +110,8 @@ class SizeRule:
             values = tuple(out[n] for n in names)
             switches = {s.attr: (s.on if out.get(s.name) else s.off) for s in described.switches
                         if s.name in root.switches and not s.attr.startswith("_")}
-            try:
-                config_for(config_cls, base, {k: v for k, v in out.items() if k not in switches}, switches)
-            except Exception:  # noqa: BLE001 - the family's validators refuse these values
-                assume(False)
+            assume(_valid(described.config, described.model, base_key, values, names,
+                          tuple(sorted(switches.items()))))
             return values
 
         return draw()
