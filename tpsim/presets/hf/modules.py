@@ -317,7 +317,8 @@ def _replaced(model: nn.Module, path: str, module: nn.Module, cls: type, config:
     params = list(inspect.signature(cls.__init__).parameters)[1:]
     args: list[Any] = [config.get_text_config() if hasattr(config, "get_text_config") else config]
     if len(params) > 1 and params[1] in ("layer_idx", "layer_id", "layer_number"):
-        args.append(getattr(module, "layer_idx", int(path.rsplit(".", 2)[-2]) if ".layers." in f".{path}" else 0))
+        index = next((int(part) for part in path.split(".") if part.isdigit()), 0)  # model.layers.<i>[.mlp]
+        args.append(getattr(module, "layer_idx", index))
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
