@@ -137,7 +137,19 @@ def family_inventory(family: str) -> dict[str, Any]:
                             "rules": len(root.plan), "discrete": root.discrete})
     not_checked = [{"name": path.rpartition(".")[2] or path, "path": path, "config": config, "reason": why}
                    for config, path, why in skipped]
-    return {"configs": configs, "modules": modules, "not_checked": not_checked}
+    return {"configs": configs, "modules": modules, "not_checked": not_checked, "notes": _family_notes(family)}
+
+
+def _family_notes(family: str) -> list[str]:
+    """What the tiny configs of ``family`` change besides sizes that leaves something unchecked."""
+    out = []
+    for config_path in _plan_configs(family):
+        try:
+            d = described(config_path)
+        except Exception:  # noqa: BLE001 - listed among the skipped ones already
+            continue
+        out += [f"{config_path.rpartition('.')[2]}: {n}" for n in d.notes if n.startswith("not checked")]
+    return out
 
 
 def _variant(d: Any, root: Any, name: str, replace: type | None) -> Any:
@@ -219,9 +231,10 @@ class TransformersPreset:
         if not variants:
             why = "; ".join(f"{c} {p}: {w}" for c, p, w in skipped) or "no module of its tiny model is named by a rule"
             raise InvalidArgument(f"{module}: no module of its plans can be checked ({why})")
-        if skipped:
+        extra = ([_not_checked_note(skipped)] if skipped else []) + _family_notes(family)
+        if extra:
             first = variants[0]
-            variants[0] = first.replace(notes=(*first.notes, _not_checked_note(skipped)))
+            variants[0] = first.replace(notes=(*first.notes, *extra))
         return variants
 
     def variants(self, cls: Any, kind: str) -> list[Any]:
