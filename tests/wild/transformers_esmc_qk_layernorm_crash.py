@@ -37,7 +37,6 @@ def tiny_config():
 
 
 def model_class():
-    import transformers
     from transformers.models.esmc import modeling_esmc
 
     return modeling_esmc.EsmcModel
