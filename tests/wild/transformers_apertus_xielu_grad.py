@@ -90,7 +90,18 @@ def run(rank, port, mode, q):
     cfg = tiny_config()
     cls = model_class()
     torch.manual_seed(0)
-    src = cls(cfg).to(DTYPE)
+    # built in the model's dtype as from_pretrained(dtype=...) builds it: parameters a module makes in a dtype of
+    # its own (a router in float32) and the modules the class keeps in float32 stay so
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(DTYPE)
+    try:
+        src = cls(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    keep = getattr(src, "_keep_in_fp32_modules", None) or []
+    for name, module in src.named_modules():
+        if any(k in name.split(".") for k in keep):
+            module.float()
     fill(src)
     import copy
 
