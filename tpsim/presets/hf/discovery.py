@@ -239,9 +239,22 @@ def _names_under(model: nn.Module, found: _RootFound) -> frozenset[str]:
     return frozenset(out)
 
 
+#: The most parameters a tiny model may have: a config whose sub-configs were not all shrunk (a composite
+#: default is tens of billions) is refused before anything is allocated, never built for real.
+MAX_TINY_PARAMETERS = 5_000_000
+
+
 def _meta_model(model_cls: type, config: Any) -> nn.Module:
     with torch.device("meta"):
         return model_cls(config)
+
+
+def check_tiny(model_cls: type, config: Any) -> None:
+    """Refuse (LookupError) a tiny config whose model has more than :data:`MAX_TINY_PARAMETERS`."""
+    count = sum(p.numel() for p in _meta_model(model_cls, config).parameters())
+    if count > MAX_TINY_PARAMETERS:
+        raise LookupError(f"its tiny config still has {count:,} parameters (a sub-config tpsim does not shrink): "
+                          f"more than {MAX_TINY_PARAMETERS:,}, not built")
 
 
 @dataclass
@@ -529,6 +542,7 @@ def _describe(config_cls: type) -> Described:
     config = config_for(config_cls, base, probe, {})
     attn = "sdpa" if getattr(model_cls, "_supports_sdpa", False) else "eager"
     config._attn_implementation = attn
+    check_tiny(model_cls, config)
     model = model_cls(config)
     plan = dict(model.tp_plan or {})
     found, unmatched = _roots(model, plan)
@@ -546,6 +560,7 @@ def _describe(config_cls: type) -> Described:
             try:
                 other_config = config_for(config_cls, trial, probe, {})
                 other_config._attn_implementation = attn
+                check_tiny(model_cls, other_config)
                 other = model_cls(other_config)
                 _, fewer = _roots(other, dict(other.tp_plan or {}))
             except Exception:  # noqa: BLE001 - a tweak the family refuses is no way of its

@@ -208,7 +208,11 @@ class Held(nn.Module):
         # The model passes its hidden states to the module batch-first and contiguous (the output of
         # its own norm or layer): a module checked as its model calls it gets them so.
         args, kwargs = self._arguments(x.contiguous())
-        return first_tensor(self._held(*args, **kwargs))
+        y = first_tensor(self._held(*args, **kwargs))
+        if isinstance(y, torch.Tensor) and y.dim() == 2 and y.shape[0] == x.shape[0] * x.shape[1]:
+            # an MoE block that returns its tokens flattened ([batch * seq, hidden]); the model reshapes them
+            y = y.view(x.shape[0], x.shape[1], y.shape[-1])
+        return y
 
 
 def _is_cache(value: Any) -> bool:

@@ -44,21 +44,18 @@ def _valid(config: str, model: str, base: tuple[tuple[str, Any], ...], values: t
 
 def _accepted(config: str, model: str, base: tuple[tuple[str, Any], ...], values: tuple[int, ...],
               names: tuple[str, ...], switches: tuple[tuple[str, Any], ...]) -> bool:
-    import torch
-
     from tpsim.presets.hf.configs import config_for
+    from tpsim.presets.hf.discovery import _dense_runs, check_tiny
     from tpsim.presets.hf.modules import _resolve
 
     drawn = {k: v for k, v in zip(names, values, strict=True) if k not in dict(switches)}
     try:
         config = config_for(_resolve(config), dict(base), drawn, dict(switches))
-        with torch.device("meta"):
-            _resolve(model)(config)
+        check_tiny(_resolve(model), config)  # built on the meta device
     except Exception:  # noqa: BLE001 - the family refuses these values
         return False
     # Some modeling code refuses sizes only in its forward (product-key experts need a square expert
     # count): the dense tiny model runs once on token ids, densely, as the model a user builds would.
-    from tpsim.presets.hf.discovery import _dense_runs
 
     return _dense_runs(config, model)
 
