@@ -56,3 +56,43 @@ class BiasTwiceLlamaDecoderLayer(LlamaDecoderLayer):
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
         self.mlp.down_proj = _LocalKernelLinear(config.intermediate_size, config.hidden_size, bias=True)
+
+
+# --- seeded defects in other families: one plan rule changed, as a patch of the family's module would ---
+
+from transformers.models.gemma3.modeling_gemma3 import Gemma3MLP  # noqa: E402
+from transformers.models.mistral.modeling_mistral import MistralAttention  # noqa: E402
+from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock  # noqa: E402
+from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP  # noqa: E402
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock  # noqa: E402
+
+
+class WrongPlanQwen2MLP(Qwen2MLP):
+    """Bug: the down projection planned column-parallel (rowwise turned colwise)."""
+
+    tp_plan = {"down_proj": "colwise"}
+
+
+class WrongPlanMistralAttention(MistralAttention):
+    """Bug: the output projection planned column-parallel (rowwise turned colwise)."""
+
+    tp_plan = {"o_proj": "colwise"}
+
+
+class WrongPlanGemma3MLP(Gemma3MLP):
+    """Bug: the down projection planned column-parallel (rowwise turned colwise)."""
+
+    tp_plan = {"down_proj": "colwise"}
+
+
+class LocalExpertsQwen3MoeBlock(Qwen3MoeSparseMoeBlock):
+    """Bug: the experts run on their local shards with no reduction (``local_params`` in place of
+    ``moe_tp_experts``): each rank's output is its partial sum."""
+
+    tp_plan = {"experts": "local_params"}
+
+
+class WrongPlanMixtralMoeBlock(MixtralSparseMoeBlock):
+    """Bug: the experts' down projection planned column-parallel (rowwise turned colwise)."""
+
+    tp_plan = {"experts.down_proj": "colwise"}

@@ -345,8 +345,8 @@ def _decoder(target: str) -> Any:
 #: (softmax over one key). At tp 3 they are 6e-20 in the float64 reference, exactly 0 in the bfloat16
 #: twin and 2e-10 on an inproc rank (gloo's ranks happened to round them to 0), once judged against a
 #: bound of 9e-19; at tp 4, 4e-18 and 2e-9 (once named grad-scaled, -2.7e8 x the dense grad).
-_ONE_TOKEN = [dict(world_size=3, sizes=(6, 6, 6, 3), batch_shape=(1, 1), dtype="bfloat16", seed=3),
-              dict(world_size=4, sizes=(32, 8, 8, 8), batch_shape=(1, 1), dtype="bfloat16", seed=27)]
+_ONE_TOKEN = [dict(world_size=3, sizes=dict(hidden=6, heads=6, ffn=6), batch_shape=(1, 1), dtype="bfloat16", seed=3),
+              dict(world_size=4, sizes=dict(hidden=32, heads=8, ffn=8), batch_shape=(1, 1), dtype="bfloat16", seed=27)]
 
 
 @pytest.mark.parametrize("one_token", _ONE_TOKEN, ids=["tp3", "tp4"])
@@ -355,8 +355,10 @@ def test_a_one_token_decoder_layer_in_bfloat16_passes_and_a_real_defect_there_fa
                                                                                    one_token: dict) -> None:
     pytest.importorskip("transformers")
     layer = _decoder("transformers.models.llama")
-    case = ModuleCase(**one_token, size_names=layer.sizes)
+    # the preset's sizes by name: switches (bias switches, the layer drawn) off, the first layer
+    sizes = tuple(one_token["sizes"].get(n, 0) for n in layer.sizes)
+    case = ModuleCase(**{**one_token, "sizes": sizes}, size_names=layer.sizes, unsharded=layer.unsharded)
     assert MODULE.check_case(layer, case, backend=backend) == []
     bias_twice = _decoder(f"{ROOT / 'tests' / 'hf_subclasses.py'}:BiasTwiceLlamaDecoderLayer")
     (forward,) = MODULE.check_case(bias_twice, case, backend=backend)
-    assert (forward.property, forward.label) == ("forward-equivalence", "mlp.down_proj: bias-duplication")
+    assert (forward.property, forward.label) == ("forward-equivalence", "model.layers.0.mlp.down_proj: bias-duplication")

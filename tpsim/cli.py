@@ -42,6 +42,12 @@ from tpsim.props.faults import FAULT_DETECTION
 from tpsim.props.search import DEFAULT_MAX_EXAMPLES, DEFAULT_MAX_SIZE, DEFAULT_WORLD_SIZES, HANG_BUDGET
 from tpsim.runner import BACKENDS, DEFAULT_TIMEOUT
 from tpsim.variant import INPUT_GRADS, INPUTS, OUTPUTS, PARAM_GRADS
+from tpsim.zoo import DEFAULT_CASES_DIR as ZOO_CASES_DIR
+from tpsim.zoo import DEFAULT_JSON as ZOO_JSON
+from tpsim.zoo import DEFAULT_MAX_EXAMPLES as ZOO_MAX_EXAMPLES
+from tpsim.zoo import DEFAULT_OUT as ZOO_OUT
+from tpsim.zoo import DEFAULT_WORLD_SIZES as ZOO_WORLD_SIZES
+from tpsim.zoo import LIBRARIES as ZOO_LIBRARY_TARGETS
 
 __all__ = ["DEFAULT_CASES_DIR", "EXIT_CODES", "EXIT_FAILED", "EXIT_INTERNAL", "EXIT_INTERRUPTED", "EXIT_OK",
            "EXIT_USAGE", "build_parser", "main", "run_command"]
@@ -78,6 +84,7 @@ INPUT_GRAD_CHOICES = INPUT_GRADS
 DTYPE_CHOICES = tuple(DTYPES)
 REPORT_CHOICES = ("text", "json")
 _WS_TEXT = ",".join(map(str, DEFAULT_WORLD_SIZES))
+ZOO_LIBRARIES = tuple(ZOO_LIBRARY_TARGETS)
 
 
 class UsageError(Exception):
@@ -317,7 +324,47 @@ def build_parser() -> _Parser:
     replay.add_argument("--allow-outside-target", dest="allow_outside_target", action="store_true",
                         help="import a target file outside the current directory and the case file's directory "
                         "(a case file is data: by default it cannot make tpsim import code from elsewhere)")
+    zoo = sub.add_parser(
+        "zoo",
+        help="check every model family of a library that has a tp plan, and write the table",
+        description="Check every model family of LIBRARY with a tp plan (transformers: every transformers.models "
+        "family whose config defines a base_model_tp_plan; torchtitan: every model with a tp plan) module by module, "
+        "as tpsim check checks each, and write the table of PASS, FAIL (diagnosis, sublayer, a case file that "
+        "replays) and not checked (the feature it needs) per family and module (docs/zoo.md).",
+    )
+    zoo.add_argument("libraries", nargs="+", choices=ZOO_LIBRARIES, metavar="LIBRARY",
+                     help=f"{' and/or '.join(ZOO_LIBRARIES)}")
+    zoo.add_argument("--families", type=_name_list, default=None, metavar="NAME,NAME,...",
+                     help="these families only (e.g. llama,qwen3_moe); without --out the table goes to stdout and "
+                     "docs are left alone")
+    zoo.add_argument("--max-examples", dest="max_examples", type=_bounded_int(1), default=ZOO_MAX_EXAMPLES,
+                     metavar="N", help=f"examples per module (default: {ZOO_MAX_EXAMPLES})")
+    zoo.add_argument("--jobs", type=_bounded_int(1), default=1, metavar="J",
+                     help="families checked at once, each job a process of its own (default: 1)")
+    zoo.add_argument("--world-sizes", dest="world_sizes", type=_int_list(1), default=ZOO_WORLD_SIZES,
+                     metavar="N,N,...", help=f"world sizes to draw from (default: {','.join(map(str, ZOO_WORLD_SIZES))})")
+    zoo.add_argument("--dtypes", type=_dtype_list, default=DTYPE_CHOICES, metavar="D,D,...",
+                     help=f"dtypes to draw from (default: {','.join(DTYPE_CHOICES)})")
+    zoo.add_argument("--seed", type=_bounded_int(0), default=0, metavar="N", help="seed of every search (default: 0)")
+    zoo.add_argument("--timeout", type=_seconds, default=DEFAULT_TIMEOUT, metavar="S",
+                     help=f"seconds any collective wait may block (default: {DEFAULT_TIMEOUT:g})")
+    zoo.add_argument("--cases-dir", dest="cases_dir", default=None, metavar="DIR",
+                     help=f"where failing cases are saved, per library (default: {ZOO_CASES_DIR} for a whole run, "
+                     f"{DEFAULT_CASES_DIR} with --families)")
+    zoo.add_argument("--out", default=None, metavar="FILE.md",
+                     help=f"the table (default: {ZOO_OUT} for a whole run, stdout with --families)")
+    zoo.add_argument("--json", default=None, metavar="FILE.json",
+                     help=f"its JSON twin, merged with the other library's section (default: {ZOO_JSON} for a whole run)")
+    zoo.add_argument("--verbose", action="store_true", help="print every module's verdict as it comes")
+    zoo.add_argument("--shard", default=None, help=argparse.SUPPRESS)
     return parser
+
+
+def _name_list(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names or not all(n.replace("_", "").replace(".", "").isalnum() for n in names):
+        raise argparse.ArgumentTypeError(f"{text!r}; expected names separated by commas, e.g. llama,qwen3_moe")
+    return names
 
 
 # --- output helpers ------------------------------------------------------------------------------
@@ -1196,7 +1243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return int(exit_.code or 0)
         if args.command is None:
             parser.print_usage(err)
-            print("tpsim: error: name a command: check or replay (see 'tpsim --help')", file=err)
+            print("tpsim: error: name a command: check, replay or zoo (see 'tpsim --help')", file=err)
             return EXIT_USAGE
     except UsageError as e:
         print(f"{e.prog}: error: {e}", file=err)
@@ -1205,13 +1252,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("tpsim: internal error (a bug in tpsim; please report it with this traceback):", file=err)
         traceback.print_exc(file=err)
         return EXIT_INTERNAL
+    if args.command == "zoo" and args.shard is None:
+        # The parent of a zoo run lists families and starts the shards (each a supervised session); it
+        # runs no checked code itself.
+        from tpsim import zoo
+
+        _zoo_defaults(args, argv)
+        try:
+            return zoo.run_parent(args, out, err)
+        except KeyboardInterrupt:
+            print("tpsim zoo: interrupted", file=err)
+            return EXIT_INTERRUPTED
     # --- session: the target is imported and run in a supervised worker, never here (tpsim.session)
     from tpsim import session
 
-    subject = args.target if args.command == "check" else args.case_file
+    subject = {"check": getattr(args, "target", None), "replay": getattr(args, "case_file", None)}.get(
+        args.command) or " ".join(getattr(args, "libraries", ()))
     codes = {"failed": EXIT_FAILED, "usage": EXIT_USAGE, "internal": EXIT_INTERNAL, "interrupted": EXIT_INTERRUPTED}
     return session.supervise(argv, out, err, runner=run_command, codes=codes, version=_version(),
-                             command=args.command, subject=subject, json_report=args.report == "json")
+                             command=args.command, subject=subject, json_report=getattr(args, "report", "") == "json")
+
+
+def _zoo_defaults(args: argparse.Namespace, argv: Sequence[str]) -> None:
+    """A whole zoo run writes docs/zoo.md, docs/zoo.json and docs/zoo_cases; a run of some families the
+    table to stdout and its cases where tpsim check saves them, unless told otherwise."""
+    whole = args.families is None
+    args.cases_dir = args.cases_dir or (ZOO_CASES_DIR if whole else DEFAULT_CASES_DIR)
+    if whole:
+        args.out = args.out or ZOO_OUT
+        args.json = args.json or ZOO_JSON
+    args.argv = list(argv)
 
 
 def run_command(argv: Sequence[str], out: TextIO, err: TextIO) -> int:
@@ -1223,6 +1293,10 @@ def run_command(argv: Sequence[str], out: TextIO, err: TextIO) -> int:
         args = build_parser().parse_args(argv)
         if args.command == "check":
             return _check(args, argv, out, err)
+        if args.command == "zoo":
+            from tpsim.zoo import run_shard
+
+            return run_shard(args, err)
         return _replay(args, out, err)
     except UsageError as e:
         print(f"{e.prog}: error: {e}", file=err)

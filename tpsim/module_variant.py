@@ -73,6 +73,13 @@ Fields:
     own piece, ``param.weight_loader(param, full)``; tpsim writes the others' pieces (the module has
     no loader: its layout is declared or read from the shapes).
 
+- ``unsharded``: names of sizes no rank splits — a config's counts and switches (experts, top-k, a
+  bias switch drawn 0 or 1) rather than dims a tp group divides: no divisibility is asked of them,
+  and a case may draw them 0.
+- ``dtypes``: the dtypes the variant is checked in (None: every dtype the family checks), e.g. the
+  float64 and float32 only of a module whose forward takes discrete decisions on its activations (an
+  MoE router's top-k), where a bfloat16 rounding difference flips a decision (give the reason in
+  ``notes``).
 - ``forward_only``: an inference module (weights with ``requires_grad=False``, collectives outside
   autograd, e.g. vLLM's): its forward runs once per case under ``torch.no_grad()`` (the dense
   reference and its twin likewise), with no backward and no SGD steps, and only forward
@@ -173,6 +180,11 @@ class ModuleVariant:
     #: read): what the properties that apply depend on (no bias, no bias grads to check).
     parameters: tuple[str, ...] | None = None
     load: Callable[[nn.Module, dict[str, torch.Tensor]], Any] | str | None = None
+    unsharded: tuple[str, ...] = ()
+    dtypes: tuple[str, ...] | None = None
+    #: Parameters the dense module itself keeps in a dtype of its own whatever the case's dtype
+    #: (``(name, "float32")``: an MoE router created in float32): judged in that dtype, not the case's.
+    own_dtypes: tuple[tuple[str, str], ...] = ()
     #: The library's clip by global norm, ``clip(parameters, max_norm) -> total_norm`` (see the module docstring).
     clip: Callable[..., Any] | None = None
 
@@ -203,6 +215,19 @@ class ModuleVariant:
         for size, low in zip(sizes, minimum, strict=True):
             _positive_int(low, f"ModuleVariant {self.name!r}: min_sizes entry for {size!r}")
         object.__setattr__(self, "min_sizes", minimum)
+        unsharded = (self.unsharded,) if isinstance(self.unsharded, str) else tuple(self.unsharded)
+        if any(n not in sizes[1:] for n in unsharded):
+            raise InvalidArgument(f"ModuleVariant {self.name!r}: unsharded={self.unsharded!r}; expected names of sizes "
+                                  f"{list(sizes[1:])} (not the input's feature size {sizes[0]!r})")
+        object.__setattr__(self, "unsharded", unsharded)
+        if self.dtypes is not None:
+            from tpsim.props.case import DTYPES
+
+            dtypes = (self.dtypes,) if isinstance(self.dtypes, str) else tuple(self.dtypes)
+            if not dtypes or any(d not in DTYPES for d in dtypes):
+                raise InvalidArgument(f"ModuleVariant {self.name!r}: dtypes={self.dtypes!r}; expected None or some of "
+                                      f"{', '.join(DTYPES)}")
+            object.__setattr__(self, "dtypes", dtypes)
         output = _OUTPUT_ALIASES.get(self.output, self.output)
         object.__setattr__(self, "output", output)
         for attr, allowed in (("input", MODULE_INPUTS), ("output", MODULE_OUTPUTS), ("input_grad", INPUT_GRADS)):

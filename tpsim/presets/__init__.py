@@ -8,13 +8,17 @@ one line here. Nothing imports a library until a target needs it.
 
 A preset's variants belong to the family of their kind: Column/RowParallelLinear to the linear
 family, a vocab-parallel embedding and cross-entropy to those of :mod:`tpsim.props.vocab`, each of
-which asks :func:`library_variants` for its own kinds.
+which asks :func:`library_variants` for its own kinds. A preset whose library has more classes than a
+list can name (every transformers model family) says which classes it adapts by a rule instead
+(``kind_of(cls)``: their kind, or None) and builds a module target's variants itself
+(``target_variants(module, kinds)``).
 
 - :mod:`tpsim.presets.megatron`: Megatron-core's Column/RowParallelLinear, VocabParallelEmbedding and
   vocab_parallel_cross_entropy (:mod:`tpsim.presets.megatron_vocab`);
 - :mod:`tpsim.presets.fairscale`: fairscale's Column/RowParallelLinear;
-- :mod:`tpsim.presets.transformers`: Hugging Face Llama/Qwen2/Mistral MLPs, attentions and decoder
-  layers under their own ``base_model_tp_plan`` (plan targets of the module family);
+- :mod:`tpsim.presets.transformers`: every Hugging Face transformers family with a tp plan, module by
+  module (decoder layers, attentions, MLPs, MoE blocks, embeddings, heads) under its own plan, found
+  generically (plan targets of the module family);
 - :mod:`tpsim.presets.torchtitan`: torchtitan's Llama 3 feed-forward, attention and transformer block
   under its own tp sharding.
 """
@@ -48,11 +52,17 @@ def preset_for_class(obj: Any) -> tuple[Preset, str] | None:
     """``(preset, kind)`` when ``obj`` is, or derives from, a class a preset adapts (the nearest such
     base in its MRO decides), or is a function a preset adapts; else None. Reads paths only:
     imports nothing."""
-    known = {path: (p, kind) for p in presets() for path, kind in p.classes.items()}
+    every = presets()
+    known = {path: (p, kind) for p in every for path, kind in p.classes.items()}
+    ruled = [p for p in every if callable(getattr(p, "kind_of", None))]
     for base in getattr(obj, "__mro__", None) or (obj,):
         hit = known.get(f"{getattr(base, '__module__', '')}.{getattr(base, '__qualname__', '')}")
         if hit is not None:
             return hit
+        for p in ruled:
+            kind = p.kind_of(base)
+            if kind is not None:
+                return p, kind
     return None
 
 
@@ -60,6 +70,9 @@ def library_variants(preset: Preset, kinds: Collection[str] | None = None, modul
     """The variants of the library's own layers (what a module target checks), of ``kinds`` only
     when given (each family asks for its own), and of the layers defined in ``module`` or below it
     only when given (``megatron.core.tensor_parallel.layers`` is not its ``cross_entropy``)."""
+    own = getattr(preset, "target_variants", None)
+    if callable(own) and module is not None:
+        return list(own(module, kinds))
     checked = preset.load()
     return [v for path, obj in checked.items()
             if (kinds is None or preset.classes[path] in kinds) and (module is None or path.startswith(module + "."))

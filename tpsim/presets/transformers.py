@@ -1,197 +1,252 @@
-"""The Hugging Face transformers preset: ``tpsim check transformers.models.llama`` (and ``.qwen2``, ``.mistral``).
+"""The Hugging Face transformers preset: ``tpsim check transformers.models.<family>``, any family with a tp plan.
 
-Tested with ``transformers==5.24.0``. For each model the preset builds its MLP, attention and decoder
-layer from a tiny config of the case's sizes (no download, no weights file) and checks each as a
-plan target (:mod:`tpsim.props.module.plans`): the dense module against itself parallelised by the
-model's own ``base_model_tp_plan`` (its ``layers.*.`` rules, re-rooted at the checked module), applied
-with transformers' own ``apply_tensor_parallelism`` over a 1-D mesh of the tp group. A subclass of
-one of these classes (a patch, a fork) is checked the same way under the same plan:
-``tpsim check mypatch.py:MyLlamaMLP``; a subclass may declare its own plan rules in a class attribute
-``tp_plan`` (paths relative to the module, e.g. ``{"down_proj": "rowwise"}``), which replace the
-model's rules for the paths it names.
+Tested with ``transformers==5.24.0``. For every config class of the family that defines a
+``base_model_tp_plan`` (a multimodal family's text config included), the preset builds the family's
+tiny model and finds, with nothing written per family (:mod:`tpsim.presets.hf`):
 
-What each rank gets:
+- the modules the plan shards: each decoder layer class, each child of a layer a rule names (the
+  attention, the MLP, the MoE block with its router, experts and shared experts, a linear attention),
+  the embedding (transformers' automatic ``embed_tokens: embedding_rowwise`` included) and the head
+  (``lm_head: colwise_gather_output``); each is a variant named after its class (a layer's module) or
+  its path (``embed_tokens``, ``lm_head``);
+- the sizes a case draws (hidden, heads, key/value heads, intermediate size, experts, top-k) and the
+  config switches that change the module's parameters or paths (bias switches, q/k norms, a q-LoRA
+  rank, the experts implementations, which layer: sliding or full, dense or MoE), drawn by
+  Hypothesis; the family's config validators and transformers' head rule decide which are valid
+  (:mod:`tpsim.presets.hf.sizes`);
+- how the model calls each module (its rotary tables per layer type, masks, positions: recorded from
+  the model's own forward, :mod:`tpsim.presets.hf.modules`), and eager attention where the model does
+  not support SDPA.
 
-- the config: ``hidden_size``, ``intermediate_size``, ``num_attention_heads``, ``num_key_value_heads``
-  from the case, ``head_dim`` 4, ``attn_implementation="sdpa"``, no dropout; the MLP takes
-  ``(hidden, ffn)``, the attention ``(hidden, heads, kv_heads)`` and the decoder layer
-  ``(hidden, ffn, heads, kv_heads)``, heads and key/value heads multiples of the tp size (the plan
-  shards whole heads);
-- the attention and the decoder layer take ``[batch, seq, hidden]`` (two batch dims) and get their
-  rotary tables from the model's own rotary embedding for positions ``0..seq-1``, computed in the
-  module's forward (:func:`_with_rotary`), with no mask: the tensor-parallel question is the same
-  with or without one;
-- the dense module built holding the case's weights, sharded by the plan's own code and each piece
-  loaded as ``from_pretrained`` loads it (:mod:`tpsim.props.module.plans`): tpsim writes none.
+Each module is checked as a plan target (:mod:`tpsim.props.module.plans`): the dense module against
+itself under the plan's rules for its path, applied by transformers' own ``apply_tensor_parallelism``
+after its own wildcard expansion, each DTensor parameter loaded as ``from_pretrained`` loads it; a
+rule that names nothing in a case's module (a rule for another kind of layer) is skipped, as
+transformers skips it. A module whose forward decides on its values (an MoE router) is checked in
+float64 and float32 only. A module that cannot be built alone or that the model never calls on token
+ids is not checked: the first variant's notes list it with the reason.
+
+A subclass of one of these modules (a patch, a fork) is checked in its place under the same plan:
+``tpsim check mypatch.py:MyLlamaMLP``; a class attribute ``tp_plan`` (paths relative to the module,
+e.g. ``{"down_proj": "colwise"}``) replaces the model's rules for the paths it names.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-from hypothesis import strategies as st
-from torch import nn
-
+from tpsim.errors import InvalidArgument
 from tpsim.presets._base import quiet_import
 
-__all__ = ["PRESET", "TransformersPreset"]
+__all__ = ["PRESET", "TransformersPreset", "described", "family_inventory", "family_of", "family_variants"]
 
-#: model -> (modeling module, config class, MLP, attention, decoder layer).
-_MODELS = {
-    "llama": ("modeling_llama", "LlamaConfig", "LlamaMLP", "LlamaAttention", "LlamaDecoderLayer"),
-    "qwen2": ("modeling_qwen2", "Qwen2Config", "Qwen2MLP", "Qwen2Attention", "Qwen2DecoderLayer"),
-    "mistral": ("modeling_mistral", "MistralConfig", "MistralMLP", "MistralAttention", "MistralDecoderLayer"),
-}
-_ROLES = ("mlp", "attention", "layer")
-#: The ``base_model_tp_plan`` prefix of each role's rules (the decoder layer's rules are all under it).
-_PREFIX = {"mlp": "layers.*.mlp.", "attention": "layers.*.self_attn.", "layer": "layers.*."}
-_SIZES = {"mlp": ("hidden", "ffn"), "attention": ("hidden", "heads", "kv_heads"),
-          "layer": ("hidden", "ffn", "heads", "kv_heads")}
-_HEAD_DIM = 4
+_PREFIX = "transformers.models."
 
 
-def _path(model: str, cls_name: str) -> str:
-    return f"transformers.models.{model}.{_MODELS[model][0]}.{cls_name}"
+class _FamilyTargets(tuple):
+    """The preset's module targets: ``transformers.models.<family>``, any family (``in``); iterates
+    over the package they live in."""
+
+    def __new__(cls) -> _FamilyTargets:
+        return super().__new__(cls, ("transformers.models",))
+
+    def __contains__(self, item: object) -> bool:
+        return isinstance(item, str) and item.startswith(_PREFIX) and item.count(".") == 2 and bool(item.split(".")[2])
 
 
-def _classes() -> dict[str, str]:
-    return {_path(m, names[i]): "module" for m, names in _MODELS.items() for i in (2, 3, 4)}
+def family_of(module: str) -> str | None:
+    """The family a module path belongs to (``transformers.models.llama.modeling_llama`` -> ``llama``)."""
+    if not module.startswith(_PREFIX):
+        return None
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[2] else None
 
 
-def _role_of(model: str, cls_name: str) -> str:
-    return _ROLES[_MODELS[model].index(cls_name) - 2]
+@functools.cache
+def described(config_path: str) -> Any:
+    """The discovery of one config class (:func:`tpsim.presets.hf.discovery.describe`), once per process
+    and kept on disk (:func:`tpsim.presets.hf.cache.cached`): every worker of a check resolves the same
+    variants without building and running the tiny model again."""
+    from tpsim.presets.hf.cache import cached
+    from tpsim.presets.hf.discovery import describe
+    from tpsim.presets.hf.modules import _resolve
+
+    config_cls = _resolve(config_path)
+    return cached(config_cls, describe)
 
 
-def _config(model: str, sizes: Mapping[str, int]) -> Any:
-    module = importlib.import_module(f"transformers.models.{model}.configuration_{model}")
-    config_cls = getattr(module, _MODELS[model][1])
-    heads = sizes.get("heads", 1)  # an MLP: one head divides any hidden size
-    config = config_cls(
-        hidden_size=sizes["hidden"], intermediate_size=sizes.get("ffn", 2), num_attention_heads=heads,
-        num_key_value_heads=sizes.get("kv_heads", heads), head_dim=_HEAD_DIM, num_hidden_layers=1, vocab_size=8,
-        attention_dropout=0.0, max_position_embeddings=64,
-    )
-    config._attn_implementation = "sdpa"
-    return config
+@functools.cache
+def _plan_configs(family: str) -> tuple[str, ...]:
+    from tpsim.presets.hf.configs import plan_configs
+
+    return tuple(f"{c.__module__}.{c.__qualname__}" for c in plan_configs(family))
 
 
-def _with_rotary(module: nn.Module, rotary: nn.Module, role: str, positions: int) -> nn.Module:
-    """The model's attention or decoder layer ``module``, made a module of one input ``[batch, seq,
-    hidden]`` in place (its own parameters and sublayer paths unchanged, so a finding names
-    ``o_proj``, not a wrapper's path). Its rotary tables come from the model's own rotary embedding
-    for positions ``0..seq-1``, computed once here (buffers: constants of the module, like the
-    model's own ``inv_freq``)."""
-    with torch.no_grad():
-        x = torch.zeros(1, positions, 1, dtype=torch.float64)
-        cos, sin = rotary(x, torch.arange(positions).unsqueeze(0))
-    module.register_buffer("rotary_cos", cos[0].clone(), persistent=False)
-    module.register_buffer("rotary_sin", sin[0].clone(), persistent=False)
-    own = module.forward  # the class's forward, bound
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        seq = x.shape[1]
-        tables = (module.rotary_cos[:seq].unsqueeze(0), module.rotary_sin[:seq].unsqueeze(0))
-        if role == "attention":
-            return own(x, position_embeddings=tables, attention_mask=None)[0]
-        return own(x, attention_mask=None, position_embeddings=tables)
-
-    module.forward = forward  # an instance attribute: nn.Module.__call__ calls it
-    return module
+def _not_checked_note(found: list[tuple[str, str, str]]) -> str:
+    return "not checked: " + "; ".join(f"{path} of {config} ({why})" for config, path, why in found)
 
 
-class _Dense:
-    """The dense builder of one class: ``dense(*sizes, dtype)`` (picklable: it is data)."""
+def family_variants(family: str, *, replace: Mapping[str, type] | None = None) -> tuple[list[Any], list[tuple[str, str, str]]]:
+    """The variants of ``family`` (one per module its plans shard) and the modules not checked,
+    ``(config, path, reason)``. ``replace``: a module class path -> the class checked in its place."""
+    variants, skipped = [], []
+    configs = _plan_configs(family)
+    if not configs:
+        raise InvalidArgument(f"transformers.models.{family} defines no base_model_tp_plan in its config classes: "
+                              "there is no plan to check")
+    names: set[str] = set()
+    for config_path in configs:
+        short = config_path.rpartition(".")[2]
+        try:
+            d = described(config_path)
+        except Exception as err:  # noqa: BLE001 - the config class is not checked, with the reason
+            skipped.append((short, "(all)", f"{type(err).__name__}: {err}"))
+            continue
+        skipped.extend((short, path, why) for path, why in d.not_checked)
+        for root in d.roots:
+            chosen = (replace or {}).get(root.cls)
+            if replace is not None and chosen is None:
+                continue
+            name = root.name if root.name not in names else f"{short}.{root.name}"
+            names.add(name)
+            variants.append(_variant(d, root, name, chosen))
+    return variants, skipped
 
-    def __init__(self, cls: type, model: str, role: str) -> None:
-        self.cls, self.model, self.role = cls, model, role
 
-    def __call__(self, *values: int, dtype: torch.dtype) -> nn.Module:
-        config = _config(self.model, dict(zip(_SIZES[self.role], values, strict=True)))
-        if self.role == "mlp":
-            return self.cls(config).to(dtype)
-        modeling = importlib.import_module(f"transformers.models.{self.model}.{_MODELS[self.model][0]}")
-        rotary = getattr(modeling, f"{_MODELS[self.model][2][:-3]}RotaryEmbedding")(config)
-        return _with_rotary(self.cls(config, layer_idx=0), rotary, self.role,
-                            config.max_position_embeddings).to(dtype)
+def family_inventory(family: str) -> dict[str, Any]:
+    """The modules of ``family`` as plain data (the zoo's table): each checked one (its variant's name,
+    path, class, config class, layers, switches and rules) and each one not checked, with the reason."""
+    variants, skipped = family_variants(family)
+    modules, configs = [], []
+    by_name = {v.name: v for v in variants}
+    for config_path in _plan_configs(family):
+        short = config_path.rpartition(".")[2]
+        configs.append(short)
+        try:
+            d = described(config_path)
+        except Exception:  # noqa: BLE001 - listed among the skipped ones already
+            continue
+        for root in d.roots:
+            name = next((n for n, v in by_name.items() if v.dense.path == root.path and v.dense.config == d.config
+                         and n.endswith(root.name)), root.name)
+            modules.append({"name": name, "path": root.path, "cls": root.cls.rpartition(".")[2], "config": short,
+                            "layers": list(root.layers), "switches": list(root.switches),
+                            "rules": len(root.plan), "discrete": root.discrete})
+    not_checked = [{"name": path.rpartition(".")[2] or path, "path": path, "config": config, "reason": why}
+                   for config, path, why in skipped]
+    return {"configs": configs, "modules": modules, "not_checked": not_checked, "notes": _family_notes(family)}
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Dense) and (self.cls, self.model, self.role) == (other.cls, other.model, other.role)
 
-    def __hash__(self) -> int:
-        return hash((self.cls, self.model, self.role))
+def _family_notes(family: str) -> list[str]:
+    """What the tiny configs of ``family`` change besides sizes that leaves something unchecked."""
+    out = []
+    for config_path in _plan_configs(family):
+        try:
+            d = described(config_path)
+        except Exception:  # noqa: BLE001 - listed among the skipped ones already
+            continue
+        out += [f"{config_path.rpartition('.')[2]}: {n}" for n in d.notes if n.startswith("not checked")]
+    return out
 
 
-def plan_for(model: str, role: str, cls: type) -> dict[str, str]:
-    """The model's ``base_model_tp_plan`` rules for ``role``, re-rooted at the checked module, with a
-    subclass's own ``tp_plan`` rules replacing the ones for the paths it names."""
-    module = importlib.import_module(f"transformers.models.{model}.configuration_{model}")
-    base = dict(getattr(module, _MODELS[model][1]).base_model_tp_plan)
-    prefix = _PREFIX[role]
-    plan = {k[len(prefix):]: v for k, v in base.items() if k.startswith(prefix)}
-    own = getattr(cls, "tp_plan", None)
+def _variant(d: Any, root: Any, name: str, replace: type | None) -> Any:
+    from tpsim.presets.hf.sizes import SizeRule
+    from tpsim.props.module.plans import plan_variant
+
+    plan = dict(root.plan)
+    notes = list(root.notes)
+    own = getattr(replace, "tp_plan", None) if replace is not None else None
     if isinstance(own, Mapping):
-        plan.update(own)
-    return plan
+        plan.update({f"{root.path}.{k}": v for k, v in own.items()})
+    builder = d.builder(root, replace)
+    config = d.config.rpartition(".")[2]
+    layers = f", layers {list(root.layers)} of its tiny model" if len(root.layers) > 1 else ""
+    return plan_variant(
+        builder, plan, sizes=builder.names, name=name, plan_name=f"{config} tp plan",
+        size_strategy=SizeRule(d, root), min_batch_dims=2, max_batch_dims=2, skip_unmatched=True,
+        unsharded=tuple(n for n in builder.names if n not in ("hidden", "heads", "kv_heads", "ffn")),
+        dtypes=("float64", "float32") if root.discrete else None, notes=tuple(notes), own_dtypes=root.own_dtypes,
+        # a patch's parameters are its own (read by building it); the model's module's were found already
+        parameters=None if replace is not None else root.params,
+        description=f"{(replace.__module__ + '.' + replace.__qualname__) if replace else root.cls} at {root.path} of "
+                    f"{d.model.rpartition('.')[2]} (a tiny {config}{layers}), {d.attn} attention, under the plan's "
+                    "rules for its path")
 
 
-def _head_sizes(role: str) -> Any:
-    def strategy(tp: int, divisible: bool) -> Any:
-        @st.composite
-        def draw(draw_fn: Any) -> tuple[int, ...]:
-            kv = tp * draw_fn(st.integers(1, 2))
-            heads = kv * draw_fn(st.integers(1, 2))
-            hidden = heads * draw_fn(st.integers(1, 3))  # the config requires a multiple of the heads
-            if role == "attention":
-                return (hidden, heads, kv)
-            # An intermediate size of 1 on one rank is a torch limitation, not a tp question: DTensor's
-            # view rule refuses to flatten [b, 1, 1] sharded on its last dim (torch 2.13: "would remove or
-            # reshape sharded dimension 2"), which F.linear does in down_proj at ffn=1, seq=1, tp=1.
-            return (hidden, tp * draw_fn(st.integers(2 if tp == 1 else 1, 3)), heads, kv)
-
-        return draw()
-
-    return strategy
+def _origin(cls: type) -> tuple[str, type]:
+    """The family and the transformers module class ``cls`` is, or derives from."""
+    for base in cls.__mro__:
+        family = family_of(getattr(base, "__module__", ""))
+        if family is not None and ".modeling_" in base.__module__:
+            return family, base
+    raise InvalidArgument(f"{cls!r} derives from no module class of transformers.models")
 
 
 class TransformersPreset:
-    """Llama, Qwen2 and Mistral MLPs, attentions and decoder layers under their own tp plans (see the
-    module docstring)."""
+    """Every transformers family with a tp plan, module by module (see the module docstring)."""
 
     name = "transformers"
     requirement = "transformers==5.24.0"
-    targets = tuple(f"transformers.models.{m}" for m in _MODELS)
-    classes = _classes()
+    targets = _FamilyTargets()
+    #: No fixed list: any module class of ``transformers.models.<family>.modeling_*`` (:meth:`kind_of`).
+    classes: Mapping[str, str] = {}
     rank_local: tuple[str, ...] = ()
 
-    def load(self) -> dict[str, Any]:
-        found = {}
-        for path in self.classes:
-            module, _, name = path.rpartition(".")
-            found[path] = getattr(quiet_import(self, module), name)
-        return found
+    def kind_of(self, cls: Any) -> str | None:
+        """``"module"`` for an ``nn.Module`` class of a transformers modeling module (not a whole
+        pretrained model), else None."""
+        module = getattr(cls, "__module__", "") or ""
+        if family_of(module) is None or ".modeling_" not in module or not isinstance(cls, type):
+            return None
+        from torch import nn
 
-    def _origin(self, cls: type) -> tuple[str, str]:
-        for base in cls.__mro__:
-            path = f"{base.__module__}.{base.__qualname__}"
-            if path in self.classes:
-                model = path.split(".")[2]
-                return model, _role_of(model, base.__qualname__)
-        raise ValueError(f"{cls!r} derives from no class of the transformers preset")
+        if not issubclass(cls, nn.Module):
+            return None
+        try:
+            from transformers import PreTrainedModel
+        except ImportError:
+            return "module"
+        return None if issubclass(cls, PreTrainedModel) else "module"
+
+    def load(self) -> dict[str, Any]:
+        quiet_import(self, "transformers")
+        return {}
+
+    def target_variants(self, module: str, kinds: Any = None) -> list[Any]:
+        """The variants of the module target ``transformers.models.<family>`` (of the ``module`` kind)."""
+        if kinds is not None and "module" not in kinds:
+            return []
+        self.load()
+        family = family_of(module)
+        if family is None:
+            raise InvalidArgument(f"{module!r} is not a transformers model family; expected transformers.models.<family>")
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            raise InvalidArgument(f"cannot import {module}: {err}") from None
+        variants, skipped = family_variants(family)
+        if not variants:
+            why = "; ".join(f"{c} {p}: {w}" for c, p, w in skipped) or "no module of its tiny model is named by a rule"
+            raise InvalidArgument(f"{module}: no module of its plans can be checked ({why})")
+        extra = ([_not_checked_note(skipped)] if skipped else []) + _family_notes(family)
+        if extra:
+            first = variants[0]
+            variants[0] = first.replace(notes=(*first.notes, *extra))
+        return variants
 
     def variants(self, cls: Any, kind: str) -> list[Any]:
-        from tpsim.props.module.plans import plan_variant
-
-        model, role = self._origin(cls)
-        plan = plan_for(model, role, cls)
-        fields: dict[str, Any] = {"plan_name": f"{model} base_model_tp_plan"}
-        if role != "mlp":
-            fields.update(size_strategy=_head_sizes(role), min_batch_dims=2)
-        return [plan_variant(_Dense(cls, model, role), plan, sizes=_SIZES[role], name=cls.__qualname__,
-                             description=f"{cls.__module__}.{cls.__qualname__} from a tiny {model} config under "
-                                         f"its base_model_tp_plan", **fields)]
+        family, base = _origin(cls)
+        path = f"{base.__module__}.{base.__qualname__}"
+        found, _ = family_variants(family, replace={path: cls})
+        if not found:
+            raise InvalidArgument(f"{cls.__qualname__} derives from {base.__qualname__}, which no rule of the "
+                                  f"{family} plans shards (or which the preset cannot build alone); see tpsim check "
+                                  f"transformers.models.{family}")
+        return [v.replace(name=cls.__qualname__ if len(found) == 1 else f"{cls.__qualname__}[{v.name}]")
+                for v in found]
 
 
 #: The preset object (listed in :data:`tpsim.presets.PRESETS`).

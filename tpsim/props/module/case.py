@@ -41,6 +41,9 @@ class ModuleCase(CaseBase):
     #: How every rank's input and upstream grads sit in memory (:data:`MODULE_INPUT_LAYOUTS`, see
     #: :mod:`tpsim.props.layouts`): real callers pass sequence-first buffers viewed batch-first, slices.
     input_layout: str = "contiguous"
+    #: The names (of ``size_names``) of sizes no rank splits: a config's counts and switches (experts,
+    #: top-k, a bias switch 0/1; :attr:`tpsim.module_variant.ModuleVariant.unsharded`). They may be 0.
+    unsharded: tuple[str, ...] = ()
     #: Micro-batches the first of the two optimizer steps of training equivalence accumulates, and
     #: ``optimizer.zero_grad``'s mode (:func:`tpsim.props.rank.schedule`); a case file without them
     #: (written before they existed) reads as ``micro_batches=2, set_to_none=True``.
@@ -48,22 +51,28 @@ class ModuleCase(CaseBase):
     set_to_none: bool = True
 
     family: ClassVar[str] = "module"
-    WRITTEN_WHEN_SET: ClassVar[tuple[str, ...]] = ("faults", "micro_batches", "set_to_none")
+    WRITTEN_WHEN_SET: ClassVar[tuple[str, ...]] = ("faults", "micro_batches", "set_to_none", "unsharded")
     REQUIRED: ClassVar[tuple[str, ...] | None] = ("world_size", "sizes")
-    TUPLES: ClassVar[tuple[str, ...]] = ("sizes", "batch_shape", "size_names")
+    TUPLES: ClassVar[tuple[str, ...]] = ("sizes", "batch_shape", "size_names", "unsharded")
 
     def _check(self) -> None:
         sizes = tuple(self.sizes)
         if not sizes:
             raise InvalidArgument("sizes=() must name at least one size (the input's feature size)")
-        for s in sizes:
-            if isinstance(s, bool) or not isinstance(s, int) or s < 1:
-                raise InvalidArgument(f"sizes entry={s!r} must be an int >= 1")
-        object.__setattr__(self, "sizes", sizes)
         names = tuple(self.size_names)
         if names and (len(names) != len(sizes) or not all(isinstance(n, str) for n in names)):
             raise InvalidArgument(f"size_names={list(names)!r} must name each of the {len(sizes)} sizes")
+        unsharded = tuple(self.unsharded)
+        if any(n not in names[1:] for n in unsharded):
+            raise InvalidArgument(f"unsharded={list(unsharded)!r} must name sizes of size_names={list(names)!r} "
+                                  "other than the first (the input's feature size)")
+        for i, s in enumerate(sizes):
+            least = 0 if names and names[i] in unsharded else 1
+            if isinstance(s, bool) or not isinstance(s, int) or s < least:
+                raise InvalidArgument(f"sizes entry={s!r} must be an int >= {least}")
+        object.__setattr__(self, "sizes", sizes)
         object.__setattr__(self, "size_names", names)
+        object.__setattr__(self, "unsharded", unsharded)
         self._check_layout()
         check_training(self)
 

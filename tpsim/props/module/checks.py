@@ -178,6 +178,12 @@ class ModuleContext(GroupContext):
             self.layouts = refined(self.layouts, self.loaded, ref.masters, self.loaded_bound)  # type: ignore[union-attr]
         #: Replicated parameters whose grad the trainer sums (see tpsim.props.module.world).
         self.partial = set(values[0].partial)
+        #: Parameters the dense module keeps in a dtype of its own (ModuleVariant.own_dtypes).
+        self.own_dtypes = {n: getattr(torch, d) for n, d in getattr(variant, "own_dtypes", ())}
+
+    def dtype_of(self, param: str | None) -> torch.dtype:
+        """The dtype ``param`` (and its grad) is held in: the case's, or the module's own for it."""
+        return self.own_dtypes.get(param, self.dtype) if param else self.dtype
 
     def loaded_bound(self, full: torch.Tensor) -> torch.Tensor:
         """The bound of a loaded parameter of dense value ``full``: a copy is exact, a sum of ``tp``
@@ -224,7 +230,7 @@ def judged(ctx: ModuleContext, prop: str, placed: Placed, fast_mag: torch.Tensor
         return None
     if fast_mag is not None:
         placed.tol = ctx.bound(fast_mag)
-    found = verdict(placed, ctx.dtype, recognisers)
+    found = verdict(placed, ctx.dtype_of(placed.param), recognisers)
     if found is None:
         return None
     diag, rank = found
@@ -421,7 +427,7 @@ def trained(case: Any, max_norm: float | None = None) -> str:
 def offending(variant: ModuleVariant, case: ModuleCase) -> tuple[str, list[int]]:
     """What does not divide by the tp size in ``case`` (its sizes, a sequence-sharded input's length)."""
     tp = case.tp_size or case.world_size
-    out = {n: s for n, s in zip(variant.sizes, case.sizes, strict=True) if s % tp}
+    out = {n: s for n, s in zip(variant.sizes, case.sizes, strict=True) if s % tp and n not in variant.unsharded}
     d = variant.sequence_dim_of(len(case.batch_shape) + 1) if variant.input == "sequence-sharded" else None
     if d is not None and case.batch_shape[d] % tp:
         out[f"the sequence length (dim {d})"] = case.batch_shape[d]
@@ -505,7 +511,7 @@ def _forward_from_construction(ctx: ModuleContext) -> Failure | None:
     """What the library loaded, then the output: a mis-slice is named where it happens."""
     if any(ctx.loaded):
         found = construction_failure(ctx.layouts, ctx.loaded, ctx.obs.data.masters, ctx.loaded_bound,  # type: ignore[union-attr]
-                                     ctx.dtype, ctx.fail)
+                                     ctx.dtype, ctx.fail, own=ctx.own_dtypes)
         if found is not None:
             return found
     return _forward(ctx)
@@ -647,7 +653,7 @@ class _Boundaries:
                 continue
             placed = param_placed(self.ctx, pname, [g.get(pname) for g in self.rank_grads], full)
             placed.tol = self.ctx.bound(self.mag_grads[pname])
-            found = verdict(placed, self.ctx.dtype)
+            found = verdict(placed, self.ctx.dtype_of(pname))
             if found is not None:
                 return _Culprit(name, "param", found[0])
         return None

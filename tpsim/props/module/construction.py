@@ -100,10 +100,12 @@ def refined(layouts: Mapping[str, ParamLayout], loaded: Sequence[Mapping[str, to
 
 def construction_failure(layouts: Mapping[str, ParamLayout], loaded: Sequence[Mapping[str, torch.Tensor]],
                          masters: Mapping[str, torch.Tensor], tol: Callable[[torch.Tensor], torch.Tensor],
-                         dtype: torch.dtype, fail: Callable[..., Failure]) -> Failure | None:
+                         dtype: torch.dtype, fail: Callable[..., Failure],
+                         own: Mapping[str, torch.dtype] | None = None) -> Failure | None:
     """The first parameter the library loaded whose pieces are not the dense weights' under its
     layout (see the module docstring), as a forward-equivalence failure of its sublayer; None when
-    every one is. ``fail(prop, diagnosis, rank, sublayer, **details)`` makes the failure."""
+    every one is. ``fail(prop, diagnosis, rank, sublayer, **details)`` makes the failure; ``own``: the
+    parameters the dense module keeps in a dtype of its own (judged in it, not in ``dtype``)."""
     names = [n for n in layouts if all(n in v for v in loaded) and n in masters]
     for name in names:
         layout = layouts[name]
@@ -114,7 +116,7 @@ def construction_failure(layouts: Mapping[str, ParamLayout], loaded: Sequence[Ma
         placed = Placed(f"{name} right after construction (as the library loaded it, {how})", pieces, full,
                         tol(full), layout.placement, summed=summed, uneven=layout.uneven, param=name,
                         biases=((name, full),) if summed else ())
-        found = verdict(placed, dtype)
+        found = verdict(placed, (own or {}).get(name, dtype))
         if found is not None:
             diag, rank = found
             return fail(FORWARD, diag, rank, name.rpartition(".")[0] or None, param=name, construction=True)

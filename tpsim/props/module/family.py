@@ -28,7 +28,7 @@ from typing import Any
 from torch import nn
 
 from tpsim.errors import InvalidArgument
-from tpsim.module_variant import GROUP_KEYWORDS, MODULE_KIND, ModuleVariant, module_from_class
+from tpsim.module_variant import GROUP_KEYWORDS, MODULE_KIND, ModuleVariant, SizeCatalog, module_from_class
 from tpsim.placement import Replicate
 from tpsim.props.family import ADAPTER_OPTIONS, Family, World
 from tpsim.props.module.case import ModuleCase
@@ -157,6 +157,16 @@ class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=Mod
         why = f"variant {variant.name!r} is forward-only, so only" if variant.forward_only else f"{self.subject} is checked for"
         return f"properties={list(properties)!r}: {why} {', '.join(applies)}; choose other properties"
 
+    def plan_dtypes(self, variant: ModuleVariant, dtypes: tuple[str, ...]) -> tuple[tuple[str, ...], list[str]]:
+        # A variant may be checked in some dtypes only (ModuleVariant.dtypes; its notes say why).
+        if variant.dtypes is None:
+            return super().plan_dtypes(variant, dtypes)
+        kept = tuple(d for d in dtypes if d in variant.dtypes)
+        if not kept:
+            raise InvalidArgument(f"dtypes={list(dtypes)!r}: {variant.name!r} is checked in {', '.join(variant.dtypes)} "
+                                  "only (see its notes)")
+        return kept, ([] if kept == dtypes else [f"dtypes {', '.join(kept)} only"])
+
     def notes(self, variant: ModuleVariant) -> list[str]:
         notes = []
         if variant.forward_only:
@@ -185,7 +195,11 @@ class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=Mod
     def fault_case(self, variant: ModuleVariant, world_size: int, seed: int) -> ModuleCase:
         ws = world_size
         sizes = tuple(ws * max(2, -(-low // ws)) for low in variant.min_sizes or (1,) * len(variant.sizes))
-        batch: tuple[int, ...] = (2,)
+        drawn = dict(variant.size_strategy.drawn_by).get((ws, True)) if isinstance(variant.size_strategy,
+                                                                                  SizeCatalog) else None
+        if drawn:  # sizes that constrain each other: the smallest tuple the variant's own strategy drew
+            sizes = drawn[0]
+        batch: tuple[int, ...] = (2,) * max(1, variant.min_batch_dims)
         if "sequence-sharded" in (variant.input, variant.output):
             # The fewest batch dims that put the sequence dim before the features (as the cases draw them).
             sd = variant.sequence_dim
@@ -193,7 +207,8 @@ class ModuleFamily(Family, name="module", kinds=(MODULE_KIND,), variant_type=Mod
             d = variant.sequence_dim_of(len(batch) + 1)
             if d is not None:
                 batch = (*batch[:d], ws * MAX_PER_RANK, *batch[d + 1:])  # the sequence: a few tokens per rank
-        return ModuleCase(world_size=ws, sizes=sizes, batch_shape=batch, seed=seed, size_names=variant.sizes)
+        return ModuleCase(world_size=ws, sizes=sizes, batch_shape=batch, seed=seed, size_names=variant.sizes,
+                          unsharded=variant.unsharded)
 
     # --- one case ----------------------------------------------------------------------------------
 

@@ -303,6 +303,8 @@ class ValueTape(TorchFunctionMode):
         elif (name in ("mul", "multiply", "rmul") and len(args) >= 2 and isinstance(args[0], torch.Tensor)
               and isinstance(args[1], torch.Tensor)):
             a, b = args[0], args[1]
+            # a factor may be a mask (bool or int): its magnitude in the product's dtype
+            a, b = (t if t.is_floating_point() else t.to(out.dtype) for t in (a, b))
             entry = TapeEntry("product", (tuple(a.shape), tuple(b.shape)),
                               (a.detach().abs(), b.detach().abs(), out.detach().abs()))
         else:

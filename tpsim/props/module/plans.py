@@ -66,6 +66,10 @@ class PlanVariant(ModuleVariant):
     #: pieces (DeepSpeed AutoTP), which tpsim lays out too: such sizes are ordinary cases, which must be
     #: exact (a plan function declares it with an ``uneven_sizes_are_cases`` attribute).
     uneven_sizes_are_cases: bool = False
+    #: True: a rule of a style-string plan that names nothing in the built module is skipped, as
+    #: ``from_pretrained`` skips it (a model's plan, whose rules for one layer kind name nothing in
+    #: another); False (a plan given with ``--plan``): such a rule is a usage error naming it.
+    skip_unmatched: bool = False
 
     #: Why the divisibility property does not apply (DTensor shards uneven sizes by design).
     UNEVEN_NOTE: ClassVar[str] = ("a plan's DTensor shards a size that does not divide by the tp size unevenly "
@@ -165,7 +169,7 @@ def _hf_expand(module: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
-def _hf_apply(module: nn.Module, plan: Mapping[str, str], mesh: Any) -> nn.Module:
+def _hf_apply(module: nn.Module, plan: Mapping[str, str], mesh: Any, skip_unmatched: bool = False) -> nn.Module:
     try:
         from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, apply_tensor_parallelism
     except ImportError as err:
@@ -177,7 +181,7 @@ def _hf_apply(module: nn.Module, plan: Mapping[str, str], mesh: Any) -> nn.Modul
                               f"{', '.join(ALL_PARALLEL_STYLES)}")
     expanded = _hf_expand(module, plan)
     unused = sorted(k for k in plan if not any(_matches(k, e) for e in expanded))
-    if unused:
+    if unused and not skip_unmatched:
         paths = ", ".join(n for n, _ in module.named_modules() if n)
         raise InvalidArgument(f"plan entry {unused[0]!r} names nothing in {type(module).__name__} (its modules: "
                               f"{paths})")
@@ -191,8 +195,9 @@ def _matches(rule: str, name: str) -> bool:
     return generic == rule or generic.rpartition(".")[0] == rule
 
 
-def apply_plan(module: nn.Module, plan: Any, mesh: Any) -> nn.Module:
-    """``module`` parallelised over the 1-D ``mesh`` by ``plan`` (see the module docstring)."""
+def apply_plan(module: nn.Module, plan: Any, mesh: Any, skip_unmatched: bool = False) -> nn.Module:
+    """``module`` parallelised over the 1-D ``mesh`` by ``plan`` (see the module docstring);
+    ``skip_unmatched``: a style-string rule that names nothing is skipped, as ``from_pretrained`` does."""
     if callable(plan) and not isinstance(plan, Mapping):
         if _is_factory(plan):
             plan = _check_plan(plan(), getattr(plan, "__qualname__", repr(plan)))
@@ -202,7 +207,7 @@ def apply_plan(module: nn.Module, plan: Any, mesh: Any) -> nn.Module:
     if not isinstance(plan, Mapping):
         raise InvalidArgument(f"plan={plan!r}; expected a dict or a callable")
     if all(isinstance(s, str) for s in plan.values()):
-        return _hf_apply(module, plan, mesh)
+        return _hf_apply(module, plan, mesh, skip_unmatched)
     from torch.distributed.tensor.parallel import parallelize_module
 
     # parallelize_module only warns about a path that names nothing: a plan with a typo would
@@ -232,6 +237,7 @@ class _PlanBuild:
 
     dense: Callable[..., nn.Module]
     plan: Any
+    skip_unmatched: bool = False
 
     def __call__(self, *sizes: int, group: Any, dtype: torch.dtype,
                  masters: dict[str, torch.Tensor] | None = None) -> nn.Module:
@@ -244,7 +250,7 @@ class _PlanBuild:
                 for name, p in module.named_parameters():
                     if name in masters:
                         p.copy_(masters[name])
-        result = apply_plan(module, self.plan, _mesh_of(group))
+        result = apply_plan(module, self.plan, _mesh_of(group), self.skip_unmatched)
         if not isinstance(result, nn.Module):
             raise InvalidArgument(f"the plan returned {type(result).__name__}; expected the parallelised nn.Module")
         if masters is not None and _is_style_strings(self.plan):
@@ -301,8 +307,9 @@ def plan_variant(dense: Callable[..., nn.Module] | type, plan: Any, *, sizes: tu
     if getattr(plan, "uneven_sizes_are_cases", False) is True:
         fields.setdefault("uneven_sizes_are_cases", True)
     fields.setdefault("load", LOAD_IN_BUILD)  # the plan's library cuts the pieces (_PlanBuild)
-    return PlanVariant(name=name, build=_PlanBuild(builder, plan), dense=builder, sizes=tuple(sizes), plan=plan,
-                       plan_name=plan_name, **fields)
+    build = _PlanBuild(builder, plan, bool(fields.get("skip_unmatched", False)))
+    return PlanVariant(name=name, build=build, dense=builder, sizes=tuple(sizes), plan=plan, plan_name=plan_name,
+                       **fields)
 
 
 # --- naming a plan entry ---------------------------------------------------------------------------
@@ -394,7 +401,7 @@ def _twin_reason(plan: Mapping[str, Any], twin: Mapping[str, Any], path: str) ->
 
 def with_plan(variant: PlanVariant, plan: Any) -> PlanVariant:
     """``variant`` with its ranks parallelised by ``plan`` instead (the dense reference unchanged)."""
-    return dataclasses.replace(variant, plan=plan, build=_PlanBuild(variant.dense, plan))
+    return dataclasses.replace(variant, plan=plan, build=_PlanBuild(variant.dense, plan, variant.skip_unmatched))
 
 
 def twin_variant(variant: PlanVariant, key: str) -> PlanVariant:

@@ -43,9 +43,12 @@ class StepTensors:
 
 
 def assign(module: nn.Module, values: dict[str, torch.Tensor]) -> None:
-    """Make ``values`` the module's parameters (no copy: the tensors become their storage)."""
+    """Make ``values`` the module's parameters (no copy: the tensors become their storage). A parameter
+    the module keeps in a dtype of its own (a router kept in float32 in a float64 model) takes its
+    value in that dtype, as a checkpoint loads it."""
     for name, p in module.named_parameters():
-        p.data = values[name]
+        value = values[name]
+        p.data = value if value.dtype == p.dtype or not p.is_floating_point() else value.to(p.dtype)
 
 
 def total_norm(grads: list[torch.Tensor]) -> float:

@@ -92,7 +92,8 @@ def _module_cases(draw: st.DrawFn, variant: ModuleVariant, sizes: tuple[int, ...
     train = training(draw)
     return ModuleCase(world_size=world, tp_size=tp, tp_layout=layout, sizes=drawn, batch_shape=batch, dtype=dtype,
                       seed=seed, target=variant.target, variant=variant.name, options=variant.options,
-                      size_names=variant.sizes, input_layout=input_layout, **train)  # type: ignore[arg-type]
+                      size_names=variant.sizes, input_layout=input_layout, unsharded=variant.unsharded,
+                      **train)  # type: ignore[arg-type]
 
 
 def module_cases(

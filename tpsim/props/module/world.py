@@ -730,9 +730,10 @@ class ModuleData:
 
 
 def is_divisible(variant: ModuleVariant, case: ModuleCase) -> bool:
-    """Whether every size, and a sequence-sharded input's sequence length, divides by the tp size."""
+    """Whether every size (but the variant's :attr:`~tpsim.module_variant.ModuleVariant.unsharded` ones),
+    and a sequence-sharded input's sequence length, divides by the tp size."""
     tp = case.tp_size or case.world_size
-    if any(s % tp for s in case.sizes):
+    if any(s % tp for n, s in zip(variant.sizes, case.sizes, strict=True) if n not in variant.unsharded):
         return False
     d = variant.sequence_dim_of(len(case.batch_shape) + 1) if variant.input == "sequence-sharded" else None
     return d is None or case.batch_shape[d] % tp == 0
