@@ -33,6 +33,7 @@ from typing import Any, TextIO
 
 from tpsim import diagnosis
 from tpsim._json import jsonable
+from tpsim.case_saver import CaseSaver
 from tpsim.conventions import CONVENTIONS
 from tpsim.faults import FAULT_KINDS
 from tpsim.module_variant import MODULE_OUTPUTS
@@ -678,54 +679,6 @@ def _fault_failures(variant: Any, args: argparse.Namespace) -> tuple[list[Any], 
     return failures, len(reports)
 
 
-class _CaseSaver:
-    """Saves each failure's minimal case; never raises, so a found failure is never lost to a disk.
-
-    Tries ``--cases-dir`` first; when that cannot be written (no permission, read-only, a path
-    too long, disk full) the case goes to a private temporary directory, made once per command,
-    and :meth:`save` returns the note that says so. When even that fails the note says why and
-    the failure is still reported, its minimal case described in full.
-    """
-
-    def __init__(self, cases_dir: str, backend: str, argv: Sequence[str]) -> None:
-        self.cases_dir = cases_dir
-        self.backend = backend
-        self.command = "tpsim " + " ".join(shlex.quote(a) for a in argv)
-        self._fallback: str | None = None
-
-    def _save_to(self, failure: Any, variant: Any, directory: str) -> None:
-        from tpsim.props.case import save_failure
-        from tpsim.session import saved
-
-        saved(save_failure(failure, variant, directory, backend=self.backend, command=self.command))
-
-    def save(self, failure: Any, variant: Any) -> str | None:
-        """Save ``failure``'s case (sets ``failure.case_file``); return a note when it is not
-        where ``--cases-dir`` says, else None."""
-        try:
-            self._save_to(failure, variant, self.cases_dir)
-            return None
-        except Exception as err:  # noqa: BLE001 - any reason to fail to save must not lose the report
-            reason = _os_reason(err)
-        try:
-            if self._fallback is None:
-                import tempfile
-
-                self._fallback = tempfile.mkdtemp(prefix="tpsim-cases-")
-            self._save_to(failure, variant, self._fallback)
-        except Exception as err2:  # noqa: BLE001
-            failure.case_file = None
-            return (f"the case file could not be saved in --cases-dir {self.cases_dir!r} ({reason}) nor in a "
-                    f"temporary directory ({_os_reason(err2)}); the minimal case above is the whole example")
-        return f"--cases-dir {self.cases_dir!r} cannot be written ({reason}); saved in {self._fallback} instead"
-
-
-def _os_reason(err: BaseException) -> str:
-    if isinstance(err, OSError) and err.strerror:
-        return err.strerror
-    return f"{type(err).__name__}: {err}"
-
-
 def _check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: TextIO) -> int:
     from tpsim.comm._torchrun import launched_world
 
@@ -784,7 +737,7 @@ def _run_check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: 
     """Check every variant of the target; return the exit code and the JSON report.
 
     The text report is printed as results come, each failure before its case is saved (saving
-    cannot lose it: :class:`_CaseSaver`). Ctrl-C stops the check: what was found so far is
+    cannot lose it: :class:`CaseSaver`). Ctrl-C stops the check: what was found so far is
     reported and saved, and the exit code is :data:`EXIT_INTERRUPTED`.
     """
     from tpsim.errors import InvalidArgument
@@ -832,7 +785,7 @@ def _run_check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: 
         )
         out.flush()
     width = max(len(v.name) for v in variants)
-    saver = _CaseSaver(args.cases_dir, args.backend, argv)
+    saver = CaseSaver(args.cases_dir, args.backend, argv)
     results: list[_VariantResult] = []
     extras: dict[int, dict[str, Any]] = {}  # id(failure) -> what the JSON report adds to it
     interrupted = False
@@ -960,7 +913,7 @@ def _run_check(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: 
     return EXIT_USAGE, doc  # refused variants, and nothing failed
 
 
-def _report_variant(result: _VariantResult, width: int, saver: _CaseSaver, capture: Any,
+def _report_variant(result: _VariantResult, width: int, saver: CaseSaver, capture: Any,
                     extras: dict[int, dict[str, Any]], out: TextIO | None) -> None:
     """Save each failure's case, then print the variant's result (``out`` None: the JSON report
     prints it all at the end): a case is on disk before anything is printed, so neither a closed

@@ -113,7 +113,7 @@ from torch import nn
 from tpsim.conventions import GROUP_KEYWORDS as CONVENTION_GROUP_KEYWORDS
 from tpsim.errors import InvalidArgument
 from tpsim.placement import Placement, Shard
-from tpsim.variant import INPUT_GRADS, ParamSpec
+from tpsim.variant import DTYPES, INPUT_GRADS, ParamSpec
 
 __all__ = [
     "GROUP_KEYWORDS",
@@ -221,8 +221,6 @@ class ModuleVariant:
                                   f"{list(sizes[1:])} (not the input's feature size {sizes[0]!r})")
         object.__setattr__(self, "unsharded", unsharded)
         if self.dtypes is not None:
-            from tpsim.props.case import DTYPES
-
             dtypes = (self.dtypes,) if isinstance(self.dtypes, str) else tuple(self.dtypes)
             if not dtypes or any(d not in DTYPES for d in dtypes):
                 raise InvalidArgument(f"ModuleVariant {self.name!r}: dtypes={self.dtypes!r}; expected None or some of "

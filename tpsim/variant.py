@@ -75,6 +75,14 @@ from torch import nn
 from tpsim.errors import InvalidArgument
 from tpsim.placement import Partial, Placement, Replicate, Shard, shard_shape, shard_tensor
 
+#: dtype names a case can carry (and a variant declare), widest first (the order strategies shrink in).
+DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
 __all__ = [
     "INPUTS",
     "HELD_BY",

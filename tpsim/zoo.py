@@ -175,7 +175,7 @@ def check_family(library: str, family: str, settings: Mapping[str, Any], saver: 
 
 def run_shard(args: Any, err: TextIO) -> int:
     """A shard's judge: claim families from ``args.shard`` one by one, check each, append its record."""
-    from tpsim.cli import _CaseSaver
+    from tpsim.case_saver import CaseSaver
 
     directory = args.shard
     with open(os.path.join(directory, "families.json")) as f:
@@ -191,7 +191,7 @@ def run_shard(args: Any, err: TextIO) -> int:
         except FileExistsError:
             continue
         os.close(fd)
-        saver = _CaseSaver(os.path.join(args.cases_dir, library), "inproc", ["zoo", library, "--families", family])
+        saver = CaseSaver(os.path.join(args.cases_dir, library), "inproc", ["zoo", library, "--families", family])
         try:
             record = check_family(library, family, settings, saver, err if args.verbose else None)
         except Exception as e:  # noqa: BLE001 - recorded: the other families still run

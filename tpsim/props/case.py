@@ -34,6 +34,7 @@ import torch
 
 from tpsim._json import jsonable
 from tpsim.errors import InvalidArgument
+from tpsim.variant import DTYPES as VARIANT_DTYPES
 
 __all__ = [
     "CASES_DIR",
@@ -60,14 +61,9 @@ CASES_DIR = os.path.join(".tpsim", "cases")
 SCHEMA_VERSION = 2
 FORMAT = "tpsim-case"
 
-#: dtype names a case can carry, widest first (the order strategies shrink in).
-
-DTYPES: dict[str, torch.dtype] = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+#: dtype names a case can carry, widest first (the order strategies shrink in): the variant
+#: description's (:data:`tpsim.variant.DTYPES`), which variants declare theirs from.
+DTYPES = VARIANT_DTYPES
 
 #: Memory layouts of the generated input and upstream grads (see :mod:`tpsim.props.layouts`).
 INPUT_LAYOUTS = ("contiguous", "transposed", "strided", "expanded")
