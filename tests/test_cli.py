@@ -225,7 +225,7 @@ def test_bad_options_exit_2_naming_value_and_choices(capsys, argv, expected) -> 
 def test_no_command_is_a_usage_error(capsys) -> None:
     code, out, err = run_cli(capsys)
     assert code == 2 and out == ""
-    assert "name a command: check or replay" in err
+    assert "name a command: check, replay or zoo" in err
 
 
 @pytest.mark.parametrize(
