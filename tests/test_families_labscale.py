@@ -19,7 +19,9 @@ from tpsim.props.attention.case import AttentionCase
 from tpsim.props.family import family_of
 from tpsim.props.vocab.case import CrossEntropyCase, EmbeddingCase
 
-pytestmark = pytest.mark.slow
+# Lab-scale cases take several GB each (float64 confirming runs: more): under xdist they share one worker
+# (--dist loadgroup in pyproject.toml), so two never run at once beside each other's memory.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("labscale")]
 
 EMBEDDING = EmbeddingCase(2, 32000, 4096, (4, 512), "float32")
 CROSS_ENTROPY = CrossEntropyCase(2, 32000, (4, 512), "float32", label_smoothing=0.1)

@@ -20,6 +20,10 @@ from test_layers_mlp import check_mlp_results, dense_mlp, mlp_case, seq_chunk
 import tpsim
 from tpsim.layers import ParallelMLP
 
+# Lab-scale cases take several GB each (float64 confirming runs: more): under xdist they share one worker
+# (--dist loadgroup in pyproject.toml), so two never run at once beside each other's memory.
+pytestmark = pytest.mark.xdist_group("labscale")
+
 HIDDEN, INTER, TP = 4096, 11008, 2
 
 

@@ -17,6 +17,10 @@ from tpsim.builtin_variants import mlp_variant
 from tpsim.props.module.case import ModuleCase
 from tpsim.props.module.family import MODULE
 
+# Lab-scale cases take several GB each (float64 confirming runs: more): under xdist they share one worker
+# (--dist loadgroup in pyproject.toml), so two never run at once beside each other's memory.
+pytestmark = pytest.mark.xdist_group("labscale")
+
 LAB = dict(world_size=2, sizes=(4096, 11008), dtype="float32", seed=0)
 
 

@@ -113,13 +113,14 @@ def test_a_seeded_defect_replays_on_gloo(capsys, tmp_path) -> None:
 
 
 #: A fixed sample of families whose plans hold (every module PASS in docs/zoo.json).
-PASSING_SAMPLE = ["arcee", "cohere", "cohere2", "deepseek_v3", "gpt_oss", "mistral", "mixtral", "olmoe", "gemma",
+PASSING_SAMPLE = ["arcee", "cohere2", "deepseek_v3", "gpt_oss", "mistral", "mixtral", "olmoe", "gemma",
                   "gemma2", "granite", "glm4", "phi3", "olmo", "granitemoe", "cwm", "afmoe", "bamba", "ernie4_5",
                   "hunyuan_v1_dense"]
 #: Families with a released defect (docs/bugs.md): the diagnosis the check names.
 DEFECTIVE_SAMPLE = {
     "qwen3": "grad-reduced-after-accumulation",  # replicated_with_grad_allreduce under gradient accumulation
     "apertus": "grad-not-reduced",  # xIELU's alpha_p / alpha_n without a grad all-reduce
+    "cohere": "exception",  # use_qk_norm=True: per-head q/k norm weights left whole after a colwise q_proj
 }
 
 

@@ -38,7 +38,7 @@ from tests.helpers import run_cli
 from tpsim.diagnosis import GRAD_REDUCED_AFTER_ACCUMULATION, NORM_COUNTS_REPLICAS
 from tpsim.errors import InvalidArgument
 from tpsim.module_variant import ModuleVariant
-from tpsim.mutants import master_weight_variant
+from tpsim.mutants import CATALOG, master_weight_variant
 from tpsim.mutants.row import CorrectRow
 from tpsim.placement import Replicate
 from tpsim.props import check_case
@@ -162,6 +162,27 @@ def test_the_factor_is_measured_on_the_case() -> None:
     assert f.diagnosis == GRAD_REDUCED_AFTER_ACCUMULATION and f.consequences == []
     assert f.property == "training-equivalence" and abs(f.details["factor"] - 2.0) < 1e-6
     assert f.details["param"] == "norm.weight" and "(tp-1) = 2" in f.message
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_over_three_micro_batches_each_earlier_one_is_counted_with_its_power_of_tp(tp: int) -> None:
+    (variant,) = resolve_target(f"{ROOT / HOOKS}:head_norm_post_accumulate")
+    case = ModuleCase(world_size=tp, sizes=(6, 6), batch_shape=(2,), seed=4, micro_batches=3)
+    (f,) = family_of(variant).check_case(variant, case)
+    # all_reduce after each backward: tp^2 S1 + tp S2 + S3, the dense S1 + S2 + S3 plus (tp^2-1) S1 + (tp-1) S2.
+    assert f.diagnosis == GRAD_REDUCED_AFTER_ACCUMULATION, f.describe()
+    assert f.details["factors"] == pytest.approx([tp * tp - 1, tp - 1], rel=1e-6)
+    assert f"(tp^2-1) = {tp * tp - 1} times the first micro-batch's grad and (tp-1) = {tp - 1} times the second's" \
+        in f.message
+
+
+def test_a_linear_grad_reduced_after_three_micro_batches_is_named() -> None:
+    (mutant,) = [m for m in CATALOG if m.name == "sequence-bias-grad-hook-reduce"]
+    found = search(mutant.variant, max_examples=30, seed=0, shrink=False, world_sizes=(2,))
+    assert any(f.diagnosis == GRAD_REDUCED_AFTER_ACCUMULATION for f in found.failures), found.failures
+    case = next(f.case for f in found.failures if f.diagnosis == GRAD_REDUCED_AFTER_ACCUMULATION)
+    failures = check_case(mutant.variant, case.replace(micro_batches=3))
+    assert GRAD_REDUCED_AFTER_ACCUMULATION in {f.diagnosis for f in failures}, [f.describe() for f in failures]
 
 
 @pytest.mark.parametrize("name", ["head_norm_tensor_hook", "head_norm_backward"])
@@ -295,6 +316,19 @@ def test_the_no_grad_path_is_compared_with_dense() -> None:
 def _placed(actual: torch.Tensor, full: torch.Tensor) -> Placed:
     return Placed("the w grad accumulated", [actual, actual], full, torch.full_like(full, 1e-9), Replicate(),
                   grad=True, param="w")
+
+
+def test_earlier_micro_batches_counted_again_are_each_named_with_their_factor() -> None:
+    gen = torch.Generator().manual_seed(1)
+    s1, s2, s3 = (torch.randn(3, 4, generator=gen, dtype=F64) for _ in range(3))
+    full, got = s1 + s2 + s3, 4 * s1 + 2 * s2 + s3  # tp = 2: all_reduce after each of three backwards
+    tol = torch.full_like(full, 1e-9)
+    found = reduced_after_accumulation([s1, s2], tol, 2, 3)(_placed(got, full), got, [got] * 2)
+    assert found is not None and found.details["factors"] == pytest.approx([3, 1])
+    # Every micro-batch scaled alike is a combination too, but no name: the last is needed apart.
+    assert reduced_after_accumulation([s1, s2], tol, 2, 3)(_placed(2 * full, full), 2 * full, []) is None
+    # Given only the first of three micro-batches' grads, nothing is fitted (no false name from a partial model).
+    assert reduced_after_accumulation(s1, tol, 2, 3)(_placed(got, full), got, [got] * 2) is None
 
 
 def test_an_earlier_micro_batch_counted_again_is_named_with_its_factor() -> None:

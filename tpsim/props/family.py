@@ -460,6 +460,9 @@ class Family:
         if failures:
             failures = self.explain_failures(variant, case, obs, failures, backend=backend, timeout=timeout,
                                              isolate=isolate, properties=properties)
+            # The confirming runs are whole runs again (float64: twice the memory at the lab note's size):
+            # this run's observation is not kept alive beside them.
+            del obs
             failures = self.confirm_claims(variant, case, failures, backend=backend, timeout=timeout,
                                            isolate=isolate, properties=properties)
         return group_causes(failures)
@@ -489,12 +492,14 @@ class Family:
     def confirm_in_float64(self, variant: Any, case: Any, failures: list[Any], *, backend: str, timeout: float,
                            isolate: bool, properties: Sequence[str] | None) -> list[Any]:
         """Run the float64 twin of a narrower ``case`` whose failures name one of :meth:`float64_claims`,
-        and hold those names to what it shows (:func:`tpsim.diagnosis.confirm`)."""
-        from tpsim.diagnosis import confirm, each_failure
+        and hold those names to what it shows (:func:`tpsim.diagnosis.confirm`). A plain ``mismatch``
+        is run there too: a narrower dtype's bound can be too wide to tell a mechanism's value from the
+        dense one (a bfloat16 loss over a padded vocabulary), where float64 names it."""
+        from tpsim.diagnosis import MISMATCH, confirm, each_failure
 
         patterns = self.float64_claims()
         if getattr(case, "dtype", "float64") == "float64" or not any(
-                f.diagnosis in patterns for f in each_failure(failures)):
+                f.diagnosis in patterns or f.diagnosis == MISMATCH for f in each_failure(failures)):
             return failures
         twin = case.replace(dtype="float64")
         obs = self.observe(variant, twin, backend=backend, timeout=timeout, isolate=isolate)
@@ -502,6 +507,7 @@ class Family:
         if found:
             found = self.explain_failures(variant, twin, obs, found, backend=backend, timeout=timeout,
                                           isolate=isolate, properties=properties)
+        del obs  # before the one-rank run that may follow (see check_case)
         confirm(failures, found, patterns, case.dtype)
         return failures
 

@@ -11,13 +11,15 @@ total norm. The recognisers here read the two mechanisms that only training show
   group after every backward — a ``register_post_accumulate_grad_hook`` that all-reduces
   ``param.grad`` — reduces what the earlier micro-batches accumulated again. After two micro-batches
   rank ``r`` holds ``all_reduce(S1 + g2_r) = tp * S1 + S2`` (``S``: a micro-batch's reduced grad): the
-  correct accumulated grad plus ``(tp - 1)`` times the first micro-batch's. The recogniser fits ``c``
-  in ``actual = dense accumulated + c * dense first micro-batch`` by least squares and names it only
-  when that holds within the bounds of both (on every rank's piece of a replicated grad: the
-  reduction leaves them alike, where ranks holding their own summands differ), in a tensor of at
-  least two elements whose first
-  micro-batch's grad is not proportional to the later micro-batches' (a constant scaling of every
-  micro-batch, ``grad-scaled``, would fit too otherwise).
+  correct accumulated grad plus ``(tp - 1)`` times the first micro-batch's; after ``k`` micro-batches
+  ``sum_i tp^(k-i) S_i``, the correct grad plus ``(tp^(k-i) - 1)`` times each earlier one's. The
+  recogniser tries those factors ``c_i`` in ``actual = dense accumulated + sum_(i<k) c_i * dense
+  micro-batch i`` first (nothing fitted), else fits them by least squares (a hook that reduces with
+  another factor), and names it only when that holds within the bounds of all of them (on every rank's
+  piece of a replicated grad: the reduction leaves them alike, where ranks holding their own summands
+  differ), in a tensor of more elements than coefficients whose last micro-batch's grad is not (nearly)
+  a combination of the earlier ones' (a constant scaling of every micro-batch, ``grad-scaled``, would
+  fit too otherwise).
 - :func:`norm_counts_replicas` (``norm-counts-replicas``): a distributed clip that all-reduces every
   rank's sum of squares, replicated parameters included, counts those ``tp`` times:
   ``norm^2 = dense norm^2 + (tp - 1) * sum of the replicated grads' squares``.
@@ -30,7 +32,7 @@ narrower dtypes confirms it on the float64 re-run of the case (the module family
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -57,51 +59,93 @@ def accumulated_what(name: str, micro_batches: int) -> str:
     return f"the {name} grad accumulated over {micro_batches} micro-batches (before the optimizer step)"
 
 
-def _counted_factor(c: float, tp: int) -> str:
-    if tp > 1 and abs(c - (tp - 1)) <= 1e-2 * max(1.0, tp - 1):
-        return f"(tp-1) = {tp - 1}"
+def _counted_factor(c: float, tp: int, power: int) -> str:
+    """``c``, named ``(tp^power - 1)`` where it is that (the tp-power pattern of the module docstring)."""
+    want = tp ** power - 1
+    if tp > 1 and abs(c - want) <= 1e-2 * max(1.0, want):
+        return f"(tp-1) = {want}" if power == 1 else f"(tp^{power}-1) = {want}"
     return f"{c:.4g}"
 
 
-def reduced_after_accumulation(first: torch.Tensor | None,
-                               first_tol: torch.Tensor | Callable[[], torch.Tensor] | None, tp: int,
-                               micro_batches: int) -> Recogniser:
+_ORDINALS = ("first", "second", "third", "fourth", "fifth")
+
+
+def _counted(coefficients: list[float], tp: int) -> str:
+    k = len(coefficients) + 1
+    parts = [f"{_counted_factor(c, tp, k - 1 - i)} times the "
+             + (f"{_ORDINALS[i]}" if i < len(_ORDINALS) else f"#{i + 1}") + (" micro-batch's grad" if i == 0 else "'s")
+             for i, c in enumerate(coefficients)]
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
+Bound = torch.Tensor | Callable[[], torch.Tensor] | None
+
+
+def _parallel(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are (nearly) proportional: ``|cos| > _PROPORTIONAL``, or either is zero."""
+    na, nb = float(a.norm()), float(b.norm())
+    return na == 0.0 or nb == 0.0 or abs(float(a @ b)) > _PROPORTIONAL * na * nb
+
+
+def reduced_after_accumulation(earlier: torch.Tensor | Sequence[torch.Tensor | None] | None,
+                               earlier_tol: Bound | Sequence[Bound], tp: int, micro_batches: int) -> Recogniser:
     """The recogniser of ``grad-reduced-after-accumulation`` for one parameter's accumulated grad (see the
-    module docstring): ``first`` is the dense grad of the first micro-batch (the accumulated grad's
-    shape; read in float64), ``first_tol`` its bound, or a function that makes it (called only when a
-    grad differs: at the lab note's size the bound of every weight grad was a float64 tensor as large
-    as the weight, made for every passing case), ``tp`` the tp size, ``micro_batches`` how many were
-    accumulated."""
+    module docstring): ``earlier`` holds the dense grads of the first optimizer step's micro-batches but
+    the last (the accumulated grad's shape; read in float64; one tensor: the first of two micro-batches),
+    ``earlier_tol`` the bound of each (one for all), or a function that makes it (called only when a grad
+    differs: at the lab note's size the bound of every weight grad was a float64 tensor as large as the
+    weight, made for every passing case), ``tp`` the tp size, ``micro_batches`` how many were accumulated."""
+    grads = [earlier] if isinstance(earlier, torch.Tensor) or earlier is None else list(earlier)
+    bounds = list(earlier_tol) if isinstance(earlier_tol, (list, tuple)) else [earlier_tol] * len(grads)
 
     @recogniser(GRAD_REDUCED_AFTER_ACCUMULATION)
     def recognise(placed: Placed, actual: torch.Tensor, pieces: list[torch.Tensor]) -> Diagnosis | None:
         full = placed.full
-        if first is None or first_tol is None or micro_batches < 2 or first.shape != full.shape \
+        if micro_batches < 2 or len(grads) != micro_batches - 1 or any(
+                g is None or g.shape != full.shape for g in grads) or any(b is None for b in bounds) \
                 or actual.shape != full.shape or full.numel() < 2:
             return None
-        f = first.to(_F64).reshape(-1)
-        later = full.to(_F64).reshape(-1) - f
-        ff, ll = float(f @ f), float(later @ later)
-        if ff == 0.0 or ll == 0.0 or abs(float(f @ later)) > _PROPORTIONAL * math.sqrt(ff * ll):
+        basis = torch.stack([g.to(_F64).reshape(-1) for g in grads], 1)  # type: ignore[union-attr]
+        flat = full.to(_F64).reshape(-1)
+        if any(float(basis[:, i].norm()) == 0.0 for i in range(basis.shape[1])):
             return None
-        c = float((actual.to(_F64).reshape(-1) - full.to(_F64).reshape(-1)) @ f) / ff
-        if not math.isfinite(c) or abs(c) < 1e-3:
-            return None
-        bound = first_tol() if callable(first_tol) else first_tol
-        expected, tol = full + c * first.to(_F64), placed.tol + abs(c) * bound
         # Replicas: every rank's piece (the reduction leaves them all alike), not only the first that differs.
         compared = pieces if not placed.sharded and not placed.summed and pieces else [actual]
-        if not all(close(p, expected, tol) for p in compared):
-            return None
-        factor = _counted_factor(c, tp)
+
+        def fits(c: list[float]) -> bool:
+            expected, tol = full.to(_F64), placed.tol
+            for x, g, b in zip(c, grads, bounds, strict=True):
+                made = b() if callable(b) else b
+                expected, tol = expected + x * g.to(_F64), tol + abs(x) * made  # type: ignore[union-attr,operator]
+            return all(close(p, expected, tol) for p in compared)
+
+        # The mechanism's own factors first (nothing fitted: evidence in any tensor of two elements or more),
+        # where what they give is not every micro-batch scaled alike (grad-scaled would fit that too).
+        c = [float(tp ** (micro_batches - 1 - i) - 1) for i in range(len(grads))]
+        mechanism = flat + basis @ torch.tensor(c, dtype=_F64)
+        if tp < 2 or _parallel(mechanism, flat) or not fits(c):
+            # Any factors, by least squares: only in a tensor of more elements than factors, whose last
+            # micro-batch's grad stands apart from the earlier ones' span (else every micro-batch scaled
+            # alike fits too): its distance from that span relative to its own size.
+            last = flat - basis.sum(1)
+            if full.numel() <= len(grads) or float(last.norm()) == 0.0:
+                return None
+            fit_last = torch.linalg.lstsq(basis, last.unsqueeze(1)).solution
+            apart = float((last - (basis @ fit_last).squeeze(1)).norm())
+            if apart < math.sqrt(1 - _PROPORTIONAL ** 2) * float(last.norm()):
+                return None
+            diff = actual.to(_F64).reshape(-1) - flat
+            c = [float(x) for x in torch.linalg.lstsq(basis, diff.unsqueeze(1)).solution.squeeze(1)]
+            if not all(math.isfinite(x) for x in c) or max(abs(x) for x in c) < 1e-3 or not fits(c):
+                return None
         return Diagnosis(
             GRAD_REDUCED_AFTER_ACCUMULATION,
-            f"{placed.what} equals the dense accumulated grad plus {factor} times the first micro-batch's grad: what "
+            f"{placed.what} equals the dense accumulated grad plus {_counted(c, tp)}: what "
             f"the earlier micro-batches accumulated is reduced again over the {tp} ranks (the grad is all-reduced "
             "after every backward, e.g. by a register_post_accumulate_grad_hook on the parameter, while each "
             "micro-batch adds to it); reduce it once per optimizer step after the accumulation, or reduce only the "
             "fresh micro-batch's grad (Tensor.register_hook)",
-            {"factor": c, "tp": tp, "micro_batches": micro_batches,
+            {"factor": c[0], "factors": c, "tp": tp, "micro_batches": micro_batches,
              **({"param": placed.param} if placed.param else {})})
 
     return recognise

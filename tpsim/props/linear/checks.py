@@ -456,14 +456,16 @@ def _accumulated(ctx: LinearContext, spec: Any) -> Failure | None:
     # in the magnitude: the accumulated grad's bound is that of the sum of their magnitudes, at one
     # micro-batch's reduction length (as each step's bound was when every step had one micro-batch).
     mag, k = ref.mag["acc_d" + master], max(ref.rows, 1)
-    tol, first_tol = ctx.tol(mag, k), ctx.tol(ref.mag["d" + master], k)
+    earlier = ref.earlier.get("d" + master, [first])
+    tol = ctx.tol(mag, k)
+    earlier_tol = [ctx.tol(m, k) for m in ref.earlier.get("mag_d" + master, [ref.mag["d" + master]])]
     if summed:  # the trainer's sum adds ws summands, each rounded (as for one micro-batch's grad)
-        tol, first_tol, k = tol * ctx.ws, first_tol * ctx.ws, k + ctx.ws
+        tol, earlier_tol, k = tol * ctx.ws, [t * ctx.ws for t in earlier_tol], k + ctx.ws
     what = accumulated_what(spec.name, ref.micro_batches) + (" summed over the tp group (the trainer's sum)"
                                                              if summed else "")
     return ctx.judged(TRAINING, Placed(what, grads, full, tol, spec.placement, summed=summed, grad=True,
                                        param=spec.name, mag=mag, k=k),
-                      [reduced_after_accumulation(first, first_tol, ctx.ws, ref.micro_batches)])
+                      [reduced_after_accumulation(earlier, earlier_tol, ctx.ws, ref.micro_batches)])
 
 
 def _training(ctx: LinearContext) -> Failure | None:

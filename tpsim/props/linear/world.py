@@ -566,6 +566,9 @@ class Reference:
     acc_dbias: torch.Tensor | None = None
     #: Micro-batches of the first optimizer step (the accumulated grads' reduction spans their rows).
     micro_batches: int = 1
+    #: The grads of the first optimizer step's micro-batches but the last, each its own (``dweight``,
+    #: ``dbias``: lists; the first is ``dweight``/``dbias``), and the magnitude of each.
+    earlier: dict[str, list[torch.Tensor | None]] = field(default_factory=dict)
 
 
 def reference(case: Case, masters: Masters) -> Reference:
@@ -585,6 +588,7 @@ def reference(case: Case, masters: Masters) -> Reference:
     train_mag_b = None if b is None else b.abs() * OPTIMIZER_STEPS
     micro = 0
     plan = schedule(case)
+    earlier: dict[str, list[torch.Tensor | None]] = {}
     for step, count in enumerate(plan):
         acc_w = acc_b = acc_w_mag = acc_b_mag = None
         for _ in range(count):
@@ -601,6 +605,9 @@ def reference(case: Case, masters: Masters) -> Reference:
             train_mag_w = train_mag_w + LR * dw_mag
             if b is not None:
                 train_mag_b = train_mag_b + LR * db_mag
+            if step == 0 and micro < count - 1:
+                for key, t in (("dweight", dw), ("dbias", db), ("mag_dweight", dw_mag), ("mag_dbias", db_mag)):
+                    earlier.setdefault(key, []).append(t)
             acc_w = dw if acc_w is None else acc_w + dw
             acc_w_mag = dw_mag if acc_w_mag is None else acc_w_mag + dw_mag
             if b is not None:
@@ -634,4 +641,5 @@ def reference(case: Case, masters: Masters) -> Reference:
     if b is not None:
         final["bias"] = b
         mag["final_bias"] = train_mag_b
-    return Reference(weight=w0, bias=b0, final=final, mag=mag, rows=rows, micro_batches=plan[0], **out)
+    return Reference(weight=w0, bias=b0, final=final, mag=mag, rows=rows, micro_batches=plan[0], earlier=earlier,
+                     **out)

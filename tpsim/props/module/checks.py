@@ -333,11 +333,13 @@ def _accumulated(ctx: ModuleContext) -> Failure | None:
             continue  # the parameter takes no part in the dense forward
         placed = param_placed(ctx, name, [v.accumulated.get(name) for v in ctx.values], full)
         placed.what = accumulated_what(name, micro) + (" summed over ranks" if placed.summed else "")
-        first, first_mag = ctx.ref.grads.get(name), ctx.mag.grads.get(name)
-        # The first micro-batch's bound is made only where the recogniser needs it (a grad that differs):
-        # made up front it was a float64 tensor the size of every weight, for every passing case.
-        found = judged(ctx, TRAINING, placed, mag, [reduced_after_accumulation(
-            first, None if first_mag is None else functools.partial(ctx.bound, first_mag), ctx.tp, micro)])
+        earlier, first_mag = ctx.ref.micro_grads(name), ctx.mag.grads.get(name)
+        # The earlier micro-batches' bounds are made only where the recogniser needs them (a grad that differs):
+        # made up front each was a float64 tensor the size of every weight, for every passing case. The
+        # first's is its own; a later one's that of the whole accumulation (which bounds each of its parts).
+        bounds = [None if first_mag is None else functools.partial(ctx.bound, first_mag),
+                  *[functools.partial(ctx.bound, mag)] * (len(earlier) - 1)]
+        found = judged(ctx, TRAINING, placed, mag, [reduced_after_accumulation(earlier, bounds, ctx.tp, micro)])
         if found is not None:
             return found
     return None

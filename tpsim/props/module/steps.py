@@ -40,6 +40,16 @@ class StepTensors:
     accumulated: dict[str, torch.Tensor | None] = field(default_factory=dict)
     norms: list[float] = field(default_factory=list)
     max_norm: float | None = None
+    #: The grads accumulated after each micro-batch of the first optimizer step between its first and its
+    #: last (none for two micro-batches): with ``grads`` and ``accumulated``, each micro-batch's own grad.
+    prefixes: list[dict[str, torch.Tensor | None]] = field(default_factory=list)
+
+    def micro_grads(self, name: str) -> list[torch.Tensor | None]:
+        """The grads of ``name`` of the first optimizer step's micro-batches but the last, each its own."""
+        seen = [self.grads.get(name), *(p.get(name) for p in self.prefixes)]
+        if any(t is None for t in seen):
+            return [None] * len(seen)
+        return [seen[0], *(b - a for a, b in zip(seen[:-1], seen[1:], strict=True))]  # type: ignore[operator]
 
 
 def assign(module: nn.Module, values: dict[str, torch.Tensor]) -> None:

@@ -194,6 +194,7 @@ def reference_main(payload: dict[str, Any]) -> Reference:
         xs, gs, group_tapes = [], [], []
         first: tuple[Any, ...] = ()
         accumulated: dict[str, torch.Tensor | None] = {}
+        prefixes: list[dict[str, torch.Tensor | None]] = []
         norms: list[float] = []
         max_norm = None
         micro = 0
@@ -222,6 +223,10 @@ def reference_main(payload: dict[str, Any]) -> Reference:
                     first = (y.detach(), None if x.grad is None else x.grad.detach(),
                              {} if forward_only else {n: kept_grad(p) for n, p in dense.named_parameters()},
                              None if capture is None else capture.as_payload())
+                elif step == 0 and micro < count - 1:
+                    # The grads so far, between the first and the last micro-batch of the first step: each
+                    # micro-batch's own grad is what an earlier one counted again is fitted with.
+                    prefixes.append({n: kept_grad(p) for n, p in dense.named_parameters()})
                 xs.append(x_master)
                 gs.append(g_master)
                 micro += 1
@@ -238,7 +243,7 @@ def reference_main(payload: dict[str, Any]) -> Reference:
                 norms.append(norm)
         values.append(StepTensors(*first, final={} if forward_only else {
             n: p.detach() for n, p in dense.named_parameters()}, accumulated=accumulated, norms=norms,
-            max_norm=max_norm))
+            max_norm=max_norm, prefixes=prefixes))
         tapes.append(group_tapes)
         inputs.append(xs)
         grads.append(gs)
