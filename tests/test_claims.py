@@ -10,6 +10,7 @@ inproc and gloo, while a real defect on the same case still fails.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 from typing import Any
@@ -375,3 +376,33 @@ def test_a_one_token_decoder_layer_in_bfloat16_passes_and_a_real_defect_there_fa
     bias_twice = _decoder(f"{ROOT / 'tests' / 'hf_subclasses.py'}:BiasTwiceLlamaDecoderLayer")
     (forward,) = MODULE.check_case(bias_twice, case, backend=backend)
     assert (forward.property, forward.label) == ("forward-equivalence", "model.layers.0.mlp.down_proj: bias-duplication")
+
+
+def test_a_confirming_run_that_would_not_fit_in_memory_is_not_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tpsim.props.memory as memory
+
+    case = Case(world_size=2, in_features=4, out_features=3, batch_shape=(2,), dtype="float32", bias=True, seed=0)
+    variant = MUTANTS["row-bias-divided"].variant
+    started: list[Any] = []
+    observe = LINEAR.observe
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        started.append(args[1])
+        return observe(*args, **kwargs)
+
+    monkeypatch.setattr(LINEAR, "observe", counted)
+    named = LINEAR.check_case(variant, case)
+    assert ("bias-grad-equivalence", GRAD_SCALED) in _labels(named) and len(started) > 1  # confirmed by runs
+    # A run that took 1 GB (its float64 twin: about 2 GB) on a machine with 1 GB available: the name stays a
+    # claim, the failure its property and facts.
+
+    @contextlib.contextmanager
+    def took_1_gb() -> Any:
+        yield memory.RunMemory(grown=10**9)
+
+    monkeypatch.setattr(memory, "measured", took_1_gb)
+    monkeypatch.setattr(memory, "available_bytes", lambda: 10**9)
+    started.clear()
+    (grad,) = [f for f in _every(LINEAR.check_case(variant, case)) if f.property == "bias-grad-equivalence"]
+    assert len(started) == 1 and grad.diagnosis == MISMATCH and grad.details["unconfirmed"] == GRAD_SCALED
+    assert "about 2.0 GB" in grad.message and "1.0 GB are available" in grad.message, grad.message

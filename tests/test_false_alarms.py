@@ -112,8 +112,10 @@ def test_low_precision_tiny_cases_pass(variant: Variant) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", OWN_LAYERS, ids=lambda v: v.name)
-def test_low_precision_tiny_cases_pass_500_examples(variant: Variant) -> None:
-    found = false_alarms(variant, examples=500, seed=1)
+def test_low_precision_tiny_cases_pass_250_more_examples(variant: Variant) -> None:
+    # 250: the thorough tier's share of its 60 minutes on 2 cores (500 took 15 of them); the seed differs
+    # from the fast tier's, so these are other cases.
+    found = false_alarms(variant, examples=250, seed=1)
     assert not found, f"{len(found)} false alarm(s):\n" + "\n".join(found[:3])
 
 

@@ -61,5 +61,12 @@ def test_a_sublayer_bug_is_caught_and_named_at_the_lab_note_size() -> None:
 
     variant = ModuleVariant(name="bias-before-reduce", build=_bias_before_reduce, sizes=("hidden", "ffn"),
                             initialised=False)
-    failures = MODULE.check_case(variant, ModuleCase(batch_shape=(2, 3), **LAB), timeout=300.0)
-    assert [(f.property, f.label) for f in failures] == [("forward-equivalence", "fc2: bias-duplication")]
+    (f,) = MODULE.check_case(variant, ModuleCase(batch_shape=(2, 3), **LAB), timeout=300.0)
+    assert (f.property, f.sublayer) == ("forward-equivalence", "fc2"), f.describe()
+    if f.diagnosis == "mismatch":
+        # The name is a claim, confirmed in float64 and on one rank: runs about twice this float32 one (18 GB
+        # at its peak). Where the machine has not that much available they are not started, and the message
+        # says why the name is not given (tests/test_claims.py checks both outcomes on a small case).
+        assert f.details["unconfirmed"] == "bias-duplication" and "GB are available" in f.message, f.describe()
+    else:
+        assert f.diagnosis == "bias-duplication", f.describe()

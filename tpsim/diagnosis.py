@@ -85,6 +85,7 @@ __all__ = [
     "follows_from",
     "group_causes",
     "mismatch",
+    "not_confirmed",
     "rank_summands",
     "recogniser",
     "regathered_dim",
@@ -874,6 +875,16 @@ def confirm(failures: Sequence[Failure], float64: Sequence[Failure], patterns: f
         f.message = (f"{f.message} — not named {f.diagnosis}: the same case in float64 shows {shown}, so the "
                      "pattern is not confirmed where rounding cannot fake it")
         f.diagnosis = MISMATCH
+
+
+def not_confirmed(failures: Sequence[Failure], patterns: frozenset[str] | set[str], why: str) -> None:
+    """Every failure (or consequence) of ``failures`` named one of ``patterns`` becomes ``mismatch``:
+    its confirming run could not be made (``why``). In place."""
+    for f in each_failure(failures):
+        if f.diagnosis in patterns:
+            f.details = {**f.details, "unconfirmed": f.diagnosis}
+            f.message = f"{f.message} — not named {f.diagnosis}: {why}"
+            f.diagnosis = MISMATCH
 
 
 def claims(*rules: Confirmed) -> frozenset[str]:

@@ -454,8 +454,10 @@ class Family:
         claim, confirmed before it is reported (:meth:`confirm_claims`). Raises only for errors of the
         harness itself (a bad option, a backend that cannot start), never for what the variant did wrong."""
         from tpsim.diagnosis import group_causes
+        from tpsim.props.memory import measured
 
-        obs = self.observe(variant, case, backend=backend, timeout=timeout, isolate=isolate)
+        with measured() as took:
+            obs = self.observe(variant, case, backend=backend, timeout=timeout, isolate=isolate)
         failures = self.judge(variant, obs, properties)
         if failures:
             failures = self.explain_failures(variant, case, obs, failures, backend=backend, timeout=timeout,
@@ -464,18 +466,21 @@ class Family:
             # this run's observation is not kept alive beside them.
             del obs
             failures = self.confirm_claims(variant, case, failures, backend=backend, timeout=timeout,
-                                           isolate=isolate, properties=properties)
+                                           isolate=isolate, properties=properties, took=took)
         return group_causes(failures)
 
     def confirm_claims(self, variant: Any, case: Any, failures: list[Any], *, backend: str, timeout: float,
-                       isolate: bool, properties: Sequence[str] | None) -> list[Any]:
+                       isolate: bool, properties: Sequence[str] | None, took: Any = None) -> list[Any]:
         """Hold every name ``failures`` give to its confirmation rule (:data:`tpsim.diagnosis.CONFIRMATIONS`):
         a numeric pattern on a case narrower than float64 to the same case in float64
         (:meth:`confirm_in_float64`), a factor of the tp size to the same case on one rank
-        (:meth:`confirm_on_one_rank`); what is not confirmed becomes ``mismatch`` with the facts."""
+        (:meth:`confirm_on_one_rank`); what is not confirmed becomes ``mismatch`` with the facts. ``took``:
+        the memory the case's own run took (:class:`tpsim.props.memory.RunMemory`): a confirming run that
+        would not fit in the machine's available memory is not started (:func:`tpsim.props.memory.too_big`)."""
         failures = self.confirm_in_float64(variant, case, failures, backend=backend, timeout=timeout,
-                                           isolate=isolate, properties=properties)
-        return self.confirm_on_one_rank(variant, case, failures, backend=backend, timeout=timeout, isolate=isolate)
+                                           isolate=isolate, properties=properties, took=took)
+        return self.confirm_on_one_rank(variant, case, failures, backend=backend, timeout=timeout, isolate=isolate,
+                                        took=took)
 
     #: Diagnoses this family reads from numeric patterns beyond those the registry says are
     #: (:func:`tpsim.diagnosis.claims`: every name confirmed in float64, in every family), claimed on a case
@@ -490,18 +495,24 @@ class Family:
         return claims() | self.confirmed_in_float64
 
     def confirm_in_float64(self, variant: Any, case: Any, failures: list[Any], *, backend: str, timeout: float,
-                           isolate: bool, properties: Sequence[str] | None) -> list[Any]:
+                           isolate: bool, properties: Sequence[str] | None, took: Any = None) -> list[Any]:
         """Run the float64 twin of a narrower ``case`` whose failures name one of :meth:`float64_claims`,
         and hold those names to what it shows (:func:`tpsim.diagnosis.confirm`). A plain ``mismatch``
         is run there too: a narrower dtype's bound can be too wide to tell a mechanism's value from the
         dense one (a bfloat16 loss over a padded vocabulary), where float64 names it."""
-        from tpsim.diagnosis import MISMATCH, confirm, each_failure
+        from tpsim.diagnosis import MISMATCH, confirm, each_failure, not_confirmed
+        from tpsim.props.memory import too_big
 
         patterns = self.float64_claims()
         if getattr(case, "dtype", "float64") == "float64" or not any(
                 f.diagnosis in patterns or f.diagnosis == MISMATCH for f in each_failure(failures)):
             return failures
         twin = case.replace(dtype="float64")
+        big = too_big(took, 8 / twin_itemsize(case))
+        if big:
+            not_confirmed(failures, patterns, f"it needs the same case in float64, where rounding cannot fake it, "
+                                              f"and {big}")
+            return failures
         obs = self.observe(variant, twin, backend=backend, timeout=timeout, isolate=isolate)
         found = self.judge(variant, obs, properties)
         if found:
@@ -548,7 +559,7 @@ class Family:
         return True
 
     def confirm_on_one_rank(self, variant: Any, case: Any, failures: list[Any], *, backend: str, timeout: float,
-                            isolate: bool) -> list[Any]:
+                            isolate: bool, took: Any = None) -> list[Any]:
         """Run the same case on one rank (float64) where ``failures`` claim a factor of the tp size
         (:func:`tpsim.diagnosis.tp_factor_claim`): such a factor vanishes there, so a claim whose property
         fails on one rank too is not confirmed (:func:`tpsim.diagnosis.confirm_on_one_rank`). A variant that
@@ -565,7 +576,14 @@ class Family:
             return self.judge(variant, self.observe(variant, other, backend=backend, timeout=timeout, isolate=isolate),
                               wanted)
 
+        from tpsim.props.memory import too_big
+
         single, why_not = self.one_rank_case(variant, case)
+        big = too_big(took, 8 / twin_itemsize(case))  # the one-rank run is float64, the whole module on it
+        if big:
+            single, why_not = None, big
+            confirm_on_one_rank(failures, None, why_not, None)
+            return failures
         found, more = None, None
         try:
             if single is not None:
@@ -578,6 +596,14 @@ class Family:
             why_not = f"{why_not + '; ' if why_not else ''}the case is refused: {err}"
         confirm_on_one_rank(failures, found, why_not, more)
         return failures
+
+
+def twin_itemsize(case: Any) -> int:
+    """Bytes per element of ``case``'s dtype (8 where the case has none: nothing to scale)."""
+    import torch
+
+    dtype = getattr(case, "dtype", "float64")
+    return torch.empty((), dtype=getattr(torch, dtype, torch.float64)).element_size()
 
 
 #: Families that ship with tpsim: name -> ``module:attribute`` of the family object (imported lazily).
