@@ -83,11 +83,11 @@ class ScaleCase(CaseBase):
 
 def scale_rank(payload: dict[str, Any]) -> RankOutput:
     """The rank function: this rank's input, the variant's sum."""
-    me = enter_rank(payload)
-    x = me.data[me.g][me.rank].clone()
+    this_rank = enter_rank(payload)
+    x = this_rank.data[this_rank.group_index][this_rank.rank].clone()
     with rank_phase("forward"):
-        out = me.variant.fn(x, me.group)
-    result = RankOutput(group=me.g, tp_rank=me.rank)
+        out = this_rank.variant.fn(x, this_rank.group)
+    result = RankOutput(group=this_rank.group_index, tp_rank=this_rank.rank)
     if not result.unusable(out, x.shape):
         result.output = out.detach().clone()
     return result
@@ -95,7 +95,7 @@ def scale_rank(payload: dict[str, Any]) -> RankOutput:
 
 def _sum_check(ctx: GroupContext) -> Failure | None:
     """forward-equivalence of a sum: every rank's output is the sum of the group's inputs."""
-    xs = [t.double() for t in ctx.obs.data[ctx.g]]
+    xs = [t.double() for t in ctx.obs.data[ctx.group_index]]
     dense = torch.stack(xs).sum(0)
     tol = ctx.tol(torch.stack(xs).abs().sum(0), ctx.tp)
     for r, v in enumerate(ctx.values):

@@ -87,7 +87,7 @@ class GroupContext:
 
     def __init__(self, variant: Any, obs: Observation, group_index: int, ranks: Sequence[int],
                  values: list[Any]) -> None:
-        self.variant, self.obs, self.case, self.g = variant, obs, obs.case, group_index
+        self.variant, self.obs, self.case, self.group_index = variant, obs, obs.case, group_index
         self.ranks = list(ranks)
         self.values = values
         self.tp = len(values)

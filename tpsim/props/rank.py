@@ -130,14 +130,14 @@ def kept_grad(p: torch.Tensor | None) -> torch.Tensor | None:
 @dataclass
 class ThisRank:
     """What a rank function knows about itself: the ``case``, the ``variant``, the ``data`` the parent
-    drew, its tp ``group`` (a process group), the group's index ``g``, its ``rank`` in it and the
+    drew, its tp ``group`` (a process group), the group's index ``group_index``, its ``rank`` in it and the
     group's size ``tp``."""
 
     case: Any
     variant: Any
     data: Any
     group: Any
-    g: int
+    group_index: int
     rank: int
     tp: int
 
@@ -148,9 +148,9 @@ def enter_rank(payload: dict[str, Any]) -> ThisRank:
     they build a model (replicas must agree)."""
     case = payload["case"]
     variant = variant_of(payload)
-    group, g, rank, tp = tp_group(case, dist.get_rank())
+    group, group_index, rank, tp = tp_group(case, dist.get_rank())
     manual_seed(case.seed)
-    return ThisRank(case, variant, payload.get("data"), group, g, rank, tp)
+    return ThisRank(case, variant, payload.get("data"), group, group_index, rank, tp)
 
 
 class rank_phase:  # noqa: N801 - used as a statement: ``with rank_phase("forward", step):``

@@ -1,6 +1,6 @@
 """Discoveries kept on disk: a check's every worker resolves a family's variants from the same one.
 
-A check resolves its target in several processes (the worker that describes it, the zygote, the
+A check resolves its target in several processes (the worker that describes it, the forker (tpsim.comm.forker), the
 reference and rank workers); the discovery of a config class (:mod:`tpsim.presets.hf.discovery`) builds
 and runs its tiny model several times, so each process would repeat seconds of work, and all must
 find the same modules. The first process to describe a config class writes the result to

@@ -248,8 +248,8 @@ def _check(prop: str) -> Check:
             for name, (full, tol) in ctx.ref.items():
                 if _PROPERTY[name] != prop:
                     continue
-                recognisers = ([partial(_kv_pairing, variant, case, ctx.obs, ctx.values, ctx.group, ctx.g),
-                                partial(_attention_scale, variant, case, ctx.obs, ctx.values, ctx.group, ctx.g)]
+                recognisers = ([partial(_kv_pairing, variant, case, ctx.obs, ctx.values, ctx.group, ctx.group_index),
+                                partial(_attention_scale, variant, case, ctx.obs, ctx.values, ctx.group, ctx.group_index)]
                                if name == "y" else [])
                 found = ctx.compared(prop, _NAMES[name], i, got.get(name),
                                 _piece(case, variant, name, full, ctx.tp, i), _piece(case, variant, name, tol, ctx.tp, i),

@@ -83,7 +83,7 @@ def _sequence_slice(t: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
 def attention_rank(payload: dict[str, Any]) -> AttentionRankResult:
     """What every rank runs for one attention case: build from the masters, forward, backward."""
     this_rank = enter_rank(payload)
-    case, variant, data, group_index, rank, tp = (this_rank.case, this_rank.variant, this_rank.data, this_rank.g,
+    case, variant, data, group_index, rank, tp = (this_rank.case, this_rank.variant, this_rank.data, this_rank.group_index,
                                                   this_rank.rank, this_rank.tp)
     with rank_phase("build"):
         module = variant.build(case.hidden, case.num_heads, case.num_kv_heads, case.head_dim, bias=case.bias,

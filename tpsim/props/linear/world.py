@@ -377,7 +377,7 @@ def rank_main(payload: dict[str, Any]) -> RankResult:
     case, variant = this_rank.case, this_rank.variant
     # rank/ws below are the tp rank and tp size: the layer sees its own tp group only.
     group, rank, ws = this_rank.group, this_rank.rank, this_rank.tp
-    m: Masters = this_rank.data.for_group(this_rank.g)
+    m: Masters = this_rank.data.for_group(this_rank.group_index)
     layout = payload.get("layout") or case.input_layout
     kwargs = dict(group=group, rank=rank, world_size=ws, master_weight=m.weight, master_bias=m.bias, dtype=case.torch_dtype)
 
@@ -466,7 +466,7 @@ def _train(this_rank: Any, variant: Variant, case: Case, m: Masters, module: Any
     specs = [s for s in variant.params or () if s.master == "weight" or case.bias]
     absent = tuple(s.master for s in specs if s.absent_ok(rank) and get_param(module, s.name) is None)
     specs = [s for s in specs if s.master not in absent]
-    result = RankResult(OK, init=init, group=this_rank.g, tp_rank=rank, partial=_partial_params(variant, module, specs),
+    result = RankResult(OK, init=init, group=this_rank.group_index, tp_rank=rank, partial=_partial_params(variant, module, specs),
                         absent=absent)
     by_master = {spec.master: spec for spec in specs}
     kv_replicas = expanded_out_features(variant, case) is not None

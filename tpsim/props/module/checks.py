@@ -158,12 +158,12 @@ class ModuleContext(GroupContext):
     their magnitudes ``mag``, from the reference world), each parameter's layout as the ranks hold it,
     and the parameters whose grads the trainer sums."""
 
-    def __init__(self, variant: ModuleVariant, obs: Observation, g: int, ranks: Sequence[int],
+    def __init__(self, variant: ModuleVariant, obs: Observation, group_index: int, ranks: Sequence[int],
                  values: list[ModuleRankResult]):
-        super().__init__(variant, obs, g, ranks, values)
+        super().__init__(variant, obs, group_index, ranks, values)
         ref = obs.data
-        self.ref = ref.groups[g].value  # type: ignore[union-attr]
-        self.mag = ref.groups[g].mag  # type: ignore[union-attr]
+        self.ref = ref.groups[group_index].value  # type: ignore[union-attr]
+        self.mag = ref.groups[group_index].mag  # type: ignore[union-attr]
         #: The reduction length of the magnitude run's first-order bound (its stages' longest sum).
         self.k = ref.reduction + obs.case.rows  # type: ignore[union-attr]
         # A kink within rounding of a pre-activation flips its derivative: in a dtype narrower than
@@ -580,10 +580,10 @@ class _Boundaries:
 
     def __init__(self, ctx: ModuleContext, obs: Observation):
         self.ctx = ctx
-        group = obs.data.groups[ctx.g]  # type: ignore[union-attr]
+        group = obs.data.groups[ctx.group_index]  # type: ignore[union-attr]
         self.ref = Capture.from_payload(group.value.capture or {})
         self.mag = Capture.from_payload(group.mag.capture or {})
-        ranks = tp_groups(obs.case.world_size, obs.case.tp_size or obs.case.world_size, obs.case.tp_layout)[ctx.g]
+        ranks = tp_groups(obs.case.world_size, obs.case.tp_size or obs.case.world_size, obs.case.tp_layout)[ctx.group_index]
         self.ranks = [Capture.from_payload((obs.values or [])[r].capture or {}) for r in ranks]
         self.masters = obs.data.masters  # type: ignore[union-attr]
         self.rank_grads = [(obs.values or [])[r].grads for r in ranks]
@@ -1058,9 +1058,9 @@ def localise(variant: ModuleVariant, case: ModuleCase, obs: Observation, failure
     if value_failures and obs.values is not None and all(f.diagnosis != EXCEPTION for f in failures):
         traced = traced_run()
         if traced.values is not None and traced.data is not None:
-            g = value_failures[0].details.get("group", 0)
-            ranks = tp_groups(case.world_size, case.tp_size or case.world_size, case.tp_layout)[g]
-            ctx = ModuleContext(variant, traced, g, ranks, [traced.values[r] for r in ranks])
+            group_index = value_failures[0].details.get("group", 0)
+            ranks = tp_groups(case.world_size, case.tp_size or case.world_size, case.tp_layout)[group_index]
+            ctx = ModuleContext(variant, traced, group_index, ranks, [traced.values[r] for r in ranks])
             fwd, bwd = _localise(ctx, traced)
             loaded = tuple(ctx.loaded[0]) if ctx.loaded else ()
             causes = _apply(failures, fwd, bwd, ctx.layouts, loaded)

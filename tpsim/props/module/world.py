@@ -606,14 +606,14 @@ class ModuleRankResult(RankOutput):
 
 def rank_main(payload: dict[str, Any]) -> ModuleRankResult:
     """What every rank of the tp world runs for one case (see the module docstring)."""
-    me = enter_rank(payload)
-    case, variant, data, rank, tp = me.case, me.variant, me.data, me.rank, me.tp
-    inputs, upstream = data.inputs[me.g], data.grads[me.g]
+    this_rank = enter_rank(payload)
+    case, variant, data, rank, tp = this_rank.case, this_rank.variant, this_rank.data, this_rank.rank, this_rank.tp
+    inputs, upstream = data.inputs[this_rank.group_index], data.grads[this_rank.group_index]
     # A library may keep the tensors it is given (a parameter made from a view of one): each rank gets
     # its own copy, as each process reads its own from a checkpoint (thread-ranks share data.masters).
     masters = {n: t.clone() for n, t in data.masters.items()} if variant.library_loads else data.masters
     with rank_phase("build"):
-        module = variant.instantiate(case.sizes, group=me.group, dtype=case.torch_dtype, masters=masters)
+        module = variant.instantiate(case.sizes, group=this_rank.group, dtype=case.torch_dtype, masters=masters)
     init = {}
     if variant.initialised and not variant.library_loads:  # the library's own init, before anything is loaded
         init = {n: local_value(p).clone() for n, p in module.named_parameters()}
@@ -632,7 +632,7 @@ def rank_main(payload: dict[str, Any]) -> ModuleRankResult:
     # finalize_model_grads does.
     partial = tuple(n for n, lay in layouts.items() if isinstance(lay.placement, Replicate) and (
         getattr(variant.param(n), "grad", "complete") == "partial" or getattr(params[n], "sequence_parallel", False) is True))
-    result = ModuleRankResult(group=me.g, tp_rank=rank, layouts=layouts, problems=problems, partial=partial,
+    result = ModuleRankResult(group=this_rank.group_index, tp_rank=rank, layouts=layouts, problems=problems, partial=partial,
                               shapes={n: local_shape(p) for n, p in params.items()},
                               frozen=bool(params) and not any(p.requires_grad for p in params.values()),
                               loaded=read_back(module, by_library))
@@ -644,7 +644,7 @@ def rank_main(payload: dict[str, Any]) -> ModuleRankResult:
         _no_grad_forward(variant, case, module, inputs[0], rank, tp, result)
     optimizer = None if forward_only else optimizer_of(module)
     set_to_none = zero_grad_of(case)
-    max_norm = data.max_norms[me.g] if variant.clip is not None and data.max_norms else None
+    max_norm = data.max_norms[this_rank.group_index] if variant.clip is not None and data.max_norms else None
     micro = 0
     for step, count in enumerate(step_plan(variant, case)):
         for _ in range(count):
@@ -681,7 +681,7 @@ def rank_main(payload: dict[str, Any]) -> ModuleRankResult:
             micro += 1
         if step == 0:
             result.accumulated = {n: _rank_grad(p) for n, p in params.items()}
-        norm = trainer_step(optimizer, {name: params[name] for name in partial}, me.group, step, result.summed_grads,
+        norm = trainer_step(optimizer, {name: params[name] for name in partial}, this_rank.group, step, result.summed_grads,
                             set_to_none=set_to_none, clip=variant.clip, max_norm=max_norm,
                             params=list(module.parameters()))
         if variant.clip is not None and max_norm is not None:

@@ -171,7 +171,7 @@ class EmbeddingRankResult(RankOutput):
 def embedding_rank(payload: dict[str, Any]) -> EmbeddingRankResult:
     """What every rank runs for one embedding case: build, load (``load=True``), forward, backward."""
     this_rank = enter_rank(payload)
-    case, variant, data, group_index, rank, tp = (this_rank.case, this_rank.variant, this_rank.data, this_rank.g,
+    case, variant, data, group_index, rank, tp = (this_rank.case, this_rank.variant, this_rank.data, this_rank.group_index,
                                                   this_rank.rank, this_rank.tp)
     with rank_phase("build"):
         module = variant.build(case.vocab_size, case.embedding_dim, group=this_rank.group, dtype=case.torch_dtype,
@@ -276,7 +276,7 @@ class CrossEntropyRankResult(RankOutput):
 def cross_entropy_rank(payload: dict[str, Any]) -> CrossEntropyRankResult:
     """What every rank runs for one cross-entropy case: call it on its shard, backward."""
     this_rank = enter_rank(payload)
-    case, variant, data, group_index, rank, tp = (this_rank.case, this_rank.variant, this_rank.data, this_rank.g,
+    case, variant, data, group_index, rank, tp = (this_rank.case, this_rank.variant, this_rank.data, this_rank.group_index,
                                                   this_rank.rank, this_rank.tp)
     target = data.targets[group_index]
     if variant.input == "hidden":
