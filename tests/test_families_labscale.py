@@ -19,9 +19,9 @@ from tpsim.props.attention.case import AttentionCase
 from tpsim.props.family import family_of
 from tpsim.props.vocab.case import CrossEntropyCase, EmbeddingCase
 
-# Lab-scale cases take several GB each (float64 confirming runs: more): under xdist they share one worker
-# (--dist loadgroup in pyproject.toml), so two never run at once beside each other's memory.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("labscale")]
+# Lab-scale cases take up to ~18 GB each: CI and tox run them in a pytest of their own, one at a time, with
+# nothing beside them (-m labscale; the rest of the thorough tier: -m "thorough and not labscale").
+pytestmark = [pytest.mark.slow, pytest.mark.labscale]
 
 EMBEDDING = EmbeddingCase(2, 32000, 4096, (4, 512), "float32")
 CROSS_ENTROPY = CrossEntropyCase(2, 32000, (4, 512), "float32", label_smoothing=0.1)

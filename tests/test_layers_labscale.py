@@ -20,9 +20,9 @@ from test_layers_mlp import check_mlp_results, dense_mlp, mlp_case, seq_chunk
 import tpsim
 from tpsim.layers import ParallelMLP
 
-# Lab-scale cases take several GB each (float64 confirming runs: more): under xdist they share one worker
-# (--dist loadgroup in pyproject.toml), so two never run at once beside each other's memory.
-pytestmark = pytest.mark.xdist_group("labscale")
+# Lab-scale cases take up to ~18 GB each: CI and tox run them in a pytest of their own, one at a time, with
+# nothing beside them (-m labscale; the rest of the thorough tier: -m "thorough and not labscale").
+pytestmark = pytest.mark.labscale
 
 HIDDEN, INTER, TP = 4096, 11008, 2
 

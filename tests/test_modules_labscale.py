@@ -17,9 +17,9 @@ from tpsim.builtin_variants import mlp_variant
 from tpsim.props.module.case import ModuleCase
 from tpsim.props.module.family import MODULE
 
-# Lab-scale cases take several GB each (float64 confirming runs: more): under xdist they share one worker
-# (--dist loadgroup in pyproject.toml), so two never run at once beside each other's memory.
-pytestmark = pytest.mark.xdist_group("labscale")
+# Lab-scale cases take up to ~18 GB each: CI and tox run them in a pytest of their own, one at a time, with
+# nothing beside them (-m labscale; the rest of the thorough tier: -m "thorough and not labscale").
+pytestmark = pytest.mark.labscale
 
 LAB = dict(world_size=2, sizes=(4096, 11008), dtype="float32", seed=0)
 
