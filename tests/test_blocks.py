@@ -308,6 +308,33 @@ def test_an_op_without_a_rule_is_never_a_refusal_and_the_derived_bound_stays_whe
                          timeout=60.0).oracle == DERIVED
 
 
+# --- the traced run that explains a failure -------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["LlamaBlock", "OProjBiasBeforeReduce"])
+def test_a_traced_run_runs_the_first_micro_batch_alone_on_the_same_numbers(name: str) -> None:
+    # A failure is explained by running its case again with every sublayer's boundaries recorded, which
+    # only the first micro-batch's are: that run trains nothing (at the lab note's size a second whole
+    # training beside the first run's observation was 7 GB more), yet every tp group gets the numbers the
+    # failing run drew, micro-batches it skips included (tp groups draw one after another).
+    v = _variant(BLOCK if name == "LlamaBlock" else BUGS, name)
+    case = _case(v, "float32", world_size=4, tp_size=2, micro_batches=3)
+    plain = reference_run(v, case, timeout=60.0)
+    traced = reference_run(v, case, timeout=60.0, capture=True)
+    assert len(traced.inputs) == len(plain.inputs) == 2
+    for a, b in zip(plain.inputs + plain.grads, traced.inputs + traced.grads, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))  # the same draws, not a computation
+    for g_plain, g_traced in zip(plain.groups, traced.groups, strict=True):
+        assert g_plain.value.final and g_plain.value.accumulated
+        assert g_traced.value.final == {} and g_traced.value.accumulated == {} and g_traced.value.capture
+        assert g_traced.mag.final == {} and g_traced.mag.accumulated == {}
+        assert set(g_traced.value.grads) == set(g_plain.value.grads)
+    # ... and the traced tp world stops there too: the localisation still names the sublayer.
+    if name != "LlamaBlock":
+        (f,) = MODULE.check_case(v, case)
+        assert f.label == "self_attn.o_proj: bias-duplication", f.describe()
+
+
 # --- sublayers returning tuples and dicts --------------------------------------------------------
 
 

@@ -197,8 +197,11 @@ class DiagnosisSpec:
 #: Every registered diagnosis, by name, in registration order.
 REGISTRY: dict[str, DiagnosisSpec] = {}
 
-#: The recognisers of each diagnosis (functions decorated with :func:`recogniser`), by name.
-RECOGNISERS: dict[str, list[Callable[..., Any]]] = {}
+#: The recognisers of each diagnosis (functions decorated with :func:`recogniser`), by name: each as
+#: ``module:qualname``, never the function itself (a recogniser made inside a check closes over its
+#: case's tensors: kept here, the first check's observation stayed alive for the life of the process,
+#: 7 GB at the lab note's size).
+RECOGNISERS: dict[str, list[str]] = {}
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -232,13 +235,13 @@ def recogniser(*names: str) -> Callable[[_F], _F]:
         spec(name)
 
     def mark(fn: _F) -> _F:
+        # A recogniser made inside a check (a closure over its context) is marked each time the check
+        # runs: it is one recogniser, listed once.
+        where = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
         for name in names:
             known = RECOGNISERS.setdefault(name, [])
-            # A recogniser made inside a check (a closure over its context) is marked each time the check
-            # runs: it is one recogniser, listed once.
-            if not any(getattr(k, "__qualname__", k) == getattr(fn, "__qualname__", fn)
-                       and getattr(k, "__module__", None) == getattr(fn, "__module__", None) for k in known):
-                known.append(fn)
+            if where not in known:
+                known.append(where)
         return fn
 
     return mark

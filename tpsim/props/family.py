@@ -456,12 +456,17 @@ class Family:
         from tpsim.diagnosis import group_causes
         from tpsim.props.memory import measured
 
+        # Measured to the end of the explaining: a confirming run judges and explains too (a traced run beside
+        # its observation can be its peak), so this whole run is what it is estimated from.
         with measured() as took:
             obs = self.observe(variant, case, backend=backend, timeout=timeout, isolate=isolate)
-        failures = self.judge(variant, obs, properties)
+        with measured() as judged:
+            failures = self.judge(variant, obs, properties)
+            if failures:
+                failures = self.explain_failures(variant, case, obs, failures, backend=backend, timeout=timeout,
+                                                 isolate=isolate, properties=properties)
+        took.judging = judged.grown
         if failures:
-            failures = self.explain_failures(variant, case, obs, failures, backend=backend, timeout=timeout,
-                                             isolate=isolate, properties=properties)
             # The confirming runs are whole runs again (float64: twice the memory at the lab note's size):
             # this run's observation is not kept alive beside them.
             del obs

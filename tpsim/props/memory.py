@@ -6,8 +6,10 @@ note's sizes such a run is the size of the first one times the width ratio of th
 of 4096 x 11008 grew a process by about 9 GB; its float64 run by about 19 GB): started beside the other
 work of the machine, it can be killed by the kernel's OOM killer, and the whole check with it.
 
-So the first run is measured (the process's peak resident set while it ran: Linux's ``VmHWM``, reset
-through ``/proc/self/clear_refs``; an inproc world's ranks are threads of this process), the confirming
+So the first run is measured, its observation and then its judging to the end of its explaining (a
+failure's traced run beside the observation can be the peak; a confirming run has both): the process's peak
+resident set while each ran, Linux's ``VmHWM``, reset through ``/proc/self/clear_refs``; an inproc world's
+ranks are threads of this process. The confirming
 run's need is estimated from it, and a run that would not fit in what the machine has available
 (``MemAvailable``) with :data:`MARGIN` to spare is not started: the name is then not confirmed, and the
 failure is reported as ``mismatch`` with the facts and why (a diagnosis is a claim: confirmed, or the
@@ -54,9 +56,11 @@ def available_bytes() -> int | None:
 
 @dataclass
 class RunMemory:
-    """How much one run grew this process (bytes; None: not measured)."""
+    """How much one run grew this process (bytes; None: not measured): ``grown`` while its worlds ran
+    (the observation), ``judging`` above that while it was judged and its failures explained."""
 
     grown: int | None = None
+    judging: int | None = None
 
 
 @contextlib.contextmanager
@@ -76,12 +80,16 @@ def measured() -> Iterator[RunMemory]:
 
 
 def too_big(run: RunMemory | None, scale: float) -> str:
-    """Why a run ``scale`` times the measured ``run`` is not started (``""``: it may start)."""
+    """Why a run whose worlds hold ``scale`` times what the measured ``run``'s held is not started (``""``:
+    it may start). Its judging is counted once, unscaled: judging compares in float64 whatever the case's
+    dtype (a float32 cross-entropy at vocabulary 32000 grew 1.4 GB while its worlds ran and 7.1 GB more
+    while it was judged; in float64, 2.6 GB and 6.3 GB)."""
     if run is None or run.grown is None:
         return ""
-    need = run.grown * scale
+    judging = run.judging or 0
+    need = run.grown * scale + judging
     have = available_bytes()
     if have is None or need * MARGIN <= have:
         return ""
-    return (f"that run would need about {need / _GB:.1f} GB ({scale:g} x the {run.grown / _GB:.1f} GB this one "
-            f"took) and {have / _GB:.1f} GB are available")
+    return (f"that run would need about {need / _GB:.1f} GB ({scale:g} x the {run.grown / _GB:.1f} GB this one's "
+            f"worlds took, and {judging / _GB:.1f} GB to judge it) and {have / _GB:.1f} GB are available")

@@ -82,8 +82,10 @@ def dense_step(module: nn.Module, optimizer: Any, *, set_to_none: bool, max_norm
     return norm
 
 
-def step_plan(variant: Any, case: Any) -> tuple[int, ...]:
+def step_plan(variant: Any, case: Any, *, traced: bool = False) -> tuple[int, ...]:
     """Micro-batches per optimizer step of a case of ``variant``: one forward for a forward-only
     variant, else the case's :func:`~tpsim.props.rank.schedule` (the first step accumulates
-    ``micro_batches`` micro-batches)."""
-    return (1,) if variant.forward_only else schedule(case)
+    ``micro_batches`` micro-batches). ``traced``: a run that records the sublayer boundaries to explain a
+    failure reads the first micro-batch only: it runs that one (the reference world still draws every
+    micro-batch's numbers, :func:`tpsim.props.module.world.reference_main`)."""
+    return (1,) if variant.forward_only or traced else schedule(case)

@@ -207,7 +207,7 @@ def twin_run(variant: ModuleVariant, case: ModuleCase, masters: dict[str, torch.
     optimizer = None if forward_only else optimizer_of(dense)
     set_to_none = zero_grad_of(case)
     micro = 0
-    for step, count in enumerate(step_plan(variant, case)):
+    for step, count in enumerate(step_plan(variant, case, traced=capture_on)):
         for _ in range(count):
             x = inputs[micro].to(low, copy=True).requires_grad_(not forward_only)
             capture = Capture().install(dense) if capture_on and micro == 0 else None
@@ -223,12 +223,12 @@ def twin_run(variant: ModuleVariant, case: ModuleCase, masters: dict[str, torch.
                                                   for n, p in dense.named_parameters()},
                          None if capture is None else capture.as_payload())
             micro += 1
-        if forward_only:
+        if forward_only or capture_on:
             break
         if step == 0:
             accumulated = {n: None if p.grad is None else p.grad.detach().clone() for n, p in dense.named_parameters()}
         dense_step(dense, optimizer, set_to_none=set_to_none, max_norm=max_norm)
-    return StepTensors(*first, final={} if forward_only else {n: p.detach() for n, p in dense.named_parameters()},
+    return StepTensors(*first, final={} if forward_only or capture_on else {n: p.detach() for n, p in dense.named_parameters()},
                        accumulated=accumulated)
 
 

@@ -33,7 +33,9 @@ grad (unused: the ranks read the output's shape from it), so a case draws the sa
 way (:func:`tpsim.props.module.steps.step_plan`).
 
 With ``capture=True`` both worlds also record every sublayer's boundary tensors on the first micro-batch
-(:mod:`tpsim.props.module.boundary`); the checks ask for that only for a case that fails.
+(:mod:`tpsim.props.module.boundary`); the checks ask for that only for a case that fails, and read only
+that micro-batch of it: such a traced run runs the first micro-batch alone (at the lab note's size a
+whole second training run beside the first one's observation was 7 GB more at the peak).
 
 With ``tie`` (:data:`Ties`) the reference world makes rows of some masters equal before anything
 runs (every row of a range becomes the range's first row), so both worlds run on those values: a
@@ -201,6 +203,14 @@ def reference_main(payload: dict[str, Any]) -> Reference:
         for step, count in enumerate(plan):
             for _ in range(count):
                 x_master = draw((*case.batch_shape, case.sizes[0]))
+                if capture_on and micro > 0:
+                    # A traced run (capture) needs the first micro-batch only (its boundaries, its grads):
+                    # the rest is drawn, not run, so every later draw (another tp group's) is the same
+                    # numbers as in the run being explained.
+                    xs.append(x_master)
+                    gs.append(draw(tuple(first[0].shape), g_scale))
+                    micro += 1
+                    continue
                 x = x_master.to(_F64, copy=True).requires_grad_(not forward_only)
                 capture = Capture().install(dense) if capture_on and micro == 0 else None
                 tape = ValueTape()
@@ -230,8 +240,8 @@ def reference_main(payload: dict[str, Any]) -> Reference:
                 xs.append(x_master)
                 gs.append(g_master)
                 micro += 1
-            if forward_only:
-                break
+            if forward_only or capture_on:
+                continue  # drawn to the end; nothing trained (a traced run: see above)
             if step == 0:
                 accumulated = {n: kept_grad(p) for n, p in dense.named_parameters()}
                 if variant.clip is not None:
@@ -241,7 +251,7 @@ def reference_main(payload: dict[str, Any]) -> Reference:
             norm = dense_step(dense, optimizer, set_to_none=set_to_none, max_norm=max_norm)
             if norm is not None:
                 norms.append(norm)
-        values.append(StepTensors(*first, final={} if forward_only else {
+        values.append(StepTensors(*first, final={} if forward_only or capture_on else {
             n: p.detach() for n, p in dense.named_parameters()}, accumulated=accumulated, norms=norms,
             max_norm=max_norm, prefixes=prefixes))
         tapes.append(group_tapes)
@@ -350,7 +360,7 @@ def _magnitudes(variant: ModuleVariant, case: ModuleCase, dense: nn.Module, mast
     accumulated: dict[str, torch.Tensor | None] = {}
     measured = None
     forward_only = variant.forward_only
-    plan = step_plan(variant, case)
+    plan = step_plan(variant, case, traced=capture_on)
     micro = 0
     for step, count in enumerate(plan):
         assign(dense, current)
@@ -388,7 +398,7 @@ def _magnitudes(variant: ModuleVariant, case: ModuleCase, dense: nn.Module, mast
                                                   for n, p in dense.named_parameters()},
                          None if capture is None else capture.as_payload())
             micro += 1
-        if forward_only:
+        if forward_only or capture_on:
             break
         if step == 0:
             accumulated = {n: None if p.grad is None else p.grad.to(torch.float32, copy=True)
@@ -403,7 +413,7 @@ def _magnitudes(variant: ModuleVariant, case: ModuleCase, dense: nn.Module, mast
                 # also the parameter: it shares the storage
                 current[name].add_(p.grad, alpha=LR if scale is None else LR * scale)
             p.grad = None
-    final = {} if forward_only else {n: t.float() for n, t in current.items()}
+    final = {} if forward_only or capture_on else {n: t.float() for n, t in current.items()}
     return StepTensors(*first, final=final, accumulated=accumulated), measured
 
 
@@ -645,13 +655,14 @@ def rank_main(payload: dict[str, Any]) -> ModuleRankResult:
     optimizer = None if forward_only else optimizer_of(module)
     set_to_none = zero_grad_of(case)
     max_norm = data.max_norms[this_rank.group_index] if variant.clip is not None and data.max_norms else None
+    traced = bool(payload.get("capture"))
     micro = 0
-    for step, count in enumerate(step_plan(variant, case)):
+    for step, count in enumerate(step_plan(variant, case, traced=traced)):
         for _ in range(count):
             x_full = inputs[micro]
             x = _laid_out(_cut(x_full, input_placement(variant, x_full.dim()), rank, tp), case.input_layout)
             x.requires_grad_(not forward_only)
-            capture = Capture().install(module) if payload.get("capture") and micro == 0 else None
+            capture = Capture().install(module) if traced and micro == 0 else None
             with rank_phase("forward", micro), grad_mode(variant):
                 out = result.read(variant.call(module, x))
             g_full = upstream[micro]
@@ -679,6 +690,8 @@ def rank_main(payload: dict[str, Any]) -> ModuleRankResult:
                 # zero_grad change grads in place; a module may keep them in a buffer it reuses).
                 result.grads = {n: _rank_grad(p) for n, p in params.items()}
             micro += 1
+        if traced:  # the first micro-batch's boundaries and grads are all a traced run is read for
+            return result
         if step == 0:
             result.accumulated = {n: _rank_grad(p) for n, p in params.items()}
         norm = trainer_step(optimizer, {name: params[name] for name in partial}, this_rank.group, step, result.summed_grads,
