@@ -96,3 +96,13 @@ class WrongPlanMixtralMoeBlock(MixtralSparseMoeBlock):
     """Bug: the experts' down projection planned column-parallel (rowwise turned colwise)."""
 
     tp_plan = {"experts.down_proj": "colwise"}
+
+
+from transformers.models.glm.modeling_glm import GlmMLP  # noqa: E402
+
+
+class GatherDroppedGlmMLP(GlmMLP):
+    """Bug: the packed gate/up projection planned plain column-parallel (its gather dropped: ``colwise`` in place
+    of ``colwise_gather_output``), so the ``chunk`` that splits gate from up splits each rank's shard instead."""
+
+    tp_plan = {"gate_up_proj": "colwise"}
