@@ -130,12 +130,15 @@ def test_twin_plans_change_one_entry() -> None:
     from plan_targets import HF_DOWN_COLWISE
 
     twins = twin_plans(HF_DOWN_COLWISE)
-    # Each entry planned along its other dim; each style string that cuts a weight as one block planned packed.
+    # Each entry planned along its other dim; each style string that cuts a weight as one block planned packed;
+    # each planned with its gather (colwise) or split (rowwise).
     assert [(path, name) for _, path, name, _ in twins] == [
-        ("gate_proj", "wrong-shard-dim"), ("gate_proj", "packed-shard-layout"), ("up_proj", "wrong-shard-dim"),
-        ("up_proj", "packed-shard-layout"), ("down_proj", "wrong-shard-dim"), ("down_proj", "packed-shard-layout")]
+        (path, name) for path in ("gate_proj", "up_proj", "down_proj")
+        for name in ("wrong-shard-dim", "packed-shard-layout", "plan-input-layout")]
     assert twins[1][3]["gate_proj"] == "packed_colwise" and twins[1][0] == "packed:gate_proj"
-    down = twins[4][3]
+    assert twins[2][3]["gate_proj"] == "colwise_gather_output" and twins[2][0] == "layout:gate_proj"
+    assert twins[8][3]["down_proj"] == "colwise_gather_output"  # down_proj is planned colwise there
+    down = twins[6][3]
     assert down == {"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
     assert twin_plans(lambda module, mesh: module) == []  # a function has no twins
 

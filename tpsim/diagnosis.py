@@ -644,8 +644,9 @@ PLAN_INPUT_LAYOUT = register(DiagnosisSpec(
     "hands a planned layer its own piece (a sequence shard) where the layer needs the whole input; the "
     "plan's PrepareModuleInput on that module (or the output layout of the entry before it) is missing",
     "the same failing case passes with one change to the plan: a PrepareModuleInput turning the module's "
-    "sharded input into the layout its planned sublayers expect; plans are not layers, so no catalogued "
-    "layer mutant shows it (the buggy plans of tests/test_plans.py do)",
+    "sharded input into the layout its planned sublayers expect, or one entry's style with its gather or "
+    "split (colwise_gather_output for colwise, rowwise_split_input for rowwise); plans are not layers, so no "
+    "catalogued layer mutant shows it (the buggy plans of tests/test_plans.py and tests/hf_subclasses.py do)",
     None,
     consequences=(_INPUT_GRAD, _WEIGHT_GRAD, _BIAS_GRAD),
     confirmed_by=RERUN,

@@ -87,6 +87,7 @@ def _parallel(a: torch.Tensor, b: torch.Tensor) -> bool:
     return na == 0.0 or nb == 0.0 or abs(float(a @ b)) > _PROPORTIONAL * na * nb
 
 
+@recogniser(GRAD_REDUCED_AFTER_ACCUMULATION)  # registered at import; the recogniser is made per check
 def reduced_after_accumulation(earlier: torch.Tensor | Sequence[torch.Tensor | None] | None,
                                earlier_tol: Bound | Sequence[Bound], tp: int, micro_batches: int) -> Recogniser:
     """The recogniser of ``grad-reduced-after-accumulation`` for one parameter's accumulated grad (see the
@@ -98,7 +99,6 @@ def reduced_after_accumulation(earlier: torch.Tensor | Sequence[torch.Tensor | N
     grads = [earlier] if isinstance(earlier, torch.Tensor) or earlier is None else list(earlier)
     bounds = list(earlier_tol) if isinstance(earlier_tol, (list, tuple)) else [earlier_tol] * len(grads)
 
-    @recogniser(GRAD_REDUCED_AFTER_ACCUMULATION)
     def recognise(placed: Placed, actual: torch.Tensor, pieces: list[torch.Tensor]) -> Diagnosis | None:
         full = placed.full
         if micro_batches < 2 or len(grads) != micro_batches - 1 or any(

@@ -321,6 +321,13 @@ _DUAL_STRINGS = {"colwise": "rowwise", "rowwise": "colwise", "colwise_rep": "row
 _PACKED_STRINGS = {"colwise": "packed_colwise", "rowwise": "packed_rowwise"}
 #: The prefix of a packed twin's key (``packed:PATH``).
 _PACKED = "packed"
+#: The style with the gather (or the split) a twin plan tries for a style that leaves its output sharded
+#: where the code after it needs the whole tensor, or takes its shard where it is handed the whole input
+#: (``plan-input-layout``: GLM's packed gate/up projection is ``colwise_gather_output`` because a ``chunk``
+#: follows it; planned ``colwise``, each rank chunks its own shard).
+_LAYOUT_STRINGS = {"colwise": "colwise_gather_output", "rowwise": "rowwise_split_input"}
+#: The prefix of such a twin's key (``layout:PATH``).
+_LAYOUT = "layout"
 
 
 def _dual_style(style: Any) -> Any | None:
@@ -371,7 +378,8 @@ def twin_plans(plan: Any, seq_dim: int | None = None) -> list[tuple[str, str, st
     the failure is called when only that twin passes: ``wrong-shard-dim`` (a linear entry planned
     along its other dim), ``packed-shard-layout`` (a style string that cuts a packed weight as one
     block, planned as its packed style: the shard of each part) or ``plan-input-layout`` (a ``PrepareModuleInput`` that gathers a sequence
-    shard, ``seq_dim``, added on a module above planned layers). A callable plan has no twins."""
+    shard, ``seq_dim``, added on a module above planned layers; or a style string with its gather or split,
+    :data:`_LAYOUT_STRINGS`). A callable plan has no twins."""
     if not isinstance(plan, Mapping):
         return []
     twins = []
@@ -382,12 +390,20 @@ def twin_plans(plan: Any, seq_dim: int | None = None) -> list[tuple[str, str, st
         packed = _PACKED_STRINGS.get(style) if isinstance(style, str) else None
         if packed is not None:
             twins.append((f"{_PACKED}:{path}", path, "packed-shard-layout", {**plan, path: packed}))
+        layout = _LAYOUT_STRINGS.get(style) if isinstance(style, str) else None
+        if layout is not None:
+            twins.append((f"{_LAYOUT}:{path}", path, "plan-input-layout", {**plan, path: layout}))
     if seq_dim is not None and not all(isinstance(s, str) for s in plan.values()):
         twins.extend(_prepare_twins(plan, seq_dim))
     return twins
 
 
 def _twin_reason(plan: Mapping[str, Any], twin: Mapping[str, Any], path: str) -> str:
+    if path in plan and twin[path] in _LAYOUT_STRINGS.values() and _LAYOUT_STRINGS.get(plan[path]) == twin[path]:
+        what = ("leaves its output sharded where the code after it needs the whole tensor"
+                if plan[path] == "colwise" else "takes its shard of an input it is handed whole")
+        return (f"the plan entry {path!r} {what}: planned {plan[path]} the case fails, planned {twin[path]} "
+                "(nothing else changed) it passes")
     if path in plan and twin[path] in _PACKED_STRINGS.values():
         return (f"the plan entry {path!r} cuts a packed weight (gate/up, Q/K/V) as one block: planned "
                 f"{_style_label(plan[path])} the case fails, planned {_style_label(twin[path])} (the shard of each "
@@ -424,16 +440,23 @@ def name_plan_entry(family: Any, variant: PlanVariant, case: Any, failures: list
     seq_dim = None
     if "sequence-sharded" in (variant.input, variant.output):
         seq_dim = variant.sequence_dim_of(len(case.batch_shape) + 1)
-    passing = []
-    for key, path, diagnosis, plan in twin_plans(variant.plan, seq_dim):
-        options = tuple(sorted((*variant.options, ("plan_twin", key))))
-        twin = with_plan(variant, plan).replace(options=options)
-        try:
-            obs = family.observe(twin, case, backend=backend, timeout=timeout, isolate=isolate)
-            if not family.judge(twin, obs, properties):
-                passing.append((path, diagnosis, plan))
-        except Exception:  # noqa: BLE001 - a twin that cannot run is no evidence either way
-            continue
+    passing: list[tuple[str, str, Any]] = []
+    twins = twin_plans(variant.plan, seq_dim)
+    # A style with its gather or split is tried only where no other twin passes: it names what nothing else
+    # names (a dropped gather), and never competes with a dim or a packing that explains the case already.
+    tiers = [[t for t in twins if not t[0].startswith(f"{_LAYOUT}:")], [t for t in twins if t[0].startswith(f"{_LAYOUT}:")]]
+    for tier in tiers:
+        for key, path, diagnosis, plan in tier:
+            options = tuple(sorted((*variant.options, ("plan_twin", key))))
+            twin = with_plan(variant, plan).replace(options=options)
+            try:
+                obs = family.observe(twin, case, backend=backend, timeout=timeout, isolate=isolate)
+                if not family.judge(twin, obs, properties):
+                    passing.append((path, diagnosis, plan))
+            except Exception:  # noqa: BLE001 - a twin that cannot run is no evidence either way
+                continue
+        if passing:
+            break
     if len(passing) != 1:
         return failures
     path, diagnosis, plan = passing[0]
